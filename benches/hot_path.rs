@@ -1,0 +1,2 @@
+//! Placeholder replaced by the hot-path criterion suite.
+fn main() {}

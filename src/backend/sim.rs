@@ -1,0 +1,732 @@
+//! `SimDevice`: a deterministic simulated device that never touches real memory.
+//!
+//! It hands out disjoint address ranges from a configurable capacity, counts every call, tracks
+//! reserved bytes and their peak, models events on simulated streams and virtual memory (address
+//! reservations, physical pages, map/unmap), and injects faults on demand: fail the Nth device
+//! call, fail every allocation above a size, report a chosen free figure.
+//!
+//! Placement is deterministic: by default each new range goes at the lowest free address at or
+//! above a moving cursor ("fresh addresses"); [`SimDevice::place_next_at`] asks for the next
+//! segment at a given address instead, which trace replay uses to put segments exactly where the
+//! recorded run had them (see Note [Address-faithful replay] in `replay.rs`).
+//!
+//! No clocks, no randomness, no hash-order: any run replays exactly. May use: `backend`.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use parking_lot::Mutex;
+
+use super::{BackendError, DeviceBackend, DevicePtr, EventHandle, MemInfo, PhysicalHandle, StreamId};
+
+/// What an injected fault looks like to the caller.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultKind {
+    /// The call answers [`BackendError::OutOfMemory`] (the cache's retry path runs).
+    OutOfMemory,
+    /// The call answers [`BackendError::Injected`] (an error the cache passes on).
+    Error,
+}
+
+/// Static description of a simulated device.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// Device memory in bytes (segments plus physical pages may not exceed it).
+    pub capacity: usize,
+    /// Alignment of every returned address; a power of two.
+    pub alignment: usize,
+    /// Virtual-memory page granularity (`None`: no virtual-memory support).
+    pub vm_granularity: Option<usize>,
+    /// The lowest address handed out; non-zero.
+    pub base_address: u64,
+    /// Device ordinal reported to the cache.
+    pub device_index: usize,
+}
+
+impl Default for SimConfig {
+    /// 80 GiB, 512-byte alignment, 2 MiB virtual-memory pages, addresses from `0x7f00_0000_0000`.
+    fn default() -> Self {
+        SimConfig {
+            capacity: 80 << 30,
+            alignment: 512,
+            vm_granularity: Some(2 << 20),
+            base_address: 0x7f00_0000_0000,
+            device_index: 0,
+        }
+    }
+}
+
+/// Call counters and memory figures of a [`SimDevice`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SimCounters {
+    /// Successful `allocate` calls.
+    pub allocate_calls: u64,
+    /// `allocate` calls that failed (out of memory or injected).
+    pub failed_allocate_calls: u64,
+    /// Successful `free` calls.
+    pub free_calls: u64,
+    /// `synchronize` / `synchronize_stream` calls.
+    pub synchronize_calls: u64,
+    /// `reserve_address_range` calls that succeeded.
+    pub reserve_calls: u64,
+    /// `release_address_range` calls that succeeded.
+    pub release_range_calls: u64,
+    /// `create_physical` calls that succeeded.
+    pub create_physical_calls: u64,
+    /// `release_physical` calls that succeeded.
+    pub release_physical_calls: u64,
+    /// `map` calls that succeeded.
+    pub map_calls: u64,
+    /// `unmap` calls that succeeded.
+    pub unmap_calls: u64,
+    /// Events created.
+    pub events_created: u64,
+    /// Event records.
+    pub event_records: u64,
+    /// Event queries.
+    pub event_queries: u64,
+    /// Device calls made so far (the index that fault injection counts).
+    pub device_calls: u64,
+    /// Bytes of device memory in use now (segments plus physical pages).
+    pub reserved_bytes: usize,
+    /// The largest `reserved_bytes` seen.
+    pub peak_reserved_bytes: usize,
+    /// Live segments (from `allocate`).
+    pub live_segments: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RangeKind {
+    Segment,
+    Reservation,
+}
+
+#[derive(Debug)]
+struct Inner {
+    config: SimConfig,
+    /// Live address ranges: start → (size, kind). Disjoint.
+    ranges: BTreeMap<u64, (usize, RangeKind)>,
+    cursor: u64,
+    hint: Option<u64>,
+    /// Physical handles: id → size.
+    physical: BTreeMap<u64, usize>,
+    next_physical: u64,
+    /// Mappings: va → (size, handle).
+    mappings: BTreeMap<u64, (usize, u64)>,
+    counters: SimCounters,
+    fail_calls: BTreeMap<u64, FaultKind>,
+    fail_above: Option<usize>,
+    reported_free: Option<usize>,
+    rejected_streams: BTreeSet<StreamId>,
+    /// Per stream: (work submitted, work completed).
+    streams: BTreeMap<StreamId, (u64, u64)>,
+    /// Live events: id → recorded (stream, submitted count), or `None` if never recorded.
+    events: BTreeMap<u64, Option<(StreamId, u64)>>,
+    next_event: u64,
+}
+
+/// A deterministic simulated device. See the module documentation.
+///
+/// ```
+/// use cuda_caching_allocator::{DeviceBackend, SimDevice, StreamId};
+/// let sim = SimDevice::with_capacity(64 << 20);
+/// let p = sim.allocate(2 << 20, StreamId::DEFAULT).unwrap();
+/// assert_eq!(sim.counters().reserved_bytes, 2 << 20);
+/// // SAFETY: `p` came from `allocate` above with this size and no work uses it.
+/// unsafe { sim.free(p, 2 << 20, StreamId::DEFAULT).unwrap() };
+/// assert_eq!(sim.counters().live_segments, 0);
+/// ```
+#[derive(Debug)]
+pub struct SimDevice {
+    inner: Mutex<Inner>,
+}
+
+impl Default for SimDevice {
+    fn default() -> Self {
+        SimDevice::new(SimConfig::default())
+    }
+}
+
+fn align_up(x: u64, align: u64) -> u64 {
+    x.div_ceil(align).saturating_mul(align)
+}
+
+impl Inner {
+    fn overlaps(&self, start: u64, size: usize) -> Option<u64> {
+        let end = start.saturating_add(size as u64);
+        // The last range starting before `end` is the only candidate that can overlap.
+        let (&s, &(len, _)) = self.ranges.range(..end).next_back()?;
+        if s + len as u64 > start { Some(s + len as u64) } else { None }
+    }
+
+    fn place(&mut self, size: usize, use_hint: bool) -> u64 {
+        let align = self.config.alignment.max(1) as u64;
+        if use_hint {
+            if let Some(h) = self.hint.take() {
+                if h != 0 && h % align == 0 && self.overlaps(h, size).is_none() {
+                    return h;
+                }
+            }
+        }
+        let mut at = align_up(self.cursor.max(self.config.base_address), align);
+        while let Some(end) = self.overlaps(at, size) {
+            at = align_up(end, align);
+        }
+        self.cursor = at + size as u64;
+        at
+    }
+
+    fn next_call(&mut self, size: Option<usize>) -> Result<(), (u64, FaultKind)> {
+        self.counters.device_calls += 1;
+        let n = self.counters.device_calls;
+        if let Some(kind) = self.fail_calls.remove(&n) {
+            return Err((n, kind));
+        }
+        if let (Some(limit), Some(size)) = (self.fail_above, size) {
+            if size > limit {
+                return Err((n, FaultKind::OutOfMemory));
+            }
+        }
+        Ok(())
+    }
+
+    fn used(&self) -> usize {
+        self.counters.reserved_bytes
+    }
+
+    fn charge(&mut self, size: usize) -> bool {
+        if self.used().saturating_add(size) > self.config.capacity {
+            return false;
+        }
+        self.counters.reserved_bytes += size;
+        self.counters.peak_reserved_bytes =
+            self.counters.peak_reserved_bytes.max(self.counters.reserved_bytes);
+        true
+    }
+}
+
+fn fault(operation: &'static str, (call, kind): (u64, FaultKind)) -> BackendError {
+    match kind {
+        FaultKind::OutOfMemory => BackendError::OutOfMemory,
+        FaultKind::Error => BackendError::Injected { operation, call },
+    }
+}
+
+impl SimDevice {
+    /// A simulated device with the given configuration.
+    pub fn new(config: SimConfig) -> Self {
+        let cursor = config.base_address.max(1);
+        SimDevice {
+            inner: Mutex::new(Inner {
+                config,
+                ranges: BTreeMap::new(),
+                cursor,
+                hint: None,
+                physical: BTreeMap::new(),
+                next_physical: 1,
+                mappings: BTreeMap::new(),
+                counters: SimCounters::default(),
+                fail_calls: BTreeMap::new(),
+                fail_above: None,
+                reported_free: None,
+                rejected_streams: BTreeSet::new(),
+                streams: BTreeMap::new(),
+                events: BTreeMap::new(),
+                next_event: 1,
+            }),
+        }
+    }
+
+    /// A simulated device of `capacity` bytes, other settings default.
+    pub fn with_capacity(capacity: usize) -> Self {
+        SimDevice::new(SimConfig { capacity, ..SimConfig::default() })
+    }
+
+    /// The configuration this device was built with.
+    pub fn config(&self) -> SimConfig {
+        self.inner.lock().config.clone()
+    }
+
+    /// A copy of the call counters and memory figures.
+    pub fn counters(&self) -> SimCounters {
+        self.inner.lock().counters.clone()
+    }
+
+    /// Asks for the next segment (or address reservation) at `addr`. The hint is used once; it
+    /// is ignored when the range there is not free or `addr` is misaligned.
+    pub fn place_next_at(&self, addr: u64) {
+        self.inner.lock().hint = Some(addr);
+    }
+
+    /// Drops a pending placement hint.
+    pub fn clear_placement_hint(&self) {
+        self.inner.lock().hint = None;
+    }
+
+    /// Makes device call number `n` (counting from 1 over allocate, free, reserve, release,
+    /// create/release physical, map and unmap) fail with `kind`.
+    pub fn fail_call(&self, n: u64, kind: FaultKind) {
+        self.inner.lock().fail_calls.insert(n, kind);
+    }
+
+    /// Makes the next device call fail with `kind`.
+    pub fn fail_next_call(&self, kind: FaultKind) {
+        let mut g = self.inner.lock();
+        let n = g.counters.device_calls + 1;
+        g.fail_calls.insert(n, kind);
+    }
+
+    /// Makes every allocation (segment or physical) larger than `limit` bytes fail as out of
+    /// memory; `None` lifts the limit.
+    pub fn fail_allocations_above(&self, limit: Option<usize>) {
+        self.inner.lock().fail_above = limit;
+    }
+
+    /// Makes `mem_info` report `free` bytes free instead of the true figure; `None` restores it.
+    pub fn report_free(&self, free: Option<usize>) {
+        self.inner.lock().reported_free = free;
+    }
+
+    /// Clears every pending fault.
+    pub fn clear_faults(&self) {
+        let mut g = self.inner.lock();
+        g.fail_calls.clear();
+        g.fail_above = None;
+        g.reported_free = None;
+    }
+
+    /// Makes the device reject `stream` (as a destroyed or foreign stream).
+    pub fn reject_stream(&self, stream: StreamId) {
+        self.inner.lock().rejected_streams.insert(stream);
+    }
+
+    /// Queues one unit of simulated work on `stream`; events recorded after it stay pending until
+    /// [`complete_work`](Self::complete_work) or a synchronize.
+    pub fn submit_work(&self, stream: StreamId) {
+        self.inner.lock().streams.entry(stream).or_default().0 += 1;
+    }
+
+    /// Finishes all simulated work queued on `stream`.
+    pub fn complete_work(&self, stream: StreamId) {
+        let mut g = self.inner.lock();
+        let s = g.streams.entry(stream).or_default();
+        s.1 = s.0;
+    }
+
+    /// Whether any simulated work is still pending on `stream`.
+    pub fn has_pending_work(&self, stream: StreamId) -> bool {
+        self.inner.lock().streams.get(&stream).is_some_and(|&(sub, done)| done < sub)
+    }
+
+    /// Live segments as `(address, size)`, in address order.
+    pub fn live_segments(&self) -> Vec<(DevicePtr, usize)> {
+        self.inner
+            .lock()
+            .ranges
+            .iter()
+            .filter(|(_, (_, k))| *k == RangeKind::Segment)
+            .map(|(&a, &(s, _))| (DevicePtr(a), s))
+            .collect()
+    }
+
+    /// Live mappings as `(address, size)`, in address order.
+    pub fn live_mappings(&self) -> Vec<(DevicePtr, usize)> {
+        self.inner.lock().mappings.iter().map(|(&a, &(s, _))| (DevicePtr(a), s)).collect()
+    }
+}
+
+// SAFETY: (1) `place` only returns ranges that overlap no live range (checked against `ranges`,
+// which holds every live segment and reservation), aligned to `alignment`, and non-null because
+// `base_address` is at least 1 and hints of 0 are refused; mappings are checked to lie inside one
+// reservation and not to overlap another mapping. (2) Nothing is ever dereferenced, so the
+// "memory" stays valid until freed. (3) `capacity` never changes.
+unsafe impl DeviceBackend for SimDevice {
+    fn device_index(&self) -> usize {
+        self.inner.lock().config.device_index
+    }
+
+    fn alignment(&self) -> usize {
+        self.inner.lock().config.alignment
+    }
+
+    fn mem_info(&self) -> Result<MemInfo, BackendError> {
+        let g = self.inner.lock();
+        let total = g.config.capacity;
+        let free = g.reported_free.unwrap_or(total - g.used().min(total));
+        Ok(MemInfo { free, total })
+    }
+
+    fn allocate(&self, size: usize, stream: StreamId) -> Result<DevicePtr, BackendError> {
+        let mut g = self.inner.lock();
+        if size == 0 {
+            return Err(BackendError::InvalidArgument {
+                operation: "allocate",
+                reason: "size 0".into(),
+            });
+        }
+        if g.rejected_streams.contains(&stream) {
+            return Err(BackendError::InvalidStream { stream, reason: "rejected by the simulated device".into() });
+        }
+        if let Err(f) = g.next_call(Some(size)) {
+            g.counters.failed_allocate_calls += 1;
+            g.hint = None;
+            return Err(fault("allocate", f));
+        }
+        if !g.charge(size) {
+            g.counters.failed_allocate_calls += 1;
+            g.hint = None;
+            return Err(BackendError::OutOfMemory);
+        }
+        let at = g.place(size, true);
+        g.ranges.insert(at, (size, RangeKind::Segment));
+        g.counters.allocate_calls += 1;
+        g.counters.live_segments += 1;
+        Ok(DevicePtr(at))
+    }
+
+    unsafe fn free(&self, ptr: DevicePtr, size: usize, _stream: StreamId) -> Result<(), BackendError> {
+        let mut g = self.inner.lock();
+        match g.ranges.get(&ptr.0) {
+            Some(&(s, RangeKind::Segment)) if s == size => {}
+            _ => {
+                return Err(BackendError::InvalidArgument {
+                    operation: "free",
+                    reason: format!("{ptr} with size {size} is not a live segment"),
+                });
+            }
+        }
+        if let Err(f) = g.next_call(None) {
+            return Err(fault("free", f));
+        }
+        g.ranges.remove(&ptr.0);
+        g.counters.reserved_bytes -= size;
+        g.counters.free_calls += 1;
+        g.counters.live_segments -= 1;
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<(), BackendError> {
+        let mut g = self.inner.lock();
+        g.counters.synchronize_calls += 1;
+        for s in g.streams.values_mut() {
+            s.1 = s.0;
+        }
+        Ok(())
+    }
+
+    fn validate_stream(&self, stream: StreamId) -> Result<(), BackendError> {
+        if self.inner.lock().rejected_streams.contains(&stream) {
+            return Err(BackendError::InvalidStream { stream, reason: "rejected by the simulated device".into() });
+        }
+        Ok(())
+    }
+
+    fn synchronize_stream(&self, stream: StreamId) -> Result<(), BackendError> {
+        let mut g = self.inner.lock();
+        g.counters.synchronize_calls += 1;
+        let s = g.streams.entry(stream).or_default();
+        s.1 = s.0;
+        Ok(())
+    }
+
+    fn create_event(&self) -> Result<EventHandle, BackendError> {
+        let mut g = self.inner.lock();
+        let id = g.next_event;
+        g.next_event += 1;
+        g.events.insert(id, None);
+        g.counters.events_created += 1;
+        Ok(EventHandle(id))
+    }
+
+    fn record_event(&self, event: EventHandle, stream: StreamId) -> Result<(), BackendError> {
+        let mut g = self.inner.lock();
+        let submitted = g.streams.get(&stream).map_or(0, |s| s.0);
+        match g.events.get_mut(&event.0) {
+            Some(slot) => *slot = Some((stream, submitted)),
+            None => {
+                return Err(BackendError::InvalidArgument {
+                    operation: "record_event",
+                    reason: format!("unknown event {}", event.0),
+                });
+            }
+        }
+        g.counters.event_records += 1;
+        Ok(())
+    }
+
+    fn query_event(&self, event: EventHandle) -> Result<bool, BackendError> {
+        let mut g = self.inner.lock();
+        g.counters.event_queries += 1;
+        match g.events.get(&event.0) {
+            Some(None) => Ok(true),
+            Some(Some((stream, at))) => Ok(g.streams.get(stream).map_or(0, |s| s.1) >= *at),
+            None => Err(BackendError::InvalidArgument {
+                operation: "query_event",
+                reason: format!("unknown event {}", event.0),
+            }),
+        }
+    }
+
+    fn synchronize_event(&self, event: EventHandle) -> Result<(), BackendError> {
+        let mut g = self.inner.lock();
+        match g.events.get(&event.0).copied() {
+            Some(Some((stream, at))) => {
+                let s = g.streams.entry(stream).or_default();
+                s.1 = s.1.max(at);
+                Ok(())
+            }
+            Some(None) => Ok(()),
+            None => Err(BackendError::InvalidArgument {
+                operation: "synchronize_event",
+                reason: format!("unknown event {}", event.0),
+            }),
+        }
+    }
+
+    fn stream_wait_event(&self, _stream: StreamId, event: EventHandle) -> Result<(), BackendError> {
+        if self.inner.lock().events.contains_key(&event.0) {
+            Ok(())
+        } else {
+            Err(BackendError::InvalidArgument {
+                operation: "stream_wait_event",
+                reason: format!("unknown event {}", event.0),
+            })
+        }
+    }
+
+    unsafe fn destroy_event(&self, event: EventHandle) -> Result<(), BackendError> {
+        match self.inner.lock().events.remove(&event.0) {
+            Some(_) => Ok(()),
+            None => Err(BackendError::InvalidArgument {
+                operation: "destroy_event",
+                reason: format!("unknown event {}", event.0),
+            }),
+        }
+    }
+
+    fn vm_granularity(&self) -> Option<usize> {
+        self.inner.lock().config.vm_granularity
+    }
+
+    fn reserve_address_range(&self, size: usize) -> Result<DevicePtr, BackendError> {
+        let mut g = self.inner.lock();
+        let Some(gran) = g.config.vm_granularity else {
+            return Err(BackendError::Unsupported("virtual memory"));
+        };
+        if size == 0 || size % gran != 0 {
+            return Err(BackendError::InvalidArgument {
+                operation: "reserve_address_range",
+                reason: format!("size {size} is not a positive multiple of {gran}"),
+            });
+        }
+        if let Err(f) = g.next_call(None) {
+            return Err(fault("reserve_address_range", f));
+        }
+        let at = g.place(size, true);
+        g.ranges.insert(at, (size, RangeKind::Reservation));
+        g.counters.reserve_calls += 1;
+        Ok(DevicePtr(at))
+    }
+
+    unsafe fn release_address_range(&self, base: DevicePtr, size: usize) -> Result<(), BackendError> {
+        let mut g = self.inner.lock();
+        match g.ranges.get(&base.0) {
+            Some(&(s, RangeKind::Reservation)) if s == size => {}
+            _ => {
+                return Err(BackendError::InvalidArgument {
+                    operation: "release_address_range",
+                    reason: format!("{base} with size {size} is not a live reservation"),
+                });
+            }
+        }
+        let end = base.0 + size as u64;
+        if g.mappings.range(base.0..end).next().is_some() {
+            return Err(BackendError::InvalidArgument {
+                operation: "release_address_range",
+                reason: format!("{base} still has mapped pages"),
+            });
+        }
+        if let Err(f) = g.next_call(None) {
+            return Err(fault("release_address_range", f));
+        }
+        g.ranges.remove(&base.0);
+        g.counters.release_range_calls += 1;
+        Ok(())
+    }
+
+    fn create_physical(&self, size: usize) -> Result<PhysicalHandle, BackendError> {
+        let mut g = self.inner.lock();
+        let Some(gran) = g.config.vm_granularity else {
+            return Err(BackendError::Unsupported("virtual memory"));
+        };
+        if size == 0 || size % gran != 0 {
+            return Err(BackendError::InvalidArgument {
+                operation: "create_physical",
+                reason: format!("size {size} is not a positive multiple of {gran}"),
+            });
+        }
+        if let Err(f) = g.next_call(Some(size)) {
+            return Err(fault("create_physical", f));
+        }
+        if !g.charge(size) {
+            return Err(BackendError::OutOfMemory);
+        }
+        let id = g.next_physical;
+        g.next_physical += 1;
+        g.physical.insert(id, size);
+        g.counters.create_physical_calls += 1;
+        Ok(PhysicalHandle(id))
+    }
+
+    unsafe fn release_physical(&self, handle: PhysicalHandle, size: usize) -> Result<(), BackendError> {
+        let mut g = self.inner.lock();
+        if g.physical.get(&handle.0) != Some(&size) {
+            return Err(BackendError::InvalidArgument {
+                operation: "release_physical",
+                reason: format!("handle {} of size {size} is not live", handle.0),
+            });
+        }
+        if g.mappings.values().any(|&(_, h)| h == handle.0) {
+            return Err(BackendError::InvalidArgument {
+                operation: "release_physical",
+                reason: format!("handle {} is still mapped", handle.0),
+            });
+        }
+        if let Err(f) = g.next_call(None) {
+            return Err(fault("release_physical", f));
+        }
+        g.physical.remove(&handle.0);
+        g.counters.reserved_bytes -= size;
+        g.counters.release_physical_calls += 1;
+        Ok(())
+    }
+
+    unsafe fn map(&self, va: DevicePtr, size: usize, handle: PhysicalHandle) -> Result<(), BackendError> {
+        let mut g = self.inner.lock();
+        let bad = |reason: String| BackendError::InvalidArgument { operation: "map", reason };
+        if g.physical.get(&handle.0) != Some(&size) {
+            return Err(bad(format!("handle {} of size {size} is not live", handle.0)));
+        }
+        let inside = g
+            .ranges
+            .range(..=va.0)
+            .next_back()
+            .is_some_and(|(&s, &(len, k))| k == RangeKind::Reservation && va.0 + size as u64 <= s + len as u64);
+        if !inside {
+            return Err(bad(format!("{va}+{size} is not inside one reservation")));
+        }
+        let end = va.0 + size as u64;
+        let clash = g.mappings.range(..end).next_back().is_some_and(|(&s, &(len, _))| s + len as u64 > va.0);
+        if clash {
+            return Err(bad(format!("{va}+{size} overlaps a mapping")));
+        }
+        if let Err(f) = g.next_call(None) {
+            return Err(fault("map", f));
+        }
+        g.mappings.insert(va.0, (size, handle.0));
+        g.counters.map_calls += 1;
+        Ok(())
+    }
+
+    unsafe fn unmap(&self, va: DevicePtr, size: usize) -> Result<(), BackendError> {
+        let mut g = self.inner.lock();
+        match g.mappings.get(&va.0) {
+            Some(&(s, _)) if s == size => {}
+            _ => {
+                return Err(BackendError::InvalidArgument {
+                    operation: "unmap",
+                    reason: format!("{va}+{size} is not one mapping"),
+                });
+            }
+        }
+        if let Err(f) = g.next_call(None) {
+            return Err(fault("unmap", f));
+        }
+        g.mappings.remove(&va.0);
+        g.counters.unmap_calls += 1;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    #[test]
+    fn ranges_are_disjoint_and_capacity_is_enforced() {
+        let sim = SimDevice::with_capacity(10 * MIB);
+        let a = sim.allocate(4 * MIB, StreamId(1)).unwrap();
+        let b = sim.allocate(4 * MIB, StreamId(1)).unwrap();
+        assert!(a.0 + (4 * MIB) as u64 <= b.0 || b.0 + (4 * MIB) as u64 <= a.0);
+        assert!(matches!(sim.allocate(4 * MIB, StreamId(1)), Err(BackendError::OutOfMemory)));
+        assert_eq!(sim.counters().failed_allocate_calls, 1);
+        assert_eq!(sim.mem_info().unwrap(), MemInfo { free: 2 * MIB, total: 10 * MIB });
+        // SAFETY: from allocate above, unused.
+        unsafe { sim.free(a, 4 * MIB, StreamId(1)).unwrap() };
+        assert_eq!(sim.counters().reserved_bytes, 4 * MIB);
+        assert_eq!(sim.counters().peak_reserved_bytes, 8 * MIB);
+    }
+
+    #[test]
+    fn hint_places_segment_and_is_ignored_when_taken() {
+        let sim = SimDevice::default();
+        sim.place_next_at(0x1000_0000);
+        let a = sim.allocate(2 * MIB, StreamId(0)).unwrap();
+        assert_eq!(a.0, 0x1000_0000);
+        sim.place_next_at(0x1000_0000 + MIB as u64);
+        let b = sim.allocate(2 * MIB, StreamId(0)).unwrap();
+        assert_ne!(b.0, 0x1000_0000 + MIB as u64, "overlapping hint must be ignored");
+    }
+
+    #[test]
+    fn faults_fire_once_at_the_named_call() {
+        let sim = SimDevice::default();
+        sim.fail_call(2, FaultKind::Error);
+        let a = sim.allocate(MIB, StreamId(0)).unwrap();
+        // SAFETY: from allocate above.
+        let err = unsafe { sim.free(a, MIB, StreamId(0)) }.unwrap_err();
+        assert!(matches!(err, BackendError::Injected { call: 2, .. }), "{err}");
+        // SAFETY: still live: the failed free did not free it.
+        unsafe { sim.free(a, MIB, StreamId(0)).unwrap() };
+        sim.fail_allocations_above(Some(MIB));
+        assert!(sim.allocate(2 * MIB, StreamId(0)).unwrap_err().is_out_of_memory());
+        sim.report_free(Some(7));
+        assert_eq!(sim.mem_info().unwrap().free, 7);
+    }
+
+    #[test]
+    fn events_follow_simulated_work() {
+        let sim = SimDevice::default();
+        let s = StreamId(7);
+        let e = sim.create_event().unwrap();
+        sim.submit_work(s);
+        sim.record_event(e, s).unwrap();
+        assert!(!sim.query_event(e).unwrap());
+        sim.complete_work(s);
+        assert!(sim.query_event(e).unwrap());
+        sim.submit_work(s);
+        sim.record_event(e, s).unwrap();
+        sim.synchronize().unwrap();
+        assert!(sim.query_event(e).unwrap());
+    }
+
+    #[test]
+    fn virtual_memory_maps_inside_reservations() {
+        let sim = SimDevice::with_capacity(8 * MIB);
+        let va = sim.reserve_address_range(16 * MIB).unwrap();
+        let h = sim.create_physical(2 * MIB).unwrap();
+        // SAFETY: va is a fresh reservation, h a fresh 2 MiB handle.
+        unsafe { sim.map(va, 2 * MIB, h).unwrap() };
+        // SAFETY: same range mapped twice must be refused, not UB, on the simulator.
+        assert!(unsafe { sim.map(va, 2 * MIB, h) }.is_err());
+        assert_eq!(sim.counters().reserved_bytes, 2 * MIB);
+        // SAFETY: exactly the mapping made above.
+        unsafe { sim.unmap(va, 2 * MIB).unwrap() };
+        // SAFETY: unmapped now.
+        unsafe { sim.release_physical(h, 2 * MIB).unwrap() };
+        // SAFETY: nothing mapped.
+        unsafe { sim.release_address_range(va, 16 * MIB).unwrap() };
+        assert_eq!(sim.counters().reserved_bytes, 0);
+    }
+}

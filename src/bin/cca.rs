@@ -1,0 +1,2 @@
+//! The `cca` command-line tool.
+fn main() {}

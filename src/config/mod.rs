@@ -1,0 +1,343 @@
+//! Configuration: PyTorch's size constants, the typed [`AllocatorConfig`] with its builder, the
+//! named presets, and (in `parse`) PyTorch's `PYTORCH_CUDA_ALLOC_CONF` syntax.
+//!
+//! Policy is data: the `pytorch` preset is PyTorch 2.11's behaviour, the crate's own default is
+//! another configuration of the same machinery. May use: nothing internal.
+#![forbid(unsafe_code)]
+
+mod parse;
+
+use std::fmt;
+
+pub use parse::ENV_VAR;
+
+/// One mebibyte.
+pub const MIB: usize = 1 << 20;
+/// `kMinBlockSize`: every request is rounded to at least 512 bytes, and to a multiple of it.
+pub const MIN_BLOCK_SIZE: usize = 512;
+/// `kSmallSize`: the largest "small" request (after rounding) is 1 MiB.
+pub const SMALL_SIZE: usize = MIB;
+/// `kSmallBuffer`: small requests are packed into 2 MiB segments.
+pub const SMALL_BUFFER: usize = 2 * MIB;
+/// `kMinLargeAlloc`: requests between 1 and 10 MiB use large-segment-size segments.
+pub const MIN_LARGE_ALLOC: usize = 10 * MIB;
+/// `kRoundLarge`: segments for requests of 10 MiB or more are rounded up to 2 MiB.
+pub const ROUND_LARGE: usize = 2 * MIB;
+/// `kLargeBuffer`: the default large segment size, 20 MiB.
+pub const LARGE_BUFFER: usize = 20 * MIB;
+/// Requests of this size or more are rejected outright (1 EiB), as PyTorch rejects them.
+pub const MAX_ALLOCATION_SIZE: u64 = 1 << 60;
+/// Number of `roundup_power2_divisions` buckets (1 MiB .. 64 GiB, one per power of two).
+pub const ROUNDUP_POWER2_BUCKETS: usize = 16;
+
+/// A configuration string or value that cannot be used. The message names what was wrong, in
+/// PyTorch's words where PyTorch has them.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct ConfigError {
+    message: String,
+}
+
+impl ConfigError {
+    pub(crate) fn new(message: impl Into<String>) -> Self {
+        ConfigError { message: message.into() }
+    }
+
+    /// The message.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+/// A named configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Preset {
+    /// PyTorch 2.11's defaults, exactly.
+    Pytorch,
+    /// PyTorch 2.11 with `expandable_segments:True`.
+    PytorchExpandable,
+    /// This crate's own default (see [`AllocatorConfig::default`]).
+    Default,
+}
+
+impl Preset {
+    /// Every preset, in a stable order.
+    pub const ALL: [Preset; 3] = [Preset::Default, Preset::Pytorch, Preset::PytorchExpandable];
+
+    /// The preset's name (`pytorch`, `pytorch-expandable`, `default`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Preset::Pytorch => "pytorch",
+            Preset::PytorchExpandable => "pytorch-expandable",
+            Preset::Default => "default",
+        }
+    }
+
+    /// The preset of that name.
+    ///
+    /// # Errors
+    /// A [`ConfigError`] listing the known names.
+    pub fn from_name(name: &str) -> Result<Preset, ConfigError> {
+        Preset::ALL.into_iter().find(|p| p.name() == name).ok_or_else(|| {
+            ConfigError::new(format!(
+                "unknown preset '{name}'; known presets: {}",
+                Preset::ALL.map(Preset::name).join(", ")
+            ))
+        })
+    }
+
+    /// The configuration of this preset.
+    pub fn config(self) -> AllocatorConfig {
+        match self {
+            Preset::Pytorch => AllocatorConfig::pytorch(),
+            Preset::PytorchExpandable => {
+                AllocatorConfig { expandable_segments: true, ..AllocatorConfig::pytorch() }
+            }
+            Preset::Default => AllocatorConfig::default(),
+        }
+    }
+}
+
+impl fmt::Display for Preset {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Every knob of the caching allocator. Fields use PyTorch's names (in bytes where PyTorch's
+/// keys say `_mb`). Build one with [`AllocatorConfig::builder`], a preset, or
+/// [`AllocatorConfig::parse`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct AllocatorConfig {
+    /// Blocks of this size or more are never split ("oversize"); `usize::MAX` = unlimited.
+    pub max_split_size: usize,
+    /// How much larger than an oversize request a cached oversize block may be.
+    pub max_non_split_rounding: usize,
+    /// Segment size for 1–10 MiB requests (and the large pool's expandable page size).
+    pub large_segment_size: usize,
+    /// Per-bucket power-of-two divisions for rounding (0 or 1: plain 512-byte rounding).
+    pub roundup_power2_divisions: [usize; ROUNDUP_POWER2_BUCKETS],
+    /// Age-based garbage collection of cached large blocks, in `(0, 1)`; 0 = off. Active only
+    /// with a memory fraction below 1.
+    pub garbage_collection_threshold: f64,
+    /// Grow per-stream virtual-memory segments instead of allocating fixed segments.
+    pub expandable_segments: bool,
+    /// The per-process memory fraction cap in `[0, 1]`; 1 = no cap.
+    pub per_process_memory_fraction: f64,
+    /// Accepted for compatibility; the cache keeps its lock around device allocations.
+    pub release_lock_on_cudamalloc: bool,
+    /// Fail at once (skipping the release-and-retry chain) when the fraction cap would be
+    /// exceeded.
+    pub throw_on_cudamalloc_oom: bool,
+    /// Accepted for compatibility (CUDA-graph capture is not modelled).
+    pub graph_capture_record_stream_reuse: bool,
+    /// The original configuration string, when parsed from one.
+    pub settings: String,
+}
+
+impl AllocatorConfig {
+    /// PyTorch 2.11's defaults.
+    pub fn pytorch() -> Self {
+        AllocatorConfig {
+            max_split_size: usize::MAX,
+            max_non_split_rounding: LARGE_BUFFER,
+            large_segment_size: LARGE_BUFFER,
+            roundup_power2_divisions: [0; ROUNDUP_POWER2_BUCKETS],
+            garbage_collection_threshold: 0.0,
+            expandable_segments: false,
+            per_process_memory_fraction: 1.0,
+            release_lock_on_cudamalloc: false,
+            throw_on_cudamalloc_oom: false,
+            graph_capture_record_stream_reuse: false,
+            settings: String::new(),
+        }
+    }
+
+    /// A builder starting from PyTorch's defaults.
+    pub fn builder() -> AllocatorConfigBuilder {
+        AllocatorConfigBuilder { config: AllocatorConfig::pytorch() }
+    }
+
+    /// Parses PyTorch's `PYTORCH_CUDA_ALLOC_CONF` syntax (`key:value,key:[k:v,...]`) on top of
+    /// PyTorch's defaults, with PyTorch's keys, values and error messages.
+    ///
+    /// ```
+    /// use cuda_caching_allocator::AllocatorConfig;
+    /// let c = AllocatorConfig::parse("max_split_size_mb:128,roundup_power2_divisions:[256:4,>:1]").unwrap();
+    /// assert_eq!(c.max_split_size, 128 << 20);
+    /// assert!(AllocatorConfig::parse("bogus:1").unwrap_err().to_string().contains("Unrecognized key 'bogus'"));
+    /// ```
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the bad key, token or value.
+    pub fn parse(settings: &str) -> Result<Self, ConfigError> {
+        AllocatorConfig::pytorch().with_settings(settings)
+    }
+
+    /// Applies a configuration string on top of `self` (keys not named keep their values, except
+    /// `max_split_size_mb`, `roundup_power2_divisions` and `garbage_collection_threshold`, which
+    /// PyTorch resets to their defaults on every parse).
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the bad key, token or value.
+    pub fn with_settings(self, settings: &str) -> Result<Self, ConfigError> {
+        parse::apply(self, settings)
+    }
+
+    /// The configuration from the environment: `CUDA_CACHING_ALLOCATOR_CONF` if set, else
+    /// `PYTORCH_CUDA_ALLOC_CONF`, else `PYTORCH_ALLOC_CONF`, parsed on top of `base`; `base`
+    /// unchanged when none is set.
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the variable and what was wrong in it.
+    pub fn from_env_or(base: AllocatorConfig) -> Result<Self, ConfigError> {
+        for var in [ENV_VAR, "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"] {
+            if let Ok(value) = std::env::var(var) {
+                return base
+                    .with_settings(&value)
+                    .map_err(|e| ConfigError::new(format!("{var}: {}", e.message())));
+            }
+        }
+        Ok(base)
+    }
+
+    /// Checks every value's range.
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the first bad field.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.max_split_size < LARGE_BUFFER {
+            return Err(ConfigError::new(format!(
+                "CachingAllocator option max_split_size_mb too small, must be >= {}",
+                LARGE_BUFFER / MIB
+            )));
+        }
+        if self.max_non_split_rounding < LARGE_BUFFER {
+            return Err(ConfigError::new(format!(
+                "CachingAllocator option max_non_split_rounding_mb too small, must be >= {}",
+                LARGE_BUFFER / MIB
+            )));
+        }
+        if self.large_segment_size <= MIN_LARGE_ALLOC || self.large_segment_size % MIB != 0 {
+            return Err(ConfigError::new(format!(
+                "CachingAllocator option large_segment_size_mb must be a whole number of MiB > {}",
+                MIN_LARGE_ALLOC / MIB
+            )));
+        }
+        for &d in &self.roundup_power2_divisions {
+            if d != 0 && !d.is_power_of_two() {
+                return Err(ConfigError::new(
+                    "For roundups, the divisions has to be power of 2 or 0 to disable roundup ",
+                ));
+            }
+        }
+        let gc = self.garbage_collection_threshold;
+        if !(gc == 0.0 || (gc > 0.0 && gc < 1.0)) {
+            return Err(ConfigError::new("garbage_collect_threshold is invalid, set it in (0.0, 1.0)"));
+        }
+        let f = self.per_process_memory_fraction;
+        if !(0.0..=1.0).contains(&f) {
+            return Err(ConfigError::new("per_process_memory_fraction is invalid, set it in [0.0, 1.0]"));
+        }
+        Ok(())
+    }
+
+    /// The rounding divisions that apply to a request of `size` bytes (PyTorch's bucket rule:
+    /// `clamp(log2(size) - 20, 0, 15)`).
+    pub fn divisions_for(&self, size: usize) -> usize {
+        let log_size = usize::BITS as usize - 1 - size.max(1).leading_zeros() as usize;
+        let index = log_size.saturating_sub(20).min(ROUNDUP_POWER2_BUCKETS - 1);
+        self.roundup_power2_divisions[index]
+    }
+}
+
+impl Default for AllocatorConfig {
+    /// The crate's own default. Today it equals the `pytorch` preset; policies that waste less are
+    /// chosen here by measurement (see `benches/README.md`).
+    fn default() -> Self {
+        AllocatorConfig::pytorch()
+    }
+}
+
+/// A typed builder for [`AllocatorConfig`]; `build` validates.
+///
+/// ```
+/// use cuda_caching_allocator::AllocatorConfig;
+/// let c = AllocatorConfig::builder().max_split_size_mb(512).memory_fraction(0.5).build().unwrap();
+/// assert_eq!(c.max_split_size, 512 << 20);
+/// assert!(AllocatorConfig::builder().max_split_size_mb(4).build().is_err());
+/// ```
+#[derive(Clone, Debug)]
+pub struct AllocatorConfigBuilder {
+    config: AllocatorConfig,
+}
+
+impl AllocatorConfigBuilder {
+    /// Starts from another configuration.
+    pub fn from_config(config: AllocatorConfig) -> Self {
+        AllocatorConfigBuilder { config }
+    }
+
+    /// `max_split_size_mb`.
+    pub fn max_split_size_mb(mut self, mb: usize) -> Self {
+        self.config.max_split_size = mb.saturating_mul(MIB);
+        self
+    }
+
+    /// `max_non_split_rounding_mb`.
+    pub fn max_non_split_rounding_mb(mut self, mb: usize) -> Self {
+        self.config.max_non_split_rounding = mb.saturating_mul(MIB);
+        self
+    }
+
+    /// `large_segment_size_mb`.
+    pub fn large_segment_size_mb(mut self, mb: usize) -> Self {
+        self.config.large_segment_size = mb.saturating_mul(MIB);
+        self
+    }
+
+    /// `roundup_power2_divisions:N` for every bucket.
+    pub fn roundup_power2_divisions(mut self, divisions: usize) -> Self {
+        self.config.roundup_power2_divisions = [divisions; ROUNDUP_POWER2_BUCKETS];
+        self
+    }
+
+    /// `roundup_power2_divisions` per bucket (bucket `i` covers `[2^i, 2^(i+1))` MiB).
+    pub fn roundup_power2_divisions_per_bucket(mut self, divisions: [usize; ROUNDUP_POWER2_BUCKETS]) -> Self {
+        self.config.roundup_power2_divisions = divisions;
+        self
+    }
+
+    /// `garbage_collection_threshold`.
+    pub fn garbage_collection_threshold(mut self, threshold: f64) -> Self {
+        self.config.garbage_collection_threshold = threshold;
+        self
+    }
+
+    /// `expandable_segments`.
+    pub fn expandable_segments(mut self, on: bool) -> Self {
+        self.config.expandable_segments = on;
+        self
+    }
+
+    /// `per_process_memory_fraction`.
+    pub fn memory_fraction(mut self, fraction: f64) -> Self {
+        self.config.per_process_memory_fraction = fraction;
+        self
+    }
+
+    /// `throw_on_cudamalloc_oom`.
+    pub fn throw_on_cudamalloc_oom(mut self, on: bool) -> Self {
+        self.config.throw_on_cudamalloc_oom = on;
+        self
+    }
+
+    /// Validates and returns the configuration.
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the first bad value.
+    pub fn build(self) -> Result<AllocatorConfig, ConfigError> {
+        self.config.validate()?;
+        Ok(self.config)
+    }
+}

@@ -1,0 +1,383 @@
+//! PyTorch's allocator configuration syntax: `key:value` pairs separated by `,`, lists in
+//! `[...]`, tokens split on `, : [ ]`, white space ignored, booleans exactly `True` / `False`.
+//! Keys, value ranges and error messages follow PyTorch 2.11 (`ConfigTokenizer`,
+//! `AcceleratorAllocatorConfig::parseArgs`, `CUDAAllocatorConfig::parseArgs`).
+#![forbid(unsafe_code)]
+
+use super::{AllocatorConfig, ConfigError, LARGE_BUFFER, MIB, MIN_LARGE_ALLOC, ROUNDUP_POWER2_BUCKETS};
+
+/// The crate's own environment variable, read before `PYTORCH_CUDA_ALLOC_CONF`.
+pub const ENV_VAR: &str = "CUDA_CACHING_ALLOCATOR_CONF";
+
+struct Tokens {
+    tokens: Vec<String>,
+}
+
+impl Tokens {
+    fn new(s: &str) -> Self {
+        let mut tokens = Vec::new();
+        let mut buf = String::new();
+        for ch in s.chars() {
+            if matches!(ch, ',' | ':' | '[' | ']') {
+                if !buf.is_empty() {
+                    tokens.push(std::mem::take(&mut buf));
+                }
+                tokens.push(ch.to_string());
+            } else if !ch.is_whitespace() {
+                buf.push(ch);
+            }
+        }
+        if !buf.is_empty() {
+            tokens.push(buf);
+        }
+        Tokens { tokens }
+    }
+
+    fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    fn get(&self, i: usize) -> Result<&str, ConfigError> {
+        self.tokens
+            .get(i)
+            .map(String::as_str)
+            .ok_or_else(|| ConfigError::new("Index out of bounds in ConfigTokenizer (the configuration ends too early)"))
+    }
+
+    fn expect(&self, i: usize, token: &str) -> Result<(), ConfigError> {
+        let got = self.get(i)?;
+        if got == token {
+            Ok(())
+        } else {
+            Err(ConfigError::new(format!("Expected '{token}' in ConfigTokenizer but got '{got}'")))
+        }
+    }
+
+    fn size(&self, i: usize, key: &str) -> Result<usize, ConfigError> {
+        let t = self.get(i)?;
+        t.parse::<usize>()
+            .map_err(|_| ConfigError::new(format!("Expected an unsigned integer for '{key}' but got '{t}'")))
+    }
+
+    fn double(&self, i: usize, key: &str) -> Result<f64, ConfigError> {
+        let t = self.get(i)?;
+        t.parse::<f64>()
+            .ok()
+            .filter(|v| v.is_finite())
+            .ok_or_else(|| ConfigError::new(format!("Expected a number for '{key}' but got '{t}'")))
+    }
+
+    fn boolean(&self, i: usize) -> Result<bool, ConfigError> {
+        match self.get(i)? {
+            "True" => Ok(true),
+            "False" => Ok(false),
+            other => Err(ConfigError::new(format!(
+                "Expected 'True' or 'False' at index {i} in ConfigTokenizer but got '{other}'"
+            ))),
+        }
+    }
+
+    /// Skips a key's value (a token or a bracketed list); returns the index of its last token.
+    fn skip_value(&self, mut i: usize) -> Result<usize, ConfigError> {
+        self.expect(i + 1, ":")?;
+        i += 2;
+        if self.get(i)? != "[" {
+            return Ok(i);
+        }
+        loop {
+            i += 1;
+            match self.tokens.get(i) {
+                Some(t) if t == "]" => return Ok(i),
+                Some(_) => {}
+                None => {
+                    return Err(ConfigError::new(
+                        "Expected closing bracket ']' in ConfigTokenizer but reached end of config",
+                    ));
+                }
+            }
+        }
+    }
+}
+
+/// Keys PyTorch accepts that configure only its pinned host allocator or its other backend; this
+/// crate accepts and ignores them so one configuration string serves both.
+const IGNORED_KEYS: &[&str] = &[
+    "pinned_use_cuda_host_register",
+    "pinned_use_hip_host_register",
+    "pinned_num_register_threads",
+    "pinned_use_background_threads",
+    "pinned_reserve_segment_size_mb",
+    "pinned_max_round_threshold_mb",
+    "pinned_max_cached_size_mb",
+    "pinned_free_catch_all",
+    "expandable_segments_reserve",
+    "expandable_segments_reserve_by_class",
+];
+
+pub(super) fn apply(mut c: AllocatorConfig, settings: &str) -> Result<AllocatorConfig, ConfigError> {
+    // PyTorch resets these three on every parse.
+    c.max_split_size = usize::MAX;
+    c.roundup_power2_divisions = [0; ROUNDUP_POWER2_BUCKETS];
+    c.garbage_collection_threshold = 0.0;
+    c.settings = settings.to_string();
+
+    let t = Tokens::new(settings);
+    let mut i = 0;
+    while i < t.len() {
+        let key = t.get(i)?.to_string();
+        match key.as_str() {
+            "max_split_size_mb" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                let mb = t.size(i, &key)?;
+                if mb < LARGE_BUFFER / MIB {
+                    return Err(ConfigError::new(format!(
+                        "CachingAllocator option max_split_size_mb too small, must be >= {}",
+                        LARGE_BUFFER / MIB
+                    )));
+                }
+                c.max_split_size = mb.min(usize::MAX / MIB) * MIB;
+            }
+            "max_non_split_rounding_mb" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                let mb = t.size(i, &key)?;
+                if mb < LARGE_BUFFER / MIB {
+                    return Err(ConfigError::new(format!(
+                        "CachingAllocator option max_non_split_rounding_mb too small, must be >= {}",
+                        LARGE_BUFFER / MIB
+                    )));
+                }
+                c.max_non_split_rounding = mb.min(usize::MAX / MIB) * MIB;
+            }
+            "large_segment_size_mb" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                let mb = t.size(i, &key)?;
+                if mb <= MIN_LARGE_ALLOC / MIB || mb > (usize::MAX / MIB) {
+                    return Err(ConfigError::new(format!(
+                        "CachingAllocator option large_segment_size_mb must be > {}",
+                        MIN_LARGE_ALLOC / MIB
+                    )));
+                }
+                c.large_segment_size = mb * MIB;
+            }
+            "garbage_collection_threshold" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                let v = t.double(i, &key)?;
+                if !(v > 0.0 && v < 1.0) {
+                    return Err(ConfigError::new("garbage_collect_threshold is invalid, set it in (0.0, 1.0)"));
+                }
+                c.garbage_collection_threshold = v;
+            }
+            "per_process_memory_fraction" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                let v = t.double(i, &key)?;
+                if !(0.0..=1.0).contains(&v) {
+                    return Err(ConfigError::new("per_process_memory_fraction is invalid, set it in [0.0, 1.0]"));
+                }
+                c.per_process_memory_fraction = v;
+            }
+            "roundup_power2_divisions" => {
+                i = parse_divisions(&t, i, &mut c.roundup_power2_divisions)?;
+            }
+            "expandable_segments" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                c.expandable_segments = t.boolean(i)?;
+            }
+            "release_lock_on_cudamalloc" | "release_lock_on_hipmalloc" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                c.release_lock_on_cudamalloc = t.boolean(i)?;
+            }
+            "throw_on_cudamalloc_oom" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                c.throw_on_cudamalloc_oom = t.boolean(i)?;
+            }
+            "graph_capture_record_stream_reuse" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                c.graph_capture_record_stream_reuse = t.boolean(i)?;
+            }
+            "backend" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                match t.get(i)? {
+                    "native" => {}
+                    "cudaMallocAsync" => {
+                        return Err(ConfigError::new(
+                            "backend:cudaMallocAsync is not provided by this crate (it is the driver's own pool); \
+                             use backend:native or leave the key out",
+                        ));
+                    }
+                    other => {
+                        return Err(ConfigError::new(format!(
+                            "Unknown allocator backend, options are native and cudaMallocAsync (got '{other}')"
+                        )));
+                    }
+                }
+            }
+            k if IGNORED_KEYS.contains(&k) => {
+                i = t.skip_value(i)?;
+            }
+            _ => return Err(ConfigError::new(format!("Unrecognized key '{key}' in CUDA allocator config."))),
+        }
+        if i + 1 < t.len() {
+            i += 1;
+            t.expect(i, ",")?;
+        }
+        i += 1;
+    }
+    c.validate()?;
+    Ok(c)
+}
+
+fn parse_divisions(
+    t: &Tokens,
+    mut i: usize,
+    out: &mut [usize; ROUNDUP_POWER2_BUCKETS],
+) -> Result<usize, ConfigError> {
+    let key = "roundup_power2_divisions";
+    t.expect(i + 1, ":")?;
+    i += 2;
+    if t.get(i)? != "[" {
+        let v = t.size(i, key)?;
+        if !v.is_power_of_two() {
+            return Err(ConfigError::new("For roundups, the divisions has to be power of 2 "));
+        }
+        *out = [v; ROUNDUP_POWER2_BUCKETS];
+        return Ok(i);
+    }
+    let mut first = true;
+    let mut last_index = 0usize;
+    loop {
+        i += 1;
+        match t.tokens.get(i) {
+            None => {
+                return Err(ConfigError::new(
+                    "Expected closing bracket ']' in ConfigTokenizer but reached end of config",
+                ));
+            }
+            Some(tok) if tok == "]" => return Ok(i),
+            Some(_) => {}
+        }
+        let value_index = i;
+        t.expect(i + 1, ":")?;
+        i += 2;
+        let value = t.size(i, key)?;
+        if value != 0 && !value.is_power_of_two() {
+            return Err(ConfigError::new(
+                "For roundups, the divisions has to be power of 2 or 0 to disable roundup ",
+            ));
+        }
+        if t.get(value_index)? == ">" {
+            for slot in out.iter_mut().skip(last_index + 1) {
+                *slot = value;
+            }
+        } else {
+            let boundary = t.size(value_index, key)?;
+            if !boundary.is_power_of_two() {
+                return Err(ConfigError::new(format!(
+                    "For roundups, the intervals have to be power of 2 {boundary}"
+                )));
+            }
+            let index = (boundary.trailing_zeros() as usize).min(ROUNDUP_POWER2_BUCKETS - 1);
+            if first {
+                for slot in out.iter_mut().take(index) {
+                    *slot = value;
+                }
+                first = false;
+            }
+            out[index] = value;
+            last_index = index;
+        }
+        match t.tokens.get(i + 1).map(String::as_str) {
+            Some("]") => {}
+            Some(_) => {
+                i += 1;
+                t.expect(i, ",")?;
+            }
+            None => {
+                return Err(ConfigError::new(
+                    "Expected closing bracket ']' in ConfigTokenizer but reached end of config",
+                ));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<AllocatorConfig, ConfigError> {
+        apply(AllocatorConfig::pytorch(), s)
+    }
+
+    fn err(s: &str) -> String {
+        parse(s).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn empty_string_is_pytorch_defaults() {
+        let c = parse("").unwrap();
+        assert_eq!(c, AllocatorConfig { settings: String::new(), ..AllocatorConfig::pytorch() });
+        assert!(parse("  ").is_ok());
+    }
+
+    #[test]
+    fn scalar_keys() {
+        let c = parse("max_split_size_mb:128, garbage_collection_threshold:0.6,expandable_segments:True").unwrap();
+        assert_eq!(c.max_split_size, 128 * MIB);
+        assert_eq!(c.garbage_collection_threshold, 0.6);
+        assert!(c.expandable_segments);
+        let c = parse("max_non_split_rounding_mb:40,large_segment_size_mb:32,per_process_memory_fraction:0.25").unwrap();
+        assert_eq!(c.max_non_split_rounding, 40 * MIB);
+        assert_eq!(c.large_segment_size, 32 * MIB);
+        assert_eq!(c.per_process_memory_fraction, 0.25);
+        let c = parse("release_lock_on_cudamalloc:True,backend:native,pinned_num_register_threads:8").unwrap();
+        assert!(c.release_lock_on_cudamalloc);
+    }
+
+    #[test]
+    fn divisions_scalar_and_list() {
+        let c = parse("roundup_power2_divisions:4").unwrap();
+        assert_eq!(c.roundup_power2_divisions, [4; 16]);
+        let c = parse("roundup_power2_divisions:[64:8,256:4,1024:4,>:1]").unwrap();
+        // The first key fills the buckets below it; buckets between keys (7 and 9) keep their
+        // reset value 0, exactly as PyTorch leaves them; `>` fills the buckets after the last key.
+        assert_eq!(c.roundup_power2_divisions, [8, 8, 8, 8, 8, 8, 8, 0, 4, 0, 4, 1, 1, 1, 1, 1]);
+    }
+
+    #[test]
+    fn errors_use_pytorch_words() {
+        assert_eq!(err("foo:1"), "Unrecognized key 'foo' in CUDA allocator config.");
+        assert_eq!(err("max_split_size_mb:19"), "CachingAllocator option max_split_size_mb too small, must be >= 20");
+        assert_eq!(err("garbage_collection_threshold:1.0"), "garbage_collect_threshold is invalid, set it in (0.0, 1.0)");
+        assert_eq!(err("expandable_segments:true"), "Expected 'True' or 'False' at index 2 in ConfigTokenizer but got 'true'");
+        assert_eq!(err("max_split_size_mb=20"), "Unrecognized key 'max_split_size_mb=20' in CUDA allocator config.");
+        assert_eq!(err("roundup_power2_divisions:3"), "For roundups, the divisions has to be power of 2 ");
+        assert_eq!(err("roundup_power2_divisions:[3:4]"), "For roundups, the intervals have to be power of 2 3");
+        assert!(err("roundup_power2_divisions:[64:4").contains("']'"));
+        assert!(err("max_split_size_mb:abc").contains("'abc'"));
+        assert!(err("max_split_size_mb").contains("ends too early"));
+        assert!(err("expandable_segments:True;max_split_size_mb:20").contains("Expected 'True' or 'False'"));
+        assert_eq!(err("expandable_segments:True max_split_size_mb:20"), "Expected 'True' or 'False' at index 2 in ConfigTokenizer but got 'Truemax_split_size_mb'");
+        assert!(err("per_process_memory_fraction:1.5").contains("[0.0, 1.0]"));
+        assert!(err("large_segment_size_mb:10").contains("> 10"));
+        assert!(err("backend:cudaMallocAsync").contains("cudaMallocAsync"));
+    }
+
+    #[test]
+    fn parse_resets_the_three_reset_keys() {
+        let c = parse("max_split_size_mb:64,roundup_power2_divisions:2").unwrap();
+        let c = apply(c, "expandable_segments:True").unwrap();
+        assert_eq!(c.max_split_size, usize::MAX);
+        assert_eq!(c.roundup_power2_divisions, [0; 16]);
+        assert!(c.expandable_segments);
+    }
+}

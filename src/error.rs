@@ -1,0 +1,198 @@
+//! Errors: values that say what happened and what to do about it.
+//!
+//! [`AllocError`] is the one error type of the allocator's public API; out of memory carries a full
+//! [`OomReport`] with a verdict (device full, fraction cap reached, or fragmented). May use:
+//! `backend` value types, `config::ConfigError`.
+#![forbid(unsafe_code)]
+
+use std::fmt;
+
+use crate::backend::{BackendError, DevicePtr, StreamId};
+use crate::config::ConfigError;
+use crate::format::format_size;
+
+/// Result alias with [`AllocError`] as the default error.
+pub type Result<T, E = AllocError> = std::result::Result<T, E>;
+
+/// Why an allocation could not be satisfied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OomVerdict {
+    /// The device itself has no room: free memory elsewhere, or use a larger device.
+    DeviceFull,
+    /// The per-process memory-fraction cap was reached before the device was full: raise the
+    /// fraction, or free memory.
+    FractionCapReached,
+    /// Enough bytes sit free in the cache, but no free block is large enough (or on the right
+    /// stream): try expandable segments, `max_split_size_mb`, or freeing long-lived blocks.
+    Fragmented,
+}
+
+impl fmt::Display for OomVerdict {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            OomVerdict::DeviceFull => "the device is full",
+            OomVerdict::FractionCapReached => "the per-process memory fraction cap is reached",
+            OomVerdict::Fragmented => {
+                "the cache is fragmented: enough free cached bytes, but no free block large enough"
+            }
+        })
+    }
+}
+
+/// Everything known about an out-of-memory failure, in PyTorch's terms.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OomReport {
+    /// Device ordinal.
+    pub device: usize,
+    /// The user's request in bytes.
+    pub requested_bytes: usize,
+    /// The request after rounding (the block size).
+    pub rounded_bytes: usize,
+    /// The device allocation the cache tried to make (PyTorch prints this as "Tried to allocate").
+    pub segment_bytes: usize,
+    /// The stream of the request.
+    pub stream: StreamId,
+    /// Device memory in all.
+    pub device_total: usize,
+    /// Device memory free, as the device reported it after the retries.
+    pub device_free: usize,
+    /// The fraction cap in bytes, when one is set.
+    pub limit_bytes: Option<usize>,
+    /// Bytes allocated to live allocations (rounded block sizes).
+    pub allocated_bytes: usize,
+    /// Bytes reserved from the device by this cache.
+    pub reserved_bytes: usize,
+    /// The largest free cached block (any stream), in bytes.
+    pub largest_free_block: usize,
+    /// The largest free cached block on the request's stream and pool, in bytes.
+    pub largest_free_block_on_stream: usize,
+    /// Fragmentation of the cache's free memory: `1 - largest free / total free` (0 when empty).
+    pub external_fragmentation: f64,
+    /// The diagnosis.
+    pub verdict: OomVerdict,
+}
+
+impl fmt::Display for OomReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "CUDA out of memory. Tried to allocate {}. GPU {} has a total capacity of {} of which {} is free. ",
+            format_size(self.segment_bytes as u64),
+            self.device,
+            format_size(self.device_total as u64),
+            format_size(self.device_free as u64),
+        )?;
+        if let Some(limit) = self.limit_bytes {
+            write!(f, "{} allowed; ", format_size(limit as u64))?;
+        }
+        write!(
+            f,
+            "Of the allocated memory {} is allocated by the cache, and {} is reserved by the cache but unallocated \
+             (largest free cached block {}, {} on {}; external fragmentation {:.1}%). \
+             Request: {} bytes ({} rounded). Verdict: {}.",
+            format_size(self.allocated_bytes as u64),
+            format_size(self.reserved_bytes.saturating_sub(self.allocated_bytes) as u64),
+            format_size(self.largest_free_block as u64),
+            format_size(self.largest_free_block_on_stream as u64),
+            self.stream,
+            self.external_fragmentation * 100.0,
+            self.requested_bytes,
+            self.rounded_bytes,
+            self.verdict,
+        )?;
+        match self.verdict {
+            OomVerdict::DeviceFull => write!(f, " Free memory held elsewhere on the device, or reduce the working set."),
+            OomVerdict::FractionCapReached => write!(f, " Raise the memory fraction or free memory."),
+            OomVerdict::Fragmented => write!(
+                f,
+                " If reserved but unallocated memory is large try expandable_segments:True to avoid fragmentation."
+            ),
+        }
+    }
+}
+
+/// Errors of the allocator's public API. Each variant's documentation says what the caller can do.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AllocError {
+    /// No memory could be found after every retry. The allocator is intact; free memory, empty the
+    /// cache of other allocators, raise the fraction cap, or use expandable segments (see the
+    /// report's verdict).
+    #[error("{0}")]
+    OutOfMemory(Box<OomReport>),
+    /// The request is absurdly large (at least 1 EiB), as PyTorch rejects it. Check the size.
+    #[error("CUDA out of memory. Tried to allocate more than 1EB memory ({requested} bytes requested)")]
+    TooLarge {
+        /// The requested size.
+        requested: u64,
+    },
+    /// `ptr` was already freed (it is the start of a free cached block). Fix the double free.
+    #[error("double free: {ptr} is not allocated (it was freed before)")]
+    DoubleFree {
+        /// The pointer.
+        ptr: DevicePtr,
+    },
+    /// `ptr` lies inside memory this cache reserved but is not the start of a live allocation.
+    /// Free the pointer that `allocate` returned, not an interior pointer.
+    #[error("{ptr} is not the start of a live allocation of this allocator (it points into segment {segment})")]
+    InteriorPointer {
+        /// The pointer.
+        ptr: DevicePtr,
+        /// The segment it points into.
+        segment: DevicePtr,
+    },
+    /// `ptr` was never handed out by this allocator. Free it with the allocator that made it.
+    #[error("{ptr} was never allocated by this allocator (foreign pointer)")]
+    UnknownPointer {
+        /// The pointer.
+        ptr: DevicePtr,
+    },
+    /// The backend rejected the stream. Use a live stream of this device.
+    #[error("stream {stream} rejected: {source}")]
+    InvalidStream {
+        /// The stream.
+        stream: StreamId,
+        /// The backend's reason.
+        #[source]
+        source: BackendError,
+    },
+    /// A memory fraction outside `[0, 1]` (or not a number).
+    #[error("invalid memory fraction {0}: allowed range is 0~1")]
+    InvalidFraction(f64),
+    /// A bad configuration string or value. Fix the configuration.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The operation needs a backend capability (events, virtual memory) this backend lacks.
+    #[error("{operation} needs {capability}, which this backend does not support")]
+    Unsupported {
+        /// What was attempted.
+        operation: &'static str,
+        /// The missing capability.
+        capability: &'static str,
+    },
+    /// A device call failed with something other than "out of memory". The allocator's state is
+    /// unchanged by the failed call; the device itself may be unusable.
+    #[error("device call {operation} failed: {source}")]
+    Backend {
+        /// The backend call.
+        operation: &'static str,
+        /// The backend's error.
+        #[source]
+        source: BackendError,
+    },
+}
+
+impl AllocError {
+    /// Whether this is an out-of-memory error.
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, AllocError::OutOfMemory(_) | AllocError::TooLarge { .. })
+    }
+
+    /// The out-of-memory report, if this is one.
+    pub fn oom_report(&self) -> Option<&OomReport> {
+        match self {
+            AllocError::OutOfMemory(r) => Some(r),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,19 @@
+#![doc = include_str!("../docs/overview.md")]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_debug_implementations)]
+
+pub mod backend;
+pub mod config;
+mod error;
+mod format;
+pub mod size_class;
+pub mod stats;
+pub mod trace;
+
+pub use backend::sim::{FaultKind, SimConfig, SimCounters, SimDevice};
+pub use backend::{BackendError, DeviceBackend, DevicePtr, EventHandle, MemInfo, PhysicalHandle, StreamId};
+pub use config::{AllocatorConfig, AllocatorConfigBuilder, ConfigError, Preset};
+pub use error::{AllocError, OomReport, OomVerdict, Result};
+pub use format::format_size;
+pub use size_class::{round_size, PoolKind};
+pub use stats::{MemoryStats, Stat, StatArray, StatType};
