@@ -1,0 +1,7 @@
+//! The single integration-test binary. Each module is one area; shared helpers live in `util`.
+
+mod caching;
+mod config_env;
+mod faults;
+mod props;
+mod util;
