@@ -26,3 +26,7 @@ pub use format::format_size;
 pub use replay::{Placement, ReplayError, ReplayOptions, ReplayReport, replay, replay_with};
 pub use size_class::{PoolKind, round_size};
 pub use stats::{MemoryStats, Stat, StatArray, StatType};
+
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

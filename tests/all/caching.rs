@@ -3,7 +3,7 @@
 
 use cuda_caching_allocator::*;
 
-use crate::util::{pytorch_on, with_config, MIB};
+use crate::util::{MIB, pytorch_on, with_config};
 
 const S0: StreamId = StreamId(0);
 const S1: StreamId = StreamId(1);
@@ -35,13 +35,20 @@ fn small_requests_pack_into_one_2mib_segment() {
     assert_eq!(st.memory_reserved(), 2 * MIB as i64);
     // The 2 MiB - 1 MiB - 1 KiB tail is one inactive split block.
     assert_eq!(st.inactive_split.get(StatType::All).current, 1);
-    assert_eq!(st.inactive_split_bytes.get(StatType::All).current, (MIB - 1024) as i64);
+    assert_eq!(
+        st.inactive_split_bytes.get(StatType::All).current,
+        (MIB - 1024) as i64
+    );
     for p in [x, y, z] {
         a.free(p.ptr).unwrap();
         a.check_invariants().unwrap();
     }
     let st = a.memory_stats();
-    assert_eq!(st.inactive_split.get(StatType::All).current, 0, "all merged back into one block");
+    assert_eq!(
+        st.inactive_split.get(StatType::All).current,
+        0,
+        "all merged back into one block"
+    );
 }
 
 #[test]
@@ -53,7 +60,11 @@ fn large_pool_split_rule_keeps_up_to_1mib_of_slack() {
     assert_eq!(a.memory_stats().memory_reserved(), 20 * MIB as i64);
     // 19 MiB request from the 20 MiB - (1 MiB + 512) remainder: remainder 523776 < 1 MiB: no split.
     let y = a.allocate(18 * MIB, S0).unwrap();
-    assert_eq!(y.ptr.0, x.ptr.0 + (MIB + 512) as u64, "best fit takes the cached remainder");
+    assert_eq!(
+        y.ptr.0,
+        x.ptr.0 + (MIB + 512) as u64,
+        "best fit takes the cached remainder"
+    );
     assert_eq!(a.memory_stats().segment.get(StatType::All).current, 1);
     a.free(x.ptr).unwrap();
     a.free(y.ptr).unwrap();
@@ -78,7 +89,10 @@ fn best_fit_breaks_ties_by_address() {
     a.free(sorted[3].ptr).unwrap();
     a.free(sorted[1].ptr).unwrap();
     let again = a.allocate(12 * MIB, S0).unwrap();
-    assert_eq!(again.ptr, sorted[1].ptr, "the lower of two equal free blocks");
+    assert_eq!(
+        again.ptr, sorted[1].ptr,
+        "the lower of two equal free blocks"
+    );
     for b in [again, sorted[0], sorted[2]] {
         a.free(b.ptr).unwrap();
     }
@@ -104,7 +118,11 @@ fn empty_cache_releases_only_wholly_free_segments() {
     a.free(y.ptr).unwrap();
     a.empty_cache().unwrap();
     let st = a.memory_stats();
-    assert_eq!(st.memory_reserved(), 2 * MIB as i64, "the small segment is still in use");
+    assert_eq!(
+        st.memory_reserved(),
+        2 * MIB as i64,
+        "the small segment is still in use"
+    );
     assert_eq!(st.num_device_free, 1);
     a.free(x.ptr).unwrap();
     a.empty_cache().unwrap();
@@ -160,7 +178,11 @@ fn fraction_cap_is_checked_before_the_device() {
     let x = a.allocate(60 * MIB, S0).unwrap();
     let calls = a.backend().counters().allocate_calls;
     let err = a.allocate(60 * MIB, S0).unwrap_err();
-    assert_eq!(a.backend().counters().allocate_calls, calls, "no device call above the cap");
+    assert_eq!(
+        a.backend().counters().allocate_calls,
+        calls,
+        "no device call above the cap"
+    );
     let r = err.oom_report().unwrap();
     assert_eq!(r.verdict, OomVerdict::FractionCapReached);
     assert_eq!(r.limit_bytes, Some(100 * MIB));
@@ -174,7 +196,10 @@ fn fraction_cap_is_checked_before_the_device() {
     let y = a.allocate(60 * MIB, S0).unwrap();
     a.free(x.ptr).unwrap();
     a.free(y.ptr).unwrap();
-    assert!(matches!(a.set_memory_fraction(1.5), Err(AllocError::InvalidFraction(_))));
+    assert!(matches!(
+        a.set_memory_fraction(1.5),
+        Err(AllocError::InvalidFraction(_))
+    ));
     assert!(a.set_memory_fraction(f64::NAN).is_err());
     a.check_invariants().unwrap();
 }
@@ -214,7 +239,9 @@ fn oom_verdicts_name_the_cause() {
     let a = pytorch_on(64 * MIB);
     let err = a.allocate(100 * MIB, S0).unwrap_err();
     assert_eq!(err.oom_report().unwrap().verdict, OomVerdict::DeviceFull);
-    assert!(err.to_string().starts_with("CUDA out of memory. Tried to allocate 100.00 MiB. GPU 0 has a total capacity of 64.00 MiB"));
+    assert!(err.to_string().starts_with(
+        "CUDA out of memory. Tried to allocate 100.00 MiB. GPU 0 has a total capacity of 64.00 MiB"
+    ));
     // Free whole segments are flushed first; then the device is full.
     let a = pytorch_on(64 * MIB);
     let pieces: Vec<_> = (0..6).map(|_| a.allocate(10 * MIB, S0).unwrap()).collect();
@@ -224,7 +251,11 @@ fn oom_verdicts_name_the_cause() {
     a.backend().fail_allocations_above(Some(0)); // the device refuses everything now
     let err = a.allocate(25 * MIB, S0).unwrap_err();
     let r = err.oom_report().unwrap();
-    assert_eq!(r.verdict, OomVerdict::DeviceFull, "flush released the free 10 MiB segments: {r:?}");
+    assert_eq!(
+        r.verdict,
+        OomVerdict::DeviceFull,
+        "flush released the free 10 MiB segments: {r:?}"
+    );
     a.backend().clear_faults();
     for p in pieces.iter().skip(1).step_by(2) {
         a.free(p.ptr).unwrap();
@@ -233,8 +264,15 @@ fn oom_verdicts_name_the_cause() {
 
     // Fragmented: 12 MiB free in one segment, in two 6 MiB pieces; an 8 MiB request cannot fit.
     let a = pytorch_on(64 * MIB);
-    let p: Vec<_> = [6 * MIB, 6 * MIB, 6 * MIB, 3 * MIB / 2].iter().map(|&n| a.allocate(n, S0).unwrap()).collect();
-    assert_eq!(a.memory_stats().segment.get(StatType::All).current, 1, "all four share one 20 MiB segment");
+    let p: Vec<_> = [6 * MIB, 6 * MIB, 6 * MIB, 3 * MIB / 2]
+        .iter()
+        .map(|&n| a.allocate(n, S0).unwrap())
+        .collect();
+    assert_eq!(
+        a.memory_stats().segment.get(StatType::All).current,
+        1,
+        "all four share one 20 MiB segment"
+    );
     a.free(p[0].ptr).unwrap();
     a.free(p[2].ptr).unwrap();
     a.backend().fail_allocations_above(Some(0));
@@ -260,12 +298,26 @@ fn bad_input_is_rejected_and_changes_nothing() {
         let b = pytorch_on(1 << 30);
         b.memory_stats()
     });
-    assert!(matches!(a.allocate(1 << 60, S0), Err(AllocError::TooLarge { .. })));
-    assert!(a.allocate(usize::MAX, S0).unwrap_err().to_string().contains("more than 1EB"));
+    assert!(matches!(
+        a.allocate(1 << 60, S0),
+        Err(AllocError::TooLarge { .. })
+    ));
+    assert!(
+        a.allocate(usize::MAX, S0)
+            .unwrap_err()
+            .to_string()
+            .contains("more than 1EB")
+    );
     let x = a.allocate(4096, S0).unwrap();
     let before = a.memory_stats();
-    assert!(matches!(a.free(DevicePtr(12345)), Err(AllocError::UnknownPointer { .. })));
-    assert!(matches!(a.free(x.ptr.offset(512)), Err(AllocError::InteriorPointer { .. })));
+    assert!(matches!(
+        a.free(DevicePtr(12345)),
+        Err(AllocError::UnknownPointer { .. })
+    ));
+    assert!(matches!(
+        a.free(x.ptr.offset(512)),
+        Err(AllocError::InteriorPointer { .. })
+    ));
     a.free(x.ptr).unwrap();
     let after_free = a.memory_stats();
     assert!(matches!(a.free(x.ptr), Err(AllocError::DoubleFree { .. })));
@@ -274,7 +326,10 @@ fn bad_input_is_rejected_and_changes_nothing() {
     a.backend().reject_stream(StreamId(99));
     let err = a.allocate(10, StreamId(99)).unwrap_err();
     assert!(matches!(err, AllocError::InvalidStream { .. }), "{err}");
-    assert!(matches!(a.record_stream(DevicePtr(4), S1), Err(AllocError::UnknownPointer { .. })));
+    assert!(matches!(
+        a.record_stream(DevicePtr(4), S1),
+        Err(AllocError::UnknownPointer { .. })
+    ));
     a.check_invariants().unwrap();
 }
 
@@ -289,11 +344,19 @@ fn record_stream_defers_reuse_until_the_other_stream_is_done() {
     a.free(x.ptr).unwrap();
     let st = a.memory_stats();
     assert_eq!(st.allocation.get(StatType::All).current, 0);
-    assert_eq!(st.active.get(StatType::All).current, 1, "pending free stays active");
+    assert_eq!(
+        st.active.get(StatType::All).current,
+        1,
+        "pending free stays active"
+    );
     let y = a.allocate(8192, S0).unwrap();
     assert_ne!(y.ptr, x.ptr, "not reused while the side stream runs");
     let snap = a.snapshot();
-    assert!(snap.iter().flat_map(|s| &s.blocks).any(|b| b.state == BlockState::ActivePendingFree));
+    assert!(
+        snap.iter()
+            .flat_map(|s| &s.blocks)
+            .any(|b| b.state == BlockState::ActivePendingFree)
+    );
     a.check_invariants().unwrap();
     a.backend().complete_work(side);
     let z = a.allocate(8192, S0).unwrap();
@@ -350,10 +413,17 @@ fn stats_resets_and_summary() {
     let st = a.memory_stats();
     assert_eq!(st.allocated_bytes.get(StatType::All).allocated, 0);
     assert_eq!(st.num_device_alloc, 0);
-    assert_eq!(st.memory_reserved(), (20 * MIB) as i64, "current values survive resets");
+    assert_eq!(
+        st.memory_reserved(),
+        (20 * MIB) as i64,
+        "current values survive resets"
+    );
     let s = a.memory_summary(false);
     assert!(s.contains("PyTorch CUDA memory summary, device ID 0"));
-    assert!(s.contains("| GPU reserved memory   |  20480 KiB |  20480 KiB |      0 B   |      0 B   |"), "{s}");
+    assert!(
+        s.contains("| GPU reserved memory   |  20480 KiB |  20480 KiB |      0 B   |      0 B   |"),
+        "{s}"
+    );
     assert_eq!(a.memory_stats().max_split_size, -1);
 }
 
@@ -410,4 +480,52 @@ fn allocator_is_send_and_sync_and_threads_agree() {
     a.empty_cache().unwrap();
     assert_eq!(a.memory_stats().memory_reserved(), 0);
     a.check_invariants().unwrap();
+}
+
+#[test]
+fn recorded_history_replays_to_the_same_figures() {
+    let a = pytorch_on(8 << 30);
+    a.record_history(1 << 16);
+    let mut live = Vec::new();
+    for i in 0..300usize {
+        live.push(
+            a.allocate(1 + (i * 104_729) % (24 * MIB), StreamId((i % 2) as u64))
+                .unwrap(),
+        );
+        if i % 3 == 2 {
+            let x = live.swap_remove(i % live.len());
+            a.free(x.ptr).unwrap();
+        }
+        if i == 150 {
+            a.empty_cache().unwrap();
+        }
+    }
+    let (trace, dropped) = a.history();
+    assert_eq!(dropped, 0);
+    assert!(
+        trace
+            .events
+            .iter()
+            .any(|e| matches!(e.op, trace::TraceOp::SegmentAlloc { .. }))
+    );
+    let b = pytorch_on(8 << 30);
+    let r = replay(
+        &b,
+        &trace,
+        &ReplayOptions {
+            check_invariants: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let st = a.memory_stats();
+    assert_eq!(r.peak_reserved_bytes as i64, st.max_memory_reserved());
+    assert_eq!(r.final_stats, st);
+    // The replayed allocator placed every segment where the recorded one had it.
+    assert_eq!(b.snapshot(), a.snapshot());
+    a.stop_history();
+    assert!(a.history().0.events.is_empty());
+    for x in live {
+        a.free(x.ptr).unwrap();
+    }
 }

@@ -21,13 +21,20 @@ fn environment_variables_in_order() {
     // SAFETY: as above.
     unsafe { std::env::set_var("CUDA_CACHING_ALLOCATOR_CONF", "expandable_segments:yes") };
     let e: ConfigError = AllocatorConfig::from_env_or(AllocatorConfig::pytorch()).unwrap_err();
-    assert!(e.message().starts_with("CUDA_CACHING_ALLOCATOR_CONF: Expected 'True' or 'False'"), "{e}");
+    assert!(
+        e.message()
+            .starts_with("CUDA_CACHING_ALLOCATOR_CONF: Expected 'True' or 'False'"),
+        "{e}"
+    );
     // SAFETY: as above.
     unsafe {
         std::env::remove_var("CUDA_CACHING_ALLOCATOR_CONF");
         std::env::remove_var("PYTORCH_CUDA_ALLOC_CONF");
     }
-    assert_eq!(AllocatorConfig::from_env_or(Preset::Pytorch.config()).unwrap(), AllocatorConfig::pytorch());
+    assert_eq!(
+        AllocatorConfig::from_env_or(Preset::Pytorch.config()).unwrap(),
+        AllocatorConfig::pytorch()
+    );
 }
 
 #[test]

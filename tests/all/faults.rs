@@ -48,7 +48,10 @@ fn run(sim_capacity: usize, fail: Option<(u64, FaultKind)>) -> u64 {
             Step::Alloc(size, s) => match a.allocate(size, StreamId(s)) {
                 Ok(x) => slots.push(Some(x)),
                 Err(e) => {
-                    assert!(e.is_out_of_memory() || matches!(e, AllocError::Backend { .. }), "{e}");
+                    assert!(
+                        e.is_out_of_memory() || matches!(e, AllocError::Backend { .. }),
+                        "{e}"
+                    );
                     slots.push(None);
                 }
             },
@@ -67,14 +70,24 @@ fn run(sim_capacity: usize, fail: Option<(u64, FaultKind)>) -> u64 {
                 let _ = a.empty_cache();
             }
         }
-        a.check_invariants().unwrap_or_else(|v| panic!("after {step:?} with fault {fail:?}: {v}"));
+        a.check_invariants()
+            .unwrap_or_else(|v| panic!("after {step:?} with fault {fail:?}: {v}"));
         // No live allocation lost: the allocator still counts every one we hold.
         let live: Vec<&Allocation> = slots.iter().flatten().collect();
         let st = a.memory_stats();
-        assert_eq!(st.allocation.get(StatType::All).current as usize, live.len());
-        assert_eq!(st.memory_allocated() as usize, live.iter().map(|x| x.block_size).sum::<usize>());
+        assert_eq!(
+            st.allocation.get(StatType::All).current as usize,
+            live.len()
+        );
+        assert_eq!(
+            st.memory_allocated() as usize,
+            live.iter().map(|x| x.block_size).sum::<usize>()
+        );
         assert!(st.memory_allocated() <= st.memory_reserved());
-        assert_eq!(st.memory_reserved() as usize, a.backend().counters().reserved_bytes);
+        assert_eq!(
+            st.memory_reserved() as usize,
+            a.backend().counters().reserved_bytes
+        );
     }
     for x in slots.into_iter().flatten() {
         a.free(x.ptr).unwrap();

@@ -54,7 +54,10 @@ fn config_strategy() -> impl Strategy<Value = AllocatorConfig> {
     .prop_map(|s| AllocatorConfig::parse(&s).unwrap())
 }
 
-fn check_model(a: &CachingAllocator<SimDevice>, live: &BTreeMap<u64, Allocation>) -> Result<(), TestCaseError> {
+fn check_model(
+    a: &CachingAllocator<SimDevice>,
+    live: &BTreeMap<u64, Allocation>,
+) -> Result<(), TestCaseError> {
     if let Err(v) = a.check_invariants() {
         return Err(TestCaseError::fail(format!("invariant: {v}")));
     }
@@ -70,18 +73,35 @@ fn check_model(a: &CachingAllocator<SimDevice>, live: &BTreeMap<u64, Allocation>
         prop_assert!(x.block_size >= x.size);
     }
     let st = a.memory_stats();
-    prop_assert_eq!(st.allocation.get(StatType::All).current as usize, live.len());
-    prop_assert_eq!(st.memory_allocated() as usize, live.values().map(|x| x.block_size).sum::<usize>());
+    prop_assert_eq!(
+        st.allocation.get(StatType::All).current as usize,
+        live.len()
+    );
+    prop_assert_eq!(
+        st.memory_allocated() as usize,
+        live.values().map(|x| x.block_size).sum::<usize>()
+    );
     prop_assert!(st.memory_allocated() <= st.memory_reserved());
-    prop_assert_eq!(st.memory_reserved() as usize, a.backend().counters().reserved_bytes);
-    for arr in [&st.allocated_bytes, &st.reserved_bytes, &st.active_bytes, &st.requested_bytes, &st.segment] {
+    prop_assert_eq!(
+        st.memory_reserved() as usize,
+        a.backend().counters().reserved_bytes
+    );
+    for arr in [
+        &st.allocated_bytes,
+        &st.reserved_bytes,
+        &st.active_bytes,
+        &st.requested_bytes,
+        &st.segment,
+    ] {
         for t in StatType::ALL {
             let s = arr.get(t);
             prop_assert!(s.peak >= s.current && s.current >= 0);
             prop_assert_eq!(s.allocated - s.freed, s.current);
         }
     }
-    prop_assert!(st.requested_bytes.get(StatType::All).current <= st.active_bytes.get(StatType::All).current);
+    prop_assert!(
+        st.requested_bytes.get(StatType::All).current <= st.active_bytes.get(StatType::All).current
+    );
     Ok(())
 }
 
