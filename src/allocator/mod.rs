@@ -20,6 +20,7 @@ use parking_lot::Mutex;
 
 pub use invariants::InvariantViolation;
 pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
+pub use summary::memory_summary;
 
 use crate::backend::{DeviceBackend, DevicePtr, StreamId};
 use crate::config::AllocatorConfig;

@@ -3,5 +3,6 @@
 mod caching;
 mod config_env;
 mod faults;
+mod fidelity;
 mod props;
 mod util;
