@@ -137,6 +137,10 @@ pub struct AllocatorConfig {
     pub throw_on_cudamalloc_oom: bool,
     /// Accepted for compatibility (CUDA-graph capture is not modelled).
     pub graph_capture_record_stream_reuse: bool,
+    /// Per-thread front caches in front of the core (crate key `fast_path`): cache hits and
+    /// frees of this thread's blocks take no global lock. Off in the `pytorch` presets (which
+    /// must reproduce PyTorch exactly), on in the crate's default. See `benches/README.md`.
+    pub fast_path: bool,
     /// The original configuration string, when parsed from one.
     pub settings: String,
 }
@@ -155,6 +159,7 @@ impl AllocatorConfig {
             release_lock_on_cudamalloc: false,
             throw_on_cudamalloc_oom: false,
             graph_capture_record_stream_reuse: false,
+            fast_path: false,
             settings: String::new(),
         }
     }
@@ -256,6 +261,7 @@ impl AllocatorConfig {
 
     /// The rounding divisions that apply to a request of `size` bytes (PyTorch's bucket rule:
     /// `clamp(log2(size) - 20, 0, 15)`).
+    #[inline]
     pub fn divisions_for(&self, size: usize) -> usize {
         let log_size = usize::BITS as usize - 1 - size.max(1).leading_zeros() as usize;
         let index = log_size.saturating_sub(20).min(ROUNDUP_POWER2_BUCKETS - 1);
@@ -264,10 +270,13 @@ impl AllocatorConfig {
 }
 
 impl Default for AllocatorConfig {
-    /// The crate's own default. Today it equals the `pytorch` preset; policies that waste less are
-    /// chosen here by measurement (see `benches/README.md`).
+    /// The crate's own default: the `pytorch` preset with the fast path on. Policies that waste
+    /// less are chosen here by measurement (see `benches/README.md`).
     fn default() -> Self {
-        AllocatorConfig::pytorch()
+        AllocatorConfig {
+            fast_path: true,
+            ..AllocatorConfig::pytorch()
+        }
     }
 }
 
@@ -344,6 +353,13 @@ impl AllocatorConfigBuilder {
     /// `throw_on_cudamalloc_oom`.
     pub fn throw_on_cudamalloc_oom(mut self, on: bool) -> Self {
         self.config.throw_on_cudamalloc_oom = on;
+        self
+    }
+
+    /// `fast_path` (crate-specific): per-thread front caches that serve cache hits without the
+    /// global lock.
+    pub fn fast_path(mut self, on: bool) -> Self {
+        self.config.fast_path = on;
         self
     }
 

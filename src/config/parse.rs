@@ -218,6 +218,12 @@ pub(super) fn apply(
                 i += 2;
                 c.graph_capture_record_stream_reuse = t.boolean(i)?;
             }
+            // Crate-specific: per-thread front caches (not a PyTorch key).
+            "fast_path" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                c.fast_path = t.boolean(i)?;
+            }
             "backend" => {
                 t.expect(i + 1, ":")?;
                 i += 2;
@@ -373,6 +379,11 @@ mod tests {
             parse("release_lock_on_cudamalloc:True,backend:native,pinned_num_register_threads:8")
                 .unwrap();
         assert!(c.release_lock_on_cudamalloc);
+        assert!(!c.fast_path);
+        assert!(parse("fast_path:True").unwrap().fast_path);
+        let c = apply(AllocatorConfig::default(), "fast_path:False").unwrap();
+        assert!(!c.fast_path);
+        assert!(err("fast_path:yes").contains("Expected 'True' or 'False'"));
     }
 
     #[test]
