@@ -1,0 +1,529 @@
+//! The owner's half of a thread cache, in a `thread_local!` table keyed by allocator id: the
+//! address index of the blocks it manages, their bins by `(stream, rounded size)`, and its
+//! bookkeeping. Only its thread touches it, so a hit or a cached free costs one
+//! compare-and-swap on the block's descriptor and no lock.
+//!
+//! The bin table is direct-mapped with two probes per key; a slot holds up to [`SLOT_CAP`]
+//! blocks of one key. A key that misses where other keys hold both probe slots strikes the
+//! weaker one; after [`EVICT_STRIKES`] strikes that slot's blocks go back to the core and the key
+//! takes it. Nothing here allocates on a hit or a cached free: the descriptor chunks, the index
+//! and the bin table reach their working size and stay there.
+//!
+//! When the thread exits, its table is dropped and each cache is marked exited; the allocator
+//! takes the cached blocks back at its next locked operation. May use: `shared`, `backend`
+//! values, `size_class`, `state::AddrMap`.
+#![forbid(unsafe_code)]
+
+use std::cell::RefCell;
+use std::sync::Arc;
+
+use super::shared::{CACHED, CHUNK, Chunk, Desc, DescView, GONE, LIVE, Shared, Taken, VACANT};
+use crate::allocator::state::AddrMap;
+use crate::backend::StreamId;
+use crate::size_class::PoolKind;
+
+/// Slots in a thread's bin table (a power of two).
+pub(crate) const SLOTS: usize = 256;
+/// Blocks one slot holds.
+pub(crate) const SLOT_CAP: usize = 8;
+/// Strikes after which a slot's key gives way to a key that keeps missing.
+pub(crate) const EVICT_STRIKES: u8 = 2;
+
+/// Bounds of one thread cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Bounds {
+    /// Largest block managed.
+    pub(crate) max_block: usize,
+    /// Most bytes kept in bins.
+    pub(crate) max_bytes: usize,
+    /// Blocks of this size or more are never managed (PyTorch's oversize blocks).
+    pub(crate) max_split_size: usize,
+}
+
+/// What the owner knows about one of its descriptors.
+#[derive(Clone, Copy, Debug)]
+struct Meta {
+    ptr: u64,
+    block_size: usize,
+    rounded: usize,
+    stream: StreamId,
+    kind: PoolKind,
+    /// In a bin (the owner's view: it cached the block and has not taken it back).
+    in_bin: bool,
+}
+
+const NO_META: Meta = Meta {
+    ptr: 0,
+    block_size: 0,
+    rounded: 0,
+    stream: StreamId(0),
+    kind: PoolKind::Small,
+    in_bin: false,
+};
+
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    /// The key's rounded size; 0 for a slot no key holds.
+    size: usize,
+    stream: StreamId,
+    len: u8,
+    strikes: u8,
+    idx: [u32; SLOT_CAP],
+}
+
+const EMPTY_SLOT: Slot = Slot {
+    size: 0,
+    stream: StreamId(0),
+    len: 0,
+    strikes: 0,
+    idx: [0; SLOT_CAP],
+};
+
+#[inline]
+fn home_slot(stream: StreamId, rounded: usize) -> usize {
+    const K: u64 = 0x9e37_79b9_7f4a_7c15;
+    let h = ((rounded as u64 >> 9) ^ stream.0.wrapping_mul(K)).wrapping_mul(K);
+    (h >> (64 - SLOTS.trailing_zeros())) as usize
+}
+
+/// What a free found in the owner's cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Give {
+    /// The block went into a bin.
+    Cached,
+    /// The block was already cached: a double free.
+    DoubleFree,
+    /// Take the locked path (no room, `record_stream`, caching off for now, or not managed
+    /// here).
+    Slow,
+}
+
+/// Blocks a slot eviction took out of their bin (descriptor indices).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Evicted {
+    pub(crate) idx: [u32; SLOT_CAP],
+    pub(crate) len: usize,
+}
+
+/// The owner's half of one thread cache.
+#[derive(Debug)]
+pub(crate) struct Local {
+    pub(crate) shared: Arc<Shared>,
+    chunks: Vec<Arc<Chunk>>,
+    meta: Vec<Meta>,
+    vacant: Vec<u32>,
+    index: AddrMap<u32>,
+    slots: Box<[Slot]>,
+    bounds: Bounds,
+    pub(crate) cached_bytes: usize,
+    pub(crate) cached_count: usize,
+    pub(crate) live_count: usize,
+}
+
+impl Local {
+    pub(crate) fn new(shared: Arc<Shared>, bounds: Bounds) -> Self {
+        Local {
+            shared,
+            chunks: Vec::new(),
+            meta: Vec::new(),
+            vacant: Vec::new(),
+            index: AddrMap::default(),
+            slots: vec![EMPTY_SLOT; SLOTS].into_boxed_slice(),
+            bounds,
+            cached_bytes: 0,
+            cached_count: 0,
+            live_count: 0,
+        }
+    }
+
+    #[inline]
+    fn desc(&self, i: u32) -> Option<&Desc> {
+        self.chunks
+            .get(i as usize / CHUNK)
+            .map(|c| &c.0[i as usize % CHUNK])
+    }
+
+    #[inline]
+    fn find_slot(&self, stream: StreamId, rounded: usize) -> Option<usize> {
+        let i = home_slot(stream, rounded);
+        [i, i ^ 1].into_iter().find(|&s| {
+            let slot = &self.slots[s];
+            slot.size == rounded && slot.stream == stream
+        })
+    }
+
+    /// A cache hit: a cached block for `(stream, rounded)`, now live for a request of `req`
+    /// bytes. Returns `(address, block size)`.
+    #[inline]
+    pub(crate) fn take(
+        &mut self,
+        stream: StreamId,
+        rounded: usize,
+        req: usize,
+    ) -> Option<(u64, usize)> {
+        let s = self.find_slot(stream, rounded)?;
+        let len = self.slots[s].len as usize;
+        let i = *self.slots[s].idx.get(len.checked_sub(1)?)?;
+        let d = self.desc(i)?;
+        // A flush may have taken it (GONE): the locked path cleans up.
+        d.transition(CACHED, LIVE).ok()?;
+        d.set_user_req(req);
+        let slot = &mut self.slots[s];
+        slot.len -= 1;
+        slot.strikes = 0;
+        let m = self.meta.get_mut(i as usize)?;
+        m.in_bin = false;
+        let (ptr, bs, kind) = (m.ptr, m.block_size, m.kind);
+        self.cached_bytes -= bs;
+        self.cached_count -= 1;
+        self.live_count += 1;
+        self.shared.counters.hit(kind, bs, req);
+        Some((ptr, bs))
+    }
+
+    /// A free of `ptr`: into a bin when it is managed here, live, there is room, and
+    /// `may_cache`.
+    #[inline]
+    pub(crate) fn give(&mut self, ptr: u64, may_cache: bool) -> Give {
+        let Some(&i) = self.index.get(&ptr) else {
+            return Give::Slow;
+        };
+        let Some(m) = self.meta.get(i as usize).copied() else {
+            return Give::Slow;
+        };
+        let Some(d) = self.desc(i) else {
+            return Give::Slow;
+        };
+        if !may_cache
+            || d.needs_core.load(std::sync::atomic::Ordering::Relaxed)
+            || self.cached_bytes + m.block_size > self.bounds.max_bytes
+        {
+            return Give::Slow;
+        }
+        let home = home_slot(m.stream, m.rounded);
+        let mut target = None;
+        for s in [home, home ^ 1] {
+            let slot = &self.slots[s];
+            if slot.size == m.rounded && slot.stream == m.stream {
+                target = Some(s);
+                break;
+            }
+            if slot.len == 0 && target.is_none() {
+                target = Some(s);
+            }
+        }
+        let Some(s) = target else {
+            return Give::Slow;
+        };
+        if self.slots[s].len as usize >= SLOT_CAP {
+            return Give::Slow;
+        }
+        match d.transition(LIVE, CACHED) {
+            Ok(()) => {}
+            Err(CACHED) => return Give::DoubleFree,
+            Err(_) => return Give::Slow,
+        }
+        let req = d.user_req();
+        let slot = &mut self.slots[s];
+        if slot.size != m.rounded || slot.stream != m.stream {
+            *slot = Slot {
+                size: m.rounded,
+                stream: m.stream,
+                ..EMPTY_SLOT
+            };
+        }
+        slot.idx[slot.len as usize] = i;
+        slot.len += 1;
+        if let Some(m) = self.meta.get_mut(i as usize) {
+            m.in_bin = true;
+        }
+        self.cached_bytes += m.block_size;
+        self.cached_count += 1;
+        self.live_count -= 1;
+        self.shared.counters.cache(m.kind, m.block_size, req);
+        Give::Cached
+    }
+
+    // ---- locked path (the caller holds the core lock) ---------------------------------------
+
+    /// The descriptor index and state of a block managed here.
+    pub(crate) fn find(&self, ptr: u64) -> Option<(u32, u32)> {
+        let &i = self.index.get(&ptr)?;
+        let d = self.desc(i)?;
+        Some((i, d.state.load(std::sync::atomic::Ordering::Acquire)))
+    }
+
+    /// Whether a new block for `(stream, rounded)` should be managed here: a probe slot holds
+    /// the key with room, or is free to take. Otherwise the weaker probe slot takes a strike and,
+    /// at [`EVICT_STRIKES`], gives way: its blocks come back in `evicted` (for
+    /// [`evict`](Self::evict)) and the key takes the slot.
+    pub(crate) fn claim(
+        &mut self,
+        stream: StreamId,
+        rounded: usize,
+        evicted: &mut Evicted,
+    ) -> bool {
+        evicted.len = 0;
+        let home = home_slot(stream, rounded);
+        let mut free = None;
+        for s in [home, home ^ 1] {
+            let slot = &self.slots[s];
+            if slot.size == rounded && slot.stream == stream {
+                return (slot.len as usize) < SLOT_CAP;
+            }
+            if slot.len == 0 && free.is_none() {
+                free = Some(s);
+            }
+        }
+        if let Some(s) = free {
+            self.slots[s] = Slot {
+                size: rounded,
+                stream,
+                ..EMPTY_SLOT
+            };
+            return true;
+        }
+        let (a, b) = (home, home ^ 1);
+        let victim = if self.slots[a].strikes >= self.slots[b].strikes {
+            a
+        } else {
+            b
+        };
+        let slot = &mut self.slots[victim];
+        slot.strikes = slot.strikes.saturating_add(1);
+        if slot.strikes < EVICT_STRIKES {
+            return false;
+        }
+        let n = slot.len as usize;
+        evicted.idx[..n].copy_from_slice(&slot.idx[..n]);
+        evicted.len = n;
+        *slot = Slot {
+            size: rounded,
+            stream,
+            ..EMPTY_SLOT
+        };
+        for k in 0..n {
+            if let Some(m) = self.meta.get_mut(evicted.idx[k] as usize) {
+                m.in_bin = false;
+            }
+        }
+        true
+    }
+
+    /// Takes back an evicted cached block for the core: its contribution leaves the delta.
+    /// `None` if it was not cached any more.
+    pub(crate) fn evict(&mut self, i: u32) -> Option<DescView> {
+        let d = self.desc(i)?;
+        d.transition(CACHED, VACANT).ok()?;
+        let v = d.view();
+        self.shared.counters.retire(v.kind, v.contribution(CACHED));
+        self.cached_count -= 1;
+        self.cached_bytes -= v.block_size;
+        self.forget(i, v.ptr);
+        Some(v)
+    }
+
+    /// Takes back a live block of this thread for the core (a free that cannot be cached).
+    /// `Err(state)` when it is not live.
+    pub(crate) fn retire_live(&mut self, i: u32) -> Result<DescView, u32> {
+        let d = self.desc(i).ok_or(VACANT)?;
+        d.transition(LIVE, VACANT)?;
+        let v = d.view();
+        self.shared.counters.retire(v.kind, v.contribution(LIVE));
+        self.live_count -= 1;
+        self.forget(i, v.ptr);
+        Ok(v)
+    }
+
+    fn forget(&mut self, i: u32, ptr: u64) {
+        if self.index.get(&ptr) == Some(&i) {
+            self.index.remove(&ptr);
+        }
+        if let Some(m) = self.meta.get_mut(i as usize) {
+            *m = NO_META;
+        }
+        self.vacant.push(i);
+    }
+
+    /// Starts managing a block the core just allocated for a user on this thread; returns its
+    /// descriptor index.
+    pub(crate) fn register(&mut self, v: &DescView, rounded: usize, stream: StreamId) -> u32 {
+        let i = match self.vacant.pop() {
+            Some(i) => i,
+            None => {
+                let n = self.meta.len();
+                if n % CHUNK == 0 {
+                    let c = Arc::new(Chunk::default());
+                    self.shared.chunks.lock().push(Arc::clone(&c));
+                    self.chunks.push(c);
+                }
+                self.meta.push(NO_META);
+                n as u32
+            }
+        };
+        if let Some(d) = self.desc(i) {
+            d.fill(v);
+        }
+        if let Some(m) = self.meta.get_mut(i as usize) {
+            *m = Meta {
+                ptr: v.ptr,
+                block_size: v.block_size,
+                rounded,
+                stream,
+                kind: v.kind,
+                in_bin: false,
+            };
+        }
+        self.index.insert(v.ptr, i);
+        self.live_count += 1;
+        i
+    }
+
+    /// Cleans up after blocks other threads took away (flushed or freed): each leaves the bins
+    /// and the index, and its contribution moves from the foreign account (through `f`) back into
+    /// this cache's delta as retired.
+    pub(crate) fn process_taken(&mut self, mut f: impl FnMut(&Taken)) {
+        let taken = std::mem::take(&mut *self.shared.taken.lock());
+        for t in &taken {
+            let i = t.desc;
+            let Some(m) = self.meta.get(i as usize).copied() else {
+                continue;
+            };
+            if m.in_bin {
+                if let Some(s) = self.find_slot(m.stream, m.rounded) {
+                    let slot = &mut self.slots[s];
+                    let n = slot.len as usize;
+                    if let Some(k) = slot.idx[..n].iter().position(|&x| x == i) {
+                        slot.idx.copy_within(k + 1..n, k);
+                        slot.len -= 1;
+                    }
+                }
+                self.cached_count -= 1;
+                self.cached_bytes -= m.block_size;
+            } else {
+                self.live_count -= 1;
+            }
+            self.shared.counters.retire(t.kind, t.contribution);
+            f(t);
+            if let Some(d) = self.desc(i) {
+                d.state.store(VACANT, std::sync::atomic::Ordering::Release);
+            }
+            self.forget(i, m.ptr);
+        }
+        // Keep the queue's buffer for next time (no allocation on the next flush).
+        let mut q = self.shared.taken.lock();
+        if q.is_empty() {
+            let mut taken = taken;
+            taken.clear();
+            *q = taken;
+        }
+    }
+
+    /// Checks the owner's structures against the descriptors: the bins hold exactly the
+    /// `CACHED` descriptors, each once, under its key; the index holds exactly the live and
+    /// cached ones; the counters match. Call after [`process_taken`](Self::process_taken).
+    pub(crate) fn check(&self) -> Result<(), String> {
+        let mut binned = vec![false; self.meta.len()];
+        let (mut cached, mut cached_bytes) = (0usize, 0usize);
+        for slot in self.slots.iter() {
+            for &i in &slot.idx[..slot.len as usize] {
+                let m = self.meta.get(i as usize).ok_or("bin names no descriptor")?;
+                let st = self
+                    .desc(i)
+                    .map(|d| d.state.load(std::sync::atomic::Ordering::Acquire));
+                if st != Some(CACHED) || !m.in_bin || binned[i as usize] {
+                    return Err(format!("bin entry {i} is not a cached block binned once"));
+                }
+                if (m.rounded, m.stream) != (slot.size, slot.stream) {
+                    return Err(format!("block {i} sits under another key"));
+                }
+                binned[i as usize] = true;
+                cached += 1;
+                cached_bytes += m.block_size;
+            }
+        }
+        let mut live = 0usize;
+        let mut indexed = 0usize;
+        for (i, m) in self.meta.iter().enumerate() {
+            let st = self
+                .desc(i as u32)
+                .map(|d| d.state.load(std::sync::atomic::Ordering::Acquire));
+            match st {
+                Some(LIVE) => live += 1,
+                Some(CACHED) if !binned[i] => return Err(format!("cached block {i} is in no bin")),
+                Some(GONE) => return Err(format!("block {i} taken away but not cleaned up")),
+                _ => {}
+            }
+            if matches!(st, Some(LIVE) | Some(CACHED)) {
+                indexed += 1;
+                if self.index.get(&m.ptr) != Some(&(i as u32)) {
+                    return Err(format!("managed block {i} is missing from the index"));
+                }
+            }
+        }
+        if indexed != self.index.len() {
+            return Err("the index holds blocks that are not managed".into());
+        }
+        if (cached, cached_bytes, live) != (self.cached_count, self.cached_bytes, self.live_count) {
+            return Err("cached/live counters disagree with a recount".into());
+        }
+        Ok(())
+    }
+}
+
+/// This thread's caches, by allocator id.
+#[derive(Debug)]
+struct Table(Vec<(u64, Local)>);
+
+impl Drop for Table {
+    fn drop(&mut self) {
+        for (_, local) in self.0.drain(..) {
+            local.shared.thread_exited();
+        }
+    }
+}
+
+thread_local! {
+    static TABLE: RefCell<Table> = const { RefCell::new(Table(Vec::new())) };
+}
+
+/// Runs `f` on this thread's cache for allocator `id`; `None` when it has none, or the table is
+/// in use or gone (the thread is exiting).
+#[inline]
+pub(crate) fn with_local<R>(id: u64, f: impl FnOnce(&mut Local) -> R) -> Option<R> {
+    TABLE
+        .try_with(|t| {
+            let mut t = t.try_borrow_mut().ok()?;
+            let (_, local) = t.0.iter_mut().find(|(i, _)| *i == id)?;
+            Some(f(local))
+        })
+        .ok()
+        .flatten()
+}
+
+/// Runs `f` on this thread's cache for allocator `id`, creating it with `make` first if there
+/// is none (dropping caches of allocators that no longer exist). `None` when the table is in use
+/// or gone, or `make` declines.
+pub(crate) fn with_local_or_make<R>(
+    id: u64,
+    make: impl FnOnce() -> Option<Local>,
+    f: impl FnOnce(&mut Local) -> R,
+) -> Option<R> {
+    TABLE
+        .try_with(|t| {
+            let mut t = t.try_borrow_mut().ok()?;
+            let pos = match t.0.iter().position(|(i, _)| *i == id) {
+                Some(p) => p,
+                None => {
+                    let local = make()?;
+                    // Only this table still holds the shared half of a dropped allocator's cache.
+                    t.0.retain(|(_, l)| Arc::strong_count(&l.shared) > 1);
+                    t.0.push((id, local));
+                    t.0.len() - 1
+                }
+            };
+            t.0.get_mut(pos).map(|(_, local)| f(local))
+        })
+        .ok()
+        .flatten()
+}

@@ -1,0 +1,743 @@
+//! The fast path: per-thread front caches in front of the core, so that a cache hit (an
+//! allocation of a size and stream this thread recently freed) and a free of a block this thread
+//! manages take no lock at all.
+//!
+//! # Design
+//!
+//! * **Ownership.** When the core allocates a block for a thread whose fast path is on, the block
+//!   becomes *managed* by that thread's cache: a descriptor in the cache's shared half
+//!   (`shared.rs`), an entry in the owner's address index (`local.rs`, thread-local), and a line
+//!   in the sharded owner map (`shards.rs`). For the core the block stays allocated until it
+//!   comes back, so the core's own invariants hold unchanged.
+//! * **Hit / cached free.** The owner frees a managed block into its bin of
+//!   `(stream, rounded size)` and allocates it from there again: a thread-local lookup and one
+//!   compare-and-swap on the block's descriptor (`LIVE ⇄ CACHED`), no lock.
+//! * **Everything else** takes the core lock, then the front's lock ([`FrontLocked`]), then
+//!   per-cache queue locks and shard locks, in that order (the fast path takes none).
+//!   A free from another thread finds the owner in the sharded map, takes the block from it
+//!   (`LIVE → GONE`) and frees it in the core.
+//! * **Memory is never lost to front caches.** Any thread holding the core lock can take every
+//!   thread's cached blocks back (`CACHED → GONE`), and does: before the core would grow (before
+//!   garbage collection, any device allocation, and the OOM path's release-and-retry chain), on
+//!   `empty_cache`, when the history recorder starts, when the allocator is dropped, and (at the
+//!   next locked operation) when the owner thread has exited. Caches are bounded ([`Bounds`]).
+//! * **Statistics** stay exact (`delta.rs`): a block in a front cache counts as *freed* for
+//!   `allocation`, `active`, `allocated_bytes`, `active_bytes` and `requested_bytes` (PyTorch's
+//!   meaning: allocated bytes drop on free). It stays unmerged until it is flushed, so it does
+//!   not count in `inactive_split` / `inactive_split_bytes`, and a snapshot shows it `inactive`.
+//!
+//! Note [Peaks with several threads]: `current`, `allocated` and `freed` are exact sums (a
+//! reader racing an operation in flight may see that one operation half-counted). The peaks of
+//! the five statistics above are exact when one thread at a time uses the allocator. When several
+//! threads hit their caches concurrently, each thread's peak candidate assumes that the others'
+//! caches stood still since they last took the core lock, so a reported peak can differ from the
+//! peak of any one global order of the operations by what the other threads' caches took in or
+//! handed out meanwhile; and after a peak reset from one thread, another thread's cache hits
+//! count towards the new peak from its next locked operation on.
+//!
+//! May use: `state` (its `pub(crate)` API), `snapshot`, `invariants`, `backend`, `config`,
+//! `size_class`, `stats`.
+#![forbid(unsafe_code)]
+
+mod delta;
+mod local;
+mod shards;
+mod shared;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+
+use parking_lot::Mutex;
+
+use super::Allocation;
+use super::invariants::InvariantViolation;
+use super::snapshot::{BlockState, SegmentSnapshot};
+use super::state::State;
+use crate::backend::{DeviceBackend, DevicePtr, StreamId};
+use crate::config::{AllocatorConfig, MIB};
+use crate::error::{AllocError, Result};
+use crate::size_class::{pool_kind, round_size};
+use crate::stats::{MemoryStats, StatType};
+use delta::{Delta, Five};
+use local::{Bounds, Evicted, Give, Local};
+use shards::Shards;
+use shared::{CACHED, DescView, GONE, LIVE, Shared, Taken};
+
+/// Largest block a thread cache manages (larger requests always take the core path).
+pub(crate) const MAX_FRONT_BLOCK: usize = 256 * MIB;
+/// Most bytes one thread cache keeps in its bins.
+pub(crate) const MAX_FRONT_BYTES: usize = 1024 * MIB;
+
+/// Allocator ids, so that a thread's table tells allocators apart.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// One thread cache as the front's locked state sees it.
+#[derive(Debug)]
+struct Reg {
+    cell: Arc<Shared>,
+    /// Contributions of blocks other threads took from this cache, not yet cleaned up by its
+    /// owner (or never, if the owner exited).
+    foreign: Delta,
+    /// The `current` values of the cache's delta when its owner last synchronised.
+    published: Five,
+    /// The cache's `allocated` / `freed` counters at the last accumulated-stats reset.
+    acc_offset: Delta,
+}
+
+/// The front's state under its own lock (always taken after the core lock).
+#[derive(Debug, Default)]
+struct FrontLocked {
+    /// Every thread cache of this allocator, in creation order (flushes go in this order).
+    registry: Vec<Reg>,
+    /// `allocated` / `freed` of caches already forgotten.
+    retired: Delta,
+    /// The user-view peaks of the five statistics the fast path changes.
+    peaks: Five,
+    /// Bumped by every peak reset; candidates of an older epoch are ignored.
+    epoch: u64,
+}
+
+impl FrontLocked {
+    fn reg(&mut self, cell: &Arc<Shared>) -> Option<&mut Reg> {
+        self.registry
+            .iter_mut()
+            .find(|r| Arc::ptr_eq(&r.cell, cell))
+    }
+}
+
+/// The fast path of one allocator.
+#[derive(Debug)]
+pub(crate) struct Front {
+    id: u64,
+    config: AllocatorConfig,
+    bounds: Bounds,
+    shards: Shards,
+    locked: Mutex<FrontLocked>,
+    /// Caches whose thread exited (or that emptied after it did) since the last reclaim.
+    exits: Arc<AtomicUsize>,
+    /// The history recorder is on: every operation takes the core path so it is recorded.
+    history_on: AtomicBool,
+}
+
+/// What the fast free did.
+#[derive(Debug)]
+pub(crate) enum FastFree {
+    /// Done (cached), or a definite error (a double free of a cached block).
+    Done(Result<()>),
+    /// Take the locked path.
+    Slow,
+}
+
+impl Front {
+    pub(crate) fn new(config: &AllocatorConfig) -> Self {
+        Front {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            config: config.clone(),
+            bounds: Bounds {
+                max_block: MAX_FRONT_BLOCK,
+                max_bytes: MAX_FRONT_BYTES,
+                max_split_size: config.max_split_size,
+            },
+            shards: Shards::default(),
+            locked: Mutex::new(FrontLocked::default()),
+            exits: Arc::new(AtomicUsize::new(0)),
+            history_on: AtomicBool::new(false),
+        }
+    }
+
+    // ---- fast path -------------------------------------------------------------------------
+
+    /// A cache hit, or `None` (take the locked path).
+    #[inline]
+    pub(crate) fn try_alloc(&self, size: usize, stream: StreamId) -> Option<Allocation> {
+        if size == 0 || size > self.bounds.max_block || self.history_on.load(Ordering::Relaxed) {
+            return None;
+        }
+        let rounded = round_size(size, &self.config);
+        let (ptr, block_size) = local::with_local(self.id, |l| l.take(stream, rounded, size))??;
+        Some(Allocation {
+            ptr: DevicePtr(ptr),
+            size,
+            block_size,
+            stream,
+        })
+    }
+
+    /// A free into this thread's cache, or [`FastFree::Slow`].
+    #[inline]
+    pub(crate) fn try_free(&self, ptr: DevicePtr) -> FastFree {
+        let may_cache = !self.history_on.load(Ordering::Relaxed);
+        match local::with_local(self.id, |l| l.give(ptr.0, may_cache)) {
+            Some(Give::Cached) => FastFree::Done(Ok(())),
+            Some(Give::DoubleFree) => FastFree::Done(Err(AllocError::DoubleFree { ptr })),
+            Some(Give::Slow) | None => FastFree::Slow,
+        }
+    }
+
+    // ---- locked path: operations -----------------------------------------------------------
+
+    /// `allocate` under the core lock: the core's `malloc`, with every front cache flushed before
+    /// the core would grow; the new block becomes managed by this thread's cache.
+    pub(crate) fn alloc_locked<B: DeviceBackend>(
+        &self,
+        st: &mut State,
+        dev: &B,
+        size: usize,
+        stream: StreamId,
+    ) -> Result<Allocation> {
+        let mut fl = self.locked.lock();
+        self.reclaim_exited(st, dev, &mut fl);
+        let manage =
+            size > 0 && size <= self.bounds.max_block && !self.history_on.load(Ordering::Relaxed);
+        let rounded = if manage {
+            round_size(size, &self.config)
+        } else {
+            0
+        };
+        let has_own = if manage {
+            self.ensure_own(st, &mut fl)
+        } else {
+            local::with_local(self.id, |_| ()).is_some()
+        };
+        let mut claimed = false;
+        if has_own {
+            local::with_local(self.id, |l| {
+                self.own_prologue(l, st, &mut fl);
+                if manage {
+                    let mut evicted = Evicted::default();
+                    claimed = l.claim(stream, rounded, &mut evicted);
+                    for &i in &evicted.idx[..evicted.len] {
+                        if let Some(v) = l.evict(i) {
+                            self.return_to_core(st, dev, v.ptr);
+                        }
+                    }
+                    if evicted.len > 0 {
+                        self.sync_own(l, &st.stats, &mut fl);
+                    }
+                }
+            });
+        }
+        let r = st.malloc_with(dev, size, stream, &mut |st| {
+            self.flush_all(st, dev, &mut fl) > 0
+        });
+        if has_own {
+            local::with_local(self.id, |l| {
+                self.process_taken_own(l, &mut fl);
+                if let Ok(a) = &r {
+                    // Only exact blocks: one with an unsplit tail goes back to the core on
+                    // free and merges, as without the fast path (so no slack is kept).
+                    if claimed && a.block_size == rounded && rounded < self.bounds.max_split_size {
+                        let v = DescView {
+                            ptr: a.ptr.0,
+                            block_size: a.block_size,
+                            kind: pool_kind(rounded),
+                            core_req: size,
+                            user_req: size,
+                        };
+                        let i = l.register(&v, rounded, stream);
+                        self.shards.insert(a.ptr.0, &l.shared, i);
+                    }
+                }
+                self.sync_own(l, &st.stats, &mut fl);
+            });
+        }
+        r
+    }
+
+    /// `free` under the core lock: a managed block leaves its cache (this thread's or
+    /// another's) and goes back to the core; anything else is the core's.
+    pub(crate) fn free_locked<B: DeviceBackend>(
+        &self,
+        st: &mut State,
+        dev: &B,
+        ptr: DevicePtr,
+    ) -> Result<()> {
+        if ptr.is_null() {
+            return Ok(());
+        }
+        let mut fl = self.locked.lock();
+        self.reclaim_exited(st, dev, &mut fl);
+        let own = local::with_local(self.id, |l| {
+            self.own_prologue(l, st, &mut fl);
+            match l.find(ptr.0) {
+                Some((_, CACHED)) => Some(Err(AllocError::DoubleFree { ptr })),
+                Some((i, LIVE)) => match l.retire_live(i) {
+                    Ok(_) => {
+                        self.shards.remove(ptr.0);
+                        let r = st.free(dev, ptr);
+                        self.sync_own(l, &st.stats, &mut fl);
+                        Some(r)
+                    }
+                    Err(CACHED) => Some(Err(AllocError::DoubleFree { ptr })),
+                    Err(_) => None,
+                },
+                _ => None,
+            }
+        });
+        if let Some(Some(r)) = own {
+            return r;
+        }
+        if let Some((cell, i)) = self.shards.get(ptr.0) {
+            match cell.desc(i) {
+                Some((chunk, k)) if chunk.0[k].view().ptr == ptr.0 => {
+                    let d = &chunk.0[k];
+                    match d.transition(LIVE, GONE) {
+                        Ok(()) => {
+                            let v = d.view();
+                            let c = v.contribution(LIVE);
+                            if let Some(reg) = fl.reg(&cell) {
+                                reg.foreign.retire(v.kind, c, 1);
+                            }
+                            self.shards.remove(ptr.0);
+                            let r = st.free(dev, ptr);
+                            self.after_taken(&cell, i, v, c);
+                            self.sync_own_if_any(st, &mut fl);
+                            return r;
+                        }
+                        Err(CACHED) => return Err(AllocError::DoubleFree { ptr }),
+                        Err(_) => {}
+                    }
+                }
+                _ => {}
+            }
+        }
+        let r = st.free(dev, ptr);
+        self.sync_own_if_any(st, &mut fl);
+        r
+    }
+
+    /// `record_stream` under the core lock: a managed block is marked so that its free goes
+    /// through the core, which records the stream events.
+    pub(crate) fn record_stream_locked(
+        &self,
+        st: &mut State,
+        ptr: DevicePtr,
+        stream: StreamId,
+    ) -> Result<()> {
+        let own = local::with_local(self.id, |l| {
+            l.find(ptr.0).map(|(i, s)| (Arc::clone(&l.shared), i, s))
+        })
+        .flatten();
+        let managed = own.or_else(|| {
+            let (cell, i) = self.shards.get(ptr.0)?;
+            let s = cell.state(i);
+            Some((cell, i, s))
+        });
+        match managed {
+            Some((_, _, CACHED)) => return Err(AllocError::DoubleFree { ptr }),
+            Some((cell, i, LIVE)) => cell.mark_needs_core(i),
+            _ => {}
+        }
+        st.record_stream(ptr, stream)
+    }
+
+    /// Gives every cached block of every thread back to the core; returns how many.
+    pub(crate) fn flush<B: DeviceBackend>(&self, st: &mut State, dev: &B) -> usize {
+        let mut fl = self.locked.lock();
+        self.reclaim_exited(st, dev, &mut fl);
+        let n = self.flush_all(st, dev, &mut fl);
+        local::with_local(self.id, |l| {
+            self.process_taken_own(l, &mut fl);
+            self.sync_own(l, &st.stats, &mut fl);
+        });
+        n
+    }
+
+    /// Switches the history recorder's bypass: while recording, every operation takes the core
+    /// path; starting flushes the caches so the recorder sees every block come and go.
+    pub(crate) fn set_history<B: DeviceBackend>(&self, st: &mut State, dev: &B, on: bool) {
+        self.history_on.store(on, Ordering::Relaxed);
+        if on {
+            self.flush(st, dev);
+        }
+    }
+
+    /// The user-view statistics: the core's plus every cache's delta.
+    pub(crate) fn stats(&self, st: &State) -> MemoryStats {
+        let mut fl = self.locked.lock();
+        local::with_local(self.id, |l| {
+            self.process_taken_own(l, &mut fl);
+            self.sync_own(l, &st.stats, &mut fl);
+        });
+        let sum = self.exact_sum(&mut fl, true);
+        fl.peaks
+            .raise_to(&Five::of_core(&st.stats).plus(&sum.five()));
+        let mut stats = st.stats;
+        delta::apply(&mut stats, &sum, &fl.peaks);
+        stats
+    }
+
+    /// `reset_peak_memory_stats` of the user view.
+    pub(crate) fn reset_peak(&self, st: &mut State) {
+        let mut fl = self.locked.lock();
+        local::with_local(self.id, |l| self.process_taken_own(l, &mut fl));
+        st.stats.reset_peak();
+        let sum = self.exact_sum(&mut fl, false);
+        let now = Five::of_core(&st.stats).plus(&sum.five());
+        fl.peaks = now;
+        fl.epoch += 1;
+        local::with_local(self.id, |l| {
+            let d = l.shared.counters.delta();
+            let foreign = fl
+                .reg(&l.shared)
+                .map(|r| r.foreign.five())
+                .unwrap_or_default();
+            let base = now.minus(&d.five()).minus(&foreign);
+            let _ = foreign;
+            l.shared.counters.rebase(fl.epoch, &base.plus(&foreign), &d);
+        });
+    }
+
+    /// `reset_accumulated_memory_stats` of the user view.
+    pub(crate) fn reset_accumulated(&self, st: &mut State) {
+        let mut fl = self.locked.lock();
+        local::with_local(self.id, |l| self.process_taken_own(l, &mut fl));
+        st.stats.reset_accumulated();
+        fl.retired.reset_accumulated();
+        for reg in &mut fl.registry {
+            reg.foreign.reset_accumulated();
+            reg.acc_offset = accumulators(&reg.cell.counters.delta());
+        }
+    }
+
+    /// Marks the blocks that sit in front caches as `inactive` in a snapshot.
+    pub(crate) fn annotate(&self, segments: &mut [SegmentSnapshot]) {
+        let fl = self.locked.lock();
+        let mut cached: Vec<u64> = Vec::new();
+        for reg in &fl.registry {
+            reg.cell.each_desc(|_, d| {
+                if d.state.load(Ordering::Acquire) == CACHED {
+                    cached.push(d.view().ptr);
+                }
+            });
+        }
+        cached.sort_unstable();
+        for b in segments.iter_mut().flat_map(|s| s.blocks.iter_mut()) {
+            if b.state == BlockState::ActiveAllocated && cached.binary_search(&b.address.0).is_ok()
+            {
+                b.state = BlockState::Inactive;
+                b.requested_size = 0;
+            }
+        }
+    }
+
+    /// Everything cached back to the core and every cache forgotten (allocator drop).
+    pub(crate) fn shutdown<B: DeviceBackend>(&self, st: &mut State, dev: &B) {
+        self.flush(st, dev);
+        let mut fl = self.locked.lock();
+        fl.registry.clear();
+        self.shards.clear();
+    }
+
+    // ---- locked path: internals ------------------------------------------------------------
+
+    /// Makes sure this thread has a cache (creating and registering it); false when the
+    /// thread-local table is unavailable (the thread is exiting).
+    fn ensure_own(&self, st: &State, fl: &mut FrontLocked) -> bool {
+        if local::with_local(self.id, |_| ()).is_some() {
+            return true;
+        }
+        let cell = Arc::new(Shared::new(Arc::clone(&self.exits)));
+        let made = local::with_local_or_make(
+            self.id,
+            || Some(Local::new(Arc::clone(&cell), self.bounds)),
+            |_| (),
+        );
+        if made.is_none() {
+            return false;
+        }
+        let now = self.estimate(&st.stats, fl);
+        cell.counters.rebase(fl.epoch, &now, &Delta::default());
+        fl.registry.push(Reg {
+            cell,
+            foreign: Delta::default(),
+            published: Five::default(),
+            acc_offset: Delta::default(),
+        });
+        true
+    }
+
+    /// The owner's first steps on the locked path: clean up what other threads took, and
+    /// synchronise before the core changes.
+    fn own_prologue(&self, l: &mut Local, st: &State, fl: &mut FrontLocked) {
+        self.process_taken_own(l, fl);
+        self.sync_own(l, &st.stats, fl);
+    }
+
+    fn process_taken_own(&self, l: &mut Local, fl: &mut FrontLocked) {
+        let cell = Arc::clone(&l.shared);
+        if let Some(reg) = fl.reg(&cell) {
+            l.process_taken(|t| reg.foreign.retire(t.kind, t.contribution, -1));
+        }
+    }
+
+    /// Synchronises this thread's cache when it has one.
+    fn sync_own_if_any(&self, st: &State, fl: &mut FrontLocked) {
+        local::with_local(self.id, |l| self.sync_own(l, &st.stats, fl));
+    }
+
+    /// Synchronises the owner's cache with the core (see `delta.rs`): folds the peak candidate
+    /// of the interval since its last synchronisation, publishes its delta, takes the present as
+    /// a peak candidate, and starts a new interval.
+    fn sync_own(&self, l: &Local, core: &MemoryStats, fl: &mut FrontLocked) {
+        let c = &l.shared.counters;
+        let (epoch, candidate) = c.candidate();
+        if epoch == fl.epoch {
+            fl.peaks.raise_to(&candidate);
+        }
+        let d = c.delta();
+        if let Some(reg) = fl.reg(&l.shared) {
+            reg.published = d.five();
+        }
+        let now = self.estimate(core, fl);
+        fl.peaks.raise_to(&now);
+        c.rebase(fl.epoch, &now.minus(&d.five()), &d);
+    }
+
+    /// The user view's `current` values as the front last heard of them: the core's plus every
+    /// cache's published delta and foreign account.
+    fn estimate(&self, core: &MemoryStats, fl: &FrontLocked) -> Five {
+        let mut u = Five::of_core(core);
+        for reg in &fl.registry {
+            u = u.plus(&reg.published).plus(&reg.foreign.five());
+        }
+        u
+    }
+
+    /// The exact sum of every cache's delta (read now) and foreign account, with `allocated` /
+    /// `freed` since the last reset; with `fold`, other caches' peak candidates are folded in.
+    fn exact_sum(&self, fl: &mut FrontLocked, fold: bool) -> Delta {
+        let mut sum = fl.retired;
+        let epoch = fl.epoch;
+        let mut candidates = Vec::new();
+        for reg in &fl.registry {
+            let d = reg.cell.counters.delta();
+            sum.add(&d.minus(&reg.acc_offset));
+            sum.add(&reg.foreign);
+            if fold {
+                let (e, c) = reg.cell.counters.candidate();
+                if e == epoch {
+                    candidates.push(c);
+                }
+            }
+        }
+        for c in &candidates {
+            fl.peaks.raise_to(c);
+        }
+        sum
+    }
+
+    /// Returns a block taken from a cache to the core.
+    fn return_to_core<B: DeviceBackend>(&self, st: &mut State, dev: &B, ptr: u64) {
+        self.shards.remove(ptr);
+        if let Err(err) = st.free(dev, DevicePtr(ptr)) {
+            // A managed block is allocated in the core by construction; a failure here is a bug
+            // that the invariant checker reports.
+            tracing::error!(target: "cuda_caching_allocator", error = %err, ptr = %DevicePtr(ptr), "returning a front-cached block to the core failed");
+        }
+    }
+
+    /// Tells the owner of descriptor `i` that its block was taken away (or, when the owner has
+    /// exited, lets the next reclaim check whether its cache can be forgotten).
+    fn after_taken(&self, cell: &Arc<Shared>, i: u32, v: DescView, c: [i64; 3]) {
+        if cell.exited.load(Ordering::Acquire) {
+            self.exits.fetch_add(1, Ordering::Release);
+        } else {
+            cell.taken.lock().push(Taken {
+                desc: i,
+                kind: v.kind,
+                contribution: c,
+            });
+        }
+    }
+
+    /// Takes every cached block of cache `k` back to the core; returns how many.
+    fn steal_cached<B: DeviceBackend>(
+        &self,
+        st: &mut State,
+        dev: &B,
+        fl: &mut FrontLocked,
+        k: usize,
+    ) -> usize {
+        let Some(reg) = fl.registry.get_mut(k) else {
+            return 0;
+        };
+        // `delta + foreign` counts minus one per cached block: skip caches with none.
+        let cached = reg.cell.counters.delta().count[0].current + reg.foreign.count[0].current;
+        if cached == 0 {
+            return 0;
+        }
+        let cell = Arc::clone(&reg.cell);
+        let mut n = 0;
+        cell.each_desc(|i, d| {
+            if d.transition(CACHED, GONE).is_ok() {
+                let v = d.view();
+                let c = v.contribution(CACHED);
+                reg.foreign.retire(v.kind, c, 1);
+                self.return_to_core(st, dev, v.ptr);
+                self.after_taken(&cell, i, v, c);
+                n += 1;
+            }
+        });
+        n
+    }
+
+    /// Flushes every registered cache; returns the number of blocks given back.
+    fn flush_all<B: DeviceBackend>(&self, st: &mut State, dev: &B, fl: &mut FrontLocked) -> usize {
+        let mut n = 0;
+        for k in 0..fl.registry.len() {
+            n += self.steal_cached(st, dev, fl, k);
+        }
+        if n > 0 {
+            tracing::debug!(target: "cuda_caching_allocator", blocks = n, "front caches flushed");
+        }
+        n
+    }
+
+    /// Takes back the cached blocks of exited threads, and forgets their caches once nothing
+    /// they managed is left.
+    fn reclaim_exited<B: DeviceBackend>(&self, st: &mut State, dev: &B, fl: &mut FrontLocked) {
+        if self.exits.swap(0, Ordering::AcqRel) == 0 {
+            return;
+        }
+        let mut k = 0;
+        while k < fl.registry.len() {
+            if !fl.registry[k].cell.exited.load(Ordering::Acquire) {
+                k += 1;
+                continue;
+            }
+            self.steal_cached(st, dev, fl, k);
+            let mut managed = false;
+            fl.registry[k].cell.each_desc(|_, d| {
+                managed |= matches!(d.state.load(Ordering::Acquire), LIVE | CACHED);
+            });
+            if managed {
+                k += 1;
+            } else {
+                let reg = fl.registry.remove(k);
+                let mut gone = accumulators(&reg.cell.counters.delta().minus(&reg.acc_offset));
+                gone.add(&accumulators(&reg.foreign));
+                fl.retired.add(&gone);
+            }
+        }
+    }
+
+    // ---- invariants ------------------------------------------------------------------------
+
+    /// The front's invariants: every managed block is allocated in the core with the size, pool
+    /// and requested size recorded and sits in the owner map under its cache; each cache's delta
+    /// plus foreign account equals a recount of its blocks; this thread's bins and index match
+    /// its descriptors; the user-view statistics are consistent.
+    pub(crate) fn check(&self, st: &State) -> std::result::Result<(), InvariantViolation> {
+        let bad = |detail: String| InvariantViolation::ActiveMapMismatch {
+            detail: format!("front cache: {detail}"),
+        };
+        let mut fl = self.locked.lock();
+        let own = local::with_local(self.id, |l| {
+            self.process_taken_own(l, &mut fl);
+            l.check()
+        });
+        if let Some(Err(e)) = own {
+            return Err(bad(e));
+        }
+        let owners = self.shards.all();
+        let mut managed = 0usize;
+        let mut problem: Option<String> = None;
+        for reg in &fl.registry {
+            let mut recount = [[0i64; 3]; 3];
+            reg.cell.each_desc(|i, d| {
+                let state = d.state.load(Ordering::Acquire);
+                if !matches!(state, LIVE | CACHED) || problem.is_some() {
+                    return;
+                }
+                managed += 1;
+                let v = d.view();
+                let p = DevicePtr(v.ptr);
+                let core = st.active.get(&v.ptr).and_then(|&id| st.arena.get(id));
+                match core {
+                    Some(b)
+                        if (b.size, b.pool, b.requested_size)
+                            == (v.block_size, v.kind, v.core_req) => {}
+                    Some(_) => problem = Some(format!("managed block {p} disagrees with the core")),
+                    None => {
+                        problem = Some(format!("managed block {p} is not allocated in the core"))
+                    }
+                }
+                if !owners
+                    .iter()
+                    .any(|(q, (o, k))| *q == v.ptr && *k == i && Arc::ptr_eq(o, &reg.cell))
+                {
+                    problem = Some(format!("managed block {p} is missing from the owner map"));
+                }
+                let pool = match v.kind {
+                    crate::size_class::PoolKind::Small => 1,
+                    crate::size_class::PoolKind::Large => 2,
+                };
+                for (q, c) in v.contribution(state).into_iter().enumerate() {
+                    recount[q][0] += c;
+                    recount[q][pool] += c;
+                }
+            });
+            if let Some(p) = problem {
+                return Err(bad(p));
+            }
+            let mut have = reg.cell.counters.delta();
+            have.add(&reg.foreign);
+            let h = have.currents();
+            for (q, (h, w)) in [h.count, h.bytes, h.req]
+                .iter()
+                .zip(recount.iter())
+                .enumerate()
+            {
+                if h != w {
+                    return Err(InvariantViolation::StatsMismatch {
+                        key: format!(
+                            "front cache delta of {}.all.current",
+                            ["allocation", "allocated_bytes", "requested_bytes"][q]
+                        ),
+                        recorded: h[0],
+                        recount: w[0],
+                    });
+                }
+            }
+        }
+        if owners.len() != managed {
+            return Err(bad(format!(
+                "{} owner-map entries for {managed} managed blocks",
+                owners.len()
+            )));
+        }
+        drop(fl);
+        let user = self.stats(st);
+        for (name, arr) in [
+            ("allocation", &user.allocation),
+            ("active", &user.active),
+            ("allocated_bytes", &user.allocated_bytes),
+            ("active_bytes", &user.active_bytes),
+            ("requested_bytes", &user.requested_bytes),
+        ] {
+            for t in StatType::ALL {
+                let s = arr.get(t);
+                if s.current < 0 || s.peak < s.current {
+                    return Err(InvariantViolation::StatsMismatch {
+                        key: format!("{name}.{}.peak (user view)", t.name()),
+                        recorded: s.peak,
+                        recount: s.current,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `d` with its `current` values zeroed (its accumulators only).
+fn accumulators(d: &Delta) -> Delta {
+    let mut a = *d;
+    for t in [&mut a.count, &mut a.bytes, &mut a.req] {
+        for acc in t.iter_mut() {
+            acc.current = 0;
+        }
+    }
+    a
+}
