@@ -1,7 +1,9 @@
 //! The single integration-test binary. Each module is one area; shared helpers live in `util`.
 
 mod caching;
+mod concurrency;
 mod config_env;
+mod fast_path;
 mod faults;
 mod fidelity;
 mod props;
