@@ -1,10 +1,10 @@
 //! The caching allocator: [`CachingAllocator`] over any [`DeviceBackend`].
 //!
 //! All mutable state of the core sits in one `State` behind one `parking_lot::Mutex` (PyTorch's
-//! one mutex per device); the algorithm is in `state.rs`, the invariant checker in
-//! `invariants.rs`, the summary table in `summary.rs`. With `fast_path` on, per-thread front
-//! caches (`front/`) serve cache hits and frees before the lock is taken. May use: everything
-//! below it (backend, config, size_class, stats).
+//! one mutex per device), with the fast path's bookkeeping beside it; the algorithm is in
+//! `state.rs`, the invariant checker in `invariants.rs`, the summary table in `summary.rs`. With
+//! `fast_path` on, per-thread front caches (`front/`) serve cache hits and frees before the lock
+//! is taken. May use: everything below it (backend, config, size_class, stats).
 
 mod block;
 mod device_calls;
@@ -17,6 +17,7 @@ mod state;
 mod summary;
 
 use std::fmt;
+use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -30,7 +31,7 @@ use crate::config::AllocatorConfig;
 use crate::error::{AllocError, Result};
 use crate::stats::MemoryStats;
 use crate::trace::{Trace, TraceOp, TraceSource};
-use front::{FastFree, Front};
+use front::{FastFree, Front, FrontLocked};
 use history::History;
 use state::State;
 
@@ -66,9 +67,29 @@ pub struct Allocation {
 /// ```
 pub struct CachingAllocator<B: DeviceBackend> {
     backend: B,
-    state: Mutex<State>,
+    state: Mutex<Locked>,
     /// The per-thread front caches, when `fast_path` is on.
     front: Option<Front>,
+}
+
+/// What the allocator's one lock guards: the core's state and the fast path's bookkeeping.
+#[derive(Debug)]
+struct Locked {
+    st: State,
+    front: FrontLocked,
+}
+
+impl Deref for Locked {
+    type Target = State;
+    fn deref(&self) -> &State {
+        &self.st
+    }
+}
+
+impl DerefMut for Locked {
+    fn deref_mut(&mut self) -> &mut State {
+        &mut self.st
+    }
 }
 
 impl<B: DeviceBackend> fmt::Debug for CachingAllocator<B> {
@@ -102,7 +123,10 @@ impl<B: DeviceBackend> CachingAllocator<B> {
         let front = config.fast_path.then(|| Front::new(&config));
         Ok(CachingAllocator {
             backend,
-            state: Mutex::new(State::new(config, total)),
+            state: Mutex::new(Locked {
+                st: State::new(config, total),
+                front: FrontLocked::default(),
+            }),
             front,
         })
     }
@@ -131,9 +155,10 @@ impl<B: DeviceBackend> CachingAllocator<B> {
                 return Ok(a);
             }
         }
-        let mut st = self.state.lock();
+        let mut guard = self.state.lock();
+        let Locked { st, front: fl } = &mut *guard;
         let r = match &self.front {
-            Some(front) => front.alloc_locked(&mut st, &self.backend, size, stream),
+            Some(front) => front.alloc_locked(st, fl, &self.backend, size, stream),
             None => st.malloc(&self.backend, size, stream),
         };
         if let (Some(h), Ok(a)) = (&mut st.history, &r) {
@@ -159,9 +184,10 @@ impl<B: DeviceBackend> CachingAllocator<B> {
                 return r;
             }
         }
-        let mut st = self.state.lock();
+        let mut guard = self.state.lock();
+        let Locked { st, front: fl } = &mut *guard;
         let r = match &self.front {
-            Some(front) => front.free_locked(&mut st, &self.backend, ptr),
+            Some(front) => front.free_locked(st, fl, &self.backend, ptr),
             None => st.free(&self.backend, ptr),
         };
         if let (Some(h), Ok(())) = (&mut st.history, &r) {
@@ -196,7 +222,8 @@ impl<B: DeviceBackend> CachingAllocator<B> {
             h.op(TraceOp::EmptyCache);
         }
         if let Some(front) = &self.front {
-            front.flush(&mut st, &self.backend);
+            let Locked { st, front: fl } = &mut *st;
+            front.flush(st, fl, &self.backend);
         }
         let r = st.release_cached_blocks(&self.backend);
         self.after_op(&st, "empty_cache");
@@ -229,27 +256,30 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// a block in a front cache counts as freed (see `benches/README.md` for the exact meaning
     /// of each counter then).
     pub fn memory_stats(&self) -> MemoryStats {
-        let st = self.state.lock();
+        let mut guard = self.state.lock();
+        let Locked { st, front: fl } = &mut *guard;
         match &self.front {
-            Some(front) => front.stats(&st),
+            Some(front) => front.stats(st, fl),
             None => st.stats,
         }
     }
 
     /// `reset_peak_memory_stats`.
     pub fn reset_peak_stats(&self) {
-        let mut st = self.state.lock();
+        let mut guard = self.state.lock();
+        let Locked { st, front: fl } = &mut *guard;
         match &self.front {
-            Some(front) => front.reset_peak(&mut st),
+            Some(front) => front.reset_peak(st, fl),
             None => st.stats.reset_peak(),
         }
     }
 
     /// `reset_accumulated_memory_stats`.
     pub fn reset_accumulated_stats(&self) {
-        let mut st = self.state.lock();
+        let mut guard = self.state.lock();
+        let Locked { st, front: fl } = &mut *guard;
         match &self.front {
-            Some(front) => front.reset_accumulated(&mut st),
+            Some(front) => front.reset_accumulated(st, fl),
             None => st.stats.reset_accumulated(),
         }
     }
@@ -260,7 +290,11 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// out-of-memory path; 0 when the fast path is off.
     pub fn flush_thread_caches(&self) -> usize {
         match &self.front {
-            Some(front) => front.flush(&mut self.state.lock(), &self.backend),
+            Some(front) => {
+                let mut guard = self.state.lock();
+                let Locked { st, front: fl } = &mut *guard;
+                front.flush(st, fl, &self.backend)
+            }
             None => 0,
         }
     }
@@ -278,10 +312,10 @@ impl<B: DeviceBackend> CachingAllocator<B> {
 
     /// The segments and their blocks, in address order (PyTorch's `memory_snapshot()`).
     pub fn snapshot(&self) -> Vec<SegmentSnapshot> {
-        let st = self.state.lock();
-        let mut segments = snapshot::take(&st);
+        let guard = self.state.lock();
+        let mut segments = snapshot::take(&guard.st);
         if let Some(front) = &self.front {
-            front.annotate(&mut segments);
+            front.annotate(&guard.front, &mut segments);
         }
         segments
     }
@@ -290,18 +324,20 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// oldest are dropped when it is full), discarding any earlier recording. Recording is off by
     /// default and costs one branch per operation while off.
     pub fn record_history(&self, capacity: usize) {
-        let mut st = self.state.lock();
+        let mut guard = self.state.lock();
+        let Locked { st, front: fl } = &mut *guard;
         if let Some(front) = &self.front {
-            front.set_history(&mut st, &self.backend, true);
+            front.set_history(st, fl, &self.backend, true);
         }
         st.history = Some(History::new(capacity));
     }
 
     /// Stops recording and discards the history.
     pub fn stop_history(&self) {
-        let mut st = self.state.lock();
+        let mut guard = self.state.lock();
+        let Locked { st, front: fl } = &mut *guard;
         if let Some(front) = &self.front {
-            front.set_history(&mut st, &self.backend, false);
+            front.set_history(st, fl, &self.backend, false);
         }
         st.history = None;
     }
@@ -315,15 +351,17 @@ impl<B: DeviceBackend> CachingAllocator<B> {
         }
     }
 
-    /// Runs every invariant check.
+    /// Runs every invariant check. With the fast path on, call it while no other thread is
+    /// allocating or freeing (their front caches are read without stopping them).
     ///
     /// # Errors
     /// The first [`InvariantViolation`] found, naming the invariant.
     pub fn check_invariants(&self) -> std::result::Result<(), InvariantViolation> {
-        let st = self.state.lock();
-        invariants::check(&st)?;
+        let mut guard = self.state.lock();
+        let Locked { st, front: fl } = &mut *guard;
+        invariants::check(st)?;
         match &self.front {
-            Some(front) => front.check(&st),
+            Some(front) => front.check(st, fl),
             None => Ok(()),
         }
     }
@@ -360,9 +398,9 @@ impl<B: DeviceBackend> CachingAllocator<B> {
 
 impl<B: DeviceBackend> Drop for CachingAllocator<B> {
     fn drop(&mut self) {
-        let st = self.state.get_mut();
+        let Locked { st, front: fl } = self.state.get_mut();
         if let Some(front) = &self.front {
-            front.shutdown(st, &self.backend);
+            front.shutdown(st, fl, &self.backend);
         }
         let live = st.active.len();
         if live > 0 && !std::thread::panicking() {

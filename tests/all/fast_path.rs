@@ -24,6 +24,13 @@ fn fast_on(capacity: usize) -> CachingAllocator<SimDevice> {
     with_config(capacity, fast())
 }
 
+/// One pair of `size`: the front cache admits a size on its second miss, so the next allocation
+/// of it becomes managed (and its free cached).
+fn admit(a: &CachingAllocator<SimDevice>, size: usize) {
+    let x = a.allocate(size, S0).unwrap();
+    a.free(x.ptr).unwrap();
+}
+
 #[test]
 fn the_knob_is_off_for_pytorch_and_on_by_default() {
     assert!(!AllocatorConfig::pytorch().fast_path);
@@ -42,20 +49,25 @@ fn the_knob_is_off_for_pytorch_and_on_by_default() {
 #[test]
 fn a_hit_returns_the_same_block_and_stats_count_it_freed_while_cached() {
     let a = fast_on(1 << 30);
+    // A size is admitted to the front cache the second time it misses.
+    let w = a.allocate(1000, S0).unwrap();
+    a.free(w.ptr).unwrap();
+    assert_eq!(a.flush_thread_caches(), 0, "first sighting: not cached");
     let x = a.allocate(1000, S0).unwrap();
+    assert_eq!(x.ptr, w.ptr);
     assert_eq!(a.memory_stats().memory_allocated(), 1024);
     a.free(x.ptr).unwrap();
     let st = a.memory_stats();
     assert_eq!(st.memory_allocated(), 0, "allocated bytes drop on free");
     assert_eq!(st.active_bytes.get(StatType::All).current, 0);
     assert_eq!(st.requested_bytes.get(StatType::All).current, 0);
-    assert_eq!(st.allocation.get(StatType::SmallPool).freed, 1);
+    assert_eq!(st.allocation.get(StatType::SmallPool).freed, 2);
     let y = a.allocate(700, S0).unwrap();
     assert_eq!((y.ptr, y.block_size, y.size), (x.ptr, 1024, 700));
     let st = a.memory_stats();
-    assert_eq!(st.allocation.get(StatType::All).allocated, 2);
+    assert_eq!(st.allocation.get(StatType::All).allocated, 3);
     assert_eq!(st.requested_bytes.get(StatType::All).current, 700);
-    assert_eq!(st.requested_bytes.get(StatType::All).allocated, 1700);
+    assert_eq!(st.requested_bytes.get(StatType::All).allocated, 2700);
     assert_eq!(st.num_device_alloc, 1);
     // Another stream or another size class is not a hit.
     let z = a.allocate(700, S1).unwrap();
@@ -63,7 +75,7 @@ fn a_hit_returns_the_same_block_and_stats_count_it_freed_while_cached() {
     a.free(y.ptr).unwrap();
     a.free(z.ptr).unwrap();
     a.check_invariants().unwrap();
-    assert!(a.flush_thread_caches() >= 2);
+    assert_eq!(a.flush_thread_caches(), 1);
     assert_eq!(a.flush_thread_caches(), 0);
     a.check_invariants().unwrap();
 }
@@ -71,6 +83,7 @@ fn a_hit_returns_the_same_block_and_stats_count_it_freed_while_cached() {
 #[test]
 fn empty_cache_returns_front_cached_blocks_and_releases_their_segments() {
     let a = fast_on(1 << 30);
+    admit(&a, 30 * MIB);
     let xs: Vec<_> = (0..4).map(|_| a.allocate(30 * MIB, S0).unwrap()).collect();
     for x in &xs {
         a.free(x.ptr).unwrap();
@@ -94,6 +107,7 @@ fn empty_cache_returns_front_cached_blocks_and_releases_their_segments() {
 #[test]
 fn front_caches_are_flushed_before_the_core_grows() {
     let a = fast_on(1 << 30);
+    admit(&a, 8 * MIB);
     // 8 MiB from a 20 MiB segment: the 12 MiB tail stays free in the core.
     let x = a.allocate(8 * MIB, S0).unwrap();
     a.free(x.ptr).unwrap(); // front-cached, unmerged
@@ -112,11 +126,14 @@ fn the_oom_path_gets_memory_held_in_front_caches() {
     // 64 MiB device: two 20 MiB segments sit in this thread's cache; 60 MiB only fits once they
     // are flushed and released.
     let a = fast_on(64 * MIB);
+    admit(&a, 20 * MIB);
     let x = a.allocate(20 * MIB, S0).unwrap();
     let y = a.allocate(20 * MIB, S0).unwrap();
     a.free(x.ptr).unwrap();
     a.free(y.ptr).unwrap();
     assert_eq!(a.memory_stats().memory_reserved(), 40 * MIB as i64);
+    // Both sit in the front cache (unmerged: still allocated for the core).
+    assert_eq!(a.memory_stats().memory_allocated(), 0);
     let z = a.allocate(60 * MIB, S0).unwrap();
     let st = a.memory_stats();
     assert_eq!(st.memory_reserved(), 60 * MIB as i64);
@@ -131,6 +148,7 @@ fn the_oom_path_gets_memory_held_in_another_threads_cache() {
     let a = fast_on(64 * MIB);
     std::thread::scope(|s| {
         s.spawn(|| {
+            admit(&a, 20 * MIB);
             let x = a.allocate(20 * MIB, S0).unwrap();
             let y = a.allocate(20 * MIB, S0).unwrap();
             a.free(x.ptr).unwrap();
@@ -156,6 +174,7 @@ fn the_oom_path_gets_memory_held_in_another_threads_cache() {
 fn the_fraction_cap_counts_and_reclaims_front_cached_memory() {
     let a = fast_on(1 << 30);
     a.set_memory_fraction(0.1).unwrap(); // ~102 MiB
+    admit(&a, 20 * MIB);
     let xs: Vec<_> = (0..4).map(|_| a.allocate(20 * MIB, S0).unwrap()).collect();
     for x in &xs {
         a.free(x.ptr).unwrap();
@@ -171,6 +190,8 @@ fn the_fraction_cap_counts_and_reclaims_front_cached_memory() {
 #[test]
 fn double_frees_are_errors_on_every_path() {
     let a = fast_on(1 << 30);
+    admit(&a, 4096);
+    admit(&a, 8192);
     // Cached in this thread's front cache.
     let x = a.allocate(4096, S0).unwrap();
     a.free(x.ptr).unwrap();
@@ -233,6 +254,7 @@ fn a_free_from_another_thread_returns_the_block() {
 #[test]
 fn record_stream_blocks_go_through_the_core_events() {
     let a = fast_on(1 << 30);
+    admit(&a, MIB);
     let x = a.allocate(MIB, S0).unwrap();
     a.backend().submit_work(S1);
     a.record_stream(x.ptr, S1).unwrap();
@@ -259,6 +281,7 @@ fn record_stream_blocks_go_through_the_core_events() {
 #[test]
 fn the_history_recorder_sees_every_operation() {
     let a = fast_on(1 << 30);
+    admit(&a, 4096);
     let x = a.allocate(4096, S0).unwrap();
     a.free(x.ptr).unwrap();
     a.record_history(100);
@@ -338,6 +361,7 @@ fn several_allocators_share_a_thread() {
 #[test]
 fn peak_and_accumulated_resets_follow_the_user_view() {
     let a = fast_on(1 << 30);
+    admit(&a, MIB);
     let x = a.allocate(MIB, S0).unwrap();
     let y = a.allocate(MIB, S0).unwrap();
     a.free(x.ptr).unwrap();

@@ -7,8 +7,8 @@
 //! `core + Σ deltas`, exactly, for `current`, `allocated` and `freed`.
 //!
 //! Peaks cannot be summed. Each thread cache keeps a base (the user-view values when it last
-//! synchronised under the core lock, less its own delta) and [`Hi`], the largest delta reached
-//! since; `base + hi` is a peak candidate, folded into the user-view peaks at the next
+//! synchronised under the core lock, less its own delta) and the largest delta values reached
+//! since; their sum is a peak candidate, folded into the user-view peaks at the next
 //! synchronisation (see `shared::Counters`).
 //! With one thread using the allocator this is exact (nothing else moves the core in between);
 //! see Note [Peaks with several threads] in `front/mod.rs`.
@@ -51,18 +51,11 @@ pub(crate) struct Delta {
     pub(crate) req: Triple,
 }
 
-/// The largest `current` of each [`Delta`] counter since the last synchronisation.
+/// The five user-view statistics the fast path changes, `current` only, flat: statistic `s`
+/// (`allocation`, `active`, `allocated_bytes`, `active_bytes`, `requested_bytes`) and pool `p`
+/// (`all`, small, large) at `3 * s + p`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Hi {
-    pub(crate) count: [i64; 3],
-    pub(crate) bytes: [i64; 3],
-    pub(crate) req: [i64; 3],
-}
-
-/// The five user-view statistics the fast path changes, `current` only: `allocation`, `active`,
-/// `allocated_bytes`, `active_bytes`, `requested_bytes`, each for `all` / small / large.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Five(pub(crate) [[i64; 3]; 5]);
+pub(crate) struct Five(pub(crate) [i64; 15]);
 
 impl Delta {
     /// Moves a block's contribution `c = [count, bytes, requested]` out of `current` into
@@ -121,64 +114,84 @@ impl Delta {
         }
     }
 
-    /// The `current` values, as a [`Hi`] (the starting point after a synchronisation).
-    pub(crate) fn currents(&self) -> Hi {
-        let c = |t: &Triple| [t[0].current, t[1].current, t[2].current];
-        Hi {
-            count: c(&self.count),
-            bytes: c(&self.bytes),
-            req: c(&self.req),
+    /// The `current` values by quantity and pool (`3 * quantity + pool`).
+    pub(crate) fn currents(&self) -> [i64; 9] {
+        let mut c = [0; 9];
+        for (q, t) in [&self.count, &self.bytes, &self.req]
+            .into_iter()
+            .enumerate()
+        {
+            for p in 0..3 {
+                c[3 * q + p] = t[p].current;
+            }
         }
+        c
     }
 
     /// The five statistics' `current` values of this delta.
     pub(crate) fn five(&self) -> Five {
-        Hi::five_of(&self.currents())
-    }
-}
-
-impl Hi {
-    /// Expands per-quantity values to the five statistics.
-    pub(crate) fn five_of(h: &Hi) -> Five {
-        Five([h.count, h.count, h.bytes, h.bytes, h.req])
+        Five::of_quantities(&self.currents())
     }
 }
 
 impl Five {
+    /// Expands per-quantity values (`3 * quantity + pool`: count, bytes, requested) to the five
+    /// statistics (a count applies to `allocation` and `active`, bytes to `allocated_bytes` and
+    /// `active_bytes`).
+    #[inline]
+    pub(crate) fn of_quantities(q: &[i64; 9]) -> Five {
+        let mut f = [0; 15];
+        for p in 0..3 {
+            f[p] = q[p];
+            f[3 + p] = q[p];
+            f[6 + p] = q[3 + p];
+            f[9 + p] = q[3 + p];
+            f[12 + p] = q[6 + p];
+        }
+        Five(f)
+    }
+
     /// The core's `current` values of the five statistics.
     pub(crate) fn of_core(stats: &MemoryStats) -> Five {
-        let g = |a: &StatArray| StatType::ALL.map(|t| a.get(t).current);
-        Five([
-            g(&stats.allocation),
-            g(&stats.active),
-            g(&stats.allocated_bytes),
-            g(&stats.active_bytes),
-            g(&stats.requested_bytes),
-        ])
+        let mut f = [0; 15];
+        for (s, a) in [
+            &stats.allocation,
+            &stats.active,
+            &stats.allocated_bytes,
+            &stats.active_bytes,
+            &stats.requested_bytes,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            for (p, t) in StatType::ALL.into_iter().enumerate() {
+                f[3 * s + p] = a.get(t).current;
+            }
+        }
+        Five(f)
     }
 
-    /// Element-wise `self + other`.
-    pub(crate) fn plus(&self, other: &Five) -> Five {
-        let mut r = *self;
-        for (a, b) in r.0.iter_mut().flatten().zip(other.0.iter().flatten()) {
+    /// `self += other`.
+    #[inline]
+    pub(crate) fn add(&mut self, other: &Five) {
+        for (a, b) in self.0.iter_mut().zip(other.0) {
             *a += b;
         }
-        r
     }
 
-    /// Element-wise `self - other`.
-    pub(crate) fn minus(&self, other: &Five) -> Five {
-        let mut r = *self;
-        for (a, b) in r.0.iter_mut().flatten().zip(other.0.iter().flatten()) {
+    /// `self -= other`.
+    #[inline]
+    pub(crate) fn sub(&mut self, other: &Five) {
+        for (a, b) in self.0.iter_mut().zip(other.0) {
             *a -= b;
         }
-        r
     }
 
     /// Element-wise maximum into `self`.
+    #[inline]
     pub(crate) fn raise_to(&mut self, other: &Five) {
-        for (a, b) in self.0.iter_mut().flatten().zip(other.0.iter().flatten()) {
-            *a = (*a).max(*b);
+        for (a, b) in self.0.iter_mut().zip(other.0) {
+            *a = (*a).max(b);
         }
     }
 }
@@ -200,7 +213,7 @@ pub(crate) fn apply(stats: &mut MemoryStats, sum: &Delta, peaks: &Five) {
             s.current += d[p].current;
             s.allocated += d[p].allocated;
             s.freed += d[p].freed;
-            s.peak = peaks.0[i][p];
+            s.peak = peaks.0[3 * i + p];
         }
     }
 }
@@ -222,6 +235,6 @@ mod tests {
         let mut sum = d;
         sum.add(&e);
         assert_eq!(sum.minus(&e), d);
-        assert_eq!(sum.five().0[4], [-300, 0, -300]);
+        assert_eq!(sum.five().0[12..15], [-300, 0, -300]);
     }
 }

@@ -68,6 +68,8 @@ struct Slot {
     stream: StreamId,
     len: u8,
     strikes: u8,
+    /// When the key was last seen (the cache's tick): empty slots are reused oldest first.
+    seen: u32,
     idx: [u32; SLOT_CAP],
 }
 
@@ -76,6 +78,7 @@ const EMPTY_SLOT: Slot = Slot {
     stream: StreamId(0),
     len: 0,
     strikes: 0,
+    seen: 0,
     idx: [0; SLOT_CAP],
 };
 
@@ -118,6 +121,10 @@ pub(crate) struct Local {
     pub(crate) cached_bytes: usize,
     pub(crate) cached_count: usize,
     pub(crate) live_count: usize,
+    /// A hit or a cached free happened since the last synchronisation.
+    pub(crate) dirty: bool,
+    /// Counts key sightings on the locked path (for [`Slot::seen`]).
+    tick: u32,
 }
 
 impl Local {
@@ -133,6 +140,8 @@ impl Local {
             cached_bytes: 0,
             cached_count: 0,
             live_count: 0,
+            dirty: false,
+            tick: 0,
         }
     }
 
@@ -177,6 +186,7 @@ impl Local {
         self.cached_bytes -= bs;
         self.cached_count -= 1;
         self.live_count += 1;
+        self.dirty = true;
         self.shared.counters.hit(kind, bs, req);
         Some((ptr, bs))
     }
@@ -240,6 +250,7 @@ impl Local {
         self.cached_bytes += m.block_size;
         self.cached_count += 1;
         self.live_count -= 1;
+        self.dirty = true;
         self.shared.counters.cache(m.kind, m.block_size, req);
         Give::Cached
     }
@@ -253,10 +264,11 @@ impl Local {
         Some((i, d.state.load(std::sync::atomic::Ordering::Acquire)))
     }
 
-    /// Whether a new block for `(stream, rounded)` should be managed here: a probe slot holds
-    /// the key with room, or is free to take. Otherwise the weaker probe slot takes a strike and,
-    /// at [`EVICT_STRIKES`], gives way: its blocks come back in `evicted` (for
-    /// [`evict`](Self::evict)) and the key takes the slot.
+    /// Whether a new block for `(stream, rounded)` should be managed here. A key is admitted on
+    /// its second sighting: the first only marks a free probe slot with it (the oldest seen), so
+    /// sizes that never come back cost no bookkeeping. A key whose probe slots other keys hold
+    /// strikes the weaker one; at [`EVICT_STRIKES`] that slot gives way: its blocks come back in
+    /// `evicted` (for [`evict`](Self::evict)) and the key takes it.
     pub(crate) fn claim(
         &mut self,
         stream: StreamId,
@@ -264,14 +276,19 @@ impl Local {
         evicted: &mut Evicted,
     ) -> bool {
         evicted.len = 0;
+        self.tick = self.tick.wrapping_add(1);
         let home = home_slot(stream, rounded);
-        let mut free = None;
+        let mut free: Option<usize> = None;
         for s in [home, home ^ 1] {
-            let slot = &self.slots[s];
-            if slot.size == rounded && slot.stream == stream {
-                return (slot.len as usize) < SLOT_CAP;
+            let (size, st, len, seen) = {
+                let slot = &self.slots[s];
+                (slot.size, slot.stream, slot.len, slot.seen)
+            };
+            if size == rounded && st == stream {
+                self.slots[s].seen = self.tick;
+                return (len as usize) < SLOT_CAP;
             }
-            if slot.len == 0 && free.is_none() {
+            if len == 0 && free.is_none_or(|f| self.slots[f].seen > seen) {
                 free = Some(s);
             }
         }
@@ -279,9 +296,10 @@ impl Local {
             self.slots[s] = Slot {
                 size: rounded,
                 stream,
+                seen: self.tick,
                 ..EMPTY_SLOT
             };
-            return true;
+            return false;
         }
         let (a, b) = (home, home ^ 1);
         let victim = if self.slots[a].strikes >= self.slots[b].strikes {
@@ -300,6 +318,7 @@ impl Local {
         *slot = Slot {
             size: rounded,
             stream,
+            seen: self.tick,
             ..EMPTY_SLOT
         };
         for k in 0..n {
@@ -383,6 +402,17 @@ impl Local {
     /// and the index, and its contribution moves from the foreign account (through `f`) back into
     /// this cache's delta as retired.
     pub(crate) fn process_taken(&mut self, mut f: impl FnMut(&Taken)) {
+        // Pushers set the flag under the core lock, which the caller holds too.
+        if !self
+            .shared
+            .taken_pending
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return;
+        }
+        self.shared
+            .taken_pending
+            .store(false, std::sync::atomic::Ordering::Relaxed);
         let taken = std::mem::take(&mut *self.shared.taken.lock());
         for t in &taken {
             let i = t.desc;

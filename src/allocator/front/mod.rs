@@ -12,8 +12,9 @@
 //! * **Hit / cached free.** The owner frees a managed block into its bin of
 //!   `(stream, rounded size)` and allocates it from there again: a thread-local lookup and one
 //!   compare-and-swap on the block's descriptor (`LIVE ⇄ CACHED`), no lock.
-//! * **Everything else** takes the core lock, then the front's lock ([`FrontLocked`]), then
-//!   per-cache queue locks and shard locks, in that order (the fast path takes none).
+//! * **Everything else** takes the allocator's one lock, which guards the core's state and the
+//!   front's bookkeeping ([`FrontLocked`]), then per-cache queue locks and shard locks, in that
+//!   order (the fast path takes none).
 //!   A free from another thread finds the owner in the sharded map, takes the block from it
 //!   (`LIVE → GONE`) and frees it in the core.
 //! * **Memory is never lost to front caches.** Any thread holding the core lock can take every
@@ -47,8 +48,6 @@ mod shared;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
-use parking_lot::Mutex;
-
 use super::Allocation;
 use super::invariants::InvariantViolation;
 use super::snapshot::{BlockState, SegmentSnapshot};
@@ -56,7 +55,7 @@ use super::state::State;
 use crate::backend::{DeviceBackend, DevicePtr, StreamId};
 use crate::config::{AllocatorConfig, MIB};
 use crate::error::{AllocError, Result};
-use crate::size_class::{pool_kind, round_size};
+use crate::size_class::{PoolKind, pool_kind, round_size};
 use crate::stats::{MemoryStats, StatType};
 use delta::{Delta, Five};
 use local::{Bounds, Evicted, Give, Local};
@@ -71,7 +70,7 @@ pub(crate) const MAX_FRONT_BYTES: usize = 1024 * MIB;
 /// Allocator ids, so that a thread's table tells allocators apart.
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
-/// One thread cache as the front's locked state sees it.
+/// One thread cache as the front's locked bookkeeping sees it.
 #[derive(Debug)]
 struct Reg {
     cell: Arc<Shared>,
@@ -84,11 +83,13 @@ struct Reg {
     acc_offset: Delta,
 }
 
-/// The front's state under its own lock (always taken after the core lock).
+/// The front's bookkeeping, guarded by the allocator's one lock together with the core.
 #[derive(Debug, Default)]
-struct FrontLocked {
+pub(crate) struct FrontLocked {
     /// Every thread cache of this allocator, in creation order (flushes go in this order).
     registry: Vec<Reg>,
+    /// `Σ (published + foreign)` over the registry: what the locked path knows of the caches.
+    known: Five,
     /// `allocated` / `freed` of caches already forgotten.
     retired: Delta,
     /// The user-view peaks of the five statistics the fast path changes.
@@ -98,10 +99,21 @@ struct FrontLocked {
 }
 
 impl FrontLocked {
-    fn reg(&mut self, cell: &Arc<Shared>) -> Option<&mut Reg> {
+    fn position(&self, cell: &Arc<Shared>) -> Option<usize> {
         self.registry
-            .iter_mut()
-            .find(|r| Arc::ptr_eq(&r.cell, cell))
+            .iter()
+            .position(|r| Arc::ptr_eq(&r.cell, cell))
+    }
+
+    /// Moves a contribution `c` into (`sign = 1`) or out of (`-1`) cache `k`'s foreign account.
+    fn foreign(&mut self, k: usize, kind: PoolKind, c: [i64; 3], sign: i64) {
+        let Some(reg) = self.registry.get_mut(k) else {
+            return;
+        };
+        let before = reg.foreign.five();
+        reg.foreign.retire(kind, c, sign);
+        self.known.add(&reg.foreign.five());
+        self.known.sub(&before);
     }
 }
 
@@ -112,7 +124,6 @@ pub(crate) struct Front {
     config: AllocatorConfig,
     bounds: Bounds,
     shards: Shards,
-    locked: Mutex<FrontLocked>,
     /// Caches whose thread exited (or that emptied after it did) since the last reclaim.
     exits: Arc<AtomicUsize>,
     /// The history recorder is on: every operation takes the core path so it is recorded.
@@ -139,7 +150,6 @@ impl Front {
                 max_split_size: config.max_split_size,
             },
             shards: Shards::default(),
-            locked: Mutex::new(FrontLocked::default()),
             exits: Arc::new(AtomicUsize::new(0)),
             history_on: AtomicBool::new(false),
         }
@@ -176,17 +186,18 @@ impl Front {
 
     // ---- locked path: operations -----------------------------------------------------------
 
-    /// `allocate` under the core lock: the core's `malloc`, with every front cache flushed before
-    /// the core would grow; the new block becomes managed by this thread's cache.
+    /// `allocate` under the lock: the core's `malloc`, with every front cache flushed before the
+    /// core would grow; the new block becomes managed by this thread's cache once its size has
+    /// been seen before.
     pub(crate) fn alloc_locked<B: DeviceBackend>(
         &self,
         st: &mut State,
+        fl: &mut FrontLocked,
         dev: &B,
         size: usize,
         stream: StreamId,
     ) -> Result<Allocation> {
-        let mut fl = self.locked.lock();
-        self.reclaim_exited(st, dev, &mut fl);
+        self.reclaim_exited(st, fl, dev);
         let manage =
             size > 0 && size <= self.bounds.max_block && !self.history_on.load(Ordering::Relaxed);
         let rounded = if manage {
@@ -195,14 +206,14 @@ impl Front {
             0
         };
         let has_own = if manage {
-            self.ensure_own(st, &mut fl)
+            self.ensure_own(st, fl)
         } else {
             local::with_local(self.id, |_| ()).is_some()
         };
         let mut claimed = false;
         if has_own {
             local::with_local(self.id, |l| {
-                self.own_prologue(l, st, &mut fl);
+                self.prologue(l, st, fl);
                 if manage {
                     let mut evicted = Evicted::default();
                     claimed = l.claim(stream, rounded, &mut evicted);
@@ -211,21 +222,16 @@ impl Front {
                             self.return_to_core(st, dev, v.ptr);
                         }
                     }
-                    if evicted.len > 0 {
-                        self.sync_own(l, &st.stats, &mut fl);
-                    }
                 }
             });
         }
-        let r = st.malloc_with(dev, size, stream, &mut |st| {
-            self.flush_all(st, dev, &mut fl) > 0
-        });
+        let r = st.malloc_with(dev, size, stream, &mut |st| self.flush_all(st, fl, dev) > 0);
         if has_own {
             local::with_local(self.id, |l| {
-                self.process_taken_own(l, &mut fl);
+                self.process_taken_own(l, fl);
                 if let Ok(a) = &r {
-                    // Only exact blocks: one with an unsplit tail goes back to the core on
-                    // free and merges, as without the fast path (so no slack is kept).
+                    // Only exact blocks: one with an unsplit tail goes back to the core on free
+                    // and merges, as without the fast path (so no slack is kept).
                     if claimed && a.block_size == rounded && rounded < self.bounds.max_split_size {
                         let v = DescView {
                             ptr: a.ptr.0,
@@ -238,76 +244,97 @@ impl Front {
                         self.shards.insert(a.ptr.0, &l.shared, i);
                     }
                 }
-                self.sync_own(l, &st.stats, &mut fl);
+                self.sync_own(l, &st.stats, fl);
             });
         }
         r
     }
 
-    /// `free` under the core lock: a managed block leaves its cache (this thread's or
-    /// another's) and goes back to the core; anything else is the core's.
+    /// `free` under the lock: a managed block leaves its cache (this thread's or another's) and
+    /// goes back to the core; anything else is the core's.
     pub(crate) fn free_locked<B: DeviceBackend>(
         &self,
         st: &mut State,
+        fl: &mut FrontLocked,
         dev: &B,
         ptr: DevicePtr,
     ) -> Result<()> {
         if ptr.is_null() {
             return Ok(());
         }
-        let mut fl = self.locked.lock();
-        self.reclaim_exited(st, dev, &mut fl);
+        self.reclaim_exited(st, fl, dev);
         let own = local::with_local(self.id, |l| {
-            self.own_prologue(l, st, &mut fl);
-            match l.find(ptr.0) {
+            self.prologue(l, st, fl);
+            let r = match l.find(ptr.0) {
                 Some((_, CACHED)) => Some(Err(AllocError::DoubleFree { ptr })),
                 Some((i, LIVE)) => match l.retire_live(i) {
                     Ok(_) => {
                         self.shards.remove(ptr.0);
-                        let r = st.free(dev, ptr);
-                        self.sync_own(l, &st.stats, &mut fl);
-                        Some(r)
+                        Some(st.free(dev, ptr))
                     }
                     Err(CACHED) => Some(Err(AllocError::DoubleFree { ptr })),
                     Err(_) => None,
                 },
                 _ => None,
+            };
+            if r.is_some() {
+                self.sync_own(l, &st.stats, fl);
             }
+            r
         });
-        if let Some(Some(r)) = own {
-            return r;
+        let (r, synced) = match own {
+            Some(Some(r)) => return r,
+            Some(None) => (self.free_elsewhere(st, fl, dev, ptr), false),
+            None => (self.free_elsewhere(st, fl, dev, ptr), true),
+        };
+        if !synced {
+            local::with_local(self.id, |l| self.sync_own(l, &st.stats, fl));
         }
-        if let Some((cell, i)) = self.shards.get(ptr.0) {
-            match cell.desc(i) {
-                Some((chunk, k)) if chunk.0[k].view().ptr == ptr.0 => {
-                    let d = &chunk.0[k];
+        r
+    }
+
+    /// A free of a block this thread does not manage: another thread's (taken from it), or the
+    /// core's.
+    fn free_elsewhere<B: DeviceBackend>(
+        &self,
+        st: &mut State,
+        fl: &mut FrontLocked,
+        dev: &B,
+        ptr: DevicePtr,
+    ) -> Result<()> {
+        // Another thread's managed block?
+        let other = if fl.registry.len() > 1 || local::with_local(self.id, |_| ()).is_none() {
+            self.shards.get(ptr.0)
+        } else {
+            None
+        };
+        if let Some((cell, i)) = other {
+            if let Some((chunk, k)) = cell.desc(i) {
+                let d = &chunk.0[k];
+                if d.view().ptr == ptr.0 {
                     match d.transition(LIVE, GONE) {
                         Ok(()) => {
                             let v = d.view();
                             let c = v.contribution(LIVE);
-                            if let Some(reg) = fl.reg(&cell) {
-                                reg.foreign.retire(v.kind, c, 1);
+                            if let Some(k) = fl.position(&cell) {
+                                fl.foreign(k, v.kind, c, 1);
                             }
                             self.shards.remove(ptr.0);
                             let r = st.free(dev, ptr);
                             self.after_taken(&cell, i, v, c);
-                            self.sync_own_if_any(st, &mut fl);
                             return r;
                         }
                         Err(CACHED) => return Err(AllocError::DoubleFree { ptr }),
                         Err(_) => {}
                     }
                 }
-                _ => {}
             }
         }
-        let r = st.free(dev, ptr);
-        self.sync_own_if_any(st, &mut fl);
-        r
+        st.free(dev, ptr)
     }
 
-    /// `record_stream` under the core lock: a managed block is marked so that its free goes
-    /// through the core, which records the stream events.
+    /// `record_stream` under the lock: a managed block is marked so that its free goes through
+    /// the core, which records the stream events.
     pub(crate) fn record_stream_locked(
         &self,
         st: &mut State,
@@ -332,66 +359,73 @@ impl Front {
     }
 
     /// Gives every cached block of every thread back to the core; returns how many.
-    pub(crate) fn flush<B: DeviceBackend>(&self, st: &mut State, dev: &B) -> usize {
-        let mut fl = self.locked.lock();
-        self.reclaim_exited(st, dev, &mut fl);
-        let n = self.flush_all(st, dev, &mut fl);
+    pub(crate) fn flush<B: DeviceBackend>(
+        &self,
+        st: &mut State,
+        fl: &mut FrontLocked,
+        dev: &B,
+    ) -> usize {
+        self.reclaim_exited(st, fl, dev);
+        local::with_local(self.id, |l| self.prologue(l, st, fl));
+        let n = self.flush_all(st, fl, dev);
         local::with_local(self.id, |l| {
-            self.process_taken_own(l, &mut fl);
-            self.sync_own(l, &st.stats, &mut fl);
+            self.process_taken_own(l, fl);
+            self.sync_own(l, &st.stats, fl);
         });
         n
     }
 
     /// Switches the history recorder's bypass: while recording, every operation takes the core
     /// path; starting flushes the caches so the recorder sees every block come and go.
-    pub(crate) fn set_history<B: DeviceBackend>(&self, st: &mut State, dev: &B, on: bool) {
+    pub(crate) fn set_history<B: DeviceBackend>(
+        &self,
+        st: &mut State,
+        fl: &mut FrontLocked,
+        dev: &B,
+        on: bool,
+    ) {
         self.history_on.store(on, Ordering::Relaxed);
         if on {
-            self.flush(st, dev);
+            self.flush(st, fl, dev);
         }
     }
 
     /// The user-view statistics: the core's plus every cache's delta.
-    pub(crate) fn stats(&self, st: &State) -> MemoryStats {
-        let mut fl = self.locked.lock();
+    pub(crate) fn stats(&self, st: &State, fl: &mut FrontLocked) -> MemoryStats {
         local::with_local(self.id, |l| {
-            self.process_taken_own(l, &mut fl);
-            self.sync_own(l, &st.stats, &mut fl);
+            self.process_taken_own(l, fl);
+            self.sync_own(l, &st.stats, fl);
         });
-        let sum = self.exact_sum(&mut fl, true);
-        fl.peaks
-            .raise_to(&Five::of_core(&st.stats).plus(&sum.five()));
+        let sum = self.exact_sum(fl, true);
+        let mut now = Five::of_core(&st.stats);
+        now.add(&sum.five());
+        fl.peaks.raise_to(&now);
         let mut stats = st.stats;
         delta::apply(&mut stats, &sum, &fl.peaks);
         stats
     }
 
     /// `reset_peak_memory_stats` of the user view.
-    pub(crate) fn reset_peak(&self, st: &mut State) {
-        let mut fl = self.locked.lock();
-        local::with_local(self.id, |l| self.process_taken_own(l, &mut fl));
+    pub(crate) fn reset_peak(&self, st: &mut State, fl: &mut FrontLocked) {
+        local::with_local(self.id, |l| self.process_taken_own(l, fl));
         st.stats.reset_peak();
-        let sum = self.exact_sum(&mut fl, false);
-        let now = Five::of_core(&st.stats).plus(&sum.five());
+        let sum = self.exact_sum(fl, false);
+        let mut now = Five::of_core(&st.stats);
+        now.add(&sum.five());
         fl.peaks = now;
         fl.epoch += 1;
         local::with_local(self.id, |l| {
-            let d = l.shared.counters.delta();
-            let foreign = fl
-                .reg(&l.shared)
-                .map(|r| r.foreign.five())
-                .unwrap_or_default();
-            let base = now.minus(&d.five()).minus(&foreign);
-            let _ = foreign;
-            l.shared.counters.rebase(fl.epoch, &base.plus(&foreign), &d);
+            let cur = l.shared.counters.currents();
+            let mut base = now;
+            base.sub(&Five::of_quantities(&cur));
+            l.shared.counters.rebase(fl.epoch, &base, &cur);
+            l.dirty = false;
         });
     }
 
     /// `reset_accumulated_memory_stats` of the user view.
-    pub(crate) fn reset_accumulated(&self, st: &mut State) {
-        let mut fl = self.locked.lock();
-        local::with_local(self.id, |l| self.process_taken_own(l, &mut fl));
+    pub(crate) fn reset_accumulated(&self, st: &mut State, fl: &mut FrontLocked) {
+        local::with_local(self.id, |l| self.process_taken_own(l, fl));
         st.stats.reset_accumulated();
         fl.retired.reset_accumulated();
         for reg in &mut fl.registry {
@@ -401,8 +435,7 @@ impl Front {
     }
 
     /// Marks the blocks that sit in front caches as `inactive` in a snapshot.
-    pub(crate) fn annotate(&self, segments: &mut [SegmentSnapshot]) {
-        let fl = self.locked.lock();
+    pub(crate) fn annotate(&self, fl: &FrontLocked, segments: &mut [SegmentSnapshot]) {
         let mut cached: Vec<u64> = Vec::new();
         for reg in &fl.registry {
             reg.cell.each_desc(|_, d| {
@@ -422,9 +455,8 @@ impl Front {
     }
 
     /// Everything cached back to the core and every cache forgotten (allocator drop).
-    pub(crate) fn shutdown<B: DeviceBackend>(&self, st: &mut State, dev: &B) {
-        self.flush(st, dev);
-        let mut fl = self.locked.lock();
+    pub(crate) fn shutdown<B: DeviceBackend>(&self, st: &mut State, fl: &mut FrontLocked, dev: &B) {
+        self.flush(st, fl, dev);
         fl.registry.clear();
         self.shards.clear();
     }
@@ -446,8 +478,9 @@ impl Front {
         if made.is_none() {
             return false;
         }
-        let now = self.estimate(&st.stats, fl);
-        cell.counters.rebase(fl.epoch, &now, &Delta::default());
+        let mut now = Five::of_core(&st.stats);
+        now.add(&fl.known);
+        cell.counters.rebase(fl.epoch, &now, &[0; 9]);
         fl.registry.push(Reg {
             cell,
             foreign: Delta::default(),
@@ -457,73 +490,66 @@ impl Front {
         true
     }
 
-    /// The owner's first steps on the locked path: clean up what other threads took, and
-    /// synchronise before the core changes.
-    fn own_prologue(&self, l: &mut Local, st: &State, fl: &mut FrontLocked) {
+    /// The owner's first steps on the locked path: clean up what other threads took, and fold
+    /// the peak candidate of its hits before the core changes.
+    fn prologue(&self, l: &mut Local, st: &State, fl: &mut FrontLocked) {
         self.process_taken_own(l, fl);
-        self.sync_own(l, &st.stats, fl);
-    }
-
-    fn process_taken_own(&self, l: &mut Local, fl: &mut FrontLocked) {
-        let cell = Arc::clone(&l.shared);
-        if let Some(reg) = fl.reg(&cell) {
-            l.process_taken(|t| reg.foreign.retire(t.kind, t.contribution, -1));
+        if l.dirty {
+            self.sync_own(l, &st.stats, fl);
         }
     }
 
-    /// Synchronises this thread's cache when it has one.
-    fn sync_own_if_any(&self, st: &State, fl: &mut FrontLocked) {
-        local::with_local(self.id, |l| self.sync_own(l, &st.stats, fl));
+    fn process_taken_own(&self, l: &mut Local, fl: &mut FrontLocked) {
+        let Some(k) = fl.position(&l.shared) else {
+            return;
+        };
+        l.process_taken(|t| fl.foreign(k, t.kind, t.contribution, -1));
     }
 
     /// Synchronises the owner's cache with the core (see `delta.rs`): folds the peak candidate
     /// of the interval since its last synchronisation, publishes its delta, takes the present as
     /// a peak candidate, and starts a new interval.
-    fn sync_own(&self, l: &Local, core: &MemoryStats, fl: &mut FrontLocked) {
+    fn sync_own(&self, l: &mut Local, core: &MemoryStats, fl: &mut FrontLocked) {
         let c = &l.shared.counters;
-        let (epoch, candidate) = c.candidate();
-        if epoch == fl.epoch {
-            fl.peaks.raise_to(&candidate);
+        if l.dirty {
+            let (epoch, candidate) = c.candidate();
+            if epoch == fl.epoch {
+                fl.peaks.raise_to(&candidate);
+            }
+            l.dirty = false;
         }
-        let d = c.delta();
-        if let Some(reg) = fl.reg(&l.shared) {
-            reg.published = d.five();
+        let cur = c.currents();
+        let d = Five::of_quantities(&cur);
+        if let Some(k) = fl.position(&l.shared) {
+            let reg = &mut fl.registry[k];
+            fl.known.sub(&reg.published);
+            fl.known.add(&d);
+            reg.published = d;
         }
-        let now = self.estimate(core, fl);
+        let mut now = Five::of_core(core);
+        now.add(&fl.known);
         fl.peaks.raise_to(&now);
-        c.rebase(fl.epoch, &now.minus(&d.five()), &d);
-    }
-
-    /// The user view's `current` values as the front last heard of them: the core's plus every
-    /// cache's published delta and foreign account.
-    fn estimate(&self, core: &MemoryStats, fl: &FrontLocked) -> Five {
-        let mut u = Five::of_core(core);
-        for reg in &fl.registry {
-            u = u.plus(&reg.published).plus(&reg.foreign.five());
-        }
-        u
+        now.sub(&d);
+        c.rebase(fl.epoch, &now, &cur);
     }
 
     /// The exact sum of every cache's delta (read now) and foreign account, with `allocated` /
     /// `freed` since the last reset; with `fold`, other caches' peak candidates are folded in.
     fn exact_sum(&self, fl: &mut FrontLocked, fold: bool) -> Delta {
         let mut sum = fl.retired;
-        let epoch = fl.epoch;
-        let mut candidates = Vec::new();
+        let mut peaks = fl.peaks;
         for reg in &fl.registry {
             let d = reg.cell.counters.delta();
             sum.add(&d.minus(&reg.acc_offset));
             sum.add(&reg.foreign);
             if fold {
                 let (e, c) = reg.cell.counters.candidate();
-                if e == epoch {
-                    candidates.push(c);
+                if e == fl.epoch {
+                    peaks.raise_to(&c);
                 }
             }
         }
-        for c in &candidates {
-            fl.peaks.raise_to(c);
-        }
+        fl.peaks = peaks;
         sum
     }
 
@@ -548,6 +574,7 @@ impl Front {
                 kind: v.kind,
                 contribution: c,
             });
+            cell.taken_pending.store(true, Ordering::Relaxed);
         }
     }
 
@@ -555,16 +582,15 @@ impl Front {
     fn steal_cached<B: DeviceBackend>(
         &self,
         st: &mut State,
-        dev: &B,
         fl: &mut FrontLocked,
+        dev: &B,
         k: usize,
     ) -> usize {
-        let Some(reg) = fl.registry.get_mut(k) else {
+        let Some(reg) = fl.registry.get(k) else {
             return 0;
         };
         // `delta + foreign` counts minus one per cached block: skip caches with none.
-        let cached = reg.cell.counters.delta().count[0].current + reg.foreign.count[0].current;
-        if cached == 0 {
+        if reg.cell.counters.currents()[0] + reg.foreign.count[0].current == 0 {
             return 0;
         }
         let cell = Arc::clone(&reg.cell);
@@ -573,7 +599,7 @@ impl Front {
             if d.transition(CACHED, GONE).is_ok() {
                 let v = d.view();
                 let c = v.contribution(CACHED);
-                reg.foreign.retire(v.kind, c, 1);
+                fl.foreign(k, v.kind, c, 1);
                 self.return_to_core(st, dev, v.ptr);
                 self.after_taken(&cell, i, v, c);
                 n += 1;
@@ -583,10 +609,10 @@ impl Front {
     }
 
     /// Flushes every registered cache; returns the number of blocks given back.
-    fn flush_all<B: DeviceBackend>(&self, st: &mut State, dev: &B, fl: &mut FrontLocked) -> usize {
+    fn flush_all<B: DeviceBackend>(&self, st: &mut State, fl: &mut FrontLocked, dev: &B) -> usize {
         let mut n = 0;
         for k in 0..fl.registry.len() {
-            n += self.steal_cached(st, dev, fl, k);
+            n += self.steal_cached(st, fl, dev, k);
         }
         if n > 0 {
             tracing::debug!(target: "cuda_caching_allocator", blocks = n, "front caches flushed");
@@ -596,17 +622,18 @@ impl Front {
 
     /// Takes back the cached blocks of exited threads, and forgets their caches once nothing
     /// they managed is left.
-    fn reclaim_exited<B: DeviceBackend>(&self, st: &mut State, dev: &B, fl: &mut FrontLocked) {
-        if self.exits.swap(0, Ordering::AcqRel) == 0 {
+    fn reclaim_exited<B: DeviceBackend>(&self, st: &mut State, fl: &mut FrontLocked, dev: &B) {
+        if self.exits.load(Ordering::Acquire) == 0 {
             return;
         }
+        self.exits.store(0, Ordering::Release);
         let mut k = 0;
         while k < fl.registry.len() {
             if !fl.registry[k].cell.exited.load(Ordering::Acquire) {
                 k += 1;
                 continue;
             }
-            self.steal_cached(st, dev, fl, k);
+            self.steal_cached(st, fl, dev, k);
             let mut managed = false;
             fl.registry[k].cell.each_desc(|_, d| {
                 managed |= matches!(d.state.load(Ordering::Acquire), LIVE | CACHED);
@@ -615,6 +642,8 @@ impl Front {
                 k += 1;
             } else {
                 let reg = fl.registry.remove(k);
+                fl.known.sub(&reg.published);
+                fl.known.sub(&reg.foreign.five());
                 let mut gone = accumulators(&reg.cell.counters.delta().minus(&reg.acc_offset));
                 gone.add(&accumulators(&reg.foreign));
                 fl.retired.add(&gone);
@@ -627,14 +656,18 @@ impl Front {
     /// The front's invariants: every managed block is allocated in the core with the size, pool
     /// and requested size recorded and sits in the owner map under its cache; each cache's delta
     /// plus foreign account equals a recount of its blocks; this thread's bins and index match
-    /// its descriptors; the user-view statistics are consistent.
-    pub(crate) fn check(&self, st: &State) -> std::result::Result<(), InvariantViolation> {
+    /// its descriptors; the user-view statistics are consistent. Exact when no other thread is
+    /// allocating or freeing meanwhile.
+    pub(crate) fn check(
+        &self,
+        st: &State,
+        fl: &mut FrontLocked,
+    ) -> std::result::Result<(), InvariantViolation> {
         let bad = |detail: String| InvariantViolation::ActiveMapMismatch {
             detail: format!("front cache: {detail}"),
         };
-        let mut fl = self.locked.lock();
         let own = local::with_local(self.id, |l| {
-            self.process_taken_own(l, &mut fl);
+            self.process_taken_own(l, fl);
             l.check()
         });
         if let Some(Err(e)) = own {
@@ -643,8 +676,11 @@ impl Front {
         let owners = self.shards.all();
         let mut managed = 0usize;
         let mut problem: Option<String> = None;
+        let mut known = Five::default();
         for reg in &fl.registry {
-            let mut recount = [[0i64; 3]; 3];
+            known.add(&reg.published);
+            known.add(&reg.foreign.five());
+            let mut recount = [0i64; 9];
             reg.cell.each_desc(|i, d| {
                 let state = d.state.load(Ordering::Acquire);
                 if !matches!(state, LIVE | CACHED) || problem.is_some() {
@@ -670,12 +706,12 @@ impl Front {
                     problem = Some(format!("managed block {p} is missing from the owner map"));
                 }
                 let pool = match v.kind {
-                    crate::size_class::PoolKind::Small => 1,
-                    crate::size_class::PoolKind::Large => 2,
+                    PoolKind::Small => 1,
+                    PoolKind::Large => 2,
                 };
                 for (q, c) in v.contribution(state).into_iter().enumerate() {
-                    recount[q][0] += c;
-                    recount[q][pool] += c;
+                    recount[3 * q] += c;
+                    recount[3 * q + pool] += c;
                 }
             });
             if let Some(p) = problem {
@@ -683,20 +719,16 @@ impl Front {
             }
             let mut have = reg.cell.counters.delta();
             have.add(&reg.foreign);
-            let h = have.currents();
-            for (q, (h, w)) in [h.count, h.bytes, h.req]
-                .iter()
-                .zip(recount.iter())
-                .enumerate()
-            {
-                if h != w {
+            let have = have.currents();
+            for q in 0..3 {
+                if have[3 * q..3 * q + 3] != recount[3 * q..3 * q + 3] {
                     return Err(InvariantViolation::StatsMismatch {
                         key: format!(
                             "front cache delta of {}.all.current",
                             ["allocation", "allocated_bytes", "requested_bytes"][q]
                         ),
-                        recorded: h[0],
-                        recount: w[0],
+                        recorded: have[3 * q],
+                        recount: recount[3 * q],
                     });
                 }
             }
@@ -707,8 +739,10 @@ impl Front {
                 owners.len()
             )));
         }
-        drop(fl);
-        let user = self.stats(st);
+        if known != fl.known {
+            return Err(bad("the running sum of published deltas drifted".into()));
+        }
+        let user = self.stats(st, fl);
         for (name, arr) in [
             ("allocation", &user.allocation),
             ("active", &user.active),

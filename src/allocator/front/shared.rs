@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, AtomicUsize
 
 use parking_lot::Mutex;
 
-use super::delta::{Acc, Delta, Five, Hi};
+use super::delta::{Acc, Delta, Five};
 use crate::size_class::PoolKind;
 
 /// Descriptors per chunk.
@@ -239,31 +239,27 @@ impl Counters {
         }
     }
 
-    /// The peak candidate of the current interval (`base + hi`) and its epoch.
-    pub(crate) fn candidate(&self) -> (u64, Five) {
-        let hi = Hi {
-            count: std::array::from_fn(|p| self.hi[p].load(RELAXED)),
-            bytes: std::array::from_fn(|p| self.hi[3 + p].load(RELAXED)),
-            req: std::array::from_fn(|p| self.hi[6 + p].load(RELAXED)),
-        };
-        let base = Five(std::array::from_fn(|s| {
-            std::array::from_fn(|p| self.base[s * 3 + p].load(RELAXED))
-        }));
-        (self.epoch.load(RELAXED), base.plus(&Hi::five_of(&hi)))
+    /// The delta's `current` values (`3 * quantity + pool`).
+    pub(crate) fn currents(&self) -> [i64; 9] {
+        std::array::from_fn(|i| self.d[slot(i / 3, i % 3, 0)].load(RELAXED))
     }
 
-    /// Starts a new interval (owner only, under the front lock): `base` and `hi` from now.
-    pub(crate) fn rebase(&self, epoch: u64, base: &Five, delta: &Delta) {
-        for (s, row) in base.0.iter().enumerate() {
-            for (p, &v) in row.iter().enumerate() {
-                self.base[s * 3 + p].store(v, RELAXED);
-            }
+    /// The peak candidate of the current interval (`base + hi`) and its epoch.
+    pub(crate) fn candidate(&self) -> (u64, Five) {
+        let hi: [i64; 9] = std::array::from_fn(|i| self.hi[i].load(RELAXED));
+        let mut c = Five(std::array::from_fn(|i| self.base[i].load(RELAXED)));
+        c.add(&Five::of_quantities(&hi));
+        (self.epoch.load(RELAXED), c)
+    }
+
+    /// Starts a new interval (owner only, on the locked path): `base`, and `hi` from the
+    /// delta's `current` values `cur`.
+    pub(crate) fn rebase(&self, epoch: u64, base: &Five, cur: &[i64; 9]) {
+        for (a, &v) in self.base.iter().zip(base.0.iter()) {
+            a.store(v, RELAXED);
         }
-        let cur = delta.currents();
-        for (q, row) in [cur.count, cur.bytes, cur.req].iter().enumerate() {
-            for (p, &v) in row.iter().enumerate() {
-                self.hi[q * 3 + p].store(v, RELAXED);
-            }
+        for (a, &v) in self.hi.iter().zip(cur.iter()) {
+            a.store(v, RELAXED);
         }
         self.epoch.store(epoch, RELAXED);
     }
@@ -277,6 +273,8 @@ pub(crate) struct Shared {
     pub(crate) chunks: Mutex<Vec<Arc<Chunk>>>,
     /// Blocks other threads took away, for the owner to clean up.
     pub(crate) taken: Mutex<Vec<Taken>>,
+    /// Whether `taken` may be non-empty (set by whoever pushes, under the core lock).
+    pub(crate) taken_pending: AtomicBool,
     /// The owner thread has exited.
     pub(crate) exited: AtomicBool,
     /// The allocator's count of exited caches to reclaim.
@@ -289,6 +287,7 @@ impl Shared {
             counters: Counters::default(),
             chunks: Mutex::new(Vec::new()),
             taken: Mutex::new(Vec::new()),
+            taken_pending: AtomicBool::new(false),
             exited: AtomicBool::new(false),
             exits,
         }
