@@ -166,7 +166,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
                 h.alloc(a.ptr, size, stream);
             }
         }
-        self.after_op(&st, "allocate");
+        self.after_op(st, "allocate");
         r
     }
 
@@ -193,7 +193,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
         if let (Some(h), Ok(())) = (&mut st.history, &r) {
             h.free(ptr);
         }
-        self.after_op(&st, "free");
+        self.after_op(st, "free");
         r
     }
 

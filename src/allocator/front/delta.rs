@@ -141,13 +141,11 @@ impl Five {
     #[inline]
     pub(crate) fn of_quantities(q: &[i64; 9]) -> Five {
         let mut f = [0; 15];
-        for p in 0..3 {
-            f[p] = q[p];
-            f[3 + p] = q[p];
-            f[6 + p] = q[3 + p];
-            f[9 + p] = q[3 + p];
-            f[12 + p] = q[6 + p];
-        }
+        f[0..3].copy_from_slice(&q[0..3]);
+        f[3..6].copy_from_slice(&q[0..3]);
+        f[6..9].copy_from_slice(&q[3..6]);
+        f[9..12].copy_from_slice(&q[3..6]);
+        f[12..15].copy_from_slice(&q[6..9]);
         Five(f)
     }
 
