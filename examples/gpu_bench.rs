@@ -14,6 +14,10 @@
 //! cargo run --release --example gpu_bench --features trace-io -- --device sim
 //! ```
 //!
+//! For a GPU machine without Rust, build here and carry the binary (see `benches/README.md`):
+//! `cargo build --release --example gpu_bench --features cuda,trace-io`, then run
+//! `gpu_bench --device cuda` from the repository root there (it finds `examples/traces`).
+//!
 //! Options: `--device cuda|sim` (default `sim`), `--ordinal N` (CUDA device, default 0),
 //! `--quick` (fewer repetitions), `--traces DIR` (default: the crate's `examples/traces`),
 //! `--json FILE` (also write the figures as JSON). Each figure is the median of 5 runs (2 with

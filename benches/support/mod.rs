@@ -318,7 +318,13 @@ pub(crate) fn shipped_traces(dir: &std::path::Path) -> Vec<CompiledTrace> {
     }
 }
 
-/// The directory of the shipped traces.
+/// The directory of the shipped traces: `examples/traces` under the current directory when it
+/// exists (a binary carried to another machine, run from a checkout), else under this crate.
 pub(crate) fn traces_dir() -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/traces")
+    let here = std::path::PathBuf::from("examples/traces");
+    if here.is_dir() {
+        here
+    } else {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/traces")
+    }
 }

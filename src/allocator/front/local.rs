@@ -20,7 +20,7 @@ use std::sync::Arc;
 use super::shared::{CACHED, CHUNK, Chunk, Desc, DescView, GONE, LIVE, Shared, Taken, VACANT};
 use crate::allocator::state::AddrMap;
 use crate::backend::StreamId;
-use crate::size_class::PoolKind;
+use crate::size_class::{PoolKind, pool_kind};
 
 /// Slots in a thread's bin table (a power of two).
 pub(crate) const SLOTS: usize = 256;
@@ -117,6 +117,8 @@ pub(crate) struct Local {
     vacant: Vec<u32>,
     index: AddrMap<u32>,
     slots: Box<[Slot]>,
+    /// One bit per slot holding cached blocks.
+    occupied: [u64; SLOTS / 64],
     bounds: Bounds,
     pub(crate) cached_bytes: usize,
     pub(crate) cached_count: usize,
@@ -136,6 +138,7 @@ impl Local {
             vacant: Vec::new(),
             index: AddrMap::default(),
             slots: vec![EMPTY_SLOT; SLOTS].into_boxed_slice(),
+            occupied: [0; SLOTS / 64],
             bounds,
             cached_bytes: 0,
             cached_count: 0,
@@ -150,6 +153,17 @@ impl Local {
         self.chunks
             .get(i as usize / CHUNK)
             .map(|c| &c.0[i as usize % CHUNK])
+    }
+
+    /// Updates slot `s`'s bit in [`occupied`](Self::occupied).
+    #[inline]
+    fn mark(&mut self, s: usize) {
+        let bit = 1u64 << (s % 64);
+        if self.slots[s].len > 0 {
+            self.occupied[s / 64] |= bit;
+        } else {
+            self.occupied[s / 64] &= !bit;
+        }
     }
 
     #[inline]
@@ -180,6 +194,9 @@ impl Local {
         let slot = &mut self.slots[s];
         slot.len -= 1;
         slot.strikes = 0;
+        if slot.len == 0 {
+            self.mark(s);
+        }
         let m = self.meta.get_mut(i as usize)?;
         m.in_bin = false;
         let (ptr, bs, kind) = (m.ptr, m.block_size, m.kind);
@@ -244,6 +261,9 @@ impl Local {
         }
         slot.idx[slot.len as usize] = i;
         slot.len += 1;
+        if slot.len == 1 {
+            self.mark(s);
+        }
         if let Some(m) = self.meta.get_mut(i as usize) {
             m.in_bin = true;
         }
@@ -321,12 +341,50 @@ impl Local {
             seen: self.tick,
             ..EMPTY_SLOT
         };
+        self.mark(victim);
         for k in 0..n {
             if let Some(m) = self.meta.get_mut(evicted.idx[k] as usize) {
                 m.in_bin = false;
             }
         }
         true
+    }
+
+    /// Before the core searches for a `(stream, rounded)` block, gives back this cache's blocks
+    /// that the core's best fit could have chosen: those of `stream`, in the same pool, at least
+    /// `rounded` bytes. Each leaves its bin and the delta and goes to `f` (which frees it in the
+    /// core), so the core decides among the same free blocks as without the fast path.
+    pub(crate) fn drain_candidates(
+        &mut self,
+        stream: StreamId,
+        rounded: usize,
+        mut f: impl FnMut(DescView),
+    ) {
+        if self.cached_count == 0 {
+            return;
+        }
+        let kind = pool_kind(rounded);
+        for w in 0..self.occupied.len() {
+            let mut bits = self.occupied[w];
+            while bits != 0 {
+                let s = w * 64 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                let slot = self.slots[s];
+                if slot.stream != stream || slot.size < rounded || pool_kind(slot.size) != kind {
+                    continue;
+                }
+                self.slots[s].len = 0;
+                self.mark(s);
+                for &i in &slot.idx[..slot.len as usize] {
+                    if let Some(m) = self.meta.get_mut(i as usize) {
+                        m.in_bin = false;
+                    }
+                    if let Some(v) = self.evict(i) {
+                        f(v);
+                    }
+                }
+            }
+        }
     }
 
     /// Takes back an evicted cached block for the core: its contribution leaves the delta.
@@ -427,6 +485,7 @@ impl Local {
                         slot.idx.copy_within(k + 1..n, k);
                         slot.len -= 1;
                     }
+                    self.mark(s);
                 }
                 self.cached_count -= 1;
                 self.cached_bytes -= m.block_size;
