@@ -204,9 +204,10 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// # Errors
     /// The pointer errors of [`free`](Self::free).
     pub fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
-        let mut st = self.state.lock();
+        let mut guard = self.state.lock();
+        let Locked { st, front: fl } = &mut *guard;
         match &self.front {
-            Some(front) => front.record_stream_locked(&mut st, ptr, stream),
+            Some(front) => front.record_stream_locked(st, fl, ptr, stream),
             None => st.record_stream(ptr, stream),
         }
     }

@@ -6,6 +6,7 @@
 // Test helpers outside `#[test]` functions unwrap too: a failure is the test failing.
 #![allow(clippy::unwrap_used)]
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 
 use cuda_caching_allocator::*;
@@ -28,10 +29,14 @@ impl Rng {
     }
 }
 
+/// Mostly a few recurring sizes (so the front caches hit and get flushed while busy), some
+/// random ones.
 fn size(r: &mut Rng) -> usize {
+    const RECURRING: [usize; 6] = [512, 4096, 65536, MIB, 3 * MIB, 12 * MIB];
     match r.below(10) {
-        0..=5 => 1 + r.below(8192) as usize,
-        6..=8 => 8192 + r.below(2 * MIB as u64) as usize,
+        0..=5 => RECURRING[r.below(RECURRING.len() as u64) as usize],
+        6 | 7 => 1 + r.below(8192) as usize,
+        8 => 8192 + r.below(2 * MIB as u64) as usize,
         _ => MIB + r.below(24 * MIB as u64) as usize,
     }
 }
@@ -40,9 +45,13 @@ fn stress(config: AllocatorConfig, threads: usize, ops: usize) {
     let a = with_config(16 << 30, config);
     let (senders, receivers): (Vec<_>, Vec<_>) =
         (0..threads).map(|_| mpsc::channel::<Allocation>()).unzip();
+    // Blocks handed over and not yet freed, all threads together: a descheduled thread must not
+    // pile up the others' hand-overs (on a 2-core machine it is descheduled for milliseconds).
+    let in_flight = AtomicUsize::new(0);
     std::thread::scope(|s| {
         for (t, rx) in receivers.into_iter().enumerate() {
             let a = &a;
+            let in_flight = &in_flight;
             let senders = senders.clone();
             s.spawn(move || {
                 let mut r = Rng(0x9e37_79b9_7f4a_7c15 ^ ((t as u64 + 1) * 0x1234_5678_9abc_def1));
@@ -52,9 +61,11 @@ fn stress(config: AllocatorConfig, threads: usize, ops: usize) {
                     // Frees handed over by other threads.
                     while let Ok(x) = rx.try_recv() {
                         a.free(x.ptr).unwrap();
+                        in_flight.fetch_sub(1, Ordering::Relaxed);
                     }
-                    // At most 48 live blocks per thread (about 1.2 GiB at worst).
-                    let roll = if live.len() >= 48 {
+                    // At most 48 live blocks and 256 MiB per thread.
+                    let live_bytes: usize = live.iter().map(|x| x.block_size).sum();
+                    let roll = if live.len() >= 48 || live_bytes >= 256 * MIB {
                         50 + r.below(40)
                     } else {
                         r.below(100)
@@ -77,7 +88,10 @@ fn stress(config: AllocatorConfig, threads: usize, ops: usize) {
                             // Hand one to another thread to free.
                             if let Some(x) = live.pop() {
                                 let to = r.below(senders.len() as u64) as usize;
-                                if senders[to].send(x).is_err() {
+                                if in_flight.fetch_add(1, Ordering::Relaxed) >= 64
+                                    || senders[to].send(x).is_err()
+                                {
+                                    in_flight.fetch_sub(1, Ordering::Relaxed);
                                     a.free(x.ptr).unwrap();
                                 }
                             }
@@ -106,6 +120,7 @@ fn stress(config: AllocatorConfig, threads: usize, ops: usize) {
                 // Frees still in flight to this thread.
                 for x in rx {
                     a.free(x.ptr).unwrap();
+                    in_flight.fetch_sub(1, Ordering::Relaxed);
                 }
             });
         }

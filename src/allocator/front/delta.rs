@@ -9,7 +9,7 @@
 //! Peaks cannot be summed. Each thread cache keeps a base (the user-view values when it last
 //! synchronised under the core lock, less its own delta) and the largest delta values reached
 //! since; their sum is a peak candidate, folded into the user-view peaks at the next
-//! synchronisation (see `shared::Counters`).
+//! synchronisation (see `local::Local`).
 //! With one thread using the allocator this is exact (nothing else moves the core in between);
 //! see Note [Peaks with several threads] in `front/mod.rs`.
 //!
@@ -150,23 +150,26 @@ impl Five {
     }
 
     /// The core's `current` values of the five statistics.
+    #[inline]
     pub(crate) fn of_core(stats: &MemoryStats) -> Five {
-        let mut f = [0; 15];
-        for (s, a) in [
-            &stats.allocation,
-            &stats.active,
-            &stats.allocated_bytes,
-            &stats.active_bytes,
-            &stats.requested_bytes,
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            for (p, t) in StatType::ALL.into_iter().enumerate() {
-                f[3 * s + p] = a.get(t).current;
-            }
-        }
-        Five(f)
+        let g = |a: &StatArray| {
+            [
+                a.get(StatType::All).current,
+                a.get(StatType::SmallPool).current,
+                a.get(StatType::LargePool).current,
+            ]
+        };
+        let (a, b, c, d, e) = (
+            g(&stats.allocation),
+            g(&stats.active),
+            g(&stats.allocated_bytes),
+            g(&stats.active_bytes),
+            g(&stats.requested_bytes),
+        );
+        Five([
+            a[0], a[1], a[2], b[0], b[1], b[2], c[0], c[1], c[2], d[0], d[1], d[2], e[0], e[1],
+            e[2],
+        ])
     }
 
     /// `self += other`.

@@ -17,6 +17,7 @@
 use std::cell::RefCell;
 use std::sync::Arc;
 
+use super::delta::Five;
 use super::shared::{CACHED, CHUNK, Chunk, Desc, DescView, GONE, LIVE, Shared, Taken, VACANT};
 use crate::allocator::state::AddrMap;
 use crate::backend::StreamId;
@@ -28,6 +29,15 @@ pub(crate) const SLOTS: usize = 256;
 pub(crate) const SLOT_CAP: usize = 8;
 /// Strikes after which a slot's key gives way to a key that keeps missing.
 pub(crate) const EVICT_STRIKES: u8 = 2;
+/// Misses per admission window: after each, a cache that got fewer than [`HITS_PER_MISS`] hits
+/// per miss pauses for [`PAUSE_WINDOWS`] windows.
+pub(crate) const WINDOW: u32 = 256;
+/// Hits per miss below which the cache does not pay: a hit saves a locked allocation and a
+/// locked free, a miss with the cache active costs about half of one in bookkeeping (measured
+/// with callgrind on the shipped traces).
+pub(crate) const HITS_PER_MISS: f64 = 0.5;
+/// Windows a paused cache admits nothing (and costs almost nothing) before it tries again.
+pub(crate) const PAUSE_WINDOWS: u32 = 8;
 
 /// Bounds of one thread cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,6 +93,14 @@ const EMPTY_SLOT: Slot = Slot {
 };
 
 #[inline]
+fn pool_index(kind: PoolKind) -> usize {
+    match kind {
+        PoolKind::Small => 1,
+        PoolKind::Large => 2,
+    }
+}
+
+#[inline]
 fn home_slot(stream: StreamId, rounded: usize) -> usize {
     const K: u64 = 0x9e37_79b9_7f4a_7c15;
     let h = ((rounded as u64 >> 9) ^ stream.0.wrapping_mul(K)).wrapping_mul(K);
@@ -123,10 +141,28 @@ pub(crate) struct Local {
     pub(crate) cached_bytes: usize,
     pub(crate) cached_count: usize,
     pub(crate) live_count: usize,
+    /// The delta's `current` values (`3 * quantity + pool`), mirrored from the shared counters
+    /// (this thread is their only writer).
+    pub(crate) cur: [i64; 9],
+    /// The largest `cur` values since the last synchronisation.
+    pub(crate) hi: [i64; 9],
+    /// The user-view values at the last synchronisation, less `cur` then: `base + hi` is the
+    /// peak candidate of the interval.
+    pub(crate) base: Five,
+    /// The peak epoch `base` belongs to.
+    pub(crate) epoch: u64,
     /// A hit or a cached free happened since the last synchronisation.
     pub(crate) dirty: bool,
+    /// The delta changed on the locked path (a block retired) since the last synchronisation.
+    pub(crate) retired: bool,
+    /// No cached block is larger than this (an upper bound; 0 when none is cached).
+    max_cached: usize,
     /// Counts key sightings on the locked path (for [`Slot::seen`]).
     tick: u32,
+    /// Admission control: misses and hits in this window, and windows left paused.
+    window_misses: u32,
+    window_hits: u32,
+    paused: u32,
 }
 
 impl Local {
@@ -143,8 +179,17 @@ impl Local {
             cached_bytes: 0,
             cached_count: 0,
             live_count: 0,
+            cur: [0; 9],
+            hi: [0; 9],
+            base: Five::default(),
+            epoch: 0,
             dirty: false,
+            retired: false,
+            max_cached: 0,
             tick: 0,
+            window_misses: 0,
+            window_hits: 0,
+            paused: 0,
         }
     }
 
@@ -153,6 +198,16 @@ impl Local {
         self.chunks
             .get(i as usize / CHUNK)
             .map(|c| &c.0[i as usize % CHUNK])
+    }
+
+    /// Adds `sign × v` (`v = [count, bytes, requested]`) to the mirrored `current` values.
+    #[inline]
+    fn mirror(&mut self, kind: PoolKind, v: [i64; 3], sign: i64) {
+        let p = pool_index(kind);
+        for (q, v) in v.into_iter().enumerate() {
+            self.cur[3 * q] += sign * v;
+            self.cur[3 * q + p] += sign * v;
+        }
     }
 
     /// Updates slot `s`'s bit in [`occupied`](Self::occupied).
@@ -204,7 +259,16 @@ impl Local {
         self.cached_count -= 1;
         self.live_count += 1;
         self.dirty = true;
-        self.shared.counters.hit(kind, bs, req);
+        self.window_hits = self.window_hits.wrapping_add(1);
+        let v = [1, bs as i64, req as i64];
+        self.shared.counters.hit(kind, v);
+        let p = pool_index(kind);
+        for (q, v) in v.into_iter().enumerate() {
+            for k in [3 * q, 3 * q + p] {
+                self.cur[k] += v;
+                self.hi[k] = self.hi[k].max(self.cur[k]);
+            }
+        }
         Some((ptr, bs))
     }
 
@@ -222,6 +286,7 @@ impl Local {
             return Give::Slow;
         };
         if !may_cache
+            || self.paused > 0
             || d.needs_core.load(std::sync::atomic::Ordering::Relaxed)
             || self.cached_bytes + m.block_size > self.bounds.max_bytes
         {
@@ -269,13 +334,53 @@ impl Local {
         }
         self.cached_bytes += m.block_size;
         self.cached_count += 1;
+        self.max_cached = self.max_cached.max(m.rounded);
         self.live_count -= 1;
         self.dirty = true;
-        self.shared.counters.cache(m.kind, m.block_size, req);
+        let v = [1, m.block_size as i64, req as i64];
+        self.shared.counters.cache(m.kind, v);
+        self.mirror(m.kind, v, -1);
         Give::Cached
     }
 
     // ---- locked path (the caller holds the core lock) ---------------------------------------
+
+    /// Counts a miss; returns whether the cache is active (admitting blocks). A cache that got
+    /// fewer than [`HITS_PER_MISS`] hits per miss over the last window of [`WINDOW`] misses
+    /// (random sizes, or sizes that come back too rarely) pauses for [`PAUSE_WINDOWS`] windows,
+    /// then tries again.
+    pub(crate) fn note_miss(&mut self) -> bool {
+        self.window_misses += 1;
+        if self.window_misses >= WINDOW {
+            let productive = f64::from(self.window_hits) >= f64::from(WINDOW) * HITS_PER_MISS;
+            if self.paused > 0 {
+                self.paused -= 1;
+            } else if !productive {
+                self.paused = PAUSE_WINDOWS;
+            }
+            self.window_misses = 0;
+            self.window_hits = 0;
+        }
+        self.paused == 0
+    }
+
+    /// Nothing to do on the locked path: no hit possible before the next synchronisation (see
+    /// [`may_hit`](Self::may_hit)), no hit or cached free since the last one, nothing taken
+    /// away.
+    pub(crate) fn idle(&self) -> bool {
+        !self.may_hit()
+            && !self.dirty
+            && !self
+                .shared
+                .taken_pending
+                .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether a hit may happen before the next synchronisation: a block is cached, or a live
+    /// one may be freed into a bin (not while paused).
+    pub(crate) fn may_hit(&self) -> bool {
+        self.cached_count > 0 || (self.live_count > 0 && self.paused == 0)
+    }
 
     /// The descriptor index and state of a block managed here.
     pub(crate) fn find(&self, ptr: u64) -> Option<(u32, u32)> {
@@ -350,29 +455,43 @@ impl Local {
         true
     }
 
-    /// Before the core searches for a `(stream, rounded)` block, gives back this cache's blocks
-    /// that the core's best fit could have chosen: those of `stream`, in the same pool, at least
-    /// `rounded` bytes. Each leaves its bin and the delta and goes to `f` (which frees it in the
-    /// core), so the core decides among the same free blocks as without the fast path.
-    pub(crate) fn drain_candidates(
-        &mut self,
-        stream: StreamId,
-        rounded: usize,
-        mut f: impl FnMut(DescView),
-    ) {
+    /// The bins holding blocks that the core's best fit could choose for a `(stream, rounded)`
+    /// request: of `stream`, in the same pool, of at least `rounded` bytes (one bit per slot;
+    /// all zero when none).
+    pub(crate) fn candidates(&mut self, stream: StreamId, rounded: usize) -> [u64; SLOTS / 64] {
+        let mut mask = [0u64; SLOTS / 64];
         if self.cached_count == 0 {
-            return;
+            self.max_cached = 0;
+            return mask;
+        }
+        if rounded > self.max_cached {
+            return mask;
         }
         let kind = pool_kind(rounded);
-        for w in 0..self.occupied.len() {
+        for (w, m) in mask.iter_mut().enumerate() {
             let mut bits = self.occupied[w];
+            while bits != 0 {
+                let b = bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                let slot = &self.slots[w * 64 + b];
+                if slot.stream == stream && slot.size >= rounded && pool_kind(slot.size) == kind {
+                    *m |= 1 << b;
+                }
+            }
+        }
+        mask
+    }
+
+    /// Gives back the blocks of the bins in `mask` (from [`candidates`](Self::candidates)): each
+    /// leaves its bin and the delta and goes to `f`, which frees it in the core (where it merges
+    /// with its free neighbours).
+    pub(crate) fn drain(&mut self, mask: [u64; SLOTS / 64], mut f: impl FnMut(DescView)) {
+        for (w, &m) in mask.iter().enumerate() {
+            let mut bits = m;
             while bits != 0 {
                 let s = w * 64 + bits.trailing_zeros() as usize;
                 bits &= bits - 1;
                 let slot = self.slots[s];
-                if slot.stream != stream || slot.size < rounded || pool_kind(slot.size) != kind {
-                    continue;
-                }
                 self.slots[s].len = 0;
                 self.mark(s);
                 for &i in &slot.idx[..slot.len as usize] {
@@ -394,6 +513,8 @@ impl Local {
         d.transition(CACHED, VACANT).ok()?;
         let v = d.view();
         self.shared.counters.retire(v.kind, v.contribution(CACHED));
+        self.mirror(v.kind, v.contribution(CACHED), -1);
+        self.retired = true;
         self.cached_count -= 1;
         self.cached_bytes -= v.block_size;
         self.forget(i, v.ptr);
@@ -407,6 +528,8 @@ impl Local {
         d.transition(LIVE, VACANT)?;
         let v = d.view();
         self.shared.counters.retire(v.kind, v.contribution(LIVE));
+        self.mirror(v.kind, v.contribution(LIVE), -1);
+        self.retired = true;
         self.live_count -= 1;
         self.forget(i, v.ptr);
         Ok(v)
@@ -493,6 +616,8 @@ impl Local {
                 self.live_count -= 1;
             }
             self.shared.counters.retire(t.kind, t.contribution);
+            self.mirror(t.kind, t.contribution, -1);
+            self.retired = true;
             f(t);
             if let Some(d) = self.desc(i) {
                 d.state.store(VACANT, std::sync::atomic::Ordering::Release);

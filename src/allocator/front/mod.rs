@@ -4,24 +4,27 @@
 //!
 //! # Design
 //!
-//! * **Ownership.** When the core allocates a block for a thread whose fast path is on, the block
-//!   becomes *managed* by that thread's cache: a descriptor in the cache's shared half
-//!   (`shared.rs`), an entry in the owner's address index (`local.rs`, thread-local), and a line
-//!   in the sharded owner map (`shards.rs`). For the core the block stays allocated until it
-//!   comes back, so the core's own invariants hold unchanged.
+//! * **Ownership.** When the core allocates a block for a thread whose fast path is on, and its
+//!   size has missed before (a size is admitted on its second miss), the block becomes *managed*
+//!   by that thread's cache: a descriptor in the cache's shared half (`shared.rs`) and an entry
+//!   in the owner's address index (`local.rs`, thread-local). For the core the block stays
+//!   allocated until it comes back, so the core's own invariants hold unchanged.
 //! * **Hit / cached free.** The owner frees a managed block into its bin of
 //!   `(stream, rounded size)` and allocates it from there again: a thread-local lookup and one
 //!   compare-and-swap on the block's descriptor (`LIVE ⇄ CACHED`), no lock.
 //! * **Everything else** takes the allocator's one lock, which guards the core's state and the
 //!   front's bookkeeping ([`FrontLocked`]), then per-cache queue locks and shard locks, in that
-//!   order (the fast path takes none).
-//!   A free from another thread finds the owner in the sharded map, takes the block from it
-//!   (`LIVE → GONE`) and frees it in the core.
-//! * **Memory is never lost to front caches.** Any thread holding the core lock can take every
+//!   order (the fast path takes none). A free from another thread finds the owner in the
+//!   sharded owner map (`shards.rs`, kept from the moment a second thread is involved), takes
+//!   the block from it (`LIVE → GONE`) and frees it in the core.
+//! * **Memory is never lost to front caches.** Any thread holding the lock can take every
 //!   thread's cached blocks back (`CACHED → GONE`), and does: before the core would grow (before
 //!   garbage collection, any device allocation, and the OOM path's release-and-retry chain), on
 //!   `empty_cache`, when the history recorder starts, when the allocator is dropped, and (at the
 //!   next locked operation) when the owner thread has exited. Caches are bounded ([`Bounds`]).
+//! * **It pays or it pauses.** A cache that got fewer hits than half its misses over a window
+//!   (random sizes) stops admitting blocks for a while, so that its misses cost little more than
+//!   the core's (`local::Local::note_miss`).
 //! * **Statistics** stay exact (`delta.rs`): a block in a front cache counts as *freed* for
 //!   `allocation`, `active`, `allocated_bytes`, `active_bytes` and `requested_bytes` (PyTorch's
 //!   meaning: allocated bytes drop on free). It stays unmerged until it is flushed, so it does
@@ -31,18 +34,21 @@
 //! best fit and does not merge with its free neighbours, so without care the core would cut other
 //! blocks and the segments would fragment differently from PyTorch's (on the shipped traces, up
 //! to 6% more peak reserved bytes). So before the core searches for a block, the thread gives
-//! back its cached blocks that best fit could have chosen (same stream, same pool, at least the
-//! requested size). With that, the replays of the shipped traces reach PyTorch's peak reserved
-//! bytes (see `benches/README.md`), and hits remain for the sizes that recur between misses.
+//! back its cached blocks that best fit could have chosen: same stream and pool, at least the
+//! requested size (giving back only those smaller than the core's own choice is not enough: the
+//! larger ones merge with their neighbours, which changes later choices). With that, the replays
+//! of the shipped traces stay within 0.2% of PyTorch's peak reserved bytes (see
+//! `benches/README.md`); cached blocks smaller than the request stay.
 //!
 //! Note [Peaks with several threads]: `current`, `allocated` and `freed` are exact sums (a
 //! reader racing an operation in flight may see that one operation half-counted). The peaks of
-//! the five statistics above are exact when one thread at a time uses the allocator. When several
-//! threads hit their caches concurrently, each thread's peak candidate assumes that the others'
-//! caches stood still since they last took the core lock, so a reported peak can differ from the
-//! peak of any one global order of the operations by what the other threads' caches took in or
-//! handed out meanwhile; and after a peak reset from one thread, another thread's cache hits
-//! count towards the new peak from its next locked operation on.
+//! the five statistics above are exact when one thread at a time uses the allocator. A thread's
+//! hits are folded into the peaks when that thread next takes the lock (any operation that is
+//! not a hit or a cached free, or a statistics read), relative to the other caches' contents as
+//! of their own last locked operation; so with several threads hitting their caches at once, a
+//! reported peak can differ from the peak of any one global order of the operations by what the
+//! other threads' caches took in or handed out meanwhile, and a thread's hits after a peak reset
+//! from another thread count from its next locked operation on.
 //!
 //! May use: `state` (its `pub(crate)` API), `snapshot`, `invariants`, `backend`, `config`,
 //! `size_class`, `stats`.
@@ -104,6 +110,10 @@ pub(crate) struct FrontLocked {
     peaks: Five,
     /// Bumped by every peak reset; candidates of an older epoch are ignored.
     epoch: u64,
+    /// The owner map is kept: from the first time a thread other than a block's owner may need
+    /// it (a second cache, or a free by a thread without one) on. A single-threaded program
+    /// never pays for it.
+    shards_on: bool,
 }
 
 impl FrontLocked {
@@ -219,24 +229,42 @@ impl Front {
             local::with_local(self.id, |_| ()).is_some()
         };
         let mut claimed = false;
+        let mut idle = false;
         if has_own {
             local::with_local(self.id, |l| {
+                let active = manage && l.note_miss();
+                if !active && l.idle() {
+                    // A paused, empty cache: the core's path, plus the peak candidate below.
+                    idle = true;
+                    return;
+                }
                 self.prologue(l, st, fl);
-                if manage {
+                let shards_on = fl.shards_on;
+                if active {
                     let mut evicted = Evicted::default();
                     claimed = l.claim(stream, rounded, &mut evicted);
                     for &i in &evicted.idx[..evicted.len] {
                         if let Some(v) = l.evict(i) {
-                            self.return_to_core(st, dev, v.ptr);
+                            self.return_to_core(st, dev, v.ptr, shards_on);
                         }
                     }
-                    // Note [Candidates go back before a miss].
-                    l.drain_candidates(stream, rounded, |v| self.return_to_core(st, dev, v.ptr));
+                }
+                // Note [Candidates go back before a miss] (paused or not).
+                if manage {
+                    let mask = l.candidates(stream, rounded);
+                    if mask.iter().any(|&m| m != 0) {
+                        l.drain(mask, |v| self.return_to_core(st, dev, v.ptr, shards_on));
+                    }
                 }
             });
         }
         let r = st.malloc_with(dev, size, stream, &mut |st| self.flush_all(st, fl, dev) > 0);
-        if has_own {
+        if idle {
+            // Nothing managed here: the user view is the core's plus the others' deltas.
+            let mut now = Five::of_core(&st.stats);
+            now.add(&fl.known);
+            fl.peaks.raise_to(&now);
+        } else if has_own {
             local::with_local(self.id, |l| {
                 self.process_taken_own(l, fl);
                 if let Ok(a) = &r {
@@ -251,10 +279,12 @@ impl Front {
                             user_req: size,
                         };
                         let i = l.register(&v, rounded, stream);
-                        self.shards.insert(a.ptr.0, &l.shared, i);
+                        if fl.shards_on {
+                            self.shards.insert(a.ptr.0, &l.shared, i);
+                        }
                     }
                 }
-                self.sync_own(l, &st.stats, fl);
+                self.sync_own(l, &st.stats, fl, true);
             });
         }
         r
@@ -274,12 +304,17 @@ impl Front {
         }
         self.reclaim_exited(st, fl, dev);
         let own = local::with_local(self.id, |l| {
-            self.prologue(l, st, fl);
-            let r = match l.find(ptr.0) {
+            let found = l.find(ptr.0);
+            if l.dirty || matches!(found, Some((_, LIVE))) {
+                self.prologue(l, st, fl);
+            }
+            let r = match found {
                 Some((_, CACHED)) => Some(Err(AllocError::DoubleFree { ptr })),
                 Some((i, LIVE)) => match l.retire_live(i) {
                     Ok(_) => {
-                        self.shards.remove(ptr.0);
+                        if fl.shards_on {
+                            self.shards.remove(ptr.0);
+                        }
                         Some(st.free(dev, ptr))
                     }
                     Err(CACHED) => Some(Err(AllocError::DoubleFree { ptr })),
@@ -288,7 +323,7 @@ impl Front {
                 _ => None,
             };
             if r.is_some() {
-                self.sync_own(l, &st.stats, fl);
+                self.sync_own(l, &st.stats, fl, false);
             }
             r
         });
@@ -298,7 +333,7 @@ impl Front {
             None => (self.free_elsewhere(st, fl, dev, ptr), true),
         };
         if !synced {
-            local::with_local(self.id, |l| self.sync_own(l, &st.stats, fl));
+            local::with_local(self.id, |l| self.sync_own(l, &st.stats, fl, false));
         }
         r
     }
@@ -314,7 +349,7 @@ impl Front {
     ) -> Result<()> {
         // Another thread's managed block?
         let other = if fl.registry.len() > 1 || local::with_local(self.id, |_| ()).is_none() {
-            self.shards.get(ptr.0)
+            self.owner_of(fl, ptr.0)
         } else {
             None
         };
@@ -348,6 +383,7 @@ impl Front {
     pub(crate) fn record_stream_locked(
         &self,
         st: &mut State,
+        fl: &mut FrontLocked,
         ptr: DevicePtr,
         stream: StreamId,
     ) -> Result<()> {
@@ -356,7 +392,7 @@ impl Front {
         })
         .flatten();
         let managed = own.or_else(|| {
-            let (cell, i) = self.shards.get(ptr.0)?;
+            let (cell, i) = self.owner_of(fl, ptr.0)?;
             let s = cell.state(i);
             Some((cell, i, s))
         });
@@ -380,7 +416,7 @@ impl Front {
         let n = self.flush_all(st, fl, dev);
         local::with_local(self.id, |l| {
             self.process_taken_own(l, fl);
-            self.sync_own(l, &st.stats, fl);
+            self.sync_own(l, &st.stats, fl, false);
         });
         n
     }
@@ -404,9 +440,9 @@ impl Front {
     pub(crate) fn stats(&self, st: &State, fl: &mut FrontLocked) -> MemoryStats {
         local::with_local(self.id, |l| {
             self.process_taken_own(l, fl);
-            self.sync_own(l, &st.stats, fl);
+            self.sync_own(l, &st.stats, fl, false);
         });
-        let sum = self.exact_sum(fl, true);
+        let sum = self.exact_sum(fl);
         let mut now = Five::of_core(&st.stats);
         now.add(&sum.five());
         fl.peaks.raise_to(&now);
@@ -419,16 +455,17 @@ impl Front {
     pub(crate) fn reset_peak(&self, st: &mut State, fl: &mut FrontLocked) {
         local::with_local(self.id, |l| self.process_taken_own(l, fl));
         st.stats.reset_peak();
-        let sum = self.exact_sum(fl, false);
+        let sum = self.exact_sum(fl);
         let mut now = Five::of_core(&st.stats);
         now.add(&sum.five());
         fl.peaks = now;
         fl.epoch += 1;
         local::with_local(self.id, |l| {
-            let cur = l.shared.counters.currents();
             let mut base = now;
-            base.sub(&Five::of_quantities(&cur));
-            l.shared.counters.rebase(fl.epoch, &base, &cur);
+            base.sub(&Five::of_quantities(&l.cur));
+            l.base = base;
+            l.hi = l.cur;
+            l.epoch = fl.epoch;
             l.dirty = false;
         });
     }
@@ -469,6 +506,7 @@ impl Front {
         self.flush(st, fl, dev);
         fl.registry.clear();
         self.shards.clear();
+        fl.shards_on = false;
     }
 
     // ---- locked path: internals ------------------------------------------------------------
@@ -480,17 +518,23 @@ impl Front {
             return true;
         }
         let cell = Arc::new(Shared::new(Arc::clone(&self.exits)));
+        let mut now = Five::of_core(&st.stats);
+        now.add(&fl.known);
+        let epoch = fl.epoch;
         let made = local::with_local_or_make(
             self.id,
             || Some(Local::new(Arc::clone(&cell), self.bounds)),
-            |_| (),
+            |l| {
+                l.base = now;
+                l.epoch = epoch;
+            },
         );
         if made.is_none() {
             return false;
         }
-        let mut now = Five::of_core(&st.stats);
-        now.add(&fl.known);
-        cell.counters.rebase(fl.epoch, &now, &[0; 9]);
+        if !fl.registry.is_empty() {
+            self.enable_shards(fl);
+        }
         fl.registry.push(Reg {
             cell,
             foreign: Delta::default(),
@@ -505,7 +549,7 @@ impl Front {
     fn prologue(&self, l: &mut Local, st: &State, fl: &mut FrontLocked) {
         self.process_taken_own(l, fl);
         if l.dirty {
-            self.sync_own(l, &st.stats, fl);
+            self.sync_own(l, &st.stats, fl, false);
         }
     }
 
@@ -518,54 +562,86 @@ impl Front {
 
     /// Synchronises the owner's cache with the core (see `delta.rs`): folds the peak candidate
     /// of the interval since its last synchronisation, publishes its delta, takes the present as
-    /// a peak candidate, and starts a new interval.
-    fn sync_own(&self, l: &mut Local, core: &MemoryStats, fl: &mut FrontLocked) {
-        let c = &l.shared.counters;
+    /// a peak candidate when the user view `grew` (an allocation; frees, flushes and reads never
+    /// raise it), and starts a new interval.
+    fn sync_own(&self, l: &mut Local, core: &MemoryStats, fl: &mut FrontLocked, grew: bool) {
+        let changed = l.dirty || l.retired;
         if l.dirty {
-            let (epoch, candidate) = c.candidate();
-            if epoch == fl.epoch {
+            if l.epoch == fl.epoch {
+                let mut candidate = l.base;
+                candidate.add(&Five::of_quantities(&l.hi));
                 fl.peaks.raise_to(&candidate);
             }
             l.dirty = false;
         }
-        let cur = c.currents();
-        let d = Five::of_quantities(&cur);
-        if let Some(k) = fl.position(&l.shared) {
-            let reg = &mut fl.registry[k];
-            fl.known.sub(&reg.published);
-            fl.known.add(&d);
-            reg.published = d;
+        l.retired = false;
+        let manages = l.may_hit();
+        if !(changed || grew || manages) {
+            return;
+        }
+        let d = Five::of_quantities(&l.cur);
+        if changed {
+            if let Some(k) = fl.position(&l.shared) {
+                let reg = &mut fl.registry[k];
+                fl.known.sub(&reg.published);
+                fl.known.add(&d);
+                reg.published = d;
+            }
+        }
+        if !(grew || manages) {
+            return;
         }
         let mut now = Five::of_core(core);
         now.add(&fl.known);
-        fl.peaks.raise_to(&now);
-        now.sub(&d);
-        c.rebase(fl.epoch, &now, &cur);
+        if grew {
+            fl.peaks.raise_to(&now);
+        }
+        // The base matters only for hits before the next synchronisation, which need a block.
+        if manages {
+            now.sub(&d);
+            l.base = now;
+            l.hi = l.cur;
+            l.epoch = fl.epoch;
+        }
     }
 
     /// The exact sum of every cache's delta (read now) and foreign account, with `allocated` /
-    /// `freed` since the last reset; with `fold`, other caches' peak candidates are folded in.
-    fn exact_sum(&self, fl: &mut FrontLocked, fold: bool) -> Delta {
+    /// `freed` since the last reset.
+    fn exact_sum(&self, fl: &FrontLocked) -> Delta {
         let mut sum = fl.retired;
-        let mut peaks = fl.peaks;
         for reg in &fl.registry {
-            let d = reg.cell.counters.delta();
-            sum.add(&d.minus(&reg.acc_offset));
+            sum.add(&reg.cell.counters.delta().minus(&reg.acc_offset));
             sum.add(&reg.foreign);
-            if fold {
-                let (e, c) = reg.cell.counters.candidate();
-                if e == fl.epoch {
-                    peaks.raise_to(&c);
-                }
-            }
         }
-        fl.peaks = peaks;
         sum
     }
 
+    /// The cache managing `ptr` and its descriptor, through the owner map (kept from now on).
+    fn owner_of(&self, fl: &mut FrontLocked, ptr: u64) -> Option<shards::Owner> {
+        self.enable_shards(fl);
+        self.shards.get(ptr)
+    }
+
+    /// Starts keeping the owner map, filling it with every block managed so far.
+    fn enable_shards(&self, fl: &mut FrontLocked) {
+        if fl.shards_on {
+            return;
+        }
+        fl.shards_on = true;
+        for reg in &fl.registry {
+            reg.cell.each_desc(|i, d| {
+                if matches!(d.state.load(Ordering::Acquire), LIVE | CACHED) {
+                    self.shards.insert(d.view().ptr, &reg.cell, i);
+                }
+            });
+        }
+    }
+
     /// Returns a block taken from a cache to the core.
-    fn return_to_core<B: DeviceBackend>(&self, st: &mut State, dev: &B, ptr: u64) {
-        self.shards.remove(ptr);
+    fn return_to_core<B: DeviceBackend>(&self, st: &mut State, dev: &B, ptr: u64, shards_on: bool) {
+        if shards_on {
+            self.shards.remove(ptr);
+        }
         if let Err(err) = st.free(dev, DevicePtr(ptr)) {
             // A managed block is allocated in the core by construction; a failure here is a bug
             // that the invariant checker reports.
@@ -600,7 +676,7 @@ impl Front {
             return 0;
         };
         // `delta + foreign` counts minus one per cached block: skip caches with none.
-        if reg.cell.counters.currents()[0] + reg.foreign.count[0].current == 0 {
+        if reg.cell.counters.count_current() + reg.foreign.count[0].current == 0 {
             return 0;
         }
         let cell = Arc::clone(&reg.cell);
@@ -610,7 +686,7 @@ impl Front {
                 let v = d.view();
                 let c = v.contribution(CACHED);
                 fl.foreign(k, v.kind, c, 1);
-                self.return_to_core(st, dev, v.ptr);
+                self.return_to_core(st, dev, v.ptr, fl.shards_on);
                 self.after_taken(&cell, i, v, c);
                 n += 1;
             }
@@ -684,6 +760,7 @@ impl Front {
             return Err(bad(e));
         }
         let owners = self.shards.all();
+        let fl_shards_on = fl.shards_on;
         let mut managed = 0usize;
         let mut problem: Option<String> = None;
         let mut known = Five::default();
@@ -709,9 +786,10 @@ impl Front {
                         problem = Some(format!("managed block {p} is not allocated in the core"))
                     }
                 }
-                if !owners
-                    .iter()
-                    .any(|(q, (o, k))| *q == v.ptr && *k == i && Arc::ptr_eq(o, &reg.cell))
+                if fl_shards_on
+                    && !owners
+                        .iter()
+                        .any(|(q, (o, k))| *q == v.ptr && *k == i && Arc::ptr_eq(o, &reg.cell))
                 {
                     problem = Some(format!("managed block {p} is missing from the owner map"));
                 }
@@ -743,7 +821,7 @@ impl Front {
                 }
             }
         }
-        if owners.len() != managed {
+        if owners.len() != if fl_shards_on { managed } else { 0 } {
             return Err(bad(format!(
                 "{} owner-map entries for {managed} managed blocks",
                 owners.len()

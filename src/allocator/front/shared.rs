@@ -9,7 +9,8 @@
 //! frees, never both win: one atomic operation per fast operation, and no lock.
 //!
 //! The counters are written by the owner only (plain loads and stores of atomics, no
-//! read-modify-write) and read by anyone summing statistics. May use: `delta`, `size_class`.
+//! read-modify-write) and read by anyone summing statistics; the peak bookkeeping stays in the
+//! owner's half. May use: `delta`, `size_class`.
 #![forbid(unsafe_code)]
 
 use std::sync::Arc;
@@ -17,7 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, AtomicUsize
 
 use parking_lot::Mutex;
 
-use super::delta::{Acc, Delta, Five};
+use super::delta::{Acc, Delta};
 use crate::size_class::PoolKind;
 
 /// Descriptors per chunk.
@@ -143,37 +144,27 @@ fn slot(q: usize, p: usize, f: usize) -> usize {
     q * 9 + p * 3 + f
 }
 
-/// The statistics counters of one cache (owner-written).
+/// The statistics delta of one cache: written by the owner only (plain loads and stores of
+/// atomics), read by whoever sums the statistics.
 #[derive(Debug)]
 #[repr(align(64))]
 pub(crate) struct Counters {
-    /// The delta: quantity (count, bytes, requested) × pool (all, small, large) × (current,
-    /// allocated, freed).
+    /// Quantity (count, bytes, requested) × pool (all, small, large) × (current, allocated,
+    /// freed).
     d: [AtomicI64; 27],
-    /// The largest `current` of each delta counter since the last synchronisation.
-    hi: [AtomicI64; 9],
-    /// User-view `current` of the five statistics at the last synchronisation, less the delta.
-    base: [AtomicI64; 15],
-    /// The peak epoch `base` and `hi` belong to.
-    epoch: AtomicU64,
 }
 
 impl Default for Counters {
     fn default() -> Self {
         Counters {
             d: std::array::from_fn(|_| AtomicI64::new(0)),
-            hi: std::array::from_fn(|_| AtomicI64::new(0)),
-            base: std::array::from_fn(|_| AtomicI64::new(0)),
-            epoch: AtomicU64::new(0),
         }
     }
 }
 
 #[inline]
-fn bump(a: &AtomicI64, v: i64) -> i64 {
-    let n = a.load(RELAXED) + v;
-    a.store(n, RELAXED);
-    n
+fn bump(a: &AtomicI64, v: i64) {
+    a.store(a.load(RELAXED) + v, RELAXED);
 }
 
 #[inline]
@@ -185,26 +176,20 @@ fn pool_index(kind: PoolKind) -> usize {
 }
 
 impl Counters {
-    /// A cache hit (owner only).
+    /// A cache hit (owner only): `v = [1, bytes, requested]` allocated.
     #[inline]
-    pub(crate) fn hit(&self, kind: PoolKind, bytes: usize, req: usize) {
-        let v = [1, bytes as i64, req as i64];
+    pub(crate) fn hit(&self, kind: PoolKind, v: [i64; 3]) {
         for p in [0, pool_index(kind)] {
             for (q, &v) in v.iter().enumerate() {
-                let cur = bump(&self.d[slot(q, p, 0)], v);
+                bump(&self.d[slot(q, p, 0)], v);
                 bump(&self.d[slot(q, p, 1)], v);
-                let hi = &self.hi[q * 3 + p];
-                if cur > hi.load(RELAXED) {
-                    hi.store(cur, RELAXED);
-                }
             }
         }
     }
 
-    /// A free into the owner's bin (owner only).
+    /// A free into the owner's bin (owner only): `v = [1, bytes, requested]` freed.
     #[inline]
-    pub(crate) fn cache(&self, kind: PoolKind, bytes: usize, req: usize) {
-        let v = [1, bytes as i64, req as i64];
+    pub(crate) fn cache(&self, kind: PoolKind, v: [i64; 3]) {
         for p in [0, pool_index(kind)] {
             for (q, &v) in v.iter().enumerate() {
                 bump(&self.d[slot(q, p, 0)], -v);
@@ -239,29 +224,10 @@ impl Counters {
         }
     }
 
-    /// The delta's `current` values (`3 * quantity + pool`).
-    pub(crate) fn currents(&self) -> [i64; 9] {
-        std::array::from_fn(|i| self.d[slot(i / 3, i % 3, 0)].load(RELAXED))
-    }
-
-    /// The peak candidate of the current interval (`base + hi`) and its epoch.
-    pub(crate) fn candidate(&self) -> (u64, Five) {
-        let hi: [i64; 9] = std::array::from_fn(|i| self.hi[i].load(RELAXED));
-        let mut c = Five(std::array::from_fn(|i| self.base[i].load(RELAXED)));
-        c.add(&Five::of_quantities(&hi));
-        (self.epoch.load(RELAXED), c)
-    }
-
-    /// Starts a new interval (owner only, on the locked path): `base`, and `hi` from the
-    /// delta's `current` values `cur`.
-    pub(crate) fn rebase(&self, epoch: u64, base: &Five, cur: &[i64; 9]) {
-        for (a, &v) in self.base.iter().zip(base.0.iter()) {
-            a.store(v, RELAXED);
-        }
-        for (a, &v) in self.hi.iter().zip(cur.iter()) {
-            a.store(v, RELAXED);
-        }
-        self.epoch.store(epoch, RELAXED);
+    /// The number of blocks in the owner's bins (minus the delta's `allocation.all.current`),
+    /// before other threads' flushes are cleaned up.
+    pub(crate) fn count_current(&self) -> i64 {
+        self.d[slot(0, 0, 0)].load(RELAXED)
     }
 }
 
