@@ -606,3 +606,29 @@ fn front_caches_keep_pytorchs_peak_reserved_on_the_shipped_traces() {
         );
     }
 }
+
+#[test]
+fn a_cache_that_does_not_pay_pauses_and_tries_again() {
+    let a = fast_on(1 << 30);
+    let misses = |n: usize, from: usize| {
+        for k in 0..n {
+            let x = a.allocate(4096 + 512 * (from + k), S0).unwrap();
+            a.free(x.ptr).unwrap();
+        }
+    };
+    let pairs = || {
+        for _ in 0..4 {
+            let x = a.allocate(1000, S1).unwrap();
+            a.free(x.ptr).unwrap();
+        }
+        a.flush_thread_caches()
+    };
+    assert_eq!(pairs(), 1, "active: the recurring size is cached");
+    // A window of misses with no hits: the cache pauses, and caches nothing meanwhile.
+    misses(300, 0);
+    assert_eq!(pairs(), 0, "paused");
+    // After the pause it tries again.
+    misses(8 * 256, 300);
+    assert_eq!(pairs(), 1, "active again");
+    a.check_invariants().unwrap();
+}
