@@ -50,8 +50,8 @@ pub(crate) fn pairs<B: DeviceBackend>(
 }
 
 /// `threads` threads, each doing `pairs_per_thread` warm pairs of `size` bytes on
-/// `stream_of(thread)`, started together; returns the wall time from the start until the last
-/// finished (aggregate ns per pair = wall / (threads × pairs_per_thread)).
+/// `stream_of(thread)`, started together; returns the wall time from the first start until the
+/// last finish (aggregate ns per pair = wall / (threads × pairs_per_thread)).
 ///
 /// # Panics
 /// If the allocator fails.
@@ -80,15 +80,23 @@ pub(crate) fn threads<B: DeviceBackend>(
                         let x = a.allocate(black_box(size), stream).expect("allocate");
                         a.free(black_box(x.ptr)).expect("free");
                     }
-                    t0.elapsed()
+                    (t0, Instant::now())
                 })
             })
             .collect();
-        handles
+        // Wall time: from the first thread's start to the last one's end (with more threads than
+        // cores, threads run one after another, and their own times would overlap nothing).
+        let spans: Vec<(Instant, Instant)> = handles
             .into_iter()
             .map(|h| h.join().expect("benchmark thread"))
-            .max()
-            .unwrap_or_default()
+            .collect();
+        match (
+            spans.iter().map(|s| s.0).min(),
+            spans.iter().map(|s| s.1).max(),
+        ) {
+            (Some(first), Some(last)) => last.duration_since(first),
+            _ => Duration::ZERO,
+        }
     })
 }
 

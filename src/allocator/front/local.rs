@@ -201,7 +201,7 @@ impl Local {
     }
 
     /// Adds `sign × v` (`v = [count, bytes, requested]`) to the mirrored `current` values.
-    #[inline]
+    #[inline(always)]
     fn mirror(&mut self, kind: PoolKind, v: [i64; 3], sign: i64) {
         let p = pool_index(kind);
         for (q, v) in v.into_iter().enumerate() {
@@ -211,7 +211,7 @@ impl Local {
     }
 
     /// Updates slot `s`'s bit in [`occupied`](Self::occupied).
-    #[inline]
+    #[inline(always)]
     fn mark(&mut self, s: usize) {
         let bit = 1u64 << (s % 64);
         if self.slots[s].len > 0 {

@@ -162,7 +162,7 @@ impl Default for Counters {
     }
 }
 
-#[inline]
+#[inline(always)]
 fn bump(a: &AtomicI64, v: i64) {
     a.store(a.load(RELAXED) + v, RELAXED);
 }
@@ -177,7 +177,7 @@ fn pool_index(kind: PoolKind) -> usize {
 
 impl Counters {
     /// A cache hit (owner only): `v = [1, bytes, requested]` allocated.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn hit(&self, kind: PoolKind, v: [i64; 3]) {
         for p in [0, pool_index(kind)] {
             for (q, &v) in v.iter().enumerate() {
@@ -188,7 +188,7 @@ impl Counters {
     }
 
     /// A free into the owner's bin (owner only): `v = [1, bytes, requested]` freed.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn cache(&self, kind: PoolKind, v: [i64; 3]) {
         for p in [0, pool_index(kind)] {
             for (q, &v) in v.iter().enumerate() {
