@@ -20,7 +20,7 @@ pub use backend::sim::{FaultKind, SimConfig, SimCounters, SimDevice};
 pub use backend::{
     BackendError, DeviceBackend, DevicePtr, EventHandle, MemInfo, PhysicalHandle, StreamId,
 };
-pub use config::{AllocatorConfig, AllocatorConfigBuilder, ConfigError, Preset};
+pub use config::{AllocatorConfig, AllocatorConfigBuilder, ConfigError, PageReuse, Preset};
 pub use error::{AllocError, OomReport, OomVerdict, Result};
 pub use format::format_size;
 pub use replay::{Placement, ReplayError, ReplayOptions, ReplayReport, replay, replay_with};

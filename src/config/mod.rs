@@ -137,8 +137,49 @@ pub struct AllocatorConfig {
     pub throw_on_cudamalloc_oom: bool,
     /// Accepted for compatibility (CUDA-graph capture is not modelled).
     pub graph_capture_record_stream_reuse: bool,
+    /// Page size of the large pool's expandable segments, in bytes (crate key
+    /// `cca_large_page_size_mb`). `None` uses `large_segment_size`, as PyTorch does (20 MiB pages);
+    /// the small pool always uses 2 MiB pages. Must be a multiple of the device's virtual-memory
+    /// granularity.
+    pub expandable_large_page_size: Option<usize>,
+    /// Where an expandable segment finds physical pages when it grows (crate key
+    /// `cca_page_reuse`). PyTorch always creates new ones ([`PageReuse::Off`]).
+    pub page_reuse: PageReuse,
+    /// Whether the fraction cap counts only the physical bytes a growth really creates (crate key
+    /// `cca_precise_cap`). PyTorch counts the whole segment size `get_allocation_size` gives,
+    /// even when expandable segments map less or reuse pages.
+    pub precise_fraction_cap: bool,
     /// The original configuration string, when parsed from one.
     pub settings: String,
+}
+
+/// Where an expandable segment finds physical pages when it grows.
+///
+/// Reusing a page means unmapping a whole free page from a free cached block (after
+/// synchronizing that block's stream) and mapping the same physical memory where the growth
+/// needs it, instead of creating new memory: GMLake's "stitching" on top of PyTorch's expandable
+/// segments. It trades device calls (one unmap and one map per reused range) for reserved bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum PageReuse {
+    /// Always create new physical pages (PyTorch). Key value `off`.
+    #[default]
+    Off,
+    /// Reuse free pages of the same segment (same stream and pool). Key value `segment`.
+    Segment,
+    /// Reuse free pages of any expandable segment with the same page size: any stream, and the
+    /// other pool too when both pools use one page size. Key value `device`.
+    Device,
+}
+
+impl PageReuse {
+    /// The key value (`off`, `segment`, `device`).
+    pub fn name(self) -> &'static str {
+        match self {
+            PageReuse::Off => "off",
+            PageReuse::Segment => "segment",
+            PageReuse::Device => "device",
+        }
+    }
 }
 
 impl AllocatorConfig {
@@ -155,6 +196,9 @@ impl AllocatorConfig {
             release_lock_on_cudamalloc: false,
             throw_on_cudamalloc_oom: false,
             graph_capture_record_stream_reuse: false,
+            expandable_large_page_size: None,
+            page_reuse: PageReuse::Off,
+            precise_fraction_cap: false,
             settings: String::new(),
         }
     }
@@ -244,6 +288,13 @@ impl AllocatorConfig {
             return Err(ConfigError::new(
                 "garbage_collect_threshold is invalid, set it in (0.0, 1.0)",
             ));
+        }
+        if let Some(p) = self.expandable_large_page_size {
+            if p < MIB || p % MIB != 0 {
+                return Err(ConfigError::new(
+                    "cca_large_page_size_mb must be a whole, positive number of MiB",
+                ));
+            }
         }
         let f = self.per_process_memory_fraction;
         if !(0.0..=1.0).contains(&f) {
@@ -338,6 +389,24 @@ impl AllocatorConfigBuilder {
     /// `per_process_memory_fraction`.
     pub fn memory_fraction(mut self, fraction: f64) -> Self {
         self.config.per_process_memory_fraction = fraction;
+        self
+    }
+
+    /// `cca_large_page_size_mb`: the large pool's expandable page size.
+    pub fn expandable_large_page_size_mb(mut self, mb: usize) -> Self {
+        self.config.expandable_large_page_size = Some(mb.saturating_mul(MIB));
+        self
+    }
+
+    /// `cca_page_reuse`.
+    pub fn page_reuse(mut self, reuse: PageReuse) -> Self {
+        self.config.page_reuse = reuse;
+        self
+    }
+
+    /// `cca_precise_cap`.
+    pub fn precise_fraction_cap(mut self, on: bool) -> Self {
+        self.config.precise_fraction_cap = on;
         self
     }
 

@@ -5,7 +5,8 @@
 #![forbid(unsafe_code)]
 
 use super::{
-    AllocatorConfig, ConfigError, LARGE_BUFFER, MIB, MIN_LARGE_ALLOC, ROUNDUP_POWER2_BUCKETS,
+    AllocatorConfig, ConfigError, LARGE_BUFFER, MIB, MIN_LARGE_ALLOC, PageReuse,
+    ROUNDUP_POWER2_BUCKETS,
 };
 
 /// The crate's own environment variable, read before `PYTORCH_CUDA_ALLOC_CONF`.
@@ -217,6 +218,37 @@ pub(super) fn apply(
                 t.expect(i + 1, ":")?;
                 i += 2;
                 c.graph_capture_record_stream_reuse = t.boolean(i)?;
+            }
+            // Crate-specific keys (prefix `cca_`); PyTorch does not know them.
+            "cca_large_page_size_mb" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                let mb = t.size(i, &key)?;
+                if mb == 0 || mb > (usize::MAX / MIB) {
+                    return Err(ConfigError::new(
+                        "cca_large_page_size_mb must be a whole, positive number of MiB",
+                    ));
+                }
+                c.expandable_large_page_size = Some(mb * MIB);
+            }
+            "cca_page_reuse" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                c.page_reuse = match t.get(i)? {
+                    "off" => PageReuse::Off,
+                    "segment" => PageReuse::Segment,
+                    "device" => PageReuse::Device,
+                    other => {
+                        return Err(ConfigError::new(format!(
+                            "cca_page_reuse must be off, segment or device (got '{other}')"
+                        )));
+                    }
+                };
+            }
+            "cca_precise_cap" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                c.precise_fraction_cap = t.boolean(i)?;
             }
             "backend" => {
                 t.expect(i + 1, ":")?;
