@@ -88,9 +88,10 @@ impl<B: DeviceBackend> CachingAllocator<B> {
                 source,
             })?
             .total;
+        let granularity = backend.vm_granularity();
         Ok(CachingAllocator {
             backend,
-            state: Mutex::new(State::new(config, total)),
+            state: Mutex::new(State::new(config, total, granularity)),
         })
     }
 

@@ -16,7 +16,11 @@ pub enum BlockState {
     ActivePendingFree,
     /// Free and cached (`inactive`).
     Inactive,
-    /// Reserved address space without physical pages (expandable segments only).
+    /// Reserved address space without physical pages (expandable segments only). Snapshots
+    /// leave such ranges out, as PyTorch does, so [`CachingAllocator::snapshot`] never reports
+    /// this state.
+    ///
+    /// [`CachingAllocator::snapshot`]: crate::CachingAllocator::snapshot
     Unmapped,
 }
 
@@ -45,7 +49,7 @@ pub struct BlockSnapshot {
     pub state: BlockState,
 }
 
-/// One device segment.
+/// One device segment, or one contiguous mapped range of an expandable segment.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SegmentSnapshot {
     /// Base address.
@@ -92,12 +96,17 @@ impl SegmentSnapshot {
     }
 }
 
-/// Walks every segment from its head block.
+/// Walks every segment from its head block. An expandable segment is reported as PyTorch
+/// reports it: one segment per contiguous mapped range, holding only mapped blocks.
 pub(crate) fn take(st: &State) -> Vec<SegmentSnapshot> {
     let mut heads: Vec<(u64, BlockId)> = st
         .arena
         .iter()
-        .filter(|(_, b)| b.prev.is_none())
+        .filter(|(_, b)| {
+            b.mapped
+                && b.prev
+                    .is_none_or(|p| st.arena.get(p).is_some_and(|pb| !pb.mapped))
+        })
         .map(|(id, b)| (b.ptr, id))
         .collect();
     heads.sort_unstable();
@@ -108,6 +117,9 @@ pub(crate) fn take(st: &State) -> Vec<SegmentSnapshot> {
         let (mut stream, mut pool, mut expandable) = (StreamId::DEFAULT, PoolKind::Small, false);
         while let Some(id) = cur {
             let Some(b) = st.arena.get(id) else { break };
+            if !b.mapped {
+                break;
+            }
             stream = b.stream;
             pool = b.pool;
             expandable |= b.expandable;
@@ -115,8 +127,6 @@ pub(crate) fn take(st: &State) -> Vec<SegmentSnapshot> {
                 BlockState::ActiveAllocated
             } else if b.event_count > 0 {
                 BlockState::ActivePendingFree
-            } else if !b.mapped {
-                BlockState::Unmapped
             } else {
                 BlockState::Inactive
             };
