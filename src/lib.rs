@@ -10,6 +10,7 @@ mod format;
 pub mod replay;
 pub mod size_class;
 pub mod stats;
+pub mod synth;
 pub mod trace;
 
 pub use allocator::{

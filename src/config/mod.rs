@@ -145,6 +145,12 @@ pub struct AllocatorConfig {
     /// Where an expandable segment finds physical pages when it grows (crate key
     /// `cca_page_reuse`). PyTorch always creates new ones ([`PageReuse::Off`]).
     pub page_reuse: PageReuse,
+    /// How far reserved bytes may exceed the allocated bytes (after the request) before a
+    /// growing expandable segment reuses free pages instead of creating new ones, as a fraction
+    /// (crate key `cca_page_reuse_slack`; 0 = always reuse first). Reuse costs a stream
+    /// synchronization and an unmap and a map per range; the slack trades a bounded amount of
+    /// memory (peak reserved stays near `(1 + slack) × peak allocated`) for fewer device calls.
+    pub page_reuse_slack: f64,
     /// Whether the fraction cap counts only the physical bytes a growth really creates (crate key
     /// `cca_precise_cap`). PyTorch counts the whole segment size `get_allocation_size` gives,
     /// even when expandable segments map less or reuse pages.
@@ -198,6 +204,7 @@ impl AllocatorConfig {
             graph_capture_record_stream_reuse: false,
             expandable_large_page_size: None,
             page_reuse: PageReuse::Off,
+            page_reuse_slack: 0.0,
             precise_fraction_cap: false,
             settings: String::new(),
         }
@@ -295,6 +302,12 @@ impl AllocatorConfig {
                     "cca_large_page_size_mb must be a whole, positive number of MiB",
                 ));
             }
+        }
+        let slack = self.page_reuse_slack;
+        if !(0.0..=1.0).contains(&slack) {
+            return Err(ConfigError::new(
+                "cca_page_reuse_slack is invalid, set it in [0.0, 1.0]",
+            ));
         }
         let f = self.per_process_memory_fraction;
         if !(0.0..=1.0).contains(&f) {
@@ -401,6 +414,12 @@ impl AllocatorConfigBuilder {
     /// `cca_page_reuse`.
     pub fn page_reuse(mut self, reuse: PageReuse) -> Self {
         self.config.page_reuse = reuse;
+        self
+    }
+
+    /// `cca_page_reuse_slack`.
+    pub fn page_reuse_slack(mut self, slack: f64) -> Self {
+        self.config.page_reuse_slack = slack;
         self
     }
 

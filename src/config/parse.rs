@@ -245,6 +245,17 @@ pub(super) fn apply(
                     }
                 };
             }
+            "cca_page_reuse_slack" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                let v = t.double(i, &key)?;
+                if !(0.0..=1.0).contains(&v) {
+                    return Err(ConfigError::new(
+                        "cca_page_reuse_slack is invalid, set it in [0.0, 1.0]",
+                    ));
+                }
+                c.page_reuse_slack = v;
+            }
             "cca_precise_cap" => {
                 t.expect(i + 1, ":")?;
                 i += 2;

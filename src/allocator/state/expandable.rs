@@ -242,7 +242,7 @@ impl State {
         };
         // Page reuse must not take pages from the run being assembled.
         let lo = self.block(cand).ptr;
-        let keep = (lo, lo.saturating_add(size as u64));
+        let keep = (lo, lo.saturating_add(size as u64), size);
         if !self.block(cand).mapped {
             let n = self.block(cand).size.min(size);
             if !self.map_block(dev, cand, n, keep)? {
@@ -267,13 +267,13 @@ impl State {
 
     /// `map_block`: maps the pages covering the first `size` bytes of unmapped block `to_map`,
     /// which then becomes (part of) a free mapped block. `Ok(false)`: out of memory (nothing
-    /// changed). `keep` is the address range page reuse must leave alone.
+    /// changed). `keep` is the address range page reuse must leave alone and the request size.
     fn map_block<B: DeviceBackend>(
         &mut self,
         dev: &B,
         to_map: BlockId,
         size: usize,
-        keep: (u64, u64),
+        keep: (u64, u64, usize),
     ) -> Result<bool> {
         let ptr = self.block(to_map).ptr;
         let Some(base) = self.vm_segment_of(ptr) else {
@@ -291,7 +291,7 @@ impl State {
         if last <= first {
             return Ok(false);
         }
-        let Some(handles) = self.acquire_pages(dev, base, last - first, keep)? else {
+        let Some(handles) = self.acquire_pages(dev, base, last - first, keep, to_map)? else {
             return Ok(false);
         };
         let mut mapped = 0usize;
@@ -366,7 +366,8 @@ impl State {
         dev: &B,
         base: u64,
         n: usize,
-        keep: (u64, u64),
+        keep: (u64, u64, usize),
+        to_map: BlockId,
     ) -> Result<Option<Vec<SparePage>>> {
         let (page, kind) = {
             let seg = &self.vm_segments[&base];
@@ -382,8 +383,19 @@ impl State {
             }
         }
         let need = n - got.len();
-        let plan = if need > 0 && self.config.page_reuse != PageReuse::Off {
-            self.reclaim_plan(base, need, keep)
+        // Within the slack, new pages are cheaper than moving pages around.
+        let allowance = if self.config.page_reuse_slack > 0.0 {
+            let allocated = self.stats.memory_allocated().max(0) as usize;
+            let peak = self.stats.max_memory_allocated().max(0) as usize;
+            let budget = (allocated.saturating_add(keep.2).max(peak) as f64
+                * (1.0 + self.config.page_reuse_slack)) as usize;
+            budget.saturating_sub(self.total_allocated_memory) / page
+        } else {
+            0
+        };
+        let to_reclaim = need.saturating_sub(allowance);
+        let plan = if to_reclaim > 0 && self.config.page_reuse != PageReuse::Off {
+            self.reclaim_plan(base, to_reclaim, (keep.0, keep.1), to_map)
         } else {
             Vec::new()
         };
@@ -456,8 +468,15 @@ impl State {
 
     /// Which whole free pages to reuse for `need` pages of segment `base`: from the free blocks
     /// the policy allows (same segment, or any segment with the same page size), largest first,
-    /// each giving its highest pages; never from blocks near `keep` in `base`.
-    fn reclaim_plan(&self, base: u64, need: usize, keep: (u64, u64)) -> Vec<Reclaim> {
+    /// each giving its highest pages; never from blocks near `keep` in `base`, nor from the
+    /// neighbours of `to_map` (whose unmapped remains would merge with it).
+    fn reclaim_plan(
+        &self,
+        base: u64,
+        need: usize,
+        keep: (u64, u64),
+        to_map: BlockId,
+    ) -> Vec<Reclaim> {
         let (page, kind) = {
             let seg = &self.vm_segments[&base];
             (seg.page_size, seg.pool)
@@ -487,7 +506,11 @@ impl State {
                 if seg.page_size != page {
                     continue;
                 }
-                if sb == base && b.ptr < hi && b.end() > lo {
+                if sb == base
+                    && ((b.ptr < hi && b.end() > lo)
+                        || b.prev == Some(to_map)
+                        || b.next == Some(to_map))
+                {
                     continue;
                 }
                 let first = seg.page_right(b.ptr);
