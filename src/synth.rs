@@ -68,9 +68,12 @@ impl Workload {
             Workload::TransformerVarlen => TransformerParams::default().generate(seed),
             Workload::KvCacheGeneration => KvCacheParams::default().generate(seed),
             Workload::ManyStreams => ManyStreamsParams::default().generate(seed),
-            Workload::CappedTraining => {
-                capped(&TransformerParams::default(), seed, 1.04, DEFAULT_DEVICE_TOTAL)
-            }
+            Workload::CappedTraining => capped(
+                &TransformerParams::default(),
+                seed,
+                1.04,
+                DEFAULT_DEVICE_TOTAL,
+            ),
         }
     }
 }
@@ -200,7 +203,20 @@ impl TransformerParams {
 /// Per-layer fp32 parameter shapes (elements): qkv, out-proj, fc1, fc2 weights, their biases and
 /// two layer norms (weight and bias each).
 fn layer_params(d: u64) -> Vec<u64> {
-    vec![3 * d * d, d * d, 4 * d * d, 4 * d * d, 3 * d, d, 4 * d, d, d, d, d, d]
+    vec![
+        3 * d * d,
+        d * d,
+        4 * d * d,
+        4 * d * d,
+        3 * d,
+        d,
+        4 * d,
+        d,
+        d,
+        d,
+        d,
+        d,
+    ]
 }
 
 /// One layer's forward pass in bf16; returns the output and the temporaries still live (freed

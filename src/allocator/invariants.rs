@@ -311,10 +311,25 @@ fn check_pages(st: &State) -> Result<(), InvariantViolation> {
                 detail: "segment record does not match".into(),
             });
         }
-        if seg.pages.keys().next_back().is_some_and(|&p| p >= pages) {
+        let mut end = 0usize;
+        let mut counted = 0usize;
+        for (&start, &(_, n)) in &seg.handles {
+            if n == 0 || start < end || start + n > pages {
+                return Err(InvariantViolation::PagesDoNotMatchBlocks {
+                    segment: DevicePtr(base),
+                    detail: format!("handle at page {start} overlaps another or the end"),
+                });
+            }
+            end = start + n;
+            counted += n;
+        }
+        if counted != seg.mapped_pages {
             return Err(InvariantViolation::PagesDoNotMatchBlocks {
                 segment: DevicePtr(base),
-                detail: "a page lies beyond the reservation".into(),
+                detail: format!(
+                    "{counted} pages under handles but {} counted",
+                    seg.mapped_pages
+                ),
             });
         }
     }
@@ -344,11 +359,15 @@ fn check_pages(st: &State) -> Result<(), InvariantViolation> {
         }
         let (first, last) = (seg.page_left(b.ptr), seg.page_right(b.end()));
         if b.mapped {
-            if let Some(p) = (first..last).find(|p| !seg.pages.contains_key(p)) {
-                return Err(bad(format!(
-                    "mapped block {} lies over unmapped page {p}",
-                    DevicePtr(b.ptr)
-                )));
+            let mut p = first;
+            while p < last {
+                let Some((start, n)) = seg.covering(p) else {
+                    return Err(bad(format!(
+                        "mapped block {} lies over unmapped page {p}",
+                        DevicePtr(b.ptr)
+                    )));
+                };
+                p = start + n;
             }
         } else {
             let ps = seg.page_size as u64;
@@ -358,7 +377,11 @@ fn check_pages(st: &State) -> Result<(), InvariantViolation> {
                     DevicePtr(b.ptr)
                 )));
             }
-            if let Some((p, _)) = seg.pages.range(first..last).next() {
+            let overlap = seg
+                .covering(first)
+                .map(|(start, _)| start)
+                .or_else(|| seg.handles.range(first..last).next().map(|(p, _)| *p));
+            if let Some(p) = overlap {
                 return Err(bad(format!(
                     "page {p} is mapped under unmapped block {}",
                     DevicePtr(b.ptr)

@@ -231,6 +231,17 @@ pub(super) fn apply(
                 }
                 c.expandable_large_page_size = Some(mb * MIB);
             }
+            "cca_max_handle_size_mb" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                let mb = t.size(i, &key)?;
+                if mb == 0 || mb > (usize::MAX / MIB) {
+                    return Err(ConfigError::new(
+                        "cca_max_handle_size_mb must be a whole, positive number of MiB",
+                    ));
+                }
+                c.expandable_max_handle_size = Some(mb * MIB);
+            }
             "cca_page_reuse" => {
                 t.expect(i + 1, ":")?;
                 i += 2;

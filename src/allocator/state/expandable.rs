@@ -36,7 +36,7 @@ use crate::config::PageReuse;
 use crate::error::{AllocError, Result};
 use crate::size_class::{PoolKind, expandable_page_size};
 
-/// One expandable segment: a reserved address range and its mapped pages.
+/// One expandable segment: a reserved address range and the physical handles mapped in it.
 #[derive(Clone, Debug)]
 pub(crate) struct VmSegment {
     /// Base address of the reservation.
@@ -47,14 +47,17 @@ pub(crate) struct VmSegment {
     pub(crate) page_size: usize,
     pub(crate) stream: StreamId,
     pub(crate) pool: PoolKind,
-    /// Mapped pages: page index → physical handle.
-    pub(crate) pages: BTreeMap<usize, PhysicalHandle>,
+    /// Mapped handles: first page → (handle, pages it spans). One page per handle unless
+    /// `expandable_max_handle_size` allows more. Never overlapping.
+    pub(crate) handles: BTreeMap<usize, (PhysicalHandle, usize)>,
+    /// Pages mapped in all.
+    pub(crate) mapped_pages: usize,
 }
 
 impl VmSegment {
     /// Bytes mapped.
     pub(crate) fn mapped_bytes(&self) -> usize {
-        self.pages.len() * self.page_size
+        self.mapped_pages * self.page_size
     }
 
     /// Address of page `page`.
@@ -71,23 +74,68 @@ impl VmSegment {
     pub(crate) fn page_right(&self, addr: u64) -> usize {
         (addr - self.base).div_ceil(self.page_size as u64) as usize
     }
+
+    /// The handle mapped over `page`, as `(first page, pages)`.
+    pub(crate) fn covering(&self, page: usize) -> Option<(usize, usize)> {
+        self.handles
+            .range(..=page)
+            .next_back()
+            .filter(|(start, (_, n))| page < **start + *n)
+            .map(|(start, (_, n))| (*start, *n))
+    }
+
+    /// Handles lying wholly inside pages `[first, last)`, as `(first page, pages)`, in order.
+    fn handles_within(&self, first: usize, last: usize) -> Vec<(usize, usize)> {
+        if last <= first {
+            return Vec::new();
+        }
+        self.handles
+            .range(first..last)
+            .filter(|(start, (_, n))| **start + *n <= last)
+            .map(|(start, (_, n))| (*start, *n))
+            .collect()
+    }
 }
 
-/// A physical page the cache holds but has mapped nowhere. Its bytes count as reserved, in the
+/// Contiguous runs `(first page, pages)` of the given handles, highest first (so that unmapping
+/// one run leaves the runs below it in the block's lower remainder).
+fn runs_descending(mut handles: Vec<(usize, usize)>) -> Vec<(usize, usize)> {
+    handles.sort_unstable();
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for (start, n) in handles {
+        match runs.last_mut() {
+            Some(r) if r.0 + r.1 == start => r.1 += n,
+            _ => runs.push((start, n)),
+        }
+    }
+    runs.reverse();
+    runs
+}
+
+/// A physical handle the cache holds but has mapped nowhere. Its bytes count as reserved, in the
 /// pool it last served.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct SparePage {
     pub(crate) handle: PhysicalHandle,
+    /// Bytes (a multiple of the granularity; one or more pages).
     pub(crate) size: usize,
     pub(crate) pool: PoolKind,
 }
 
-/// Whole pages `[first, first + count)` of a free block to hand to a growing segment.
-#[derive(Clone, Copy, Debug)]
+/// Runs of whole handles of one free block to hand to a growing segment, highest first.
+#[derive(Clone, Debug)]
 struct Reclaim {
     id: BlockId,
-    first: usize,
-    count: usize,
+    runs: Vec<(usize, usize)>,
+}
+
+/// What a growth is for: the address range page reuse must leave alone, the unmapped block being
+/// mapped, and the request's size.
+#[derive(Clone, Copy, Debug)]
+struct Growth {
+    keep: (u64, u64),
+    to_map: BlockId,
+    request: usize,
 }
 
 fn backend(operation: &'static str) -> impl FnOnce(BackendError) -> AllocError {
@@ -221,7 +269,8 @@ impl State {
                 page_size: page,
                 stream,
                 pool: kind,
-                pages: BTreeMap::new(),
+                handles: BTreeMap::new(),
+                mapped_pages: 0,
             },
         );
         tracing::debug!(target: "cuda_caching_allocator", device = dev.device_index(), base = %DevicePtr(base), va_size, page, %stream, pool = kind.segment_type(), "expandable segment reserved");
@@ -242,10 +291,14 @@ impl State {
         };
         // Page reuse must not take pages from the run being assembled.
         let lo = self.block(cand).ptr;
-        let keep = (lo, lo.saturating_add(size as u64), size);
+        let mut growth = Growth {
+            keep: (lo, lo.saturating_add(size as u64)),
+            to_map: cand,
+            request: size,
+        };
         if !self.block(cand).mapped {
             let n = self.block(cand).size.min(size);
-            if !self.map_block(dev, cand, n, keep)? {
+            if !self.map_block(dev, n, growth)? {
                 return Ok(None);
             }
         }
@@ -256,7 +309,8 @@ impl State {
                 return Ok(None);
             };
             let n = remaining.min(self.block(next).size);
-            if !self.map_block(dev, next, n, keep)? {
+            growth.to_map = next;
+            if !self.map_block(dev, n, growth)? {
                 return Ok(None);
             }
             cand = next;
@@ -265,16 +319,16 @@ impl State {
         Ok(Some(cand))
     }
 
-    /// `map_block`: maps the pages covering the first `size` bytes of unmapped block `to_map`,
-    /// which then becomes (part of) a free mapped block. `Ok(false)`: out of memory (nothing
-    /// changed). `keep` is the address range page reuse must leave alone and the request size.
+    /// `map_block`: maps the pages covering the first `size` bytes of unmapped block
+    /// `growth.to_map`, which then becomes (part of) a free mapped block. `Ok(false)`: out of
+    /// memory (nothing changed).
     fn map_block<B: DeviceBackend>(
         &mut self,
         dev: &B,
-        to_map: BlockId,
         size: usize,
-        keep: (u64, u64, usize),
+        growth: Growth,
     ) -> Result<bool> {
+        let to_map = growth.to_map;
         let ptr = self.block(to_map).ptr;
         let Some(base) = self.vm_segment_of(ptr) else {
             return Ok(false);
@@ -291,21 +345,25 @@ impl State {
         if last <= first {
             return Ok(false);
         }
-        let Some(handles) = self.acquire_pages(dev, base, last - first, keep, to_map)? else {
+        let Some(handles) = self.acquire_pages(dev, base, last - first, growth)? else {
             return Ok(false);
         };
+        let mut at = first;
         let mut mapped = 0usize;
         let mut err = None;
-        for (i, sp) in handles.iter().enumerate() {
-            let va = DevicePtr(base + ((first + i) * page) as u64);
-            match device_calls::map_page(dev, va, page, sp.handle) {
+        for sp in &handles {
+            let n = sp.size / page;
+            let va = DevicePtr(base + (at * page) as u64);
+            match device_calls::map_page(dev, va, sp.size, sp.handle) {
                 Ok(()) => {
                     if let Some(seg) = self.vm_segments.get_mut(&base) {
-                        seg.pages.insert(first + i, sp.handle);
+                        seg.handles.insert(at, (sp.handle, n));
+                        seg.mapped_pages += n;
                     }
                     self.stats
                         .reserved_bytes
-                        .transfer(sp.pool, kind, page as i64);
+                        .transfer(sp.pool, kind, sp.size as i64);
+                    at += n;
                     mapped += 1;
                 }
                 Err(source) => {
@@ -315,8 +373,8 @@ impl State {
             }
         }
         self.spare_pages.extend_from_slice(&handles[mapped..]);
-        if mapped > 0 {
-            self.mark_mapped(to_map, mapped * page);
+        if at > first {
+            self.mark_mapped(to_map, (at - first) * page);
         }
         match err {
             Some(e) => Err(e),
@@ -357,49 +415,53 @@ impl State {
         self.stats.num_device_alloc += 1;
     }
 
-    /// `n` physical pages for segment `base`, already counted as reserved (each in the pool its
-    /// `SparePage` names): spare pages first, then (with page reuse) pages unmapped from free
-    /// blocks, then new ones. `Ok(None)`: out of memory or over the cap, nothing changed except
-    /// that reused pages may have moved to `spare_pages`.
+    /// Physical handles covering `n` pages of segment `base`, already counted as reserved (each
+    /// in the pool its `SparePage` names): spare handles first, then (with page reuse) handles
+    /// unmapped from free blocks, then new ones. `Ok(None)`: out of memory or over the cap,
+    /// nothing changed except that reused handles may have moved to `spare_pages`.
     fn acquire_pages<B: DeviceBackend>(
         &mut self,
         dev: &B,
         base: u64,
         n: usize,
-        keep: (u64, u64, usize),
-        to_map: BlockId,
+        growth: Growth,
     ) -> Result<Option<Vec<SparePage>>> {
         let (page, kind) = {
             let seg = &self.vm_segments[&base];
             (seg.page_size, seg.pool)
         };
-        let mut got: Vec<SparePage> = Vec::with_capacity(n);
+        let mut got: Vec<SparePage> = Vec::new();
+        let mut have = 0usize;
+        self.spare_pages
+            .sort_unstable_by(|a, b| b.size.cmp(&a.size));
         let mut i = 0;
-        while i < self.spare_pages.len() && got.len() < n {
-            if self.spare_pages[i].size == page {
-                got.push(self.spare_pages.swap_remove(i));
+        while i < self.spare_pages.len() && have < n {
+            let sp = self.spare_pages[i];
+            if sp.size % page == 0 && sp.size / page <= n - have {
+                have += sp.size / page;
+                got.push(self.spare_pages.remove(i));
             } else {
                 i += 1;
             }
         }
-        let need = n - got.len();
+        let need = n - have;
         // Within the slack, new pages are cheaper than moving pages around.
         let allowance = if self.config.page_reuse_slack > 0.0 {
             let allocated = self.stats.memory_allocated().max(0) as usize;
             let peak = self.stats.max_memory_allocated().max(0) as usize;
-            let budget = (allocated.saturating_add(keep.2).max(peak) as f64
+            let budget = (allocated.saturating_add(growth.request).max(peak) as f64
                 * (1.0 + self.config.page_reuse_slack)) as usize;
             budget.saturating_sub(self.total_allocated_memory) / page
         } else {
             0
         };
         let to_reclaim = need.saturating_sub(allowance);
-        let plan = if to_reclaim > 0 && self.config.page_reuse != PageReuse::Off {
-            self.reclaim_plan(base, to_reclaim, (keep.0, keep.1), to_map)
+        let (plan, reclaimed) = if to_reclaim > 0 && self.config.page_reuse != PageReuse::Off {
+            self.reclaim_plan(base, to_reclaim, growth)
         } else {
-            Vec::new()
+            (Vec::new(), 0)
         };
-        let fresh = need - plan.iter().map(|r| r.count).sum::<usize>();
+        let fresh = need - reclaimed;
         if fresh > 0 && self.config.precise_fraction_cap {
             if let Some(max) = self.allowed_memory_maximum {
                 if self.total_allocated_memory.saturating_add(fresh * page) > max {
@@ -409,21 +471,33 @@ impl State {
                 }
             }
         }
-        let mut created = Vec::with_capacity(fresh);
-        for _ in 0..fresh {
-            match dev.create_physical(page) {
-                Ok(h) => created.push(h),
+        let per_handle = self
+            .config
+            .expandable_max_handle_size
+            .map_or(1, |m| (m / page).max(1));
+        let mut created: Vec<SparePage> = Vec::new();
+        let mut left = fresh;
+        while left > 0 {
+            // The last page usually holds the end of the request and the start of whatever
+            // comes next: a handle of its own there keeps the big handles reusable.
+            let pages = if left > 1 && left <= per_handle {
+                left - 1
+            } else {
+                left.min(per_handle)
+            };
+            match dev.create_physical(pages * page) {
+                Ok(handle) => created.push(SparePage {
+                    handle,
+                    size: pages * page,
+                    pool: kind,
+                }),
                 Err(e) => {
-                    for h in created {
-                        if device_calls::release_unmapped_page(dev, h, page).is_err() {
+                    for sp in created {
+                        if device_calls::release_unmapped_page(dev, sp.handle, sp.size).is_err() {
                             // Keep what cannot be released: it is real memory.
-                            self.total_allocated_memory += page;
-                            self.stats.reserved_bytes.increase(kind, page as i64);
-                            self.spare_pages.push(SparePage {
-                                handle: h,
-                                size: page,
-                                pool: kind,
-                            });
+                            self.total_allocated_memory += sp.size;
+                            self.stats.reserved_bytes.increase(kind, sp.size as i64);
+                            self.spare_pages.push(sp);
                         }
                     }
                     self.spare_pages.extend(got);
@@ -434,17 +508,14 @@ impl State {
                     };
                 }
             }
+            left -= pages;
         }
         if fresh > 0 {
             self.total_allocated_memory += fresh * page;
             self.stats
                 .reserved_bytes
                 .increase(kind, (fresh * page) as i64);
-            got.extend(created.into_iter().map(|handle| SparePage {
-                handle,
-                size: page,
-                pool: kind,
-            }));
+            got.extend(created);
         }
         let mut synced: Vec<StreamId> = Vec::new();
         for r in plan {
@@ -456,37 +527,42 @@ impl State {
                 }
                 synced.push(stream);
             }
-            let (pages, res) = self.unmap_pages(dev, r.id, r.first, r.count);
-            got.extend(pages);
-            if let Err(e) = res {
-                self.spare_pages.extend(got);
-                return Err(e);
+            let mut cur = Some(r.id);
+            for (first, count) in r.runs {
+                let Some(id) = cur else { break };
+                let (pages, below, res) = self.unmap_run(dev, id, first, count);
+                got.extend(pages);
+                if let Err(e) = res {
+                    self.spare_pages.extend(got);
+                    return Err(e);
+                }
+                cur = below;
             }
         }
+        // Big handles first, the smallest (usually one page) last, where the range ends.
+        got.sort_by(|a, b| b.size.cmp(&a.size));
         Ok(Some(got))
     }
 
-    /// Which whole free pages to reuse for `need` pages of segment `base`: from the free blocks
-    /// the policy allows (same segment, or any segment with the same page size), largest first,
-    /// each giving its highest pages; never from blocks near `keep` in `base`, nor from the
-    /// neighbours of `to_map` (whose unmapped remains would merge with it).
-    fn reclaim_plan(
-        &self,
-        base: u64,
-        need: usize,
-        keep: (u64, u64),
-        to_map: BlockId,
-    ) -> Vec<Reclaim> {
+    /// Which mapped handles to reuse for `need` pages of segment `base`, and how many pages they
+    /// give: handles lying wholly inside free blocks the policy allows (same segment, or any
+    /// segment whose handles are whole multiples of this page size), largest first, never more
+    /// than needed; never from blocks near `growth.keep` in `base`, nor from the neighbours of
+    /// `growth.to_map` (whose unmapped remains would merge with it).
+    fn reclaim_plan(&self, base: u64, need: usize, growth: Growth) -> (Vec<Reclaim>, usize) {
         let (page, kind) = {
             let seg = &self.vm_segments[&base];
             (seg.page_size, seg.pool)
         };
         let same_segment_only = self.config.page_reuse == PageReuse::Segment;
         let (lo, hi) = (
-            keep.0.saturating_sub(page as u64),
-            keep.1.saturating_add(page as u64),
+            growth.keep.0.saturating_sub(page as u64),
+            growth.keep.1.saturating_add(page as u64),
         );
-        let mut cands: Vec<(usize, u64, Reclaim)> = Vec::new();
+        // Per block: (pages here in all, address, block, [(pages here, first page there, pages
+        // there)]).
+        type Cand = (usize, u64, BlockId, Vec<(usize, usize, usize)>);
+        let mut cands: Vec<Cand> = Vec::new();
         for pk in [PoolKind::Small, PoolKind::Large] {
             if same_segment_only && pk != kind {
                 continue;
@@ -502,83 +578,102 @@ impl State {
                 if same_segment_only && sb != base {
                     continue;
                 }
-                let seg = &self.vm_segments[&sb];
-                if seg.page_size != page {
-                    continue;
-                }
                 if sb == base
                     && ((b.ptr < hi && b.end() > lo)
-                        || b.prev == Some(to_map)
-                        || b.next == Some(to_map))
+                        || b.prev == Some(growth.to_map)
+                        || b.next == Some(growth.to_map))
                 {
                     continue;
                 }
-                let first = seg.page_right(b.ptr);
-                let last = seg.page_left(b.end());
-                if last > first {
-                    cands.push((
-                        last - first,
-                        b.ptr,
-                        Reclaim {
-                            id: k.id,
-                            first,
-                            count: last - first,
-                        },
-                    ));
+                let seg = &self.vm_segments[&sb];
+                let bytes_per = seg.page_size;
+                let handles: Vec<(usize, usize, usize)> = seg
+                    .handles_within(seg.page_right(b.ptr), seg.page_left(b.end()))
+                    .into_iter()
+                    .filter(|&(_, count)| (count * bytes_per) % page == 0)
+                    .map(|(start, count)| (count * bytes_per / page, start, count))
+                    .collect();
+                let total: usize = handles.iter().map(|h| h.0).sum();
+                if total > 0 {
+                    cands.push((total, b.ptr, k.id, handles));
                 }
             }
         }
+        // Fewest blocks touched: the blocks with most reusable pages first; within a block its
+        // highest handles first (the low part stays mapped next to what precedes it).
         cands.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
         let mut left = need;
-        let mut plan = Vec::new();
-        for (_, _, mut r) in cands {
+        let mut taken: Vec<(BlockId, usize, usize)> = Vec::new();
+        for (_, _, id, handles) in cands {
             if left == 0 {
                 break;
             }
-            let take = r.count.min(left);
-            r.first += r.count - take;
-            r.count = take;
-            left -= take;
-            plan.push(r);
+            for &(pages, start, count) in handles.iter().rev() {
+                if pages <= left {
+                    left -= pages;
+                    taken.push((id, start, count));
+                }
+            }
         }
-        plan
+        taken.sort_unstable();
+        let mut plan: Vec<Reclaim> = Vec::new();
+        let mut i = 0;
+        while i < taken.len() {
+            let id = taken[i].0;
+            let mut handles = Vec::new();
+            while i < taken.len() && taken[i].0 == id {
+                handles.push((taken[i].1, taken[i].2));
+                i += 1;
+            }
+            plan.push(Reclaim {
+                id,
+                runs: runs_descending(handles),
+            });
+        }
+        // Deterministic order: by block address.
+        plan.sort_unstable_by_key(|r| self.block(r.id).ptr);
+        (plan, need - left)
     }
 
-    /// Unmaps pages `[first, first + count)` of free mapped block `id` (the caller synchronized
-    /// its stream) and does `unmap_block`'s surgery for the pages actually unmapped. Returns
-    /// their physical pages (still counted as reserved in the block's pool) and the first error.
-    fn unmap_pages<B: DeviceBackend>(
+    /// Unmaps the handles tiling pages `[first, first + count)` of free mapped block `id` (the
+    /// caller synchronized its stream) and does `unmap_block`'s surgery for what was unmapped.
+    /// Returns the handles (still counted as reserved in the block's pool), the free block left
+    /// below the run (if any), and the first error.
+    fn unmap_run<B: DeviceBackend>(
         &mut self,
         dev: &B,
         id: BlockId,
         first: usize,
         count: usize,
-    ) -> (Vec<SparePage>, Result<()>) {
+    ) -> (Vec<SparePage>, Option<BlockId>, Result<()>) {
         let ptr = self.block(id).ptr;
         let Some(base) = self.vm_segment_of(ptr) else {
-            return (Vec::new(), Ok(()));
+            return (Vec::new(), None, Ok(()));
         };
-        let mut out = Vec::with_capacity(count);
+        let mut out = Vec::new();
         let mut res = Ok(());
         let (page, kind) = {
             let seg = &self.vm_segments[&base];
             (seg.page_size, seg.pool)
         };
-        for p in first..first + count {
+        let mut at = first;
+        while at < first + count {
             let Some(seg) = self.vm_segments.get_mut(&base) else {
                 break;
             };
-            let Some(&handle) = seg.pages.get(&p) else {
+            let Some(&(handle, n)) = seg.handles.get(&at) else {
                 break;
             };
-            match device_calls::unmap_page(dev, DevicePtr(seg.page_addr(p)), page) {
+            match device_calls::unmap_page(dev, DevicePtr(seg.page_addr(at)), n * page) {
                 Ok(()) => {
-                    seg.pages.remove(&p);
+                    seg.handles.remove(&at);
+                    seg.mapped_pages -= n;
                     out.push(SparePage {
                         handle,
-                        size: page,
+                        size: n * page,
                         pool: kind,
                     });
+                    at += n;
                 }
                 Err(source) => {
                     res = Err(backend("unmap")(source));
@@ -586,22 +681,25 @@ impl State {
                 }
             }
         }
-        if !out.is_empty() {
+        let below = if at > first {
             let start = base + (first * page) as u64;
-            self.mark_unmapped(id, start, out.len() * page);
-        }
-        (out, res)
+            self.mark_unmapped(id, start, (at - first) * page)
+        } else {
+            Some(id)
+        };
+        (out, below, res)
     }
 
     /// `unmap_block`'s surgery: `[start, start + bytes)` of free block `id` lost its pages; the
-    /// mapped parts before and after become free blocks of their own.
-    fn mark_unmapped(&mut self, id: BlockId, start: u64, bytes: usize) {
+    /// mapped parts before and after become free blocks of their own. Returns the part before.
+    fn mark_unmapped(&mut self, id: BlockId, start: u64, bytes: usize) -> Option<BlockId> {
         self.uncache_block(id);
         let (ptr, size, stream, kind, prev, next) = {
             let b = self.block(id);
             (b.ptr, b.size, b.stream, b.pool, b.prev, b.next)
         };
         let before = (start - ptr) as usize;
+        let mut below = None;
         if before > 0 {
             let mut bf = Block::new(ptr, before, stream, kind);
             bf.expandable = true;
@@ -613,6 +711,7 @@ impl State {
             }
             self.block_mut(id).prev = Some(bid);
             self.cache_block(bid);
+            below = Some(bid);
         }
         let after = size - before - bytes;
         if after > 0 {
@@ -640,9 +739,10 @@ impl State {
         let ptr = self.block(id).ptr;
         self.pool(kind).unmapped.insert((stream, ptr, id));
         self.stats.num_device_free += 1;
+        below
     }
 
-    /// Gives physical pages back to the device; pages that cannot be released stay spare.
+    /// Gives physical handles back to the device; those that cannot be released stay spare.
     fn release_pages<B: DeviceBackend>(&mut self, dev: &B, pages: Vec<SparePage>) -> Result<()> {
         let mut first_err = None;
         for sp in pages {
@@ -661,14 +761,14 @@ impl State {
         first_err.map_or(Ok(()), Err)
     }
 
-    /// Releases every spare page.
+    /// Releases every spare handle.
     pub(super) fn release_spare_pages<B: DeviceBackend>(&mut self, dev: &B) -> Result<()> {
         let pages = std::mem::take(&mut self.spare_pages);
         self.release_pages(dev, pages)
     }
 
-    /// `release_blocks` for expandable segments of one pool: unmaps the whole pages inside every
-    /// free block and releases them, dropping segments left wholly unmapped.
+    /// `release_blocks` for expandable segments of one pool: unmaps the handles lying wholly
+    /// inside every free block and releases them, dropping segments left wholly unmapped.
     pub(super) fn release_expandable_blocks<B: DeviceBackend>(
         &mut self,
         dev: &B,
@@ -691,22 +791,30 @@ impl State {
             let Some(base) = self.vm_segment_of(b.ptr) else {
                 continue;
             };
-            let (first, last, stream) = {
+            let (runs, stream) = {
                 let seg = &self.vm_segments[&base];
-                (seg.page_right(b.ptr), seg.page_left(b.end()), seg.stream)
+                let inside = seg.handles_within(seg.page_right(b.ptr), seg.page_left(b.end()));
+                (runs_descending(inside), seg.stream)
             };
-            if last > first {
+            let mut last = id;
+            if !runs.is_empty() {
                 // "MemUnmap and MemRelease do not appear to synchronize": wait for the stream.
                 dev.synchronize_stream(stream)
                     .map_err(backend("synchronize_stream"))?;
-                let (pages, res) = self.unmap_pages(dev, id, first, last - first);
+            }
+            let mut cur = Some(id);
+            for (first, count) in runs {
+                let Some(c) = cur else { break };
+                let (pages, below, res) = self.unmap_run(dev, c, first, count);
+                last = c;
                 let rel = self.release_pages(dev, pages);
                 res?;
                 rel?;
+                cur = below;
             }
-            let b = self.block(id);
+            let b = self.block(last);
             if !b.mapped && !b.is_split() {
-                self.release_expandable_segment(dev, id)?;
+                self.release_expandable_segment(dev, last)?;
             }
         }
         Ok(())
