@@ -455,21 +455,28 @@ impl State {
         } else {
             0
         };
+        let reuse = self.config.page_reuse != PageReuse::Off;
         let to_reclaim = need.saturating_sub(allowance);
-        let (plan, reclaimed) = if to_reclaim > 0 && self.config.page_reuse != PageReuse::Off {
+        let (mut plan, mut reclaimed) = if to_reclaim > 0 && reuse {
             self.reclaim_plan(base, to_reclaim, growth)
         } else {
             (Vec::new(), 0)
         };
+        let over_cap = |st: &Self, fresh: usize| {
+            st.config.precise_fraction_cap
+                && st
+                    .allowed_memory_maximum
+                    .is_some_and(|max| st.total_allocated_memory.saturating_add(fresh * page) > max)
+        };
+        if reuse && to_reclaim < need && over_cap(self, need - reclaimed) {
+            // No slack under the cap: reuse all that can be reused.
+            (plan, reclaimed) = self.reclaim_plan(base, need, growth);
+        }
         let fresh = need - reclaimed;
-        if fresh > 0 && self.config.precise_fraction_cap {
-            if let Some(max) = self.allowed_memory_maximum {
-                if self.total_allocated_memory.saturating_add(fresh * page) > max {
-                    self.cap_rejected = true;
-                    self.spare_pages.extend(got);
-                    return Ok(None);
-                }
-            }
+        if fresh > 0 && over_cap(self, fresh) {
+            self.cap_rejected = true;
+            self.spare_pages.extend(got);
+            return Ok(None);
         }
         let per_handle = self
             .config
