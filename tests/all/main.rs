@@ -1,0 +1,8 @@
+//! The single integration-test binary. Each module is one area; shared helpers live in `util`.
+
+mod caching;
+mod config_env;
+mod faults;
+mod fidelity;
+mod props;
+mod util;
