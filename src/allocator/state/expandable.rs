@@ -35,6 +35,7 @@ use crate::backend::{BackendError, DeviceBackend, DevicePtr, PhysicalHandle, Str
 use crate::config::PageReuse;
 use crate::error::{AllocError, Result};
 use crate::size_class::{PoolKind, expandable_page_size};
+use crate::trace::TraceOp;
 
 /// One expandable segment: a reserved address range and the physical handles mapped in it.
 #[derive(Clone, Debug)]
@@ -374,7 +375,15 @@ impl State {
         }
         self.spare_pages.extend_from_slice(&handles[mapped..]);
         if at > first {
-            self.mark_mapped(to_map, (at - first) * page);
+            let bytes = (at - first) * page;
+            self.mark_mapped(to_map, bytes);
+            if let Some(h) = &mut self.history {
+                h.op(TraceOp::SegmentMap {
+                    addr: base + (first * page) as u64,
+                    size: bytes as u64,
+                    stream: self.vm_segments[&base].stream.0,
+                });
+            }
         }
         match err {
             Some(e) => Err(e),
@@ -690,7 +699,15 @@ impl State {
         }
         let below = if at > first {
             let start = base + (first * page) as u64;
-            self.mark_unmapped(id, start, (at - first) * page)
+            let bytes = (at - first) * page;
+            if let Some(h) = &mut self.history {
+                h.op(TraceOp::SegmentUnmap {
+                    addr: start,
+                    size: bytes as u64,
+                    stream: self.vm_segments[&base].stream.0,
+                });
+            }
+            self.mark_unmapped(id, start, bytes)
         } else {
             Some(id)
         };
