@@ -14,8 +14,8 @@ pub mod synth;
 pub mod trace;
 
 pub use allocator::{
-    Allocation, BlockSnapshot, BlockState, CachingAllocator, InvariantViolation, OwnedAllocation,
-    SegmentSnapshot, memory_summary,
+    Allocation, BlockSnapshot, BlockState, CachingAllocator, FragmentationReport, FreeBucket,
+    InvariantViolation, OwnedAllocation, SegmentSnapshot, memory_summary,
 };
 pub use backend::sim::{FaultKind, SimConfig, SimCounters, SimDevice};
 pub use backend::{

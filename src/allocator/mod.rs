@@ -6,6 +6,7 @@
 
 mod block;
 mod device_calls;
+mod fragmentation;
 mod history;
 mod invariants;
 mod pool;
@@ -18,6 +19,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+pub use fragmentation::{FragmentationReport, FreeBucket};
 pub use invariants::InvariantViolation;
 pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
 pub use summary::memory_summary;
@@ -213,6 +215,20 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     pub fn memory_summary(&self, abbreviated: bool) -> String {
         let stats = self.memory_stats();
         summary::memory_summary(&stats, self.backend.device_index(), abbreviated)
+    }
+
+    /// Where the reserved bytes are now and how fragmented the free memory is: reserved,
+    /// allocated, requested, pending and free bytes, the largest free block, a power-of-two
+    /// histogram of free block sizes, and the metrics `1 − allocated/reserved` and
+    /// `1 − largest free/total free`. Costs one walk over the blocks.
+    pub fn fragmentation(&self) -> FragmentationReport {
+        fragmentation::take(&self.state.lock())
+    }
+
+    /// [`fragmentation`](Self::fragmentation) as text (kept apart from
+    /// [`memory_summary`](Self::memory_summary), whose table is PyTorch's, line for line).
+    pub fn fragmentation_summary(&self) -> String {
+        self.fragmentation().to_string()
     }
 
     /// The segments and their blocks, in address order (PyTorch's `memory_snapshot()`).
