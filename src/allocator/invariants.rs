@@ -557,7 +557,19 @@ fn check_stats(st: &State) -> Result<(), InvariantViolation> {
 
 fn check_cap(st: &State) -> Result<(), InvariantViolation> {
     if let Some(cap) = st.allowed_memory_maximum {
-        if st.total_allocated_memory > cap.max(st.cap_grace) {
+        // PyTorch checks an expandable growth against `get_allocation_size` and then maps whole
+        // pages, so its reserved bytes may pass the cap by less than one page (a 10 MiB request
+        // passes a check with 10 MiB of room and maps a 20 MiB page). The precise cap does not.
+        let overshoot = if st.expandable && !st.config.precise_fraction_cap {
+            [PoolKind::Small, PoolKind::Large]
+                .into_iter()
+                .map(|k| crate::size_class::expandable_page_size(k, &st.config))
+                .max()
+                .unwrap_or(0)
+        } else {
+            0
+        };
+        if st.total_allocated_memory > cap.max(st.cap_grace).saturating_add(overshoot) {
             return Err(InvariantViolation::ReservedAboveCap {
                 reserved: st.total_allocated_memory,
                 cap,

@@ -2,6 +2,7 @@
 
 mod caching;
 mod config_env;
+mod expandable;
 mod faults;
 mod fidelity;
 mod props;

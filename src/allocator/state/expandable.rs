@@ -563,18 +563,15 @@ impl State {
     /// Which mapped handles to reuse for `need` pages of segment `base`, and how many pages they
     /// give: handles lying wholly inside free blocks the policy allows (same segment, or any
     /// segment whose handles are whole multiples of this page size), largest first, never more
-    /// than needed; never from blocks near `growth.keep` in `base`, nor from the neighbours of
-    /// `growth.to_map` (whose unmapped remains would merge with it).
+    /// than needed; never from blocks in `growth.keep` in `base` (the run being assembled), nor
+    /// from the neighbours of `growth.to_map` (whose unmapped remains would merge with it).
     fn reclaim_plan(&self, base: u64, need: usize, growth: Growth) -> (Vec<Reclaim>, usize) {
         let (page, kind) = {
             let seg = &self.vm_segments[&base];
             (seg.page_size, seg.pool)
         };
         let same_segment_only = self.config.page_reuse == PageReuse::Segment;
-        let (lo, hi) = (
-            growth.keep.0.saturating_sub(page as u64),
-            growth.keep.1.saturating_add(page as u64),
-        );
+        let (lo, hi) = growth.keep;
         // Per block: (pages here in all, address, block, [(pages here, first page there, pages
         // there)]).
         type Cand = (usize, u64, BlockId, Vec<(usize, usize, usize)>);
@@ -840,6 +837,17 @@ impl State {
             if !b.mapped && !b.is_split() {
                 self.release_expandable_segment(dev, last)?;
             }
+        }
+        // Ranges left wholly unmapped by an earlier failed release.
+        let empty: Vec<BlockId> = self
+            .pool_ref(kind)
+            .unmapped
+            .iter()
+            .map(|&(_, _, id)| id)
+            .filter(|&id| !self.block(id).is_split())
+            .collect();
+        for id in empty {
+            self.release_expandable_segment(dev, id)?;
         }
         Ok(())
     }
