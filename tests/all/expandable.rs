@@ -325,7 +325,7 @@ fn precise_cap_counts_only_new_pages() {
         let a = with_config(1 << 30, AllocatorConfig::parse(conf).unwrap());
         a.set_memory_fraction(64.0 / 1024.0).unwrap();
         let x = a.allocate(40 * MIB, StreamId(0)).unwrap();
-        let y = a.allocate(MIB + 512, StreamId(0)).unwrap();
+        let _y = a.allocate(MIB + 512, StreamId(0)).unwrap();
         a.free(x.ptr).unwrap();
         let z = a.allocate(50 * MIB, StreamId(0));
         a.check_invariants().unwrap();

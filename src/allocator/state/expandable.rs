@@ -441,8 +441,7 @@ impl State {
         };
         let mut got: Vec<SparePage> = Vec::new();
         let mut have = 0usize;
-        self.spare_pages
-            .sort_unstable_by(|a, b| b.size.cmp(&a.size));
+        self.spare_pages.sort_by_key(|p| std::cmp::Reverse(p.size));
         let mut i = 0;
         while i < self.spare_pages.len() && have < n {
             let sp = self.spare_pages[i];
@@ -556,7 +555,7 @@ impl State {
             }
         }
         // Big handles first, the smallest (usually one page) last, where the range ends.
-        got.sort_by(|a, b| b.size.cmp(&a.size));
+        got.sort_by_key(|p| std::cmp::Reverse(p.size));
         Ok(Some(got))
     }
 
