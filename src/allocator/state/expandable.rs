@@ -563,7 +563,8 @@ impl State {
     /// give: handles lying wholly inside free blocks the policy allows (same segment, or any
     /// segment whose handles are whole multiples of this page size), largest first, never more
     /// than needed; never from blocks in `growth.keep` in `base` (the run being assembled), nor
-    /// from the neighbours of `growth.to_map` (whose unmapped remains would merge with it).
+    /// the pages of `growth.to_map`'s neighbours that touch it (unmapped, they would merge with
+    /// it).
     fn reclaim_plan(&self, base: u64, need: usize, growth: Growth) -> (Vec<Reclaim>, usize) {
         let (page, kind) = {
             let seg = &self.vm_segments[&base];
@@ -590,17 +591,20 @@ impl State {
                 if same_segment_only && sb != base {
                     continue;
                 }
-                if sb == base
-                    && ((b.ptr < hi && b.end() > lo)
-                        || b.prev == Some(growth.to_map)
-                        || b.next == Some(growth.to_map))
-                {
+                if sb == base && b.ptr < hi && b.end() > lo {
                     continue;
                 }
+                // A neighbour of the block being mapped keeps its page next to it: unmapped
+                // there, it would merge into that block.
+                let skip_low = usize::from(b.prev == Some(growth.to_map));
+                let skip_high = usize::from(b.next == Some(growth.to_map));
                 let seg = &self.vm_segments[&sb];
                 let bytes_per = seg.page_size;
                 let handles: Vec<(usize, usize, usize)> = seg
-                    .handles_within(seg.page_right(b.ptr), seg.page_left(b.end()))
+                    .handles_within(
+                        seg.page_right(b.ptr) + skip_low,
+                        seg.page_left(b.end()).saturating_sub(skip_high),
+                    )
                     .into_iter()
                     .filter(|&(_, count)| (count * bytes_per) % page == 0)
                     .map(|(start, count)| (count * bytes_per / page, start, count))
