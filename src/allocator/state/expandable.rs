@@ -153,6 +153,12 @@ impl State {
             .map(|(base, _)| *base)
     }
 
+    /// The expandable segment holding `addr`, with its base address.
+    fn vm_at(&self, addr: u64) -> Option<(u64, &VmSegment)> {
+        let base = self.vm_segment_of(addr)?;
+        Some((base, self.vm_segments.get(&base)?))
+    }
+
     /// Free for reuse: not allocated and no pending stream use (mapped or not).
     fn allocatable(&self, id: BlockId) -> bool {
         let b = self.block(id);
@@ -331,18 +337,16 @@ impl State {
     ) -> Result<bool> {
         let to_map = growth.to_map;
         let ptr = self.block(to_map).ptr;
-        let Some(base) = self.vm_segment_of(ptr) else {
+        let Some((base, seg)) = self.vm_at(ptr) else {
             return Ok(false);
         };
-        let (first, last, page, kind) = {
-            let seg = &self.vm_segments[&base];
-            (
-                seg.page_left(ptr),
-                seg.page_right(ptr + size as u64),
-                seg.page_size,
-                seg.pool,
-            )
-        };
+        let (first, last, page, kind, stream) = (
+            seg.page_left(ptr),
+            seg.page_right(ptr + size as u64),
+            seg.page_size,
+            seg.pool,
+            seg.stream,
+        );
         if last <= first {
             return Ok(false);
         }
@@ -381,7 +385,7 @@ impl State {
                 h.op(TraceOp::SegmentMap {
                     addr: base + (first * page) as u64,
                     size: bytes as u64,
-                    stream: self.vm_segments[&base].stream.0,
+                    stream: stream.0,
                 });
             }
         }
@@ -435,9 +439,8 @@ impl State {
         n: usize,
         growth: Growth,
     ) -> Result<Option<Vec<SparePage>>> {
-        let (page, kind) = {
-            let seg = &self.vm_segments[&base];
-            (seg.page_size, seg.pool)
+        let Some((page, kind)) = self.vm_segments.get(&base).map(|s| (s.page_size, s.pool)) else {
+            return Ok(None);
         };
         let mut got: Vec<SparePage> = Vec::new();
         let mut have = 0usize;
@@ -566,9 +569,8 @@ impl State {
     /// the pages of `growth.to_map`'s neighbours that touch it (unmapped, they would merge with
     /// it).
     fn reclaim_plan(&self, base: u64, need: usize, growth: Growth) -> (Vec<Reclaim>, usize) {
-        let (page, kind) = {
-            let seg = &self.vm_segments[&base];
-            (seg.page_size, seg.pool)
+        let Some((page, kind)) = self.vm_segments.get(&base).map(|s| (s.page_size, s.pool)) else {
+            return (Vec::new(), 0);
         };
         let same_segment_only = self.config.page_reuse == PageReuse::Segment;
         let (lo, hi) = growth.keep;
@@ -585,7 +587,7 @@ impl State {
                 if !b.expandable {
                     continue;
                 }
-                let Some(sb) = self.vm_segment_of(b.ptr) else {
+                let Some((sb, seg)) = self.vm_at(b.ptr) else {
                     continue;
                 };
                 if same_segment_only && sb != base {
@@ -598,7 +600,6 @@ impl State {
                 // there, it would merge into that block.
                 let skip_low = usize::from(b.prev == Some(growth.to_map));
                 let skip_high = usize::from(b.next == Some(growth.to_map));
-                let seg = &self.vm_segments[&sb];
                 let bytes_per = seg.page_size;
                 let handles: Vec<(usize, usize, usize)> = seg
                     .handles_within(
@@ -663,15 +664,12 @@ impl State {
         count: usize,
     ) -> (Vec<SparePage>, Option<BlockId>, Result<()>) {
         let ptr = self.block(id).ptr;
-        let Some(base) = self.vm_segment_of(ptr) else {
-            return (Vec::new(), None, Ok(()));
+        let Some((base, seg)) = self.vm_at(ptr) else {
+            return (Vec::new(), Some(id), Ok(()));
         };
+        let (page, kind, stream) = (seg.page_size, seg.pool, seg.stream);
         let mut out = Vec::new();
         let mut res = Ok(());
-        let (page, kind) = {
-            let seg = &self.vm_segments[&base];
-            (seg.page_size, seg.pool)
-        };
         let mut at = first;
         while at < first + count {
             let Some(seg) = self.vm_segments.get_mut(&base) else {
@@ -704,7 +702,7 @@ impl State {
                 h.op(TraceOp::SegmentUnmap {
                     addr: start,
                     size: bytes as u64,
-                    stream: self.vm_segments[&base].stream.0,
+                    stream: stream.0,
                 });
             }
             self.mark_unmapped(id, start, bytes)
@@ -812,11 +810,10 @@ impl State {
             if !b.expandable || !b.mapped || b.allocated || b.event_count > 0 {
                 continue;
             }
-            let Some(base) = self.vm_segment_of(b.ptr) else {
+            let Some((_, seg)) = self.vm_at(b.ptr) else {
                 continue;
             };
             let (runs, stream) = {
-                let seg = &self.vm_segments[&base];
                 let inside = seg.handles_within(seg.page_right(b.ptr), seg.page_left(b.end()));
                 (runs_descending(inside), seg.stream)
             };
