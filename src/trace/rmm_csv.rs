@@ -270,10 +270,12 @@ pub(crate) fn read_rmm_csv_plain(
             match parse_time(time_text).map_err(|d| TraceIoError::csv(number, d))? {
                 Time::Absolute(ns) => ns,
                 Time::Clock(ns) => {
-                    let mut t = ns.saturating_add(day_offset);
+                    let overflow =
+                        || TraceIoError::csv(number, "time overflows a u64 of nanoseconds");
+                    let mut t = ns.checked_add(day_offset).ok_or_else(overflow)?;
                     if last_clock.is_some_and(|last| t.saturating_add(NS_HALF_DAY) < last) {
-                        day_offset = day_offset.saturating_add(NS_PER_DAY);
-                        t = t.saturating_add(NS_PER_DAY);
+                        day_offset = day_offset.checked_add(NS_PER_DAY).ok_or_else(overflow)?;
+                        t = t.checked_add(NS_PER_DAY).ok_or_else(overflow)?;
                     }
                     last_clock = Some(t);
                     t
