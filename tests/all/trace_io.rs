@@ -9,6 +9,11 @@ use cuda_caching_allocator::trace::*;
 
 const TRACES: [&str; 3] = ["gpt2_train", "resnet50_train", "bert_varlen"];
 
+/// The small hand-made files of `tests/data/trace-io` (`make.py` there writes them).
+fn data(name: &str) -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/trace-io")).join(name)
+}
+
 fn shared(name: &str) -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/traces")).join(name)
 }
@@ -168,6 +173,22 @@ fn real_csv_logs_agree_with_the_snapshots_and_round_trip() {
         assert_eq!(log.threads, ["0"]);
         // The CSV holds the snapshot's alloc / free_requested events: same ids, sizes, addresses, times.
         assert_eq!(log.trace.events, alloc_free_only(&snap.trace), "{name}");
+
+        // Exporting the snapshot's trace reproduces the shared CSV (which ends lines with CRLF,
+        // as Python's csv module does; the exporter writes LF, as RMM does).
+        let mut shared_text = Vec::new();
+        std::io::Read::read_to_end(
+            &mut flate2::read::MultiGzDecoder::new(
+                std::fs::File::open(shared(&format!("{name}.csv.gz"))).unwrap(),
+            ),
+            &mut shared_text,
+        )
+        .unwrap();
+        shared_text.retain(|&b| b != b'\r');
+        assert!(
+            export_rmm_csv(&snap.trace, &CsvExportOptions::default()).unwrap() == shared_text,
+            "{name}"
+        );
 
         // CSV → CSV (gzipped) → same events.
         let bytes =
@@ -510,9 +531,130 @@ fn malformed_inputs_get_typed_errors() {
         );
     }
     // Flipped bytes never panic (errors or other data are both fine).
-    for i in (0..pickle.len()).step_by(pickle.len() / 97) {
+    for i in (0..pickle.len()).step_by(pickle.len() / 41) {
         let mut damaged = pickle.clone();
         damaged[i] ^= 0x5a;
         let _ = read_snapshot(&damaged, &ImportOptions::lenient());
+    }
+}
+
+#[test]
+fn python_written_snapshots_in_protocols_2_and_4() {
+    let opts = ImportOptions::default();
+    let p4 = read_snapshot_file(data("tiny_snapshot_p4.pickle"), &opts).unwrap();
+    assert_eq!(
+        read_snapshot_file(data("tiny_snapshot_p2.pickle"), &opts).unwrap(),
+        p4
+    );
+    assert_eq!(
+        read_snapshot_file(data("tiny_snapshot_p4.pickle.gz"), &opts).unwrap(),
+        p4
+    );
+    let base = 0x7f00_0000_0000u64;
+    let mapped = 0x7f00_0400_0000u64;
+    let ops: Vec<TraceOp> = p4.trace.events.iter().map(|e| e.op.clone()).collect();
+    assert_eq!(
+        ops,
+        vec![
+            TraceOp::SegmentAlloc {
+                addr: base,
+                size: 2 << 20,
+                stream: 0
+            },
+            TraceOp::Alloc {
+                id: 0,
+                size: 100,
+                stream: 0,
+                addr: Some(base)
+            },
+            TraceOp::Alloc {
+                id: 1,
+                size: 300,
+                stream: 0,
+                addr: Some(base + 512)
+            },
+            TraceOp::Free { id: 1 },
+            TraceOp::SegmentMap {
+                addr: mapped,
+                size: 2 << 20,
+                stream: 7
+            },
+        ]
+    );
+    assert_eq!(p4.trace.events[1].tag.as_deref(), Some("fwd"));
+    assert_eq!(p4.trace.events[3].time_ns, 1_003_000);
+    assert_eq!((p4.device, p4.device_count), (0, 2));
+    assert_eq!(p4.alloc_conf(), Some("expandable_segments:True"));
+    assert_eq!(p4.report.alloc_failures.len(), 1);
+    let oom = &p4.report.alloc_failures[0];
+    assert_eq!(
+        (oom.at, oom.size, oom.device_free),
+        (Position::Event(6), 1 << 40, Some(1024))
+    );
+    assert_eq!(p4.report.skipped.get("free_completed"), Some(&1));
+    assert_eq!(p4.report.skipped.get("snapshot"), Some(&1));
+    assert_eq!(p4.report.live_at_end, 1);
+    assert_eq!(p4.segments.len(), 2);
+    assert_eq!(p4.segments[0].blocks[0].state, BlockState::ActiveAllocated);
+    assert_eq!(
+        (
+            p4.segments[0].allocated_size(),
+            p4.segments[0].requested_size()
+        ),
+        (512, 100)
+    );
+    assert!(p4.segments[1].is_expandable && p4.segments[1].pool == SegmentPool::Large);
+    assert_eq!(p4.device_segments().count(), 2);
+
+    let bytes = p4.export().unwrap();
+    check_memory_viz(&bytes).unwrap();
+    let back = read_snapshot(&bytes, &opts).unwrap();
+    assert_eq!((&back.trace, &back.segments), (&p4.trace, &p4.segments));
+    assert!(
+        back.allocator_settings
+            .unwrap()
+            .same_as(p4.allocator_settings.as_ref().unwrap())
+    );
+    // The trace is on device 0, device 1 is left out of the export: one device trace.
+    assert_eq!(back.device_count, 1);
+    // Python's own output in both protocols stays within memory_viz's opcodes (a check of the
+    // checker: BINPUT in protocol 2, FRAME and MEMOIZE in protocol 4).
+    check_memory_viz(&std::fs::read(data("tiny_snapshot_p2.pickle")).unwrap()).unwrap();
+    check_memory_viz(&std::fs::read(data("tiny_snapshot_p4.pickle")).unwrap()).unwrap();
+}
+
+#[test]
+fn rmm_logs_with_clock_and_microsecond_times() {
+    let opts = ImportOptions::default();
+    let log = read_rmm_csv_file(data("rmm_clock.csv"), &opts).unwrap();
+    assert_eq!(
+        read_rmm_csv_file(data("rmm_clock.csv.gz"), &opts).unwrap(),
+        log
+    );
+    assert_eq!(log.threads, ["140245", "140246"]);
+    let t: Vec<(u32, u64)> = log
+        .trace
+        .events
+        .iter()
+        .map(|e| (e.thread, e.time_ns))
+        .collect();
+    let day = 86_400_000_000_000u64;
+    assert_eq!(
+        t,
+        vec![(0, day - 1_000_000), (1, day + 1_000), (0, day + 2_000)]
+    );
+    assert_eq!(log.report.alloc_failures.len(), 1);
+    assert_eq!(log.report.alloc_failures[0].at, Position::Line(3));
+    assert_eq!(log.report.live_at_end, 1);
+    let us = read_trace_file(data("rmm_us.csv"), &opts).unwrap();
+    assert_eq!(us.format, TraceFormat::RmmCsv);
+    assert_eq!(us.trace.events[1].time_ns, 1_795_313_682_992_463_000);
+    for log in [log.trace, us.trace] {
+        let again = read_rmm_csv(
+            &export_rmm_csv(&log, &CsvExportOptions::default()).unwrap(),
+            &opts,
+        )
+        .unwrap();
+        assert_eq!(again.trace, log);
     }
 }
