@@ -337,6 +337,9 @@ mod tests {
         // Protocol 5.
         let err = check_memory_viz(&[0x80, 5, b'N', b'.']).unwrap_err();
         assert!(err.to_string().contains("protocol 5"), "{err}");
+        // A later PROTO naming protocol 5.
+        let err = check_memory_viz(&[0x80, 4, 0x80, 5, b'N', b'.']).unwrap_err();
+        assert!(err.to_string().contains("protocol 5"), "{err}");
         // A 9-byte LONG1.
         let mut wide = vec![0x80, 4, op::LONG1, 9];
         wide.extend([0xff; 8]);

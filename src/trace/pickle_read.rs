@@ -53,7 +53,7 @@ impl Obj {
 /// What the reader saw besides the data (for [`check_memory_viz`](super::check_memory_viz)).
 #[derive(Debug)]
 pub(crate) struct Facts {
-    /// The protocol named by the first `PROTO`.
+    /// The highest protocol a `PROTO` opcode named.
     pub(crate) protocol: u8,
     /// First offset of each opcode that occurred.
     first_offset: Vec<Option<usize>>,
@@ -317,9 +317,7 @@ pub(crate) fn parse(data: &[u8]) -> Result<Pickle, TraceIoError> {
                 if !(2..=5).contains(&version) {
                     return Err(err(format!("protocol {version} (2 to 5 are read)")));
                 }
-                if facts.protocol == 0 {
-                    facts.protocol = version;
-                }
+                facts.protocol = facts.protocol.max(version);
             }
             op::FRAME => {
                 let _frame_len = arg!(8);
