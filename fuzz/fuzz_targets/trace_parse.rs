@@ -69,7 +69,7 @@ fn csv_round_trip(log: &RmmLog, options: &ImportOptions) {
     assert_eq!(back.trace, log.trace);
     assert_eq!(back.threads.len(), log.threads.len());
     // Across to a snapshot (threads are not represented there).
-    if let Ok(bytes) = export_snapshot(&log.trace, None, &SnapshotExportOptions::default()) {
+    if let Ok(bytes) = export_snapshot(&log.trace, &SnapshotExportOptions::default()) {
         check_memory_viz(&bytes).expect("exported snapshot breaks memory_viz's constraints");
         let snap = read_snapshot(&bytes, options).expect("exported snapshot does not import");
         assert_eq!(snap.trace.events, alloc_free(&log.trace, false));

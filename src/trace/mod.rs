@@ -56,10 +56,11 @@ pub use rmm_csv::{
 };
 #[cfg(feature = "trace-io")]
 pub use snapshot::{
-    BlockState, SegmentPool, Snapshot, SnapshotBlock, SnapshotSegment, read_snapshot,
+    SegmentPool, Snapshot, SnapshotBlock, SnapshotBlockState, SnapshotSegment, read_snapshot,
     read_snapshot_file,
 };
 #[cfg(feature = "trace-io")]
 pub use snapshot_export::{
-    SnapshotExportOptions, export_snapshot, export_snapshot_file, final_segments,
+    SnapshotExportOptions, ToSnapshotSegments, export_snapshot, export_snapshot_file,
+    final_segments,
 };

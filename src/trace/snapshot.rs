@@ -45,7 +45,7 @@ impl SegmentPool {
 
 /// The state of a block in a snapshot segment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum BlockState {
+pub enum SnapshotBlockState {
     /// `"active_allocated"`: handed out and not freed.
     ActiveAllocated,
     /// `"active_pending_free"`: freed by the user, waiting for stream events (also read from
@@ -55,28 +55,30 @@ pub enum BlockState {
     Inactive,
 }
 
-impl BlockState {
+impl SnapshotBlockState {
     /// The snapshot's spelling.
     pub fn as_str(self) -> &'static str {
         match self {
-            BlockState::ActiveAllocated => "active_allocated",
-            BlockState::ActivePendingFree => "active_pending_free",
-            BlockState::Inactive => "inactive",
+            SnapshotBlockState::ActiveAllocated => "active_allocated",
+            SnapshotBlockState::ActivePendingFree => "active_pending_free",
+            SnapshotBlockState::Inactive => "inactive",
         }
     }
 
     fn parse(s: &str) -> Option<Self> {
         match s {
-            "active_allocated" => Some(BlockState::ActiveAllocated),
-            "active_pending_free" | "active_awaiting_free" => Some(BlockState::ActivePendingFree),
-            "inactive" => Some(BlockState::Inactive),
+            "active_allocated" => Some(SnapshotBlockState::ActiveAllocated),
+            "active_pending_free" | "active_awaiting_free" => {
+                Some(SnapshotBlockState::ActivePendingFree)
+            }
+            "inactive" => Some(SnapshotBlockState::Inactive),
             _ => None,
         }
     }
 
     /// Allocated or pending free.
     pub fn is_active(self) -> bool {
-        !matches!(self, BlockState::Inactive)
+        !matches!(self, SnapshotBlockState::Inactive)
     }
 }
 
@@ -91,7 +93,7 @@ pub struct SnapshotBlock {
     /// The request it serves (stale for inactive blocks in PyTorch's own snapshots).
     pub requested_size: u64,
     /// Allocated, pending free, or free.
-    pub state: BlockState,
+    pub state: SnapshotBlockState,
 }
 
 /// A device segment in a snapshot's final state (`segments` entries). Stack frames are not
@@ -119,7 +121,10 @@ pub struct SnapshotSegment {
 impl SnapshotSegment {
     /// Bytes in allocated blocks (the snapshot's `allocated_size`).
     pub fn allocated_size(&self) -> u64 {
-        self.sum(|b| b.state == BlockState::ActiveAllocated, |b| b.size)
+        self.sum(
+            |b| b.state == SnapshotBlockState::ActiveAllocated,
+            |b| b.size,
+        )
     }
 
     /// Bytes in active blocks, allocated or pending free (`active_size`).
@@ -654,7 +659,7 @@ fn read_blocks(
         let state_id = get("state").ok_or_else(|| shape(None, path(""), "no state"))?;
         let state = p
             .str_of(state_id)
-            .and_then(BlockState::parse)
+            .and_then(SnapshotBlockState::parse)
             .ok_or_else(|| {
                 shape(
                     None,
@@ -834,7 +839,7 @@ mod tests {
             address,
             size,
             requested_size: size,
-            state: BlockState::Inactive,
+            state: SnapshotBlockState::Inactive,
         };
         let mut seg = SnapshotSegment {
             device: 0,

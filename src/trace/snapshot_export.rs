@@ -12,7 +12,7 @@ use super::export::{AddressBook, LiveAlloc};
 use super::io_error::TraceIoError;
 use super::pickle::PickleValue;
 use super::pickle_write::write_pickle;
-use super::snapshot::{BlockState, SegmentPool, Snapshot, SnapshotBlock, SnapshotSegment};
+use super::snapshot::{SegmentPool, Snapshot, SnapshotBlock, SnapshotBlockState, SnapshotSegment};
 
 /// PyTorch's minimum block size: derived active blocks are rounded up to it.
 const MIN_BLOCK_SIZE: u64 = 512;
@@ -36,6 +36,9 @@ pub struct SnapshotExportOptions {
     /// Gzip the pickle. Default off: memory_viz and `pickle.load` read plain pickles only (the
     /// importers read both).
     pub gzip: bool,
+    /// The final segment state (the `segments` key); `None` (default) derives it from the trace
+    /// with [`final_segments`].
+    pub segments: Option<Vec<SnapshotSegment>>,
     /// The `allocator_settings` dict; `None` (default) writes an empty dict.
     pub allocator_settings: Option<PickleValue>,
     /// The `external_annotations` list; empty by default.
@@ -55,6 +58,20 @@ impl SnapshotExportOptions {
         self
     }
 
+    /// Writes `segments` as the final segment state.
+    pub fn with_segments(mut self, segments: Vec<SnapshotSegment>) -> Self {
+        self.segments = Some(segments);
+        self
+    }
+
+    /// Writes the segments of an allocator's state (anything that implements
+    /// [`ToSnapshotSegments`], such as `CachingAllocator::snapshot()`'s result) as the final
+    /// segment state, for the device set so far (call [`with_device`](Self::with_device) first).
+    pub fn with_allocator_segments<S: ToSnapshotSegments + ?Sized>(mut self, segments: &S) -> Self {
+        self.segments = Some(segments.to_snapshot_segments(self.device));
+        self
+    }
+
     /// Writes `settings` as `allocator_settings`.
     pub fn with_allocator_settings(mut self, settings: PickleValue) -> Self {
         self.allocator_settings = Some(settings);
@@ -68,6 +85,31 @@ impl SnapshotExportOptions {
     }
 }
 
+/// A final segment state the snapshot exporter can write. Implemented here for
+/// [`SnapshotSegment`] slices and vectors, and by the allocator for its own segment snapshots,
+/// so this layer depends on nothing above it.
+pub trait ToSnapshotSegments {
+    /// The segments as a snapshot lists them, on device `device`.
+    fn to_snapshot_segments(&self, device: usize) -> Vec<SnapshotSegment>;
+}
+
+impl ToSnapshotSegments for [SnapshotSegment] {
+    fn to_snapshot_segments(&self, device: usize) -> Vec<SnapshotSegment> {
+        self.iter()
+            .map(|s| SnapshotSegment {
+                device,
+                ..s.clone()
+            })
+            .collect()
+    }
+}
+
+impl ToSnapshotSegments for Vec<SnapshotSegment> {
+    fn to_snapshot_segments(&self, device: usize) -> Vec<SnapshotSegment> {
+        self.as_slice().to_snapshot_segments(device)
+    }
+}
+
 /// Exports `trace` as a PyTorch memory snapshot pickle.
 ///
 /// Events map to trace entries: `Alloc` → `alloc`; `Free` → `free_requested` followed by
@@ -77,8 +119,8 @@ impl SnapshotExportOptions {
 /// entry and are left out. Allocations without a recorded address get synthetic ones above
 /// every recorded address. `time_us = time_ns / 1000`; a tag becomes `user_metadata`.
 ///
-/// `segments` is the final state (`segments` key); `None` derives it with
-/// [`final_segments`]. The pickle uses only the opcodes memory_viz implements
+/// [`SnapshotExportOptions::segments`] is the final state (`segments` key); `None` derives it
+/// with [`final_segments`]. The pickle uses only the opcodes memory_viz implements
 /// ([`check_memory_viz`](super::check_memory_viz) passes on it).
 ///
 /// ```
@@ -86,11 +128,11 @@ impl SnapshotExportOptions {
 /// let mut trace = Trace::new(TraceSource::Synthetic);
 /// trace.push(TraceOp::SegmentAlloc { addr: 0x7f00_0000_0000, size: 2 << 20, stream: 0 });
 /// trace.push(TraceOp::Alloc { id: 0, size: 1000, stream: 0, addr: Some(0x7f00_0000_0000) });
-/// let bytes = export_snapshot(&trace, None, &SnapshotExportOptions::default())?;
+/// let bytes = export_snapshot(&trace, &SnapshotExportOptions::default())?;
 /// check_memory_viz(&bytes)?;
 /// let back = read_snapshot(&bytes, &ImportOptions::default())?;
 /// assert_eq!(back.trace.events, trace.events);
-/// assert_eq!(back.segments[0].blocks[0].state, BlockState::ActiveAllocated);
+/// assert_eq!(back.segments[0].blocks[0].state, SnapshotBlockState::ActiveAllocated);
 /// # Ok::<(), TraceIoError>(())
 /// ```
 ///
@@ -101,12 +143,11 @@ impl SnapshotExportOptions {
 /// settings memory_viz cannot read.
 pub fn export_snapshot(
     trace: &Trace,
-    segments: Option<&[SnapshotSegment]>,
     options: &SnapshotExportOptions,
 ) -> Result<Vec<u8>, TraceIoError> {
     let entries = trace_entries(trace)?;
     let derived;
-    let segments = match segments {
+    let segments = match &options.segments {
         Some(segments) => segments,
         None => {
             derived = final_segments(trace, options.device)?;
@@ -150,10 +191,9 @@ pub fn export_snapshot(
 pub fn export_snapshot_file(
     path: impl AsRef<Path>,
     trace: &Trace,
-    segments: Option<&[SnapshotSegment]>,
     options: &SnapshotExportOptions,
 ) -> Result<(), TraceIoError> {
-    write_file(path.as_ref(), &export_snapshot(trace, segments, options)?)
+    write_file(path.as_ref(), &export_snapshot(trace, options)?)
 }
 
 impl Snapshot {
@@ -165,9 +205,10 @@ impl Snapshot {
     pub fn export(&self) -> Result<Vec<u8>, TraceIoError> {
         let mut options = SnapshotExportOptions::default()
             .with_device(self.device)
+            .with_segments(self.segments.clone())
             .with_external_annotations(self.external_annotations.clone());
         options.allocator_settings = self.allocator_settings.clone();
-        export_snapshot(&self.trace, Some(&self.segments), &options)
+        export_snapshot(&self.trace, &options)
     }
 }
 
@@ -382,14 +423,14 @@ fn tile<'a>(start: u64, end: u64, live: impl Iterator<Item = &'a LiveAlloc>) -> 
                 address: cursor,
                 size: a.addr - cursor,
                 requested_size: 0,
-                state: BlockState::Inactive,
+                state: SnapshotBlockState::Inactive,
             });
         }
         blocks.push(SnapshotBlock {
             address: a.addr,
             size,
             requested_size: a.size.min(size),
-            state: BlockState::ActiveAllocated,
+            state: SnapshotBlockState::ActiveAllocated,
         });
         cursor = a.addr + size;
     }
@@ -398,7 +439,7 @@ fn tile<'a>(start: u64, end: u64, live: impl Iterator<Item = &'a LiveAlloc>) -> 
             address: cursor,
             size: end - cursor,
             requested_size: 0,
-            state: BlockState::Inactive,
+            state: SnapshotBlockState::Inactive,
         });
     }
     blocks
@@ -507,10 +548,10 @@ mod tests {
         assert_eq!(
             shape,
             vec![
-                (0x10000, 0x200, BlockState::Inactive),
-                (0x10200, 0x400, BlockState::ActiveAllocated),
-                (0x10600, 0x400, BlockState::ActiveAllocated),
-                (0x10a00, 0x10000 - 0xa00, BlockState::Inactive),
+                (0x10000, 0x200, SnapshotBlockState::Inactive),
+                (0x10200, 0x400, SnapshotBlockState::ActiveAllocated),
+                (0x10600, 0x400, SnapshotBlockState::ActiveAllocated),
+                (0x10a00, 0x10000 - 0xa00, SnapshotBlockState::Inactive),
             ]
         );
         assert_eq!((s.allocated_size(), s.requested_size()), (0x800, 1200));
@@ -542,7 +583,7 @@ mod tests {
             stream: u64::MAX,
             addr: Some(0x1000),
         });
-        let err = export_snapshot(&t, None, &SnapshotExportOptions::default()).unwrap_err();
+        let err = export_snapshot(&t, &SnapshotExportOptions::default()).unwrap_err();
         assert!(
             matches!(err, TraceIoError::Export { event: 0, .. }),
             "{err}"
@@ -550,7 +591,7 @@ mod tests {
         let mut t = Trace::new(TraceSource::Synthetic);
         t.push(TraceOp::Free { id: 3 });
         assert!(matches!(
-            export_snapshot(&t, None, &SnapshotExportOptions::default()),
+            export_snapshot(&t, &SnapshotExportOptions::default()),
             Err(TraceIoError::Export { event: 0, .. })
         ));
     }

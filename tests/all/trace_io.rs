@@ -143,13 +143,10 @@ fn real_snapshots_round_trip_and_meet_memory_viz() {
         let dir = std::env::temp_dir().join(format!("cca-trace-io-{}-{name}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("snap.pickle.gz");
-        export_snapshot_file(
-            &path,
-            &snap.trace,
-            Some(&snap.segments),
-            &SnapshotExportOptions::default().with_gzip(true),
-        )
-        .unwrap();
+        let options = SnapshotExportOptions::default()
+            .with_gzip(true)
+            .with_allocator_segments(&snap.segments);
+        export_snapshot_file(&path, &snap.trace, &options).unwrap();
         let raw = std::fs::read(&path).unwrap();
         assert!(is_gzip(&raw));
         let imported = read_trace_file(&path, &ImportOptions::default()).unwrap();
@@ -208,7 +205,7 @@ fn real_csv_logs_agree_with_the_snapshots_and_round_trip() {
         assert_eq!(back.trace.events, alloc_free_only(&snap.trace), "{name}");
 
         // CSV → snapshot (segments derived: none, the log has no segment events) → same events.
-        let bytes = export_snapshot(&log.trace, None, &SnapshotExportOptions::default()).unwrap();
+        let bytes = export_snapshot(&log.trace, &SnapshotExportOptions::default()).unwrap();
         check_memory_viz(&bytes).unwrap();
         let back = read_snapshot(&bytes, &ImportOptions::default()).unwrap();
         assert_eq!(back.trace.events, log.trace.events, "{name}");
@@ -238,7 +235,7 @@ fn derived_final_segments_match_pytorchs_on_real_traces() {
             let mut v: Vec<_> = segs
                 .iter()
                 .flat_map(|s| &s.blocks)
-                .filter(|b| b.state == BlockState::ActiveAllocated)
+                .filter(|b| b.state == SnapshotBlockState::ActiveAllocated)
                 .map(|b| (b.address, b.requested_size))
                 .collect();
             v.sort_unstable();
@@ -246,7 +243,7 @@ fn derived_final_segments_match_pytorchs_on_real_traces() {
         };
         assert_eq!(active(&derived), active(&snap.segments), "{name}");
         // Exporting without segments derives them and passes memory_viz's constraints.
-        let bytes = export_snapshot(&snap.trace, None, &SnapshotExportOptions::default()).unwrap();
+        let bytes = export_snapshot(&snap.trace, &SnapshotExportOptions::default()).unwrap();
         check_memory_viz(&bytes).unwrap();
         assert_eq!(
             read_snapshot(&bytes, &ImportOptions::default())
@@ -338,7 +335,7 @@ fn hand_made_trace_round_trips_through_both_formats() {
     };
 
     // Snapshot: threads are not represented (all 0), tags are (user_metadata).
-    let bytes = export_snapshot(&t, None, &SnapshotExportOptions::default()).unwrap();
+    let bytes = export_snapshot(&t, &SnapshotExportOptions::default()).unwrap();
     check_memory_viz(&bytes).unwrap();
     let snap = read_snapshot(&bytes, &ImportOptions::default()).unwrap();
     let mut expected = representable(true);
@@ -392,7 +389,7 @@ fn allocations_without_addresses_get_synthetic_ones() {
     t.push(TraceOp::Free { id: 1 });
     t.push(TraceOp::Free { id: 3 });
     for bytes in [
-        export_snapshot(&t, None, &SnapshotExportOptions::default()).unwrap(),
+        export_snapshot(&t, &SnapshotExportOptions::default()).unwrap(),
         export_rmm_csv(&t, &CsvExportOptions::default()).unwrap(),
     ] {
         let back = read_trace(&bytes, &ImportOptions::default()).unwrap().trace;
@@ -595,7 +592,10 @@ fn python_written_snapshots_in_protocols_2_and_4() {
     assert_eq!(p4.report.skipped.get("snapshot"), Some(&1));
     assert_eq!(p4.report.live_at_end, 1);
     assert_eq!(p4.segments.len(), 2);
-    assert_eq!(p4.segments[0].blocks[0].state, BlockState::ActiveAllocated);
+    assert_eq!(
+        p4.segments[0].blocks[0].state,
+        SnapshotBlockState::ActiveAllocated
+    );
     assert_eq!(
         (
             p4.segments[0].allocated_size(),
@@ -656,5 +656,63 @@ fn rmm_logs_with_clock_and_microsecond_times() {
         )
         .unwrap();
         assert_eq!(again.trace, log);
+    }
+}
+
+#[test]
+fn allocator_state_exports_as_final_segments() {
+    use cuda_caching_allocator::{CachingAllocator, Preset, SimDevice, StreamId};
+    for preset in [Preset::Pytorch, Preset::PytorchExpandable] {
+        let alloc = CachingAllocator::new(SimDevice::default(), preset.config()).unwrap();
+        alloc.record_history(usize::MAX);
+        let small = alloc.allocate(1000, StreamId::DEFAULT).unwrap();
+        let big = alloc.allocate(30 << 20, StreamId::DEFAULT).unwrap();
+        let other = alloc.allocate(5 << 20, StreamId(7)).unwrap();
+        let _keep = alloc.allocate(3 << 20, StreamId::DEFAULT).unwrap();
+        alloc.free(big.ptr).unwrap();
+        alloc.free(small.ptr).unwrap();
+        let _ = other;
+        let (trace, dropped) = alloc.history();
+        assert_eq!(dropped, 0);
+        let segments = alloc.snapshot().to_snapshot_segments(0);
+        for s in &segments {
+            s.check_tiling().unwrap();
+        }
+        let options = SnapshotExportOptions::default().with_allocator_segments(&alloc.snapshot());
+        let bytes = export_snapshot(&trace, &options).unwrap();
+        check_memory_viz(&bytes).unwrap();
+        let back = read_snapshot(&bytes, &ImportOptions::default()).unwrap();
+        assert_eq!(back.segments, segments, "{preset:?}");
+        // memory_viz consistency: the allocated blocks are exactly the allocations live at the end.
+        let mut active: Vec<(u64, u64)> = segments
+            .iter()
+            .flat_map(|s| &s.blocks)
+            .filter(|b| b.state == SnapshotBlockState::ActiveAllocated)
+            .map(|b| (b.address, b.requested_size))
+            .collect();
+        active.sort_unstable();
+        let mut live = std::collections::BTreeMap::new();
+        for e in &back.trace.events {
+            match e.op {
+                TraceOp::Alloc { id, size, addr, .. } => {
+                    live.insert(id, (addr.unwrap(), size));
+                }
+                TraceOp::Free { id } => {
+                    live.remove(&id);
+                }
+                _ => {}
+            }
+        }
+        let mut expected: Vec<(u64, u64)> = live.into_values().collect();
+        expected.sort_unstable();
+        assert_eq!(active, expected, "{preset:?}");
+        // The recorded trace's segment events derive the same segment spans.
+        let derived = final_segments(&back.trace, 0).unwrap();
+        let spans = |v: &[SnapshotSegment]| {
+            v.iter()
+                .map(|s| (s.address, s.total_size))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(spans(&derived), spans(&segments), "{preset:?}");
     }
 }
