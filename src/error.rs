@@ -101,8 +101,13 @@ impl fmt::Display for OomReport {
             self.verdict,
         )?;
         match self.verdict {
-            OomVerdict::DeviceFull => write!(f, " Free memory held elsewhere on the device, or reduce the working set."),
-            OomVerdict::FractionCapReached => write!(f, " Raise the memory fraction or free memory."),
+            OomVerdict::DeviceFull => write!(
+                f,
+                " Free memory held elsewhere on the device, or reduce the working set."
+            ),
+            OomVerdict::FractionCapReached => {
+                write!(f, " Raise the memory fraction or free memory.")
+            }
             OomVerdict::Fragmented => write!(
                 f,
                 " If reserved but unallocated memory is large try expandable_segments:True to avoid fragmentation."
@@ -121,7 +126,9 @@ pub enum AllocError {
     #[error("{0}")]
     OutOfMemory(Box<OomReport>),
     /// The request is absurdly large (at least 1 EiB), as PyTorch rejects it. Check the size.
-    #[error("CUDA out of memory. Tried to allocate more than 1EB memory ({requested} bytes requested)")]
+    #[error(
+        "CUDA out of memory. Tried to allocate more than 1EB memory ({requested} bytes requested)"
+    )]
     TooLarge {
         /// The requested size.
         requested: u64,
@@ -134,7 +141,9 @@ pub enum AllocError {
     },
     /// `ptr` lies inside memory this cache reserved but is not the start of a live allocation.
     /// Free the pointer that `allocate` returned, not an interior pointer.
-    #[error("{ptr} is not the start of a live allocation of this allocator (it points into segment {segment})")]
+    #[error(
+        "{ptr} is not the start of a live allocation of this allocator (it points into segment {segment})"
+    )]
     InteriorPointer {
         /// The pointer.
         ptr: DevicePtr,
@@ -185,7 +194,10 @@ pub enum AllocError {
 impl AllocError {
     /// Whether this is an out-of-memory error.
     pub fn is_out_of_memory(&self) -> bool {
-        matches!(self, AllocError::OutOfMemory(_) | AllocError::TooLarge { .. })
+        matches!(
+            self,
+            AllocError::OutOfMemory(_) | AllocError::TooLarge { .. }
+        )
     }
 
     /// The out-of-memory report, if this is one.

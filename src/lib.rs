@@ -2,18 +2,27 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_debug_implementations)]
 
+mod allocator;
 pub mod backend;
 pub mod config;
 mod error;
 mod format;
+pub mod replay;
 pub mod size_class;
 pub mod stats;
 pub mod trace;
 
+pub use allocator::{
+    Allocation, BlockSnapshot, BlockState, CachingAllocator, InvariantViolation, OwnedAllocation,
+    SegmentSnapshot,
+};
 pub use backend::sim::{FaultKind, SimConfig, SimCounters, SimDevice};
-pub use backend::{BackendError, DeviceBackend, DevicePtr, EventHandle, MemInfo, PhysicalHandle, StreamId};
+pub use backend::{
+    BackendError, DeviceBackend, DevicePtr, EventHandle, MemInfo, PhysicalHandle, StreamId,
+};
 pub use config::{AllocatorConfig, AllocatorConfigBuilder, ConfigError, Preset};
 pub use error::{AllocError, OomReport, OomVerdict, Result};
 pub use format::format_size;
-pub use size_class::{round_size, PoolKind};
+pub use replay::{Placement, ReplayError, ReplayOptions, ReplayReport, replay, replay_with};
+pub use size_class::{PoolKind, round_size};
 pub use stats::{MemoryStats, Stat, StatArray, StatType};

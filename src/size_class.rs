@@ -3,7 +3,9 @@
 //! May use: `config`.
 #![forbid(unsafe_code)]
 
-use crate::config::{AllocatorConfig, MIN_BLOCK_SIZE, MIN_LARGE_ALLOC, ROUND_LARGE, SMALL_BUFFER, SMALL_SIZE};
+use crate::config::{
+    AllocatorConfig, MIN_BLOCK_SIZE, MIN_LARGE_ALLOC, ROUND_LARGE, SMALL_BUFFER, SMALL_SIZE,
+};
 
 /// Which block pool a request uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -44,7 +46,11 @@ pub fn roundup_power2_next_division(size: usize, divisions: usize) -> usize {
         return floor2 << 1;
     }
     let rounded_floor = size & !(step - 1);
-    if rounded_floor == size { size } else { rounded_floor + step }
+    if rounded_floor == size {
+        size
+    } else {
+        rounded_floor + step
+    }
 }
 
 /// `round_size`: the block size a request of `size` bytes gets.
@@ -69,7 +75,11 @@ pub fn round_size(size: usize, config: &AllocatorConfig) -> usize {
 
 /// The pool for a *rounded* size.
 pub fn pool_kind(rounded: usize) -> PoolKind {
-    if rounded <= SMALL_SIZE { PoolKind::Small } else { PoolKind::Large }
+    if rounded <= SMALL_SIZE {
+        PoolKind::Small
+    } else {
+        PoolKind::Large
+    }
 }
 
 /// `get_allocation_size`: the segment size a *rounded* request needs when nothing is cached.
@@ -126,7 +136,10 @@ mod tests {
             assert_eq!(pool_kind(rounded), pool, "pool_kind({rounded})");
             assert_eq!(segment_size(rounded, &c()), seg, "segment_size({rounded})");
         }
-        let big = AllocatorConfig { large_segment_size: 32 * MIB, ..c() };
+        let big = AllocatorConfig {
+            large_segment_size: 32 * MIB,
+            ..c()
+        };
         assert_eq!(segment_size(2 * MIB, &big), 32 * MIB);
     }
 

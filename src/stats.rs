@@ -214,7 +214,14 @@ impl MemoryStats {
     /// ```
     pub fn to_map(&self) -> BTreeMap<String, i64> {
         let mut m = BTreeMap::new();
-        let metric = |s: &Stat| [("current", s.current), ("peak", s.peak), ("allocated", s.allocated), ("freed", s.freed)];
+        let metric = |s: &Stat| {
+            [
+                ("current", s.current),
+                ("peak", s.peak),
+                ("allocated", s.allocated),
+                ("freed", s.freed),
+            ]
+        };
         for (name, arr) in ARRAY_STAT_NAMES.iter().zip(self.arrays()) {
             for t in StatType::ALL {
                 for (k, v) in metric(arr.get(t)) {
@@ -222,7 +229,10 @@ impl MemoryStats {
                 }
             }
         }
-        for (name, s) in [("oversize_allocations", &self.oversize_allocations), ("oversize_segments", &self.oversize_segments)] {
+        for (name, s) in [
+            ("oversize_allocations", &self.oversize_allocations),
+            ("oversize_segments", &self.oversize_segments),
+        ] {
             for (k, v) in metric(s) {
                 m.insert(format!("{name}.{k}"), v);
             }
@@ -289,22 +299,22 @@ impl MemoryStats {
     }
 
     /// `memory_allocated()`: `allocated_bytes.all.current`.
-    pub fn allocated(&self) -> i64 {
+    pub fn memory_allocated(&self) -> i64 {
         self.allocated_bytes.get(StatType::All).current
     }
 
     /// `memory_reserved()`: `reserved_bytes.all.current`.
-    pub fn reserved(&self) -> i64 {
+    pub fn memory_reserved(&self) -> i64 {
         self.reserved_bytes.get(StatType::All).current
     }
 
     /// `max_memory_allocated()`.
-    pub fn peak_allocated(&self) -> i64 {
+    pub fn max_memory_allocated(&self) -> i64 {
         self.allocated_bytes.get(StatType::All).peak
     }
 
     /// `max_memory_reserved()`.
-    pub fn peak_reserved(&self) -> i64 {
+    pub fn max_memory_reserved(&self) -> i64 {
         self.reserved_bytes.get(StatType::All).peak
     }
 }
@@ -319,7 +329,15 @@ mod tests {
         s.increase(5);
         s.decrease(3);
         s.increase(1);
-        assert_eq!(s, Stat { current: 3, peak: 5, allocated: 6, freed: 3 });
+        assert_eq!(
+            s,
+            Stat {
+                current: 3,
+                peak: 5,
+                allocated: 6,
+                freed: 3
+            }
+        );
         s.reset_peak();
         assert_eq!(s.peak, 3);
         s.reset_accumulated();

@@ -203,8 +203,12 @@ pub unsafe trait DeviceBackend: Send + Sync {
     /// 1. `ptr` and `size` come from one earlier [`allocate`](Self::allocate) on `self` and were
     ///    not freed since.
     /// 2. No queued work on any stream still reads or writes the range.
-    unsafe fn free(&self, ptr: DevicePtr, size: usize, stream: StreamId)
-    -> Result<(), BackendError>;
+    unsafe fn free(
+        &self,
+        ptr: DevicePtr,
+        size: usize,
+        stream: StreamId,
+    ) -> Result<(), BackendError>;
 
     /// Blocks until all queued work on the device is done.
     ///
@@ -314,7 +318,11 @@ pub unsafe trait DeviceBackend: Send + Sync {
     /// 1. `base`/`size` come from one [`reserve_address_range`](Self::reserve_address_range) on
     ///    `self`, not released since.
     /// 2. Nothing is mapped in the range.
-    unsafe fn release_address_range(&self, base: DevicePtr, size: usize) -> Result<(), BackendError> {
+    unsafe fn release_address_range(
+        &self,
+        base: DevicePtr,
+        size: usize,
+    ) -> Result<(), BackendError> {
         let _ = (base, size);
         Err(BackendError::Unsupported("virtual memory"))
     }
@@ -336,7 +344,11 @@ pub unsafe trait DeviceBackend: Send + Sync {
     /// # Safety
     /// 1. `handle`/`size` come from one [`create_physical`](Self::create_physical) on `self`.
     /// 2. The handle is mapped nowhere.
-    unsafe fn release_physical(&self, handle: PhysicalHandle, size: usize) -> Result<(), BackendError> {
+    unsafe fn release_physical(
+        &self,
+        handle: PhysicalHandle,
+        size: usize,
+    ) -> Result<(), BackendError> {
         let _ = (handle, size);
         Err(BackendError::Unsupported("virtual memory"))
     }
@@ -350,7 +362,12 @@ pub unsafe trait DeviceBackend: Send + Sync {
     /// # Safety
     /// 1. `[va, va + size)` lies in one reserved range of `self` and nothing is mapped there.
     /// 2. `handle` is a live physical handle of `self` of exactly `size` bytes.
-    unsafe fn map(&self, va: DevicePtr, size: usize, handle: PhysicalHandle) -> Result<(), BackendError> {
+    unsafe fn map(
+        &self,
+        va: DevicePtr,
+        size: usize,
+        handle: PhysicalHandle,
+    ) -> Result<(), BackendError> {
         let _ = (va, size, handle);
         Err(BackendError::Unsupported("virtual memory"))
     }
@@ -383,7 +400,12 @@ unsafe impl<D: DeviceBackend + ?Sized> DeviceBackend for &D {
     fn allocate(&self, size: usize, stream: StreamId) -> Result<DevicePtr, BackendError> {
         (**self).allocate(size, stream)
     }
-    unsafe fn free(&self, ptr: DevicePtr, size: usize, stream: StreamId) -> Result<(), BackendError> {
+    unsafe fn free(
+        &self,
+        ptr: DevicePtr,
+        size: usize,
+        stream: StreamId,
+    ) -> Result<(), BackendError> {
         // SAFETY: the caller's obligations 1-2 are forwarded unchanged.
         unsafe { (**self).free(ptr, size, stream) }
     }
@@ -421,18 +443,31 @@ unsafe impl<D: DeviceBackend + ?Sized> DeviceBackend for &D {
     fn reserve_address_range(&self, size: usize) -> Result<DevicePtr, BackendError> {
         (**self).reserve_address_range(size)
     }
-    unsafe fn release_address_range(&self, base: DevicePtr, size: usize) -> Result<(), BackendError> {
+    unsafe fn release_address_range(
+        &self,
+        base: DevicePtr,
+        size: usize,
+    ) -> Result<(), BackendError> {
         // SAFETY: obligations 1-2 are forwarded unchanged.
         unsafe { (**self).release_address_range(base, size) }
     }
     fn create_physical(&self, size: usize) -> Result<PhysicalHandle, BackendError> {
         (**self).create_physical(size)
     }
-    unsafe fn release_physical(&self, handle: PhysicalHandle, size: usize) -> Result<(), BackendError> {
+    unsafe fn release_physical(
+        &self,
+        handle: PhysicalHandle,
+        size: usize,
+    ) -> Result<(), BackendError> {
         // SAFETY: obligations 1-2 are forwarded unchanged.
         unsafe { (**self).release_physical(handle, size) }
     }
-    unsafe fn map(&self, va: DevicePtr, size: usize, handle: PhysicalHandle) -> Result<(), BackendError> {
+    unsafe fn map(
+        &self,
+        va: DevicePtr,
+        size: usize,
+        handle: PhysicalHandle,
+    ) -> Result<(), BackendError> {
         // SAFETY: obligations 1-2 are forwarded unchanged.
         unsafe { (**self).map(va, size, handle) }
     }
@@ -456,7 +491,12 @@ unsafe impl<D: DeviceBackend + ?Sized> DeviceBackend for std::sync::Arc<D> {
     fn allocate(&self, size: usize, stream: StreamId) -> Result<DevicePtr, BackendError> {
         (**self).allocate(size, stream)
     }
-    unsafe fn free(&self, ptr: DevicePtr, size: usize, stream: StreamId) -> Result<(), BackendError> {
+    unsafe fn free(
+        &self,
+        ptr: DevicePtr,
+        size: usize,
+        stream: StreamId,
+    ) -> Result<(), BackendError> {
         // SAFETY: the caller's obligations 1-2 are forwarded unchanged.
         unsafe { (**self).free(ptr, size, stream) }
     }
@@ -494,18 +534,31 @@ unsafe impl<D: DeviceBackend + ?Sized> DeviceBackend for std::sync::Arc<D> {
     fn reserve_address_range(&self, size: usize) -> Result<DevicePtr, BackendError> {
         (**self).reserve_address_range(size)
     }
-    unsafe fn release_address_range(&self, base: DevicePtr, size: usize) -> Result<(), BackendError> {
+    unsafe fn release_address_range(
+        &self,
+        base: DevicePtr,
+        size: usize,
+    ) -> Result<(), BackendError> {
         // SAFETY: obligations 1-2 are forwarded unchanged.
         unsafe { (**self).release_address_range(base, size) }
     }
     fn create_physical(&self, size: usize) -> Result<PhysicalHandle, BackendError> {
         (**self).create_physical(size)
     }
-    unsafe fn release_physical(&self, handle: PhysicalHandle, size: usize) -> Result<(), BackendError> {
+    unsafe fn release_physical(
+        &self,
+        handle: PhysicalHandle,
+        size: usize,
+    ) -> Result<(), BackendError> {
         // SAFETY: obligations 1-2 are forwarded unchanged.
         unsafe { (**self).release_physical(handle, size) }
     }
-    unsafe fn map(&self, va: DevicePtr, size: usize, handle: PhysicalHandle) -> Result<(), BackendError> {
+    unsafe fn map(
+        &self,
+        va: DevicePtr,
+        size: usize,
+        handle: PhysicalHandle,
+    ) -> Result<(), BackendError> {
         // SAFETY: obligations 1-2 are forwarded unchanged.
         unsafe { (**self).map(va, size, handle) }
     }

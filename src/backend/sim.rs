@@ -16,7 +16,9 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use parking_lot::Mutex;
 
-use super::{BackendError, DeviceBackend, DevicePtr, EventHandle, MemInfo, PhysicalHandle, StreamId};
+use super::{
+    BackendError, DeviceBackend, DevicePtr, EventHandle, MemInfo, PhysicalHandle, StreamId,
+};
 
 /// What an injected fault looks like to the caller.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -155,7 +157,11 @@ impl Inner {
         let end = start.saturating_add(size as u64);
         // The last range starting before `end` is the only candidate that can overlap.
         let (&s, &(len, _)) = self.ranges.range(..end).next_back()?;
-        if s + len as u64 > start { Some(s + len as u64) } else { None }
+        if s + len as u64 > start {
+            Some(s + len as u64)
+        } else {
+            None
+        }
     }
 
     fn place(&mut self, size: usize, use_hint: bool) -> u64 {
@@ -198,8 +204,10 @@ impl Inner {
             return false;
         }
         self.counters.reserved_bytes += size;
-        self.counters.peak_reserved_bytes =
-            self.counters.peak_reserved_bytes.max(self.counters.reserved_bytes);
+        self.counters.peak_reserved_bytes = self
+            .counters
+            .peak_reserved_bytes
+            .max(self.counters.reserved_bytes);
         true
     }
 }
@@ -238,7 +246,10 @@ impl SimDevice {
 
     /// A simulated device of `capacity` bytes, other settings default.
     pub fn with_capacity(capacity: usize) -> Self {
-        SimDevice::new(SimConfig { capacity, ..SimConfig::default() })
+        SimDevice::new(SimConfig {
+            capacity,
+            ..SimConfig::default()
+        })
     }
 
     /// The configuration this device was built with.
@@ -314,7 +325,11 @@ impl SimDevice {
 
     /// Whether any simulated work is still pending on `stream`.
     pub fn has_pending_work(&self, stream: StreamId) -> bool {
-        self.inner.lock().streams.get(&stream).is_some_and(|&(sub, done)| done < sub)
+        self.inner
+            .lock()
+            .streams
+            .get(&stream)
+            .is_some_and(|&(sub, done)| done < sub)
     }
 
     /// Live segments as `(address, size)`, in address order.
@@ -330,7 +345,12 @@ impl SimDevice {
 
     /// Live mappings as `(address, size)`, in address order.
     pub fn live_mappings(&self) -> Vec<(DevicePtr, usize)> {
-        self.inner.lock().mappings.iter().map(|(&a, &(s, _))| (DevicePtr(a), s)).collect()
+        self.inner
+            .lock()
+            .mappings
+            .iter()
+            .map(|(&a, &(s, _))| (DevicePtr(a), s))
+            .collect()
     }
 }
 
@@ -364,7 +384,10 @@ unsafe impl DeviceBackend for SimDevice {
             });
         }
         if g.rejected_streams.contains(&stream) {
-            return Err(BackendError::InvalidStream { stream, reason: "rejected by the simulated device".into() });
+            return Err(BackendError::InvalidStream {
+                stream,
+                reason: "rejected by the simulated device".into(),
+            });
         }
         if let Err(f) = g.next_call(Some(size)) {
             g.counters.failed_allocate_calls += 1;
@@ -383,7 +406,12 @@ unsafe impl DeviceBackend for SimDevice {
         Ok(DevicePtr(at))
     }
 
-    unsafe fn free(&self, ptr: DevicePtr, size: usize, _stream: StreamId) -> Result<(), BackendError> {
+    unsafe fn free(
+        &self,
+        ptr: DevicePtr,
+        size: usize,
+        _stream: StreamId,
+    ) -> Result<(), BackendError> {
         let mut g = self.inner.lock();
         match g.ranges.get(&ptr.0) {
             Some(&(s, RangeKind::Segment)) if s == size => {}
@@ -415,7 +443,10 @@ unsafe impl DeviceBackend for SimDevice {
 
     fn validate_stream(&self, stream: StreamId) -> Result<(), BackendError> {
         if self.inner.lock().rejected_streams.contains(&stream) {
-            return Err(BackendError::InvalidStream { stream, reason: "rejected by the simulated device".into() });
+            return Err(BackendError::InvalidStream {
+                stream,
+                reason: "rejected by the simulated device".into(),
+            });
         }
         Ok(())
     }
@@ -527,7 +558,11 @@ unsafe impl DeviceBackend for SimDevice {
         Ok(DevicePtr(at))
     }
 
-    unsafe fn release_address_range(&self, base: DevicePtr, size: usize) -> Result<(), BackendError> {
+    unsafe fn release_address_range(
+        &self,
+        base: DevicePtr,
+        size: usize,
+    ) -> Result<(), BackendError> {
         let mut g = self.inner.lock();
         match g.ranges.get(&base.0) {
             Some(&(s, RangeKind::Reservation)) if s == size => {}
@@ -577,7 +612,11 @@ unsafe impl DeviceBackend for SimDevice {
         Ok(PhysicalHandle(id))
     }
 
-    unsafe fn release_physical(&self, handle: PhysicalHandle, size: usize) -> Result<(), BackendError> {
+    unsafe fn release_physical(
+        &self,
+        handle: PhysicalHandle,
+        size: usize,
+    ) -> Result<(), BackendError> {
         let mut g = self.inner.lock();
         if g.physical.get(&handle.0) != Some(&size) {
             return Err(BackendError::InvalidArgument {
@@ -600,22 +639,39 @@ unsafe impl DeviceBackend for SimDevice {
         Ok(())
     }
 
-    unsafe fn map(&self, va: DevicePtr, size: usize, handle: PhysicalHandle) -> Result<(), BackendError> {
+    unsafe fn map(
+        &self,
+        va: DevicePtr,
+        size: usize,
+        handle: PhysicalHandle,
+    ) -> Result<(), BackendError> {
         let mut g = self.inner.lock();
-        let bad = |reason: String| BackendError::InvalidArgument { operation: "map", reason };
+        let bad = |reason: String| BackendError::InvalidArgument {
+            operation: "map",
+            reason,
+        };
         if g.physical.get(&handle.0) != Some(&size) {
-            return Err(bad(format!("handle {} of size {size} is not live", handle.0)));
+            return Err(bad(format!(
+                "handle {} of size {size} is not live",
+                handle.0
+            )));
         }
         let inside = g
             .ranges
             .range(..=va.0)
             .next_back()
-            .is_some_and(|(&s, &(len, k))| k == RangeKind::Reservation && va.0 + size as u64 <= s + len as u64);
+            .is_some_and(|(&s, &(len, k))| {
+                k == RangeKind::Reservation && va.0 + size as u64 <= s + len as u64
+            });
         if !inside {
             return Err(bad(format!("{va}+{size} is not inside one reservation")));
         }
         let end = va.0 + size as u64;
-        let clash = g.mappings.range(..end).next_back().is_some_and(|(&s, &(len, _))| s + len as u64 > va.0);
+        let clash = g
+            .mappings
+            .range(..end)
+            .next_back()
+            .is_some_and(|(&s, &(len, _))| s + len as u64 > va.0);
         if clash {
             return Err(bad(format!("{va}+{size} overlaps a mapping")));
         }
@@ -659,9 +715,18 @@ mod tests {
         let a = sim.allocate(4 * MIB, StreamId(1)).unwrap();
         let b = sim.allocate(4 * MIB, StreamId(1)).unwrap();
         assert!(a.0 + (4 * MIB) as u64 <= b.0 || b.0 + (4 * MIB) as u64 <= a.0);
-        assert!(matches!(sim.allocate(4 * MIB, StreamId(1)), Err(BackendError::OutOfMemory)));
+        assert!(matches!(
+            sim.allocate(4 * MIB, StreamId(1)),
+            Err(BackendError::OutOfMemory)
+        ));
         assert_eq!(sim.counters().failed_allocate_calls, 1);
-        assert_eq!(sim.mem_info().unwrap(), MemInfo { free: 2 * MIB, total: 10 * MIB });
+        assert_eq!(
+            sim.mem_info().unwrap(),
+            MemInfo {
+                free: 2 * MIB,
+                total: 10 * MIB
+            }
+        );
         // SAFETY: from allocate above, unused.
         unsafe { sim.free(a, 4 * MIB, StreamId(1)).unwrap() };
         assert_eq!(sim.counters().reserved_bytes, 4 * MIB);
@@ -676,7 +741,11 @@ mod tests {
         assert_eq!(a.0, 0x1000_0000);
         sim.place_next_at(0x1000_0000 + MIB as u64);
         let b = sim.allocate(2 * MIB, StreamId(0)).unwrap();
-        assert_ne!(b.0, 0x1000_0000 + MIB as u64, "overlapping hint must be ignored");
+        assert_ne!(
+            b.0,
+            0x1000_0000 + MIB as u64,
+            "overlapping hint must be ignored"
+        );
     }
 
     #[test]
@@ -686,11 +755,18 @@ mod tests {
         let a = sim.allocate(MIB, StreamId(0)).unwrap();
         // SAFETY: from allocate above.
         let err = unsafe { sim.free(a, MIB, StreamId(0)) }.unwrap_err();
-        assert!(matches!(err, BackendError::Injected { call: 2, .. }), "{err}");
+        assert!(
+            matches!(err, BackendError::Injected { call: 2, .. }),
+            "{err}"
+        );
         // SAFETY: still live: the failed free did not free it.
         unsafe { sim.free(a, MIB, StreamId(0)).unwrap() };
         sim.fail_allocations_above(Some(MIB));
-        assert!(sim.allocate(2 * MIB, StreamId(0)).unwrap_err().is_out_of_memory());
+        assert!(
+            sim.allocate(2 * MIB, StreamId(0))
+                .unwrap_err()
+                .is_out_of_memory()
+        );
         sim.report_free(Some(7));
         assert_eq!(sim.mem_info().unwrap().free, 7);
     }

@@ -40,7 +40,9 @@ pub struct ConfigError {
 
 impl ConfigError {
     pub(crate) fn new(message: impl Into<String>) -> Self {
-        ConfigError { message: message.into() }
+        ConfigError {
+            message: message.into(),
+        }
     }
 
     /// The message.
@@ -78,21 +80,25 @@ impl Preset {
     /// # Errors
     /// A [`ConfigError`] listing the known names.
     pub fn from_name(name: &str) -> Result<Preset, ConfigError> {
-        Preset::ALL.into_iter().find(|p| p.name() == name).ok_or_else(|| {
-            ConfigError::new(format!(
-                "unknown preset '{name}'; known presets: {}",
-                Preset::ALL.map(Preset::name).join(", ")
-            ))
-        })
+        Preset::ALL
+            .into_iter()
+            .find(|p| p.name() == name)
+            .ok_or_else(|| {
+                ConfigError::new(format!(
+                    "unknown preset '{name}'; known presets: {}",
+                    Preset::ALL.map(Preset::name).join(", ")
+                ))
+            })
     }
 
     /// The configuration of this preset.
     pub fn config(self) -> AllocatorConfig {
         match self {
             Preset::Pytorch => AllocatorConfig::pytorch(),
-            Preset::PytorchExpandable => {
-                AllocatorConfig { expandable_segments: true, ..AllocatorConfig::pytorch() }
-            }
+            Preset::PytorchExpandable => AllocatorConfig {
+                expandable_segments: true,
+                ..AllocatorConfig::pytorch()
+            },
             Preset::Default => AllocatorConfig::default(),
         }
     }
@@ -155,7 +161,9 @@ impl AllocatorConfig {
 
     /// A builder starting from PyTorch's defaults.
     pub fn builder() -> AllocatorConfigBuilder {
-        AllocatorConfigBuilder { config: AllocatorConfig::pytorch() }
+        AllocatorConfigBuilder {
+            config: AllocatorConfig::pytorch(),
+        }
     }
 
     /// Parses PyTorch's `PYTORCH_CUDA_ALLOC_CONF` syntax (`key:value,key:[k:v,...]`) on top of
@@ -233,11 +241,15 @@ impl AllocatorConfig {
         }
         let gc = self.garbage_collection_threshold;
         if !(gc == 0.0 || (gc > 0.0 && gc < 1.0)) {
-            return Err(ConfigError::new("garbage_collect_threshold is invalid, set it in (0.0, 1.0)"));
+            return Err(ConfigError::new(
+                "garbage_collect_threshold is invalid, set it in (0.0, 1.0)",
+            ));
         }
         let f = self.per_process_memory_fraction;
         if !(0.0..=1.0).contains(&f) {
-            return Err(ConfigError::new("per_process_memory_fraction is invalid, set it in [0.0, 1.0]"));
+            return Err(ConfigError::new(
+                "per_process_memory_fraction is invalid, set it in [0.0, 1.0]",
+            ));
         }
         Ok(())
     }
@@ -303,7 +315,10 @@ impl AllocatorConfigBuilder {
     }
 
     /// `roundup_power2_divisions` per bucket (bucket `i` covers `[2^i, 2^(i+1))` MiB).
-    pub fn roundup_power2_divisions_per_bucket(mut self, divisions: [usize; ROUNDUP_POWER2_BUCKETS]) -> Self {
+    pub fn roundup_power2_divisions_per_bucket(
+        mut self,
+        divisions: [usize; ROUNDUP_POWER2_BUCKETS],
+    ) -> Self {
         self.config.roundup_power2_divisions = divisions;
         self
     }

@@ -4,7 +4,9 @@
 //! `AcceleratorAllocatorConfig::parseArgs`, `CUDAAllocatorConfig::parseArgs`).
 #![forbid(unsafe_code)]
 
-use super::{AllocatorConfig, ConfigError, LARGE_BUFFER, MIB, MIN_LARGE_ALLOC, ROUNDUP_POWER2_BUCKETS};
+use super::{
+    AllocatorConfig, ConfigError, LARGE_BUFFER, MIB, MIN_LARGE_ALLOC, ROUNDUP_POWER2_BUCKETS,
+};
 
 /// The crate's own environment variable, read before `PYTORCH_CUDA_ALLOC_CONF`.
 pub const ENV_VAR: &str = "CUDA_CACHING_ALLOCATOR_CONF";
@@ -38,10 +40,11 @@ impl Tokens {
     }
 
     fn get(&self, i: usize) -> Result<&str, ConfigError> {
-        self.tokens
-            .get(i)
-            .map(String::as_str)
-            .ok_or_else(|| ConfigError::new("Index out of bounds in ConfigTokenizer (the configuration ends too early)"))
+        self.tokens.get(i).map(String::as_str).ok_or_else(|| {
+            ConfigError::new(
+                "Index out of bounds in ConfigTokenizer (the configuration ends too early)",
+            )
+        })
     }
 
     fn expect(&self, i: usize, token: &str) -> Result<(), ConfigError> {
@@ -49,14 +52,19 @@ impl Tokens {
         if got == token {
             Ok(())
         } else {
-            Err(ConfigError::new(format!("Expected '{token}' in ConfigTokenizer but got '{got}'")))
+            Err(ConfigError::new(format!(
+                "Expected '{token}' in ConfigTokenizer but got '{got}'"
+            )))
         }
     }
 
     fn size(&self, i: usize, key: &str) -> Result<usize, ConfigError> {
         let t = self.get(i)?;
-        t.parse::<usize>()
-            .map_err(|_| ConfigError::new(format!("Expected an unsigned integer for '{key}' but got '{t}'")))
+        t.parse::<usize>().map_err(|_| {
+            ConfigError::new(format!(
+                "Expected an unsigned integer for '{key}' but got '{t}'"
+            ))
+        })
     }
 
     fn double(&self, i: usize, key: &str) -> Result<f64, ConfigError> {
@@ -114,7 +122,10 @@ const IGNORED_KEYS: &[&str] = &[
     "expandable_segments_reserve_by_class",
 ];
 
-pub(super) fn apply(mut c: AllocatorConfig, settings: &str) -> Result<AllocatorConfig, ConfigError> {
+pub(super) fn apply(
+    mut c: AllocatorConfig,
+    settings: &str,
+) -> Result<AllocatorConfig, ConfigError> {
     // PyTorch resets these three on every parse.
     c.max_split_size = usize::MAX;
     c.roundup_power2_divisions = [0; ROUNDUP_POWER2_BUCKETS];
@@ -167,7 +178,9 @@ pub(super) fn apply(mut c: AllocatorConfig, settings: &str) -> Result<AllocatorC
                 i += 2;
                 let v = t.double(i, &key)?;
                 if !(v > 0.0 && v < 1.0) {
-                    return Err(ConfigError::new("garbage_collect_threshold is invalid, set it in (0.0, 1.0)"));
+                    return Err(ConfigError::new(
+                        "garbage_collect_threshold is invalid, set it in (0.0, 1.0)",
+                    ));
                 }
                 c.garbage_collection_threshold = v;
             }
@@ -176,7 +189,9 @@ pub(super) fn apply(mut c: AllocatorConfig, settings: &str) -> Result<AllocatorC
                 i += 2;
                 let v = t.double(i, &key)?;
                 if !(0.0..=1.0).contains(&v) {
-                    return Err(ConfigError::new("per_process_memory_fraction is invalid, set it in [0.0, 1.0]"));
+                    return Err(ConfigError::new(
+                        "per_process_memory_fraction is invalid, set it in [0.0, 1.0]",
+                    ));
                 }
                 c.per_process_memory_fraction = v;
             }
@@ -224,7 +239,11 @@ pub(super) fn apply(mut c: AllocatorConfig, settings: &str) -> Result<AllocatorC
             k if IGNORED_KEYS.contains(&k) => {
                 i = t.skip_value(i)?;
             }
-            _ => return Err(ConfigError::new(format!("Unrecognized key '{key}' in CUDA allocator config."))),
+            _ => {
+                return Err(ConfigError::new(format!(
+                    "Unrecognized key '{key}' in CUDA allocator config."
+                )));
+            }
         }
         if i + 1 < t.len() {
             i += 1;
@@ -247,7 +266,9 @@ fn parse_divisions(
     if t.get(i)? != "[" {
         let v = t.size(i, key)?;
         if !v.is_power_of_two() {
-            return Err(ConfigError::new("For roundups, the divisions has to be power of 2 "));
+            return Err(ConfigError::new(
+                "For roundups, the divisions has to be power of 2 ",
+            ));
         }
         *out = [v; ROUNDUP_POWER2_BUCKETS];
         return Ok(i);
@@ -325,13 +346,22 @@ mod tests {
     #[test]
     fn empty_string_is_pytorch_defaults() {
         let c = parse("").unwrap();
-        assert_eq!(c, AllocatorConfig { settings: String::new(), ..AllocatorConfig::pytorch() });
+        assert_eq!(
+            c,
+            AllocatorConfig {
+                settings: String::new(),
+                ..AllocatorConfig::pytorch()
+            }
+        );
         assert!(parse("  ").is_ok());
     }
 
     #[test]
     fn scalar_keys() {
-        let c = parse("max_split_size_mb:128, garbage_collection_threshold:0.6,expandable_segments:True").unwrap();
+        let c = parse(
+            "max_split_size_mb:128, garbage_collection_threshold:0.6,expandable_segments:True",
+        )
+        .unwrap();
         assert_eq!(c.max_split_size, 128 * MIB);
         assert_eq!(c.garbage_collection_threshold, 0.6);
         assert!(c.expandable_segments);
@@ -339,7 +369,9 @@ mod tests {
         assert_eq!(c.max_non_split_rounding, 40 * MIB);
         assert_eq!(c.large_segment_size, 32 * MIB);
         assert_eq!(c.per_process_memory_fraction, 0.25);
-        let c = parse("release_lock_on_cudamalloc:True,backend:native,pinned_num_register_threads:8").unwrap();
+        let c =
+            parse("release_lock_on_cudamalloc:True,backend:native,pinned_num_register_threads:8")
+                .unwrap();
         assert!(c.release_lock_on_cudamalloc);
     }
 
@@ -350,23 +382,53 @@ mod tests {
         let c = parse("roundup_power2_divisions:[64:8,256:4,1024:4,>:1]").unwrap();
         // The first key fills the buckets below it; buckets between keys (7 and 9) keep their
         // reset value 0, exactly as PyTorch leaves them; `>` fills the buckets after the last key.
-        assert_eq!(c.roundup_power2_divisions, [8, 8, 8, 8, 8, 8, 8, 0, 4, 0, 4, 1, 1, 1, 1, 1]);
+        assert_eq!(
+            c.roundup_power2_divisions,
+            [8, 8, 8, 8, 8, 8, 8, 0, 4, 0, 4, 1, 1, 1, 1, 1]
+        );
     }
 
     #[test]
     fn errors_use_pytorch_words() {
-        assert_eq!(err("foo:1"), "Unrecognized key 'foo' in CUDA allocator config.");
-        assert_eq!(err("max_split_size_mb:19"), "CachingAllocator option max_split_size_mb too small, must be >= 20");
-        assert_eq!(err("garbage_collection_threshold:1.0"), "garbage_collect_threshold is invalid, set it in (0.0, 1.0)");
-        assert_eq!(err("expandable_segments:true"), "Expected 'True' or 'False' at index 2 in ConfigTokenizer but got 'true'");
-        assert_eq!(err("max_split_size_mb=20"), "Unrecognized key 'max_split_size_mb=20' in CUDA allocator config.");
-        assert_eq!(err("roundup_power2_divisions:3"), "For roundups, the divisions has to be power of 2 ");
-        assert_eq!(err("roundup_power2_divisions:[3:4]"), "For roundups, the intervals have to be power of 2 3");
+        assert_eq!(
+            err("foo:1"),
+            "Unrecognized key 'foo' in CUDA allocator config."
+        );
+        assert_eq!(
+            err("max_split_size_mb:19"),
+            "CachingAllocator option max_split_size_mb too small, must be >= 20"
+        );
+        assert_eq!(
+            err("garbage_collection_threshold:1.0"),
+            "garbage_collect_threshold is invalid, set it in (0.0, 1.0)"
+        );
+        assert_eq!(
+            err("expandable_segments:true"),
+            "Expected 'True' or 'False' at index 2 in ConfigTokenizer but got 'true'"
+        );
+        assert_eq!(
+            err("max_split_size_mb=20"),
+            "Unrecognized key 'max_split_size_mb=20' in CUDA allocator config."
+        );
+        assert_eq!(
+            err("roundup_power2_divisions:3"),
+            "For roundups, the divisions has to be power of 2 "
+        );
+        assert_eq!(
+            err("roundup_power2_divisions:[3:4]"),
+            "For roundups, the intervals have to be power of 2 3"
+        );
         assert!(err("roundup_power2_divisions:[64:4").contains("']'"));
         assert!(err("max_split_size_mb:abc").contains("'abc'"));
         assert!(err("max_split_size_mb").contains("ends too early"));
-        assert!(err("expandable_segments:True;max_split_size_mb:20").contains("Expected 'True' or 'False'"));
-        assert_eq!(err("expandable_segments:True max_split_size_mb:20"), "Expected 'True' or 'False' at index 2 in ConfigTokenizer but got 'Truemax_split_size_mb'");
+        assert!(
+            err("expandable_segments:True;max_split_size_mb:20")
+                .contains("Expected 'True' or 'False'")
+        );
+        assert_eq!(
+            err("expandable_segments:True max_split_size_mb:20"),
+            "Expected 'True' or 'False' at index 2 in ConfigTokenizer but got 'Truemax_split_size_mb'"
+        );
         assert!(err("per_process_memory_fraction:1.5").contains("[0.0, 1.0]"));
         assert!(err("large_segment_size_mb:10").contains("> 10"));
         assert!(err("backend:cudaMallocAsync").contains("cudaMallocAsync"));

@@ -104,7 +104,12 @@ pub struct TraceEvent {
 impl TraceEvent {
     /// An untimed event on thread 0 without a tag.
     pub fn new(op: TraceOp) -> Self {
-        TraceEvent { op, time_ns: 0, thread: 0, tag: None }
+        TraceEvent {
+            op,
+            time_ns: 0,
+            thread: 0,
+            tag: None,
+        }
     }
 }
 
@@ -124,7 +129,12 @@ pub struct Trace {
 impl Trace {
     /// An empty trace of the current version.
     pub fn new(source: TraceSource) -> Self {
-        Trace { version: TRACE_FORMAT_VERSION, source, device_total: None, events: Vec::new() }
+        Trace {
+            version: TRACE_FORMAT_VERSION,
+            source,
+            device_total: None,
+            events: Vec::new(),
+        }
     }
 
     /// Appends an untimed event.
@@ -134,6 +144,9 @@ impl Trace {
 
     /// Number of `Alloc` operations.
     pub fn alloc_count(&self) -> usize {
-        self.events.iter().filter(|e| matches!(e.op, TraceOp::Alloc { .. })).count()
+        self.events
+            .iter()
+            .filter(|e| matches!(e.op, TraceOp::Alloc { .. }))
+            .count()
     }
 }

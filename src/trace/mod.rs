@@ -8,4 +8,4 @@
 
 mod event;
 
-pub use event::{Trace, TraceEvent, TraceOp, TraceSource, TRACE_FORMAT_VERSION};
+pub use event::{TRACE_FORMAT_VERSION, Trace, TraceEvent, TraceOp, TraceSource};

@@ -1,0 +1,395 @@
+//! The invariant checker: one named check per invariant of the cache's state.
+//!
+//! Tests, property tests and fuzzing run it after every operation (the `invariant-checks`
+//! feature does so automatically). It walks everything, so it costs O(blocks); production code
+//! never calls it. May use: `state`, `block`, `pool`, `stats`.
+#![forbid(unsafe_code)]
+
+use std::collections::BTreeSet;
+use std::fmt;
+
+use super::block::BlockId;
+use super::state::State;
+use crate::backend::DevicePtr;
+use crate::size_class::PoolKind;
+use crate::stats::{MemoryStats, StatArray, StatType};
+
+/// Which invariant failed, and where.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum InvariantViolation {
+    /// A segment's blocks do not cover it exactly, contiguously, with one stream and pool.
+    BlocksDoNotTileSegment {
+        /// The segment.
+        segment: DevicePtr,
+        /// What was wrong.
+        detail: String,
+    },
+    /// `a.next == b` but `b.prev != a` (or the reverse), or a link points nowhere.
+    NeighbourLinksDisagree {
+        /// The block whose link is wrong.
+        block: DevicePtr,
+    },
+    /// Two neighbouring blocks are both free: they should have been merged.
+    AdjacentFreeBlocks {
+        /// The first block.
+        first: DevicePtr,
+        /// The block after it.
+        second: DevicePtr,
+    },
+    /// The free sets do not hold exactly the free blocks, or hold a stale key.
+    FreeSetMismatch {
+        /// What was wrong.
+        detail: String,
+    },
+    /// The address map does not hold exactly the allocated blocks.
+    ActiveMapMismatch {
+        /// What was wrong.
+        detail: String,
+    },
+    /// A statistic differs from a recount of the blocks.
+    StatsMismatch {
+        /// The `memory_stats()` key.
+        key: String,
+        /// The value the allocator keeps.
+        recorded: i64,
+        /// The value a recount gives.
+        recount: i64,
+    },
+    /// Reserved bytes grew above the fraction cap.
+    ReservedAboveCap {
+        /// Bytes reserved.
+        reserved: usize,
+        /// The cap.
+        cap: usize,
+    },
+}
+
+impl fmt::Display for InvariantViolation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::BlocksDoNotTileSegment { segment, detail } => {
+                write!(f, "blocks do not tile segment {segment}: {detail}")
+            }
+            Self::NeighbourLinksDisagree { block } => {
+                write!(f, "neighbour links disagree at block {block}")
+            }
+            Self::AdjacentFreeBlocks { first, second } => write!(
+                f,
+                "adjacent free blocks {first} and {second} were not merged"
+            ),
+            Self::FreeSetMismatch { detail } => {
+                write!(f, "free sets do not match the free blocks: {detail}")
+            }
+            Self::ActiveMapMismatch { detail } => write!(
+                f,
+                "address map does not match the allocated blocks: {detail}"
+            ),
+            Self::StatsMismatch {
+                key,
+                recorded,
+                recount,
+            } => write!(f, "stat {key} is {recorded} but a recount gives {recount}"),
+            Self::ReservedAboveCap { reserved, cap } => write!(
+                f,
+                "reserved {reserved} bytes above the fraction cap of {cap}"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for InvariantViolation {}
+
+/// Runs every check in order; returns the first violation.
+pub(crate) fn check(st: &State) -> Result<(), InvariantViolation> {
+    check_segments_tiled(st)?;
+    check_no_adjacent_free(st)?;
+    check_free_sets(st)?;
+    check_active_map(st)?;
+    check_stats(st)?;
+    check_cap(st)
+}
+
+fn is_free(st: &State, id: BlockId) -> bool {
+    st.arena
+        .get(id)
+        .is_some_and(|b| !b.allocated && b.event_count == 0 && b.stream_uses.is_empty())
+}
+
+fn check_segments_tiled(st: &State) -> Result<(), InvariantViolation> {
+    let mut reached = 0usize;
+    let mut heads = 0usize;
+    for (head, hb) in st.arena.iter().filter(|(_, b)| b.prev.is_none()) {
+        heads += 1;
+        let seg = DevicePtr(hb.ptr);
+        let tile = |detail: String| InvariantViolation::BlocksDoNotTileSegment {
+            segment: seg,
+            detail,
+        };
+        let Some(rec) = st.segments.get(&hb.ptr) else {
+            return Err(tile("no segment record for this head block".into()));
+        };
+        let mut cur = head;
+        let mut end = hb.ptr;
+        loop {
+            let Some(b) = st.arena.get(cur) else {
+                return Err(InvariantViolation::NeighbourLinksDisagree {
+                    block: DevicePtr(end),
+                });
+            };
+            reached += 1;
+            if b.ptr != end {
+                return Err(tile(format!("gap or overlap at {}", DevicePtr(b.ptr))));
+            }
+            if b.stream != rec.stream || b.pool != rec.pool {
+                return Err(tile(format!(
+                    "block {} has another stream or pool",
+                    DevicePtr(b.ptr)
+                )));
+            }
+            end = b.end();
+            match b.next {
+                None => break,
+                Some(n) => {
+                    if st.arena.get(n).is_none_or(|nb| nb.prev != Some(cur)) {
+                        return Err(InvariantViolation::NeighbourLinksDisagree {
+                            block: DevicePtr(b.ptr),
+                        });
+                    }
+                    cur = n;
+                }
+            }
+            if reached > st.arena.len() {
+                return Err(tile("cycle in block links".into()));
+            }
+        }
+        if end != hb.ptr + rec.size as u64 {
+            return Err(tile(format!(
+                "blocks end at {} but the segment has {} bytes",
+                DevicePtr(end),
+                rec.size
+            )));
+        }
+    }
+    if heads != st.segments.len() {
+        return Err(InvariantViolation::BlocksDoNotTileSegment {
+            segment: DevicePtr::NULL,
+            detail: format!(
+                "{} segment records but {heads} head blocks",
+                st.segments.len()
+            ),
+        });
+    }
+    if reached != st.arena.len() {
+        return Err(InvariantViolation::BlocksDoNotTileSegment {
+            segment: DevicePtr::NULL,
+            detail: format!(
+                "{} blocks live but {reached} reachable from segment heads",
+                st.arena.len()
+            ),
+        });
+    }
+    Ok(())
+}
+
+fn check_no_adjacent_free(st: &State) -> Result<(), InvariantViolation> {
+    for (id, b) in st.arena.iter() {
+        if let Some(n) = b.next {
+            let same_mapping = st.arena.get(n).is_some_and(|nb| nb.mapped == b.mapped);
+            if same_mapping && is_free(st, id) && is_free(st, n) {
+                let second = st
+                    .arena
+                    .get(n)
+                    .map_or(DevicePtr::NULL, |nb| DevicePtr(nb.ptr));
+                return Err(InvariantViolation::AdjacentFreeBlocks {
+                    first: DevicePtr(b.ptr),
+                    second,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+fn check_free_sets(st: &State) -> Result<(), InvariantViolation> {
+    let bad = |detail: String| InvariantViolation::FreeSetMismatch { detail };
+    let mut in_sets = BTreeSet::new();
+    for kind in [PoolKind::Small, PoolKind::Large] {
+        for k in &st.pool_ref(kind).blocks {
+            let Some(b) = st.arena.get(k.id) else {
+                return Err(bad(format!("key for a dead block at {}", DevicePtr(k.ptr))));
+            };
+            if (b.stream, b.size, b.ptr, b.pool) != (k.stream, k.size, k.ptr, kind) {
+                return Err(bad(format!("stale key for block {}", DevicePtr(b.ptr))));
+            }
+            if !is_free(st, k.id) || !b.mapped {
+                return Err(bad(format!(
+                    "block {} is in a free set but not free",
+                    DevicePtr(b.ptr)
+                )));
+            }
+            in_sets.insert(k.id);
+        }
+    }
+    for (id, b) in st.arena.iter() {
+        if is_free(st, id) && b.mapped && !in_sets.contains(&id) {
+            return Err(bad(format!(
+                "free block {} is missing from its free set",
+                DevicePtr(b.ptr)
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn check_active_map(st: &State) -> Result<(), InvariantViolation> {
+    let bad = |detail: String| InvariantViolation::ActiveMapMismatch { detail };
+    for (&ptr, &id) in &st.active {
+        match st.arena.get(id) {
+            Some(b) if b.allocated && b.ptr == ptr => {}
+            _ => {
+                return Err(bad(format!(
+                    "entry {} does not name an allocated block there",
+                    DevicePtr(ptr)
+                )));
+            }
+        }
+    }
+    let allocated = st.arena.iter().filter(|(_, b)| b.allocated).count();
+    if allocated != st.active.len() {
+        return Err(bad(format!(
+            "{allocated} allocated blocks but {} map entries",
+            st.active.len()
+        )));
+    }
+    Ok(())
+}
+
+fn check_stats(st: &State) -> Result<(), InvariantViolation> {
+    let mut want = MemoryStats::default();
+    let max_split = st.config.max_split_size;
+    let mut oversize_allocs = 0i64;
+    for (_, b) in st.arena.iter() {
+        let k = b.pool;
+        let n = b.size as i64;
+        if b.allocated {
+            want.allocation.increase(k, 1);
+            want.allocated_bytes.increase(k, n);
+            if b.size >= max_split {
+                oversize_allocs += 1;
+            }
+        }
+        if b.allocated || b.event_count > 0 {
+            want.active.increase(k, 1);
+            want.active_bytes.increase(k, n);
+            want.requested_bytes.increase(k, b.requested_size as i64);
+        } else if b.is_split() && !b.expandable && b.mapped {
+            want.inactive_split.increase(k, 1);
+            want.inactive_split_bytes.increase(k, n);
+        }
+    }
+    let mut oversize_segs = 0i64;
+    for rec in st.segments.values() {
+        want.segment.increase(rec.pool, 1);
+        want.reserved_bytes.increase(rec.pool, rec.size as i64);
+        if rec.size >= max_split {
+            oversize_segs += 1;
+        }
+    }
+    let arrays: [(&str, &StatArray, &StatArray); 8] = [
+        ("allocation", &st.stats.allocation, &want.allocation),
+        (
+            "allocated_bytes",
+            &st.stats.allocated_bytes,
+            &want.allocated_bytes,
+        ),
+        ("active", &st.stats.active, &want.active),
+        ("active_bytes", &st.stats.active_bytes, &want.active_bytes),
+        (
+            "requested_bytes",
+            &st.stats.requested_bytes,
+            &want.requested_bytes,
+        ),
+        (
+            "inactive_split",
+            &st.stats.inactive_split,
+            &want.inactive_split,
+        ),
+        (
+            "inactive_split_bytes",
+            &st.stats.inactive_split_bytes,
+            &want.inactive_split_bytes,
+        ),
+        ("segment", &st.stats.segment, &want.segment),
+    ];
+    for (name, have, recount) in arrays {
+        for t in StatType::ALL {
+            let (h, r) = (have.get(t).current, recount.get(t).current);
+            if h != r {
+                return Err(InvariantViolation::StatsMismatch {
+                    key: format!("{name}.{}.current", t.name()),
+                    recorded: h,
+                    recount: r,
+                });
+            }
+        }
+    }
+    let reserved = st.stats.reserved_bytes.get(StatType::All).current;
+    if reserved != st.total_allocated_memory as i64
+        || reserved != want.reserved_bytes.get(StatType::All).current
+    {
+        return Err(InvariantViolation::StatsMismatch {
+            key: "reserved_bytes.all.current".into(),
+            recorded: reserved,
+            recount: want.reserved_bytes.get(StatType::All).current,
+        });
+    }
+    for (key, have, recount) in [
+        (
+            "oversize_allocations.current",
+            st.stats.oversize_allocations.current,
+            oversize_allocs,
+        ),
+        (
+            "oversize_segments.current",
+            st.stats.oversize_segments.current,
+            oversize_segs,
+        ),
+    ] {
+        if have != recount {
+            return Err(InvariantViolation::StatsMismatch {
+                key: key.into(),
+                recorded: have,
+                recount,
+            });
+        }
+    }
+    for (name, have) in [
+        ("allocated_bytes", &st.stats.allocated_bytes),
+        ("reserved_bytes", &st.stats.reserved_bytes),
+    ] {
+        for t in StatType::ALL {
+            let s = have.get(t);
+            if s.peak < s.current || s.current < 0 {
+                return Err(InvariantViolation::StatsMismatch {
+                    key: format!("{name}.{}.peak", t.name()),
+                    recorded: s.peak,
+                    recount: s.current,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+fn check_cap(st: &State) -> Result<(), InvariantViolation> {
+    if let Some(cap) = st.allowed_memory_maximum {
+        if st.total_allocated_memory > cap.max(st.cap_grace) {
+            return Err(InvariantViolation::ReservedAboveCap {
+                reserved: st.total_allocated_memory,
+                cap,
+            });
+        }
+    }
+    Ok(())
+}

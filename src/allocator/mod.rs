@@ -1,0 +1,302 @@
+//! The caching allocator: [`CachingAllocator`] over any [`DeviceBackend`].
+//!
+//! All mutable state sits in one `State` behind one `parking_lot::Mutex` (PyTorch's one mutex per
+//! device); the algorithm is in `state.rs`, the invariant checker in `invariants.rs`, the summary
+//! table in `summary.rs`. May use: everything below it (backend, config, size_class, stats).
+
+mod block;
+mod device_calls;
+mod invariants;
+mod pool;
+mod snapshot;
+mod state;
+mod summary;
+
+use std::fmt;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+pub use invariants::InvariantViolation;
+pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
+
+use crate::backend::{DeviceBackend, DevicePtr, StreamId};
+use crate::config::AllocatorConfig;
+use crate::error::{AllocError, Result};
+use crate::stats::MemoryStats;
+use state::State;
+
+/// One live allocation: what [`CachingAllocator::allocate`] returns.
+///
+/// It is a plain record; give it back with [`CachingAllocator::free`] (or use
+/// [`CachingAllocator::allocate_owned`] for a handle that frees itself on drop).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[must_use = "an allocation that is not freed stays allocated"]
+pub struct Allocation {
+    /// Device address (null for a zero-byte request).
+    pub ptr: DevicePtr,
+    /// Requested size in bytes.
+    pub size: usize,
+    /// Size of the block backing it (the rounded size).
+    pub block_size: usize,
+    /// The stream it was allocated on (and may be reused on without synchronization).
+    pub stream: StreamId,
+}
+
+/// A PyTorch-style caching allocator over a device backend.
+///
+/// ```
+/// use cuda_caching_allocator::{AllocatorConfig, CachingAllocator, SimDevice, StreamId};
+/// let alloc = CachingAllocator::new(SimDevice::with_capacity(1 << 30), AllocatorConfig::pytorch()).unwrap();
+/// let a = alloc.allocate(1000, StreamId::DEFAULT).unwrap();
+/// assert_eq!(a.block_size, 1024);
+/// alloc.free(a.ptr).unwrap();
+/// let b = alloc.allocate(1000, StreamId::DEFAULT).unwrap(); // a cache hit: same block
+/// assert_eq!(a.ptr, b.ptr);
+/// assert_eq!(alloc.memory_stats().num_device_alloc, 1);
+/// # alloc.free(b.ptr).unwrap();
+/// ```
+pub struct CachingAllocator<B: DeviceBackend> {
+    backend: B,
+    state: Mutex<State>,
+}
+
+impl<B: DeviceBackend> fmt::Debug for CachingAllocator<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let st = self.state.lock();
+        f.debug_struct("CachingAllocator")
+            .field("device", &self.backend.device_index())
+            .field("reserved_bytes", &st.total_allocated_memory)
+            .field("allocated_bytes", &st.stats.memory_allocated())
+            .field("segments", &st.segments.len())
+            .finish()
+    }
+}
+
+impl<B: DeviceBackend> CachingAllocator<B> {
+    /// An allocator over `backend` with `config` (validated).
+    ///
+    /// # Errors
+    /// [`AllocError::Config`] for an invalid configuration; [`AllocError::Backend`] if the
+    /// device's memory size cannot be read.
+    pub fn new(backend: B, config: AllocatorConfig) -> Result<Self> {
+        config.validate()?;
+        let total = backend
+            .mem_info()
+            .map_err(|source| AllocError::Backend {
+                operation: "mem_info",
+                source,
+            })?
+            .total;
+        Ok(CachingAllocator {
+            backend,
+            state: Mutex::new(State::new(config, total)),
+        })
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// A copy of the configuration in force.
+    pub fn config(&self) -> AllocatorConfig {
+        self.state.lock().config.clone()
+    }
+
+    /// Allocates `size` bytes for use on `stream`. A request of 0 bytes returns a null pointer and
+    /// touches nothing (as PyTorch does).
+    ///
+    /// # Errors
+    /// [`AllocError::OutOfMemory`] after the whole retry chain (with a report and verdict);
+    /// [`AllocError::TooLarge`] for 1 EiB or more; [`AllocError::InvalidStream`] for a stream the
+    /// backend rejects; [`AllocError::Backend`] for other device failures. The allocator stays
+    /// intact after any error.
+    pub fn allocate(&self, size: usize, stream: StreamId) -> Result<Allocation> {
+        let mut st = self.state.lock();
+        let r = st.malloc(&self.backend, size, stream);
+        self.after_op(&st, "allocate");
+        r
+    }
+
+    /// Frees the allocation starting at `ptr` (a null pointer is a no-op). The block goes back to
+    /// the cache at once, or once the streams recorded with
+    /// [`record_stream`](Self::record_stream) finished their work.
+    ///
+    /// # Errors
+    /// [`AllocError::DoubleFree`], [`AllocError::InteriorPointer`] or
+    /// [`AllocError::UnknownPointer`] for a pointer that is not a live allocation (nothing
+    /// changes); [`AllocError::Backend`] if recording a stream event failed.
+    pub fn free(&self, ptr: DevicePtr) -> Result<()> {
+        let mut st = self.state.lock();
+        let r = st.free(&self.backend, ptr);
+        self.after_op(&st, "free");
+        r
+    }
+
+    /// Marks the live allocation at `ptr` as used by `stream` too: when it is freed, its block is
+    /// not reused until the work queued on `stream` by then has finished (PyTorch's
+    /// `record_stream`).
+    ///
+    /// # Errors
+    /// The pointer errors of [`free`](Self::free).
+    pub fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
+        self.state.lock().record_stream(ptr, stream)
+    }
+
+    /// Releases every wholly free cached segment to the device, after waiting for pending stream
+    /// events.
+    ///
+    /// # Errors
+    /// [`AllocError::Backend`] if a device call failed; what was released before stays released.
+    pub fn empty_cache(&self) -> Result<()> {
+        let mut st = self.state.lock();
+        let r = st.release_cached_blocks(&self.backend);
+        self.after_op(&st, "empty_cache");
+        r
+    }
+
+    /// Caps the bytes this allocator reserves at `fraction × device total` (1.0 lifts the cap).
+    /// The cap is checked before every device allocation.
+    ///
+    /// # Errors
+    /// [`AllocError::InvalidFraction`] outside `[0, 1]`.
+    pub fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(AllocError::InvalidFraction(fraction));
+        }
+        self.state.lock().apply_fraction(fraction);
+        Ok(())
+    }
+
+    /// The memory fraction in force.
+    pub fn memory_fraction(&self) -> f64 {
+        self.state.lock().config.per_process_memory_fraction
+    }
+
+    /// A copy of all statistics.
+    pub fn memory_stats(&self) -> MemoryStats {
+        self.state.lock().stats
+    }
+
+    /// `reset_peak_memory_stats`.
+    pub fn reset_peak_stats(&self) {
+        self.state.lock().stats.reset_peak();
+    }
+
+    /// `reset_accumulated_memory_stats`.
+    pub fn reset_accumulated_stats(&self) {
+        self.state.lock().stats.reset_accumulated();
+    }
+
+    /// PyTorch's `memory_summary()` table for this allocator.
+    pub fn memory_summary(&self, abbreviated: bool) -> String {
+        let stats = self.memory_stats();
+        summary::memory_summary(&stats, self.backend.device_index(), abbreviated)
+    }
+
+    /// The segments and their blocks, in address order (PyTorch's `memory_snapshot()`).
+    pub fn snapshot(&self) -> Vec<SegmentSnapshot> {
+        snapshot::take(&self.state.lock())
+    }
+
+    /// Runs every invariant check.
+    ///
+    /// # Errors
+    /// The first [`InvariantViolation`] found, naming the invariant.
+    pub fn check_invariants(&self) -> std::result::Result<(), InvariantViolation> {
+        invariants::check(&self.state.lock())
+    }
+
+    #[inline]
+    fn after_op(&self, st: &State, op: &str) {
+        #[cfg(feature = "invariant-checks")]
+        if let Err(v) = invariants::check(st) {
+            // The `invariant-checks` feature exists to stop tests and fuzzing at the first
+            // corrupted state; it is never on in production builds.
+            panic!("allocator invariant violated after {op}: {v}");
+        }
+        let _ = (st, op);
+    }
+}
+
+impl<B: DeviceBackend> CachingAllocator<B> {
+    /// Allocates like [`allocate`](Self::allocate) and returns a handle that frees itself on drop.
+    ///
+    /// # Errors
+    /// As [`allocate`](Self::allocate).
+    pub fn allocate_owned(
+        self: &Arc<Self>,
+        size: usize,
+        stream: StreamId,
+    ) -> Result<OwnedAllocation<B>> {
+        let allocation = self.allocate(size, stream)?;
+        Ok(OwnedAllocation {
+            allocator: Arc::clone(self),
+            allocation,
+        })
+    }
+}
+
+impl<B: DeviceBackend> Drop for CachingAllocator<B> {
+    fn drop(&mut self) {
+        let st = self.state.get_mut();
+        let live = st.active.len();
+        if live > 0 && !std::thread::panicking() {
+            tracing::warn!(target: "cuda_caching_allocator", live, bytes = st.stats.memory_allocated(), "allocator dropped with live allocations; their segments are leaked");
+        }
+        if live == 0 {
+            let _ = st.release_cached_blocks(&self.backend);
+        }
+        st.destroy_events(&self.backend);
+    }
+}
+
+/// An allocation that returns to its allocator's cache when dropped.
+pub struct OwnedAllocation<B: DeviceBackend> {
+    allocator: Arc<CachingAllocator<B>>,
+    allocation: Allocation,
+}
+
+impl<B: DeviceBackend> OwnedAllocation<B> {
+    /// The allocation record.
+    pub fn allocation(&self) -> Allocation {
+        self.allocation
+    }
+
+    /// Device address.
+    pub fn ptr(&self) -> DevicePtr {
+        self.allocation.ptr
+    }
+
+    /// Requested size in bytes.
+    pub fn len(&self) -> usize {
+        self.allocation.size
+    }
+
+    /// Whether the allocation is empty (0 bytes).
+    pub fn is_empty(&self) -> bool {
+        self.allocation.size == 0
+    }
+
+    /// The allocator it came from.
+    pub fn allocator(&self) -> &Arc<CachingAllocator<B>> {
+        &self.allocator
+    }
+}
+
+impl<B: DeviceBackend> fmt::Debug for OwnedAllocation<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("OwnedAllocation")
+            .field(&self.allocation)
+            .finish()
+    }
+}
+
+impl<B: DeviceBackend> Drop for OwnedAllocation<B> {
+    fn drop(&mut self) {
+        if let Err(e) = self.allocator.free(self.allocation.ptr) {
+            tracing::error!(target: "cuda_caching_allocator", error = %e, "freeing an owned allocation failed");
+        }
+    }
+}

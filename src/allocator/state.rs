@@ -1,0 +1,847 @@
+//! The allocator's mutable state and PyTorch's algorithm over it: best fit, split, merge, the
+//! out-of-memory path, the fraction cap, garbage collection, `record_stream` events.
+//!
+//! Everything here runs under the allocator's one lock. The steps follow
+//! `DeviceCachingAllocator::malloc` / `free` of PyTorch 2.11 and are numbered in
+//! `docs/algorithm.md`. May use: `block`, `pool`, `device_calls`, `size_class`, `stats`, `config`.
+#![forbid(unsafe_code)]
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
+
+use super::Allocation;
+use super::block::{Arena, Block, BlockId};
+use super::device_calls;
+use super::pool::{BlockPool, FreeKey};
+use crate::backend::{BackendError, DeviceBackend, DevicePtr, EventHandle, StreamId};
+use crate::config::{AllocatorConfig, MAX_ALLOCATION_SIZE};
+use crate::error::{AllocError, OomReport, OomVerdict, Result};
+use crate::size_class::{PoolKind, pool_kind, round_size, segment_size};
+use crate::stats::MemoryStats;
+
+/// A multiply-shift hasher for device addresses (512-byte aligned, so low bits carry nothing).
+#[derive(Default, Clone, Copy, Debug)]
+pub(crate) struct AddrHasher(u64);
+
+impl Hasher for AddrHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    fn write_u64(&mut self, x: u64) {
+        self.0 = (x ^ (x >> 29))
+            .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+            .rotate_left(23);
+    }
+}
+
+pub(crate) type AddrMap<V> = HashMap<u64, V, BuildHasherDefault<AddrHasher>>;
+
+/// What the cache knows about one device segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SegmentRec {
+    pub(crate) size: usize,
+    pub(crate) stream: StreamId,
+    pub(crate) pool: PoolKind,
+}
+
+/// All mutable state of one allocator.
+#[derive(Debug)]
+pub(crate) struct State {
+    pub(crate) config: AllocatorConfig,
+    pub(crate) arena: Arena,
+    pub(crate) small: BlockPool,
+    pub(crate) large: BlockPool,
+    /// Allocated blocks by address.
+    pub(crate) active: AddrMap<BlockId>,
+    /// Device segments by base address.
+    pub(crate) segments: BTreeMap<u64, SegmentRec>,
+    pub(crate) stats: MemoryStats,
+    /// Bytes reserved from the device (PyTorch's `total_allocated_memory`).
+    pub(crate) total_allocated_memory: usize,
+    /// The fraction cap in bytes (`None`: no cap).
+    pub(crate) allowed_memory_maximum: Option<usize>,
+    pub(crate) device_total: usize,
+    known_streams: Vec<StreamId>,
+    /// Outstanding `record_stream` events, per stream, oldest first.
+    pub(crate) pending_events: BTreeMap<StreamId, VecDeque<(EventHandle, BlockId)>>,
+    event_pool: Vec<EventHandle>,
+    /// Set when the last `alloc_block` failed because of the fraction cap.
+    cap_rejected: bool,
+    /// Reserved bytes when the cap was last set, shrinking as segments are released: lowering
+    /// the cap below what is reserved is allowed; growing above it is not.
+    pub(crate) cap_grace: usize,
+}
+
+impl State {
+    pub(crate) fn new(config: AllocatorConfig, device_total: usize) -> Self {
+        let stats = MemoryStats {
+            max_split_size: if config.max_split_size == usize::MAX {
+                -1
+            } else {
+                config.max_split_size as i64
+            },
+            ..MemoryStats::default()
+        };
+        let mut s = State {
+            config,
+            arena: Arena::default(),
+            small: BlockPool::default(),
+            large: BlockPool::default(),
+            active: AddrMap::default(),
+            segments: BTreeMap::new(),
+            stats,
+            total_allocated_memory: 0,
+            allowed_memory_maximum: None,
+            device_total,
+            known_streams: Vec::new(),
+            pending_events: BTreeMap::new(),
+            event_pool: Vec::new(),
+            cap_rejected: false,
+            cap_grace: 0,
+        };
+        s.apply_fraction(s.config.per_process_memory_fraction);
+        s
+    }
+
+    pub(crate) fn apply_fraction(&mut self, fraction: f64) {
+        self.config.per_process_memory_fraction = fraction;
+        self.cap_grace = self.total_allocated_memory;
+        self.allowed_memory_maximum = if fraction < 1.0 {
+            Some((fraction * self.device_total as f64) as usize)
+        } else {
+            None
+        };
+    }
+
+    fn pool(&mut self, kind: PoolKind) -> &mut BlockPool {
+        match kind {
+            PoolKind::Small => &mut self.small,
+            PoolKind::Large => &mut self.large,
+        }
+    }
+
+    pub(crate) fn pool_ref(&self, kind: PoolKind) -> &BlockPool {
+        match kind {
+            PoolKind::Small => &self.small,
+            PoolKind::Large => &self.large,
+        }
+    }
+
+    fn block(&self, id: BlockId) -> &Block {
+        match self.arena.get(id) {
+            Some(b) => b,
+            None => unreachable_block(id),
+        }
+    }
+
+    fn block_mut(&mut self, id: BlockId) -> &mut Block {
+        match self.arena.get_mut(id) {
+            Some(b) => b,
+            None => unreachable_block(id),
+        }
+    }
+
+    /// Inserts a free block into its pool's free set.
+    fn cache_block(&mut self, id: BlockId) {
+        let kind = self.block(id).pool;
+        let pool = match kind {
+            PoolKind::Small => &mut self.small,
+            PoolKind::Large => &mut self.large,
+        };
+        if let Some(b) = self.arena.get_mut(id) {
+            pool.insert(id, b);
+        }
+    }
+
+    // ---- malloc ----------------------------------------------------------------------------
+
+    pub(crate) fn malloc<B: DeviceBackend>(
+        &mut self,
+        dev: &B,
+        orig_size: usize,
+        stream: StreamId,
+    ) -> Result<Allocation> {
+        if orig_size == 0 {
+            return Ok(Allocation {
+                ptr: DevicePtr::NULL,
+                size: 0,
+                block_size: 0,
+                stream,
+            });
+        }
+        if orig_size as u64 >= MAX_ALLOCATION_SIZE {
+            return Err(AllocError::TooLarge {
+                requested: orig_size as u64,
+            });
+        }
+        if !self.known_streams.contains(&stream) {
+            dev.validate_stream(stream)
+                .map_err(|source| AllocError::InvalidStream { stream, source })?;
+            self.known_streams.push(stream);
+        }
+        if !self.pending_events.is_empty() {
+            self.process_events(dev)?;
+        }
+        let size = round_size(orig_size, &self.config);
+        let kind = pool_kind(size);
+        let alloc_size = segment_size(size, &self.config);
+
+        let mut found = self.get_free_block(stream, size, kind);
+        if found.is_none() {
+            if self.allowed_memory_maximum.is_some()
+                && self.config.garbage_collection_threshold > 0.0
+            {
+                self.garbage_collect_cached_blocks(dev)?;
+            }
+            found = self.alloc_block(dev, stream, kind, alloc_size, false)?;
+            let give_up = self.cap_rejected && self.config.throw_on_cudamalloc_oom;
+            if found.is_none()
+                && !give_up
+                && self.release_available_cached_blocks(dev, stream, size, kind)?
+            {
+                found = self.alloc_block(dev, stream, kind, alloc_size, false)?;
+            }
+            if found.is_none() && !give_up {
+                self.release_cached_blocks(dev)?;
+                found = self.alloc_block(dev, stream, kind, alloc_size, true)?;
+            }
+        }
+        let Some(id) = found else {
+            return Err(self.out_of_memory(dev, orig_size, size, alloc_size, stream, kind));
+        };
+        let split = self.should_split(id, size);
+        Ok(self.alloc_found_block(id, size, orig_size, split))
+    }
+
+    /// Best fit: the smallest free block of `stream` in the pool with at least `size` bytes,
+    /// lowest address first among equals; never an oversize block for a normal request, nor one
+    /// more than `max_non_split_rounding` larger for an oversize request.
+    fn get_free_block(&mut self, stream: StreamId, size: usize, kind: PoolKind) -> Option<BlockId> {
+        let gc_on =
+            self.allowed_memory_maximum.is_some() && self.config.garbage_collection_threshold > 0.0;
+        let max_split = self.config.max_split_size;
+        let max_rounding = self.config.max_non_split_rounding;
+        let pool = self.pool(kind);
+        if gc_on {
+            pool.get_free_blocks_call_count += 1;
+        }
+        let key = *pool.blocks.range(FreeKey::search(stream, size)..).next()?;
+        if key.stream != stream {
+            return None;
+        }
+        if size < max_split && key.size >= max_split {
+            return None;
+        }
+        if size >= max_split && key.size >= size.saturating_add(max_rounding) {
+            return None;
+        }
+        pool.blocks.remove(&key);
+        Some(key.id)
+    }
+
+    fn should_split(&self, id: BlockId, size: usize) -> bool {
+        let b = self.block(id);
+        let remaining = b.size - size;
+        if b.pool == PoolKind::Small || b.expandable {
+            remaining >= crate::config::MIN_BLOCK_SIZE
+        } else {
+            size < self.config.max_split_size && remaining > crate::config::SMALL_SIZE
+        }
+    }
+
+    /// Asks the device for a new segment (after the fraction-cap check). `Ok(None)` means "no
+    /// room" (cap or device out of memory); other device errors are returned.
+    fn alloc_block<B: DeviceBackend>(
+        &mut self,
+        dev: &B,
+        stream: StreamId,
+        kind: PoolKind,
+        size: usize,
+        is_retry: bool,
+    ) -> Result<Option<BlockId>> {
+        if is_retry {
+            self.stats.num_alloc_retries += 1;
+        }
+        self.cap_rejected = false;
+        if let Some(max) = self.allowed_memory_maximum {
+            if self.total_allocated_memory.saturating_add(size) > max {
+                self.cap_rejected = true;
+                return Ok(None);
+            }
+        }
+        let ptr = match dev.allocate(size, stream) {
+            Ok(p) => p,
+            Err(BackendError::OutOfMemory) => return Ok(None),
+            Err(source) => {
+                return Err(AllocError::Backend {
+                    operation: "allocate",
+                    source,
+                });
+            }
+        };
+        self.total_allocated_memory += size;
+        let id = self.arena.insert(Block::new(ptr.0, size, stream, kind));
+        self.stats.segment.increase(kind, 1);
+        self.stats.reserved_bytes.increase(kind, size as i64);
+        if size >= self.config.max_split_size {
+            self.stats.oversize_segments.increase(1);
+        }
+        self.stats.num_device_alloc += 1;
+        self.segments.insert(
+            ptr.0,
+            SegmentRec {
+                size,
+                stream,
+                pool: kind,
+            },
+        );
+        tracing::debug!(target: "cuda_caching_allocator", device = dev.device_index(), %ptr, size, %stream, pool = kind.segment_type(), "segment allocated");
+        Ok(Some(id))
+    }
+
+    fn alloc_found_block(
+        &mut self,
+        id: BlockId,
+        size: usize,
+        orig_size: usize,
+        split: bool,
+    ) -> Allocation {
+        let kind = self.block(id).pool;
+        let already_split = self.block(id).is_split();
+        let expandable = self.block(id).expandable;
+        let mut id = id;
+        if split {
+            // The front keeps the request; the old block becomes the remainder.
+            let rem = id;
+            let (ptr, stream, prev) = {
+                let r = self.block(rem);
+                (r.ptr, r.stream, r.prev)
+            };
+            let mut front = Block::new(ptr, size, stream, kind);
+            front.expandable = expandable;
+            front.prev = prev;
+            front.next = Some(rem);
+            let fid = self.arena.insert(front);
+            if let Some(p) = prev {
+                self.block_mut(p).next = Some(fid);
+            }
+            {
+                let r = self.block_mut(rem);
+                r.prev = Some(fid);
+                r.ptr += size as u64;
+                r.size -= size;
+            }
+            self.cache_block(rem);
+            if !expandable {
+                if already_split {
+                    self.stats.inactive_split_bytes.decrease(kind, size as i64);
+                } else {
+                    let rs = self.block(rem).size as i64;
+                    self.stats.inactive_split_bytes.increase(kind, rs);
+                    self.stats.inactive_split.increase(kind, 1);
+                }
+            }
+            id = fid;
+        } else if already_split && !expandable {
+            let bs = self.block(id).size as i64;
+            self.stats.inactive_split_bytes.decrease(kind, bs);
+            self.stats.inactive_split.decrease(kind, 1);
+        }
+        let b = self.block_mut(id);
+        b.allocated = true;
+        b.requested_size = orig_size;
+        let (ptr, bsize, stream) = (b.ptr, b.size, b.stream);
+        self.active.insert(ptr, id);
+        let st = &mut self.stats;
+        st.allocation.increase(kind, 1);
+        st.allocated_bytes.increase(kind, bsize as i64);
+        st.active.increase(kind, 1);
+        st.active_bytes.increase(kind, bsize as i64);
+        st.requested_bytes.increase(kind, orig_size as i64);
+        if bsize >= self.config.max_split_size {
+            st.oversize_allocations.increase(1);
+        }
+        Allocation {
+            ptr: DevicePtr(ptr),
+            size: orig_size,
+            block_size: bsize,
+            stream,
+        }
+    }
+
+    // ---- free ------------------------------------------------------------------------------
+
+    pub(crate) fn free<B: DeviceBackend>(&mut self, dev: &B, ptr: DevicePtr) -> Result<()> {
+        if ptr.is_null() {
+            return Ok(());
+        }
+        let Some(id) = self.active.remove(&ptr.0) else {
+            return Err(self.classify_bad_pointer(ptr));
+        };
+        let max_split = self.config.max_split_size;
+        let b = self.block_mut(id);
+        b.allocated = false;
+        let (kind, size) = (b.pool, b.size);
+        let has_uses = !b.stream_uses.is_empty();
+        self.stats.allocation.decrease(kind, 1);
+        self.stats.allocated_bytes.decrease(kind, size as i64);
+        if size >= max_split {
+            self.stats.oversize_allocations.decrease(1);
+        }
+        if has_uses {
+            self.insert_events(dev, id)
+        } else {
+            self.free_block(id);
+            Ok(())
+        }
+    }
+
+    fn classify_bad_pointer(&self, ptr: DevicePtr) -> AllocError {
+        let seg = self
+            .segments
+            .range(..=ptr.0)
+            .next_back()
+            .filter(|(base, s)| ptr.0 < **base + s.size as u64);
+        let Some((&base, _)) = seg else {
+            return AllocError::UnknownPointer { ptr };
+        };
+        let is_block_start = self
+            .arena
+            .iter()
+            .any(|(_, b)| b.ptr == ptr.0 && !b.allocated);
+        if is_block_start {
+            AllocError::DoubleFree { ptr }
+        } else {
+            AllocError::InteriorPointer {
+                ptr,
+                segment: DevicePtr(base),
+            }
+        }
+    }
+
+    /// Returns a no-longer-used block to its pool, merging with free neighbours.
+    fn free_block(&mut self, id: BlockId) {
+        let (orig_size, requested, kind, prev, next) = {
+            let b = self.block(id);
+            (b.size, b.requested_size, b.pool, b.prev, b.next)
+        };
+        let mut net_blocks: i64 = 0;
+        let mut net_bytes: i64 = 0;
+        for cand in [prev, next] {
+            let subsumed = self.try_merge_blocks(id, cand);
+            if subsumed > 0 {
+                net_blocks -= 1;
+                net_bytes -= subsumed as i64;
+            }
+        }
+        self.cache_block(id);
+        let b = self.block(id);
+        let (split, expandable, size) = (b.is_split(), b.expandable, b.size);
+        if split {
+            net_blocks += 1;
+            net_bytes += size as i64;
+        }
+        let st = &mut self.stats;
+        if !expandable {
+            if net_blocks > 0 {
+                st.inactive_split.increase(kind, net_blocks);
+            } else if net_blocks < 0 {
+                st.inactive_split.decrease(kind, -net_blocks);
+            }
+            if net_bytes > 0 {
+                st.inactive_split_bytes.increase(kind, net_bytes);
+            } else if net_bytes < 0 {
+                st.inactive_split_bytes.decrease(kind, -net_bytes);
+            }
+        }
+        st.active.decrease(kind, 1);
+        st.active_bytes.decrease(kind, orig_size as i64);
+        st.requested_bytes.decrease(kind, requested as i64);
+    }
+
+    /// Merges free neighbour `src` into `dst`; returns the bytes absorbed (0 if no merge).
+    fn try_merge_blocks(&mut self, dst: BlockId, src: Option<BlockId>) -> usize {
+        let Some(src) = src else { return 0 };
+        let s = self.block(src).clone();
+        if s.allocated
+            || s.event_count > 0
+            || !s.stream_uses.is_empty()
+            || s.mapped != self.block(dst).mapped
+        {
+            return 0;
+        }
+        if s.mapped {
+            self.pool(s.pool).remove(src, &s);
+        } else {
+            self.pool(s.pool).unmapped.remove(&(s.stream, s.ptr, src));
+        }
+        let d = self.block_mut(dst);
+        if d.prev == Some(src) {
+            d.ptr = s.ptr;
+            d.prev = s.prev;
+            if let Some(p) = s.prev {
+                self.block_mut(p).next = Some(dst);
+            }
+        } else {
+            d.next = s.next;
+            if let Some(n) = s.next {
+                self.block_mut(n).prev = Some(dst);
+            }
+        }
+        self.block_mut(dst).size += s.size;
+        self.arena.remove(src);
+        s.size
+    }
+
+    // ---- streams and events ----------------------------------------------------------------
+
+    pub(crate) fn record_stream(&mut self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
+        let Some(&id) = self.active.get(&ptr.0) else {
+            return Err(self.classify_bad_pointer(ptr));
+        };
+        let b = self.block_mut(id);
+        if stream != b.stream && !b.stream_uses.contains(&stream) {
+            b.stream_uses.push(stream);
+        }
+        Ok(())
+    }
+
+    fn get_event<B: DeviceBackend>(
+        &mut self,
+        dev: &B,
+    ) -> std::result::Result<EventHandle, BackendError> {
+        match self.event_pool.pop() {
+            Some(e) => Ok(e),
+            None => dev.create_event(),
+        }
+    }
+
+    /// Records an event on every stream that used the block; the block becomes free when all
+    /// have completed. Without event support, synchronizes those streams instead.
+    fn insert_events<B: DeviceBackend>(&mut self, dev: &B, id: BlockId) -> Result<()> {
+        let uses = std::mem::take(&mut self.block_mut(id).stream_uses);
+        let mut first_err = None;
+        for s in uses {
+            let recorded = match self.get_event(dev) {
+                Ok(ev) => match dev.record_event(ev, s) {
+                    Ok(()) => {
+                        self.pending_events
+                            .entry(s)
+                            .or_default()
+                            .push_back((ev, id));
+                        self.block_mut(id).event_count += 1;
+                        true
+                    }
+                    Err(_) => {
+                        self.event_pool.push(ev);
+                        false
+                    }
+                },
+                Err(_) => false,
+            };
+            if !recorded {
+                if let Err(source) = dev.synchronize_stream(s) {
+                    first_err.get_or_insert(AllocError::Backend {
+                        operation: "synchronize_stream",
+                        source,
+                    });
+                }
+            }
+        }
+        if self.block(id).event_count == 0 {
+            self.free_block(id);
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    fn complete_event(&mut self, ev: EventHandle, id: BlockId) {
+        self.event_pool.push(ev);
+        let b = self.block_mut(id);
+        b.event_count -= 1;
+        if b.event_count == 0 {
+            self.free_block(id);
+        }
+    }
+
+    /// Frees blocks whose events completed; per stream, stops at the first pending event.
+    pub(crate) fn process_events<B: DeviceBackend>(&mut self, dev: &B) -> Result<()> {
+        let streams: Vec<StreamId> = self.pending_events.keys().copied().collect();
+        for s in streams {
+            while let Some(&(ev, id)) = self.pending_events.get(&s).and_then(|q| q.front()) {
+                match dev.query_event(ev) {
+                    Ok(true) => {
+                        if let Some(q) = self.pending_events.get_mut(&s) {
+                            q.pop_front();
+                        }
+                        self.complete_event(ev, id);
+                    }
+                    Ok(false) => break,
+                    Err(source) => {
+                        return Err(AllocError::Backend {
+                            operation: "query_event",
+                            source,
+                        });
+                    }
+                }
+            }
+            if self.pending_events.get(&s).is_some_and(VecDeque::is_empty) {
+                self.pending_events.remove(&s);
+            }
+        }
+        Ok(())
+    }
+
+    fn synchronize_and_free_events<B: DeviceBackend>(&mut self, dev: &B) -> Result<()> {
+        self.stats.num_sync_all_streams += 1;
+        while let Some((&s, _)) = self.pending_events.first_key_value() {
+            while let Some(&(ev, id)) = self.pending_events.get(&s).and_then(|q| q.front()) {
+                dev.synchronize_event(ev)
+                    .map_err(|source| AllocError::Backend {
+                        operation: "synchronize_event",
+                        source,
+                    })?;
+                if let Some(q) = self.pending_events.get_mut(&s) {
+                    q.pop_front();
+                }
+                self.complete_event(ev, id);
+            }
+            self.pending_events.remove(&s);
+        }
+        Ok(())
+    }
+
+    // ---- releasing cache -------------------------------------------------------------------
+
+    /// Returns one whole free segment to the device. On a device error the block stays cached.
+    fn release_block<B: DeviceBackend>(&mut self, dev: &B, id: BlockId) -> Result<()> {
+        let b = self.block(id).clone();
+        debug_assert!(!b.is_split() && !b.allocated && !b.expandable);
+        device_calls::free_segment(dev, DevicePtr(b.ptr), b.size, b.stream).map_err(|source| {
+            AllocError::Backend {
+                operation: "free",
+                source,
+            }
+        })?;
+        self.stats.num_device_free += 1;
+        self.total_allocated_memory -= b.size;
+        self.cap_grace = self.cap_grace.min(self.total_allocated_memory);
+        self.stats.segment.decrease(b.pool, 1);
+        self.stats.reserved_bytes.decrease(b.pool, b.size as i64);
+        if b.size >= self.config.max_split_size {
+            self.stats.oversize_segments.decrease(1);
+        }
+        self.pool(b.pool).remove(id, &b);
+        self.arena.remove(id);
+        self.segments.remove(&b.ptr);
+        tracing::debug!(target: "cuda_caching_allocator", device = dev.device_index(), ptr = %DevicePtr(b.ptr), size = b.size, "segment released");
+        Ok(())
+    }
+
+    fn release_all<B: DeviceBackend>(&mut self, dev: &B, ids: &[BlockId]) -> Result<()> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        // Obligation 2 of `free`: no queued work may still use a released segment.
+        dev.synchronize().map_err(|source| AllocError::Backend {
+            operation: "synchronize",
+            source,
+        })?;
+        for &id in ids {
+            self.release_block(dev, id)?;
+        }
+        Ok(())
+    }
+
+    /// Whole free (unsplit, non-expandable) blocks of a pool, in free-set order.
+    fn releasable(&self, kind: PoolKind) -> Vec<BlockId> {
+        self.pool_ref(kind)
+            .blocks
+            .iter()
+            .filter(|k| {
+                let b = self.block(k.id);
+                !b.is_split() && !b.expandable
+            })
+            .map(|k| k.id)
+            .collect()
+    }
+
+    /// `release_cached_blocks`: drain events, then free every whole free segment.
+    pub(crate) fn release_cached_blocks<B: DeviceBackend>(&mut self, dev: &B) -> Result<()> {
+        self.synchronize_and_free_events(dev)?;
+        let mut ids = self.releasable(PoolKind::Large);
+        ids.extend(self.releasable(PoolKind::Small));
+        self.release_all(dev, &ids)?;
+        tracing::debug!(target: "cuda_caching_allocator", device = dev.device_index(), segments = ids.len(), "cache flushed");
+        Ok(())
+    }
+
+    /// With `max_split_size` set: free one cached oversize block that fits, else oversize blocks
+    /// from the largest down until enough bytes were released.
+    fn release_available_cached_blocks<B: DeviceBackend>(
+        &mut self,
+        dev: &B,
+        stream: StreamId,
+        size: usize,
+        kind: PoolKind,
+    ) -> Result<bool> {
+        let max_split = self.config.max_split_size;
+        if max_split == usize::MAX {
+            return Ok(false);
+        }
+        let key_size = size.max(max_split);
+        let search = FreeKey::search(stream, key_size);
+        let pool = self.pool_ref(kind);
+        if let Some(k) = pool.blocks.range(search..).next() {
+            let b = self.block(k.id);
+            if k.stream == stream && !b.expandable && !b.is_split() {
+                let id = k.id;
+                self.release_all(dev, &[id])?;
+                return Ok(true);
+            }
+        }
+        let mut released = 0usize;
+        let mut ids = Vec::new();
+        for k in pool.blocks.range(..search).rev() {
+            if released >= key_size || k.size < max_split || k.stream != stream {
+                break;
+            }
+            let b = self.block(k.id);
+            if !b.expandable && !b.is_split() {
+                ids.push(k.id);
+                released += k.size;
+            }
+        }
+        self.release_all(dev, &ids)?;
+        Ok(released >= key_size)
+    }
+
+    /// Age-based GC of whole cached large blocks once reserved memory passes
+    /// `garbage_collection_threshold × cap`.
+    fn garbage_collect_cached_blocks<B: DeviceBackend>(&mut self, dev: &B) -> Result<()> {
+        let Some(allowed) = self.allowed_memory_maximum else {
+            return Ok(());
+        };
+        let threshold = (self.config.garbage_collection_threshold * allowed as f64) as usize;
+        if self.total_allocated_memory <= threshold {
+            return Ok(());
+        }
+        let target = self.total_allocated_memory - threshold;
+        let now = self.large.get_free_blocks_call_count;
+        let age = |b: &Block| now - b.gc_count_base;
+        let mut total_age: u64 = 0;
+        let mut count: u64 = 0;
+        for k in &self.large.blocks {
+            let b = self.block(k.id);
+            if !b.is_split() {
+                total_age += age(b);
+                count += 1;
+            }
+        }
+        if count == 0 {
+            return Ok(());
+        }
+        let mut reclaimed = 0usize;
+        let mut freed_any = true;
+        while reclaimed < target && freed_any && count > 0 {
+            let threshold_age = total_age as f64 / count as f64;
+            freed_any = false;
+            let mut ids = Vec::new();
+            for k in &self.large.blocks {
+                let b = self.block(k.id);
+                if !b.is_split() && !b.expandable && age(b) as f64 >= threshold_age {
+                    ids.push(k.id);
+                    freed_any = true;
+                    reclaimed += b.size;
+                    total_age -= age(b);
+                    count -= 1;
+                }
+            }
+            self.release_all(dev, &ids)?;
+        }
+        Ok(())
+    }
+
+    // ---- out of memory ---------------------------------------------------------------------
+
+    fn out_of_memory<B: DeviceBackend>(
+        &mut self,
+        dev: &B,
+        orig_size: usize,
+        size: usize,
+        alloc_size: usize,
+        stream: StreamId,
+        kind: PoolKind,
+    ) -> AllocError {
+        self.stats.num_ooms += 1;
+        let info = dev.mem_info().unwrap_or_default();
+        let mut largest = 0usize;
+        let mut free_total = 0usize;
+        for pool in [&self.small, &self.large] {
+            for k in &pool.blocks {
+                largest = largest.max(k.size);
+                free_total += k.size;
+            }
+        }
+        let largest_on_stream = self
+            .pool_ref(kind)
+            .blocks
+            .range(
+                FreeKey::search(stream, 0)..FreeKey::search(StreamId(stream.0.wrapping_add(1)), 0),
+            )
+            .next_back()
+            .filter(|k| k.stream == stream)
+            .map_or(0, |k| k.size);
+        let verdict = if free_total >= size {
+            OomVerdict::Fragmented
+        } else if self
+            .allowed_memory_maximum
+            .is_some_and(|m| self.total_allocated_memory + alloc_size > m)
+        {
+            OomVerdict::FractionCapReached
+        } else {
+            OomVerdict::DeviceFull
+        };
+        let report = OomReport {
+            device: dev.device_index(),
+            requested_bytes: orig_size,
+            rounded_bytes: size,
+            segment_bytes: alloc_size,
+            stream,
+            device_total: info.total,
+            device_free: info.free,
+            limit_bytes: self.allowed_memory_maximum,
+            allocated_bytes: self.stats.memory_allocated() as usize,
+            reserved_bytes: self.total_allocated_memory,
+            largest_free_block: largest,
+            largest_free_block_on_stream: largest_on_stream,
+            external_fragmentation: if free_total == 0 {
+                0.0
+            } else {
+                1.0 - largest as f64 / free_total as f64
+            },
+            verdict,
+        };
+        tracing::warn!(target: "cuda_caching_allocator", device = report.device, requested = orig_size, segment = alloc_size, verdict = ?verdict, "out of memory");
+        AllocError::OutOfMemory(Box::new(report))
+    }
+
+    // ---- teardown --------------------------------------------------------------------------
+
+    /// Destroys pooled events (allocator drop).
+    pub(crate) fn destroy_events<B: DeviceBackend>(&mut self, dev: &B) {
+        for ev in self.event_pool.drain(..) {
+            let _ = device_calls::destroy_event(dev, ev);
+        }
+    }
+}
+
+#[cold]
+fn unreachable_block(id: BlockId) -> ! {
+    // A dangling BlockId is a bug in this module; the invariant checker reports it in tests.
+    unreachable!("dangling block id {id:?}")
+}

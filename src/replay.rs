@@ -1,0 +1,323 @@
+//! The replay engine: runs a [`Trace`] through a [`CachingAllocator`] and reports what happened.
+//!
+//! It is the one interpreter shared by property tests, fuzzing, golden-trace tests, benches and
+//! the CLI. On [`SimDevice`] it is fully deterministic (unless host timing is asked for).
+//!
+//! Note [Address-faithful replay]: PyTorch breaks best-fit ties by address, so where new segments
+//! land changes later decisions. To reproduce a recorded run exactly, the simulated device is
+//! asked to place each new segment where the recorded run had it: at the address of the
+//! recorded `SegmentAlloc` that precedes the allocation (PyTorch snapshots), or, in a log without
+//! segment events, at the recorded address of the allocation itself (which is the new segment's
+//! base, since a split keeps the front of a block for the request). A hint is used once and only
+//! if that range is free on the simulated device; otherwise the device picks a fresh address.
+//!
+//! May use: `allocator`, `trace`, `backend`.
+#![forbid(unsafe_code)]
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use crate::allocator::CachingAllocator;
+use crate::backend::sim::SimDevice;
+use crate::backend::{DeviceBackend, DevicePtr, StreamId};
+use crate::error::AllocError;
+use crate::stats::MemoryStats;
+use crate::trace::{Trace, TraceOp};
+
+/// How a replay places new segments.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Placement {
+    /// Put new segments where the recorded run had them (see Note [Address-faithful replay]).
+    #[default]
+    AddressFaithful,
+    /// Let the device choose (fresh increasing addresses on `SimDevice`).
+    Fresh,
+}
+
+/// Replay options.
+#[derive(Clone, Debug, Default)]
+pub struct ReplayOptions {
+    /// Segment placement.
+    pub placement: Placement,
+    /// Measure host time per operation (makes results timing-dependent; off by default).
+    pub timing: bool,
+    /// Stop at the first out-of-memory error instead of counting it and going on.
+    pub stop_on_oom: bool,
+    /// Run the invariant checker after every event (slow; for tests).
+    pub check_invariants: bool,
+}
+
+/// Host time per operation, in nanoseconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LatencySummary {
+    /// Mean.
+    pub mean_ns: f64,
+    /// Median.
+    pub p50_ns: u64,
+    /// 99th percentile.
+    pub p99_ns: u64,
+    /// Maximum.
+    pub max_ns: u64,
+}
+
+/// What a replay measured.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ReplayReport {
+    /// Events in the trace.
+    pub events: usize,
+    /// Allocation events.
+    pub allocs: usize,
+    /// Free events.
+    pub frees: usize,
+    /// Largest sum of requested bytes of live allocations.
+    pub peak_live_bytes: u64,
+    /// Peak `allocated_bytes.all` (rounded sizes).
+    pub peak_allocated_bytes: u64,
+    /// Peak `reserved_bytes.all`.
+    pub peak_reserved_bytes: u64,
+    /// Largest number of segments at once.
+    pub segment_count_peak: u64,
+    /// Device allocations (`num_device_alloc`).
+    pub num_device_alloc: u64,
+    /// Device frees (`num_device_free`).
+    pub num_device_free: u64,
+    /// Out-of-memory errors met.
+    pub num_ooms: u64,
+    /// Allocations that needed the final flush-and-retry.
+    pub num_alloc_retries: u64,
+    /// Frees skipped because their allocation had failed.
+    pub skipped_frees: usize,
+    /// Host time per alloc/free, when measured.
+    pub latency: Option<LatencySummary>,
+    /// All statistics at the moment reserved bytes peaked.
+    pub stats_at_peak: MemoryStats,
+    /// All statistics at the end.
+    pub final_stats: MemoryStats,
+}
+
+impl ReplayReport {
+    /// Peak reserved ÷ peak live bytes (1.0 is the floor); 0 for an empty trace.
+    pub fn reserved_over_live(&self) -> f64 {
+        if self.peak_live_bytes == 0 {
+            0.0
+        } else {
+            self.peak_reserved_bytes as f64 / self.peak_live_bytes as f64
+        }
+    }
+
+    /// Fragmentation at peak: `1 - peak allocated / peak reserved` (GMLake's and STWeaver's
+    /// "fragmentation ratio").
+    pub fn fragmentation_at_peak(&self) -> f64 {
+        if self.peak_reserved_bytes == 0 {
+            0.0
+        } else {
+            1.0 - self.peak_allocated_bytes as f64 / self.peak_reserved_bytes as f64
+        }
+    }
+}
+
+/// Why a replay stopped.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReplayError {
+    /// A `Free` names an id with no live allocation.
+    #[error("event {index}: free of allocation id {id}, which is not live")]
+    UnknownId {
+        /// Event index (from 0).
+        index: usize,
+        /// The id.
+        id: u64,
+    },
+    /// An `Alloc` reuses an id that is still live.
+    #[error("event {index}: allocation id {id} is already live")]
+    DuplicateId {
+        /// Event index.
+        index: usize,
+        /// The id.
+        id: u64,
+    },
+    /// The allocator failed (out of memory with `stop_on_oom`, or a device error).
+    #[error("event {index}: {source}")]
+    Allocator {
+        /// Event index.
+        index: usize,
+        /// The error.
+        #[source]
+        source: AllocError,
+    },
+    /// The invariant checker found a violation.
+    #[error("event {index}: invariant violated: {violation}")]
+    Invariant {
+        /// Event index.
+        index: usize,
+        /// The violation.
+        violation: crate::allocator::InvariantViolation,
+    },
+}
+
+/// Replays `trace` on `alloc`. `hint` receives placement hints (see
+/// Note [Address-faithful replay]); pass `None` for a device that cannot place segments.
+///
+/// # Errors
+/// A [`ReplayError`] naming the event index.
+pub fn replay_with<B: DeviceBackend>(
+    alloc: &CachingAllocator<B>,
+    trace: &Trace,
+    opts: &ReplayOptions,
+    hint: Option<&dyn Fn(Option<u64>)>,
+) -> Result<ReplayReport, ReplayError> {
+    let has_segment_events = trace
+        .events
+        .iter()
+        .any(|e| matches!(e.op, TraceOp::SegmentAlloc { .. }));
+    let faithful = opts.placement == Placement::AddressFaithful && hint.is_some();
+    let set_hint = |a: Option<u64>| {
+        if let Some(h) = hint {
+            h(a);
+        }
+    };
+    let mut live: HashMap<u64, (DevicePtr, u64)> = HashMap::new();
+    let mut failed: std::collections::HashSet<u64> = std::collections::HashSet::new();
+    let mut report = ReplayReport {
+        events: trace.events.len(),
+        ..ReplayReport::default()
+    };
+    let mut live_bytes: u64 = 0;
+    let mut times: Vec<u64> = Vec::new();
+    let mut peak_reserved: i64 = 0;
+    let mut peak_segments: i64 = 0;
+
+    for (index, ev) in trace.events.iter().enumerate() {
+        match &ev.op {
+            TraceOp::Alloc {
+                id,
+                size,
+                stream,
+                addr,
+            } => {
+                report.allocs += 1;
+                if live.contains_key(id) {
+                    return Err(ReplayError::DuplicateId { index, id: *id });
+                }
+                if faithful && !has_segment_events {
+                    set_hint(*addr);
+                }
+                let t0 = opts.timing.then(Instant::now);
+                let r = alloc.allocate(*size as usize, StreamId(*stream));
+                if let Some(t0) = t0 {
+                    times.push(t0.elapsed().as_nanos() as u64);
+                }
+                if faithful {
+                    set_hint(None);
+                }
+                match r {
+                    Ok(a) => {
+                        live.insert(*id, (a.ptr, *size));
+                        live_bytes += size;
+                        report.peak_live_bytes = report.peak_live_bytes.max(live_bytes);
+                    }
+                    Err(e) if e.is_out_of_memory() && !opts.stop_on_oom => {
+                        failed.insert(*id);
+                    }
+                    Err(source) => return Err(ReplayError::Allocator { index, source }),
+                }
+            }
+            TraceOp::Free { id } => {
+                report.frees += 1;
+                let Some((ptr, size)) = live.remove(id) else {
+                    if failed.remove(id) {
+                        report.skipped_frees += 1;
+                        continue;
+                    }
+                    return Err(ReplayError::UnknownId { index, id: *id });
+                };
+                let t0 = opts.timing.then(Instant::now);
+                let r = alloc.free(ptr);
+                if let Some(t0) = t0 {
+                    times.push(t0.elapsed().as_nanos() as u64);
+                }
+                r.map_err(|source| ReplayError::Allocator { index, source })?;
+                live_bytes -= size;
+            }
+            TraceOp::EmptyCache => {
+                alloc
+                    .empty_cache()
+                    .map_err(|source| ReplayError::Allocator { index, source })?;
+            }
+            TraceOp::SetFraction { fraction } => {
+                alloc
+                    .set_memory_fraction(*fraction)
+                    .map_err(|source| ReplayError::Allocator { index, source })?;
+            }
+            TraceOp::SegmentAlloc { addr, .. } => {
+                if faithful {
+                    set_hint(Some(*addr));
+                }
+            }
+            TraceOp::SegmentFree { .. }
+            | TraceOp::SegmentMap { .. }
+            | TraceOp::SegmentUnmap { .. } => {}
+        }
+        let st = alloc.memory_stats();
+        let reserved = st.memory_reserved();
+        if reserved > peak_reserved {
+            peak_reserved = reserved;
+            report.stats_at_peak = st;
+        }
+        peak_segments = peak_segments.max(st.segment.get(crate::stats::StatType::All).current);
+        if opts.check_invariants {
+            alloc
+                .check_invariants()
+                .map_err(|violation| ReplayError::Invariant { index, violation })?;
+        }
+    }
+    let st = alloc.memory_stats();
+    report.peak_allocated_bytes = st.max_memory_allocated().max(0) as u64;
+    report.peak_reserved_bytes = st.max_memory_reserved().max(0) as u64;
+    report.segment_count_peak = peak_segments.max(0) as u64;
+    report.num_device_alloc = st.num_device_alloc as u64;
+    report.num_device_free = st.num_device_free as u64;
+    report.num_ooms = st.num_ooms as u64;
+    report.num_alloc_retries = st.num_alloc_retries as u64;
+    report.final_stats = st;
+    if !times.is_empty() {
+        let mean_ns = times.iter().sum::<u64>() as f64 / times.len() as f64;
+        times.sort_unstable();
+        let pct = |p: f64| times[((times.len() - 1) as f64 * p).round() as usize];
+        report.latency = Some(LatencySummary {
+            mean_ns,
+            p50_ns: pct(0.5),
+            p99_ns: pct(0.99),
+            max_ns: pct(1.0),
+        });
+    }
+    Ok(report)
+}
+
+/// Replays `trace` on an allocator over a [`SimDevice`], honouring `opts.placement`.
+///
+/// ```
+/// use cuda_caching_allocator::{replay, AllocatorConfig, CachingAllocator, ReplayOptions, SimDevice};
+/// use cuda_caching_allocator::trace::{Trace, TraceOp, TraceSource};
+/// let mut t = Trace::new(TraceSource::Synthetic);
+/// t.push(TraceOp::Alloc { id: 1, size: 3 << 20, stream: 0, addr: None });
+/// t.push(TraceOp::Free { id: 1 });
+/// let alloc = CachingAllocator::new(SimDevice::default(), AllocatorConfig::pytorch()).unwrap();
+/// let r = replay(&alloc, &t, &ReplayOptions::default()).unwrap();
+/// assert_eq!(r.peak_reserved_bytes, 20 << 20);
+/// ```
+///
+/// # Errors
+/// A [`ReplayError`] naming the event index.
+pub fn replay(
+    alloc: &CachingAllocator<SimDevice>,
+    trace: &Trace,
+    opts: &ReplayOptions,
+) -> Result<ReplayReport, ReplayError> {
+    let dev = alloc.backend();
+    let hint = |a: Option<u64>| match a {
+        Some(addr) => dev.place_next_at(addr),
+        None => dev.clear_placement_hint(),
+    };
+    replay_with(alloc, trace, opts, Some(&hint))
+}
