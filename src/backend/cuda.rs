@@ -322,6 +322,12 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// Events created by this device and not yet destroyed (the cache pools them, so this stays
+    /// small; the GPU tests check that plain allocation creates none).
+    pub fn live_event_count(&self) -> usize {
+        self.events.lock().len()
+    }
+
     fn check_event(&self, event: EventHandle, operation: &'static str) -> Result<(), BackendError> {
         if self.events.lock().contains(&event.0) {
             Ok(())

@@ -1,0 +1,3 @@
+//! The integration tests, built as one binary (bumpalo's `tests/all` layout).
+
+mod cuda;
