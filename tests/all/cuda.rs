@@ -10,7 +10,6 @@
 #![allow(clippy::unwrap_used)]
 
 use std::sync::{Arc, Barrier, OnceLock};
-use std::time::{Duration, Instant};
 
 use cuda_caching_allocator::backend::cuda::{CudaDevice, stream_id};
 use cuda_caching_allocator::interop::{AllocatorRegistry, CachedSlice, CudaAllocator, raw};
@@ -111,6 +110,12 @@ fn grid(n: usize) -> LaunchConfig {
 /// A private allocator with PyTorch's configuration (clean statistics per test).
 fn private(g: &Gpu) -> CudaAllocator {
     CudaAllocator::new(Arc::clone(&g.ctx), AllocatorConfig::pytorch()).unwrap()
+}
+
+/// Whether `gpu/run.sh` runs this under compute-sanitizer, which serializes kernel launches (so
+/// "still running" checks cannot hold there).
+fn under_sanitizer() -> bool {
+    std::env::var_os("CCA_UNDER_SANITIZER").is_some()
 }
 
 /// An uninitialised cached buffer of `len` plain integers or floats (valid for any bits).
@@ -450,21 +455,28 @@ fn cuda_record_stream_holds_the_block_until_the_other_stream_is_done() {
     let events_before = alloc.device().live_event_count();
 
     // While B runs, the same request on A must get other memory.
-    let started = Instant::now();
     let mut other = uninit::<u32>(&alloc, &a, n);
-    assert!(
-        !done_b.is_complete(),
-        "the kernel on B should still be running (test needs a slower kernel)"
-    );
-    assert_ne!(
-        other.device_ptr_raw(),
-        p1,
-        "the block was reused while stream B still wrote it"
-    );
+    let serialized = done_b.is_complete();
+    if serialized {
+        // Only possible where launches block (compute-sanitizer serializes them): then reuse is
+        // allowed and only the data check below means something.
+        assert!(
+            under_sanitizer(),
+            "the kernel on B finished too early: the test needs a slower kernel"
+        );
+        println!(
+            "record_stream: kernel finished before the check (serialized launches); reuse check skipped"
+        );
+    } else {
+        assert_ne!(
+            other.device_ptr_raw(),
+            p1,
+            "the block was reused while stream B still wrote it"
+        );
+    }
     fill!(g, &a, &mut other, n, seed_a);
     a.synchronize().unwrap();
     b.synchronize().unwrap();
-    assert!(started.elapsed() > Duration::from_millis(50));
     // B's late write went to the old block only; A's buffer is intact.
     assert_eq!(bad!(g, &alloc, &a, &other, n, seed_a), 0);
     assert!(
@@ -472,6 +484,9 @@ fn cuda_record_stream_holds_the_block_until_the_other_stream_is_done() {
         "record_stream made the cache record an event"
     );
 
+    if serialized {
+        return;
+    }
     // Once B is done, the block is reusable on A again.
     let back = uninit::<u32>(&alloc, &a, n);
     assert_eq!(
