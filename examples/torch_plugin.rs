@@ -11,13 +11,15 @@
 //!
 //! Besides `cca_alloc` / `cca_free` it exports `cca_memory_stat` (any `torch.cuda.memory_stats()`
 //! key), `cca_print_summary`, `cca_empty_cache`, `cca_reset_peak_stats` and
-//! `cca_set_memory_fraction`; `gpu/torch_client.py` calls them through `ctypes`.
+//! `cca_set_memory_fraction`, and `cca_bench_alloc_free` (host cost of one allocate + free);
+//! `gpu/torch_client.py` calls them through `ctypes`.
 //!
 //! Nothing unwinds across the C boundary: every entry point runs under `catch_unwind`; errors
 //! become a null pointer or a negative status and a line on stderr.
 
 use std::ffi::{CStr, c_char, c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::time::Instant;
 
 use cuda_caching_allocator::interop::{AllocatorRegistry, raw};
 use cuda_caching_allocator::{DevicePtr, StreamId};
@@ -160,5 +162,53 @@ pub extern "C" fn cca_set_memory_fraction(device: c_int, fraction: f64) -> c_int
                 -1
             }
         }
+    })
+}
+
+/// Host time of one allocate + free pair of `size` bytes on `stream`, in nanoseconds, averaged
+/// over `iters` pairs after one warm-up pair (a cache hit every time): `path` 0 goes through
+/// the raw API as `cca_alloc` / `cca_free` do (registry lookup, stream admission, core), `path` 1
+/// calls the core directly. -1 on error.
+///
+/// # Safety
+/// As [`cca_alloc`] for `stream`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cca_bench_alloc_free(
+    device: c_int,
+    size: isize,
+    stream: *mut c_void,
+    iters: c_int,
+    path: c_int,
+) -> f64 {
+    guarded("cca_bench_alloc_free", -1.0, || {
+        let (Ok(size), Some(device), Ok(iters)) =
+            (usize::try_from(size), ordinal(device), u32::try_from(iters))
+        else {
+            return -1.0;
+        };
+        let stream = StreamId(stream.addr() as u64);
+        let Ok(alloc) = AllocatorRegistry::global().get(device) else {
+            return -1.0;
+        };
+        let pair = || -> Result<(), cuda_caching_allocator::AllocError> {
+            if path == 0 {
+                // SAFETY: the caller's promise about `stream` is `raw::alloc`'s obligations.
+                let a = unsafe { raw::alloc(device, size, stream) }?;
+                raw::free(device, a.ptr)
+            } else {
+                let a = alloc.allocate(size, stream)?;
+                alloc.free(a.ptr)
+            }
+        };
+        if pair().is_err() {
+            return -1.0;
+        }
+        let t0 = Instant::now();
+        for _ in 0..iters {
+            if pair().is_err() {
+                return -1.0;
+            }
+        }
+        t0.elapsed().as_nanos() as f64 / f64::from(iters.max(1))
     })
 }

@@ -49,9 +49,11 @@ def run_one(args):
     model = GPT2LMHeadModel(config).cuda()
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0)
+    # Learnable synthetic data: a few fixed batches over a small slice of the vocabulary, cycled,
+    # so the loss falls clearly within a few steps (uniform random tokens would not be learnable).
     gen = torch.Generator().manual_seed(args.seed + 1)
-    batches = [torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=gen)
-               for _ in range(args.steps)]
+    distinct = [torch.randint(0, 512, (args.batch, args.seq), generator=gen) for _ in range(4)]
+    batches = [distinct[i % len(distinct)] for i in range(args.steps)]
 
     losses, times = [], []
     for step, tokens in enumerate(batches):
@@ -77,16 +79,24 @@ def run_one(args):
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
     }
     if args.mode == "native":
-        result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
-        result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
         s = torch.cuda.memory_stats()
-        result["num_device_alloc"] = s.get("num_device_alloc")
+        stat = lambda key: s.get(key)
     else:
         stat = lambda key: lib.cca_memory_stat(0, key.encode())
-        result["peak_reserved_bytes"] = stat("reserved_bytes.all.peak")
-        result["peak_allocated_bytes"] = stat("allocated_bytes.all.peak")
-        result["num_device_alloc"] = stat("num_device_alloc")
-        result["num_alloc_retries"] = stat("num_alloc_retries")
+    result["peak_reserved_bytes"] = stat("reserved_bytes.all.peak")
+    result["peak_allocated_bytes"] = stat("allocated_bytes.all.peak")
+    result["num_device_alloc"] = stat("num_device_alloc")
+    result["num_alloc_retries"] = stat("num_alloc_retries")
+    result["allocs_per_step"] = stat("allocation.all.allocated") / args.steps
+    if args.mode == "cca":
+        # Host cost of our allocate + free (cache hits), from native code, on torch's stream.
+        lib.cca_bench_alloc_free.restype = ctypes.c_double
+        lib.cca_bench_alloc_free.argtypes = [ctypes.c_int, ctypes.c_ssize_t, ctypes.c_void_p,
+                                             ctypes.c_int, ctypes.c_int]
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        for size in (4096, 1 << 20, 64 << 20):
+            for path, name in ((0, "raw"), (1, "core")):
+                result[f"alloc_free_ns_{name}_{size}"] = lib.cca_bench_alloc_free(0, size, stream, 200000, path)
         lib.cca_print_summary(0)
     print("RESULT " + json.dumps(result))
 
@@ -112,7 +122,7 @@ def compare(args):
     n, c = results["native"], results["cca"]
     diffs = [abs(a - b) for a, b in zip(n["losses"], c["losses"])]
     rel = max(d / max(abs(a), 1e-6) for d, a in zip(diffs, n["losses"]))
-    ok = rel <= args.rtol and c["losses"][-1] < c["losses"][0]
+    ok = rel <= args.rtol and c["losses"][-1] < 0.8 * c["losses"][0]
     gib = 1 << 30
     lines = [
         f"GPT-2 {args.layers} layers, n_embd {args.embd}, {n['params_m']:.1f}M params, batch {args.batch} x seq {args.seq}, "
@@ -122,9 +132,16 @@ def compare(args):
         f"max |loss diff| {max(diffs):.3g} (max relative {rel:.3g}, tolerance {args.rtol}) -> {'MATCH' if ok else 'MISMATCH'}",
         f"peak reserved: native {n['peak_reserved_bytes'] / gib:.3f} GiB, cca {c['peak_reserved_bytes'] / gib:.3f} GiB",
         f"peak allocated: native {n['peak_allocated_bytes'] / gib:.3f} GiB, cca {c['peak_allocated_bytes'] / gib:.3f} GiB",
-        f"device allocations: native {n['num_device_alloc']}, cca {c['num_device_alloc']}",
+        f"device allocations: native {n['num_device_alloc']}, cca {c['num_device_alloc']}; "
+        f"allocations per step: native {n['allocs_per_step']:.0f}, cca {c['allocs_per_step']:.0f}",
         f"median step time (after {args.warmup} warm-up steps): native {n['step_ms_median']:.2f} ms, cca {c['step_ms_median']:.2f} ms",
     ]
+    step_delta_us = 1000 * (c["step_ms_median"] - n["step_ms_median"])
+    lines.append(f"step time difference: {step_delta_us:.0f} us per step = "
+                 f"{step_delta_us / max(c['allocs_per_step'], 1):.2f} us per allocation (alloc + free)")
+    lines.append("our alloc+free host cost (ns, cache hit; raw API / core only): " + ", ".join(
+        f"{size >> 10} KiB {c[f'alloc_free_ns_raw_{size}']:.0f}/{c[f'alloc_free_ns_core_{size}']:.0f}"
+        for size in (4096, 1 << 20, 64 << 20)))
     print("\n".join(["== PyTorch comparison =="] + lines))
     if args.json:
         with open(args.json, "w") as f:
@@ -141,8 +158,8 @@ def main():
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--rtol", type=float, default=2e-2, help="relative loss tolerance (bf16)")
     p.add_argument("--json", help="write the comparison here")
