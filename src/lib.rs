@@ -16,7 +16,7 @@ pub mod trace;
 
 pub use allocator::{
     Allocation, BlockSnapshot, BlockState, CachingAllocator, InvariantViolation, OwnedAllocation,
-    SegmentSnapshot,
+    SegmentSnapshot, memory_summary,
 };
 pub use backend::sim::{FaultKind, SimConfig, SimCounters, SimDevice};
 pub use backend::{
@@ -25,6 +25,12 @@ pub use backend::{
 pub use config::{AllocatorConfig, AllocatorConfigBuilder, ConfigError, Preset};
 pub use error::{AllocError, OomReport, OomVerdict, Result};
 pub use format::format_size;
-pub use replay::{Placement, ReplayError, ReplayOptions, ReplayReport, replay, replay_with};
+pub use replay::{
+    Placement, ReplayError, ReplayOptions, ReplayReport, replay, replay_observed, replay_with,
+};
 pub use size_class::{PoolKind, round_size};
 pub use stats::{MemoryStats, Stat, StatArray, StatType};
+
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -166,6 +166,21 @@ pub fn replay_with<B: DeviceBackend>(
     opts: &ReplayOptions,
     hint: Option<&dyn Fn(Option<u64>)>,
 ) -> Result<ReplayReport, ReplayError> {
+    replay_observed(alloc, trace, opts, hint, &mut |_, _, _| {})
+}
+
+/// Like [`replay_with`], calling `observer(event index, live requested bytes, stats)` after
+/// every event (for progress bars and timelines).
+///
+/// # Errors
+/// A [`ReplayError`] naming the event index.
+pub fn replay_observed<B: DeviceBackend>(
+    alloc: &CachingAllocator<B>,
+    trace: &Trace,
+    opts: &ReplayOptions,
+    hint: Option<&dyn Fn(Option<u64>)>,
+    observer: &mut dyn FnMut(usize, u64, &MemoryStats),
+) -> Result<ReplayReport, ReplayError> {
     let has_segment_events = trace
         .events
         .iter()
@@ -265,6 +280,7 @@ pub fn replay_with<B: DeviceBackend>(
             report.stats_at_peak = st;
         }
         peak_segments = peak_segments.max(st.segment.get(crate::stats::StatType::All).current);
+        observer(index, live_bytes, &st);
         if opts.check_invariants {
             alloc
                 .check_invariants()

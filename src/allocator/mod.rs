@@ -6,6 +6,7 @@
 
 mod block;
 mod device_calls;
+mod history;
 mod invariants;
 mod pool;
 mod snapshot;
@@ -19,11 +20,14 @@ use parking_lot::Mutex;
 
 pub use invariants::InvariantViolation;
 pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
+pub use summary::memory_summary;
 
 use crate::backend::{DeviceBackend, DevicePtr, StreamId};
 use crate::config::AllocatorConfig;
 use crate::error::{AllocError, Result};
 use crate::stats::MemoryStats;
+use crate::trace::{Trace, TraceOp, TraceSource};
+use history::History;
 use state::State;
 
 /// One live allocation: what [`CachingAllocator::allocate`] returns.
@@ -115,6 +119,11 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     pub fn allocate(&self, size: usize, stream: StreamId) -> Result<Allocation> {
         let mut st = self.state.lock();
         let r = st.malloc(&self.backend, size, stream);
+        if let (Some(h), Ok(a)) = (&mut st.history, &r) {
+            if !a.ptr.is_null() {
+                h.alloc(a.ptr, size, stream);
+            }
+        }
         self.after_op(&st, "allocate");
         r
     }
@@ -130,6 +139,9 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     pub fn free(&self, ptr: DevicePtr) -> Result<()> {
         let mut st = self.state.lock();
         let r = st.free(&self.backend, ptr);
+        if let (Some(h), Ok(())) = (&mut st.history, &r) {
+            h.free(ptr);
+        }
         self.after_op(&st, "free");
         r
     }
@@ -151,6 +163,9 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// [`AllocError::Backend`] if a device call failed; what was released before stays released.
     pub fn empty_cache(&self) -> Result<()> {
         let mut st = self.state.lock();
+        if let Some(h) = &mut st.history {
+            h.op(TraceOp::EmptyCache);
+        }
         let r = st.release_cached_blocks(&self.backend);
         self.after_op(&st, "empty_cache");
         r
@@ -165,7 +180,11 @@ impl<B: DeviceBackend> CachingAllocator<B> {
         if !(0.0..=1.0).contains(&fraction) {
             return Err(AllocError::InvalidFraction(fraction));
         }
-        self.state.lock().apply_fraction(fraction);
+        let mut st = self.state.lock();
+        if let Some(h) = &mut st.history {
+            h.op(TraceOp::SetFraction { fraction });
+        }
+        st.apply_fraction(fraction);
         Ok(())
     }
 
@@ -198,6 +217,27 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// The segments and their blocks, in address order (PyTorch's `memory_snapshot()`).
     pub fn snapshot(&self) -> Vec<SegmentSnapshot> {
         snapshot::take(&self.state.lock())
+    }
+
+    /// Starts recording this allocator's history in a ring buffer of `capacity` events (the
+    /// oldest are dropped when it is full), discarding any earlier recording. Recording is off by
+    /// default and costs one branch per operation while off.
+    pub fn record_history(&self, capacity: usize) {
+        self.state.lock().history = Some(History::new(capacity));
+    }
+
+    /// Stops recording and discards the history.
+    pub fn stop_history(&self) {
+        self.state.lock().history = None;
+    }
+
+    /// The recorded history as a trace (empty when not recording), and the number of events
+    /// dropped from the ring so far. Frees whose allocation was dropped are left out.
+    pub fn history(&self) -> (Trace, u64) {
+        match &self.state.lock().history {
+            Some(h) => (h.to_trace(), h.dropped),
+            None => (Trace::new(TraceSource::Recorded), 0),
+        }
     }
 
     /// Runs every invariant check.

@@ -12,6 +12,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use super::Allocation;
 use super::block::{Arena, Block, BlockId};
 use super::device_calls;
+use super::history::History;
 use super::pool::{BlockPool, FreeKey};
 use crate::backend::{BackendError, DeviceBackend, DevicePtr, EventHandle, StreamId};
 use crate::config::{AllocatorConfig, MAX_ALLOCATION_SIZE};
@@ -75,6 +76,8 @@ pub(crate) struct State {
     /// Reserved bytes when the cap was last set, shrinking as segments are released: lowering
     /// the cap below what is reserved is allowed; growing above it is not.
     pub(crate) cap_grace: usize,
+    /// The history recorder, when switched on.
+    pub(crate) history: Option<History>,
 }
 
 impl State {
@@ -103,6 +106,7 @@ impl State {
             event_pool: Vec::new(),
             cap_rejected: false,
             cap_grace: 0,
+            history: None,
         };
         s.apply_fraction(s.config.per_process_memory_fraction);
         s
@@ -300,6 +304,9 @@ impl State {
                 pool: kind,
             },
         );
+        if let Some(h) = &mut self.history {
+            h.segment_alloc(ptr, size, stream);
+        }
         tracing::debug!(target: "cuda_caching_allocator", device = dev.device_index(), %ptr, size, %stream, pool = kind.segment_type(), "segment allocated");
         Ok(Some(id))
     }
@@ -638,6 +645,9 @@ impl State {
         self.pool(b.pool).remove(id, &b);
         self.arena.remove(id);
         self.segments.remove(&b.ptr);
+        if let Some(h) = &mut self.history {
+            h.segment_free(DevicePtr(b.ptr), b.size, b.stream);
+        }
         tracing::debug!(target: "cuda_caching_allocator", device = dev.device_index(), ptr = %DevicePtr(b.ptr), size = b.size, "segment released");
         Ok(())
     }

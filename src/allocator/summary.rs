@@ -36,8 +36,9 @@ fn format_count(mut cnt: i64, pref: i64) -> String {
 
 type Formatter = fn(i64, i64) -> String;
 
-/// Renders the table for `stats` of device `device`.
-pub(crate) fn memory_summary(stats: &MemoryStats, device: usize, abbreviated: bool) -> String {
+/// PyTorch's `memory_summary()` table for `stats` of device `device` (`abbreviated` leaves out
+/// the per-pool rows), e.g. for the statistics a replay recorded at its peak.
+pub fn memory_summary(stats: &MemoryStats, device: usize, abbreviated: bool) -> String {
     let rule = |c: char| c.to_string().repeat(75);
     let mut lines = vec![
         rule('='),

@@ -1,2 +1,0 @@
-//! The `cca` command-line tool.
-fn main() {}

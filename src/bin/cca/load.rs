@@ -1,0 +1,246 @@
+//! Loading traces, resolving configurations, running replays with a progress bar, and `convert`.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use cuda_caching_allocator::trace::{
+    CsvExportOptions, ImportOptions, SnapshotExportOptions, Trace, export_rmm_csv_file,
+    export_snapshot_file, read_trace_file,
+};
+use cuda_caching_allocator::{
+    AllocatorConfig, CachingAllocator, Placement, Preset, ReplayOptions, ReplayReport, SimConfig,
+    SimDevice, replay_observed,
+};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use crate::{ConvertArgs, PlacementArg, TraceArgs};
+
+/// Boxed error for the command line.
+pub(crate) type CliResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// Parses `123`, `80GiB`, `80G`, `512MiB`, `1.5TiB`, `64KB`.
+pub(crate) fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let value: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("'{s}' is not a size (try 80GiB or 1073741824)"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" | "kib" => 1024.0,
+        "m" | "mb" | "mib" => 1024.0 * 1024.0,
+        "g" | "gb" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        "t" | "tb" | "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        other => {
+            return Err(format!(
+                "unknown size unit '{other}' in '{s}' (use B, KiB, MiB, GiB or TiB)"
+            ));
+        }
+    };
+    let bytes = value * mult;
+    if !(bytes.is_finite() && bytes >= 1.0 && bytes < 2f64.powi(62)) {
+        return Err(format!("size '{s}' is out of range"));
+    }
+    Ok(bytes as u64)
+}
+
+/// Reads a trace file in any supported format.
+pub(crate) fn load_trace(path: &Path, lenient: bool) -> CliResult<Trace> {
+    let options = if lenient {
+        ImportOptions::lenient()
+    } else {
+        ImportOptions::strict()
+    };
+    let imported =
+        read_trace_file(path, &options).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(imported.trace)
+}
+
+/// One configuration to run, with its label.
+#[derive(Clone, Debug)]
+pub(crate) struct Labelled {
+    pub(crate) label: String,
+    pub(crate) preset: Option<Preset>,
+    pub(crate) config: AllocatorConfig,
+}
+
+/// `--preset` (or the crate default) with `--config` applied on top.
+pub(crate) fn resolve(preset: Option<&str>, config: Option<&str>) -> CliResult<Labelled> {
+    let p = preset.map(Preset::from_name).transpose()?;
+    let config_is_none = config.is_none();
+    let base = p.unwrap_or(Preset::Default).config();
+    let mut label = p.map_or_else(|| "default".to_string(), |p| p.name().to_string());
+    let config = match config {
+        Some(c) => {
+            label = if p.is_some() {
+                format!("{label} + {c}")
+            } else {
+                c.to_string()
+            };
+            base.with_settings(c)?
+        }
+        None => base,
+    };
+    let preset_used = p.or_else(|| config_is_none.then_some(Preset::Default));
+    Ok(Labelled {
+        label,
+        preset: preset_used,
+        config,
+    })
+}
+
+/// The columns of `compare` / `plot`: each preset, then each configuration string.
+pub(crate) fn columns(
+    presets: &[String],
+    configs: &[String],
+    fallback: &[&str],
+) -> CliResult<Vec<Labelled>> {
+    let mut out = Vec::new();
+    for p in presets {
+        out.push(resolve(Some(p), None)?);
+    }
+    for c in configs {
+        out.push(resolve(None, Some(c))?);
+    }
+    if out.is_empty() {
+        for p in fallback {
+            out.push(resolve(Some(p), None)?);
+        }
+    }
+    Ok(out)
+}
+
+/// A replay's report plus, when asked for, a downsampled timeline of (event, allocated, reserved).
+pub(crate) struct Run {
+    pub(crate) report: ReplayReport,
+    pub(crate) timeline: Vec<(usize, u64, u64)>,
+}
+
+/// Replays `trace` on a fresh simulated device under `config`, with a progress bar on stderr for
+/// runs that last more than a second.
+pub(crate) fn run(
+    trace: &Trace,
+    config: &AllocatorConfig,
+    args: &TraceArgs,
+    label: &str,
+    points: usize,
+) -> CliResult<Run> {
+    let device = SimDevice::new(SimConfig {
+        capacity: args.device_memory as usize,
+        ..SimConfig::default()
+    });
+    let alloc = CachingAllocator::new(device, config.clone())?;
+    let opts = ReplayOptions {
+        placement: match args.placement {
+            PlacementArg::Faithful => Placement::AddressFaithful,
+            PlacementArg::Fresh => Placement::Fresh,
+        },
+        timing: true,
+        ..ReplayOptions::default()
+    };
+    let total = trace.events.len();
+    let every = if points == 0 {
+        usize::MAX
+    } else {
+        (total / points).max(1)
+    };
+    let mut timeline = Vec::new();
+    let started = Instant::now();
+    let bar = ProgressBar::with_draw_target(Some(total as u64), ProgressDrawTarget::hidden());
+    bar.set_style(
+        ProgressStyle::with_template("{prefix} [{bar:40}] {pos}/{len} events ({eta})")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(label.to_string());
+    let mut shown = false;
+    let dev = alloc.backend();
+    let hint = |a: Option<u64>| match a {
+        Some(addr) => dev.place_next_at(addr),
+        None => dev.clear_placement_hint(),
+    };
+    let report = replay_observed(&alloc, trace, &opts, Some(&hint), &mut |i, _live, st| {
+        if i % every == 0 || i + 1 == total {
+            timeline.push((
+                i,
+                st.memory_allocated().max(0) as u64,
+                st.memory_reserved().max(0) as u64,
+            ));
+        }
+        if i % 4096 == 0 {
+            if !shown && started.elapsed() > Duration::from_secs(1) {
+                bar.set_draw_target(ProgressDrawTarget::stderr());
+                shown = true;
+            }
+            bar.set_position(i as u64);
+        }
+    })?;
+    bar.finish_and_clear();
+    Ok(Run { report, timeline })
+}
+
+/// `cca convert`.
+pub(crate) fn convert(a: &ConvertArgs) -> CliResult<()> {
+    let trace = load_trace(&a.input, a.lenient)?;
+    let out = a.output.to_string_lossy().to_ascii_lowercase();
+    let gzip = out.ends_with(".gz");
+    let stem = out.trim_end_matches(".gz");
+    let (trace, segments) = match &a.run {
+        None => (trace, None),
+        Some(preset) => {
+            let config = Preset::from_name(preset)?.config();
+            let device = SimDevice::new(SimConfig {
+                capacity: a.device_memory as usize,
+                ..SimConfig::default()
+            });
+            let alloc = CachingAllocator::new(device, config)?;
+            alloc.record_history(usize::MAX);
+            cuda_caching_allocator::replay(&alloc, &trace, &ReplayOptions::default())?;
+            let (recorded, _) = alloc.history();
+            (recorded, Some(alloc.snapshot()))
+        }
+    };
+    if stem.ends_with(".pickle") || stem.ends_with(".pkl") {
+        let mut options = SnapshotExportOptions::default().with_gzip(gzip);
+        if let Some(segs) = &segments {
+            options = options.with_allocator_segments(segs);
+        }
+        export_snapshot_file(&a.output, &trace, &options)?;
+    } else if stem.ends_with(".csv") {
+        export_rmm_csv_file(
+            &a.output,
+            &trace,
+            &CsvExportOptions::default().with_gzip(gzip),
+        )?;
+    } else {
+        return Err(format!(
+            "cannot tell the output format of '{}': use .pickle or .csv (optionally .gz)",
+            a.output.display()
+        )
+        .into());
+    }
+    eprintln!(
+        "wrote {} ({} events)",
+        a.output.display(),
+        trace.events.len()
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_bytes;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_bytes("80GiB"), Ok(80 << 30));
+        assert_eq!(parse_bytes("512 MiB"), Ok(512 << 20));
+        assert_eq!(parse_bytes("1024"), Ok(1024));
+        assert_eq!(parse_bytes("1.5G"), Ok(3 << 29));
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("12 parsecs").is_err());
+        assert!(parse_bytes("0").is_err());
+    }
+}
