@@ -6,8 +6,6 @@
 //! (`--test-threads=1`): several tests read device-wide free memory. `gpu/run.sh` runs it, and
 //! again under `compute-sanitizer --tool memcheck`.
 #![cfg(feature = "cuda")]
-// Test helpers outside `#[test]` functions unwrap too: a failure there is a test failure.
-#![allow(clippy::unwrap_used)]
 
 use std::sync::{Arc, Barrier, OnceLock};
 
