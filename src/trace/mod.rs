@@ -5,10 +5,10 @@
 //! The model is versioned ([`TRACE_FORMAT_VERSION`]) and specified in `docs/trace-format.md`.
 //! May use: nothing internal (plain values only).
 //!
-//! With `trace-io`: [`read_snapshot`] / [`export_snapshot`] (PyTorch memory snapshots, which
-//! PyTorch's memory_viz page opens), [`read_rmm_csv`] / [`export_rmm_csv`] (RMM
-//! `logging_resource_adaptor` logs), [`read_trace`] (either, detected), all plain or gzipped,
-//! with typed errors ([`TraceIoError`]) and strict or lenient pairing ([`ImportOptions`]).
+//! With `trace-io`: `read_snapshot` / `export_snapshot` (PyTorch memory snapshots, which
+//! PyTorch's memory_viz page opens), `read_rmm_csv` / `export_rmm_csv` (RMM
+//! `logging_resource_adaptor` logs), `read_trace` (either, detected), all plain or gzipped, with
+//! typed errors (`TraceIoError`) and strict or lenient pairing (`ImportOptions`).
 #![forbid(unsafe_code)]
 
 mod event;

@@ -1,11 +1,12 @@
 //! The single integration-test binary. Each module is one area; shared helpers live in `util`.
 
-// Helpers outside `#[test]` functions unwrap too (clippy.toml's `allow-unwrap-in-tests` covers
-// only test bodies), and `pub` in a module here means "for the sibling modules".
+// Test helpers outside `#[test]` functions unwrap (a failure there is a test failure), and
+// `util`'s helpers are `pub` for the sibling modules.
 #![allow(clippy::unwrap_used, unreachable_pub)]
 
 mod caching;
 mod config_env;
+mod cuda;
 mod faults;
 mod fidelity;
 mod props;
