@@ -7,6 +7,8 @@ pub mod backend;
 pub mod config;
 mod error;
 mod format;
+#[cfg(feature = "cuda-unpinned")]
+pub mod interop;
 pub mod replay;
 pub mod size_class;
 pub mod stats;

@@ -156,3 +156,73 @@ pub(crate) fn take(st: &State) -> Vec<SegmentSnapshot> {
     }
     out
 }
+
+/// The allocator's segments as a PyTorch snapshot lists them, for the snapshot exporter
+/// (`SnapshotExportOptions::with_allocator_segments`). Like PyTorch, an expandable segment is
+/// reported as one segment per contiguous mapped range; unmapped blocks are left out.
+#[cfg(feature = "trace-io")]
+mod trace_export {
+    use super::{BlockState, SegmentSnapshot};
+    use crate::size_class::PoolKind;
+    use crate::trace::{
+        SegmentPool, SnapshotBlock, SnapshotBlockState, SnapshotSegment, ToSnapshotSegments,
+    };
+
+    fn block(b: &super::BlockSnapshot) -> Option<SnapshotBlock> {
+        let state = match b.state {
+            BlockState::ActiveAllocated => SnapshotBlockState::ActiveAllocated,
+            BlockState::ActivePendingFree => SnapshotBlockState::ActivePendingFree,
+            BlockState::Inactive => SnapshotBlockState::Inactive,
+            BlockState::Unmapped => return None,
+        };
+        Some(SnapshotBlock {
+            address: b.address.0,
+            size: b.size as u64,
+            requested_size: b.requested_size as u64,
+            state,
+        })
+    }
+
+    impl ToSnapshotSegments for [SegmentSnapshot] {
+        fn to_snapshot_segments(&self, device: usize) -> Vec<SnapshotSegment> {
+            let mut out = Vec::with_capacity(self.len());
+            for seg in self {
+                let pool = match seg.pool {
+                    PoolKind::Small => SegmentPool::Small,
+                    PoolKind::Large => SegmentPool::Large,
+                };
+                // Maximal runs of mapped blocks; a segment without unmapped blocks is one run.
+                let mut runs: Vec<Vec<SnapshotBlock>> = Vec::new();
+                let mut run = Vec::new();
+                for b in &seg.blocks {
+                    match block(b) {
+                        Some(b) => run.push(b),
+                        None => runs.push(std::mem::take(&mut run)),
+                    }
+                }
+                runs.push(run);
+                for blocks in runs.into_iter().filter(|run| !run.is_empty()) {
+                    let address = blocks[0].address;
+                    let total_size = blocks.iter().map(|b| b.size).sum();
+                    out.push(SnapshotSegment {
+                        device,
+                        address,
+                        total_size,
+                        stream: seg.stream.0,
+                        pool,
+                        pool_id: (0, 0),
+                        is_expandable: seg.is_expandable,
+                        blocks,
+                    });
+                }
+            }
+            out
+        }
+    }
+
+    impl ToSnapshotSegments for Vec<SegmentSnapshot> {
+        fn to_snapshot_segments(&self, device: usize) -> Vec<SnapshotSegment> {
+            self.as_slice().to_snapshot_segments(device)
+        }
+    }
+}

@@ -1,15 +1,17 @@
 //! The single integration-test binary. Each module is one area; shared helpers live in `util`.
 
-// Test helpers outside `#[test]` functions unwrap too (clippy.toml only exempts test bodies), and
-// the helpers in `util` are `pub` for the sibling modules.
+// Test helpers outside `#[test]` functions unwrap (a failure there is a test failure), and
+// `util`'s helpers are `pub` for the sibling modules.
 #![allow(clippy::unwrap_used, unreachable_pub)]
 
 mod caching;
 mod config_env;
+mod cuda;
 mod expandable;
 mod expandable_fidelity;
 mod faults;
 mod fidelity;
 mod fragmentation;
 mod props;
+mod trace_io;
 mod util;
