@@ -68,6 +68,16 @@ fn run(trace: &Trace, placement: Where) -> ReplayReport {
     }
     .unwrap();
     alloc.check_invariants().unwrap();
+    if let Where::Decreasing = placement {
+        // The reservations really went to the top of the address space, one below the other.
+        let bases: Vec<u64> = alloc.snapshot().iter().map(|s| s.address.0).collect();
+        assert!(!bases.is_empty());
+        assert!(
+            bases
+                .iter()
+                .all(|&b| b >= 0x7fff_0000_0000 - 2 * (128 << 30))
+        );
+    }
     r
 }
 
