@@ -345,7 +345,7 @@ impl Default for AllocatorConfig {
     /// algorithm with expandable segments, 2 MiB pages in both pools (so either pool can use the
     /// other's free pages), page reuse across the device with 1% slack, and a fraction cap that
     /// counts only newly created memory. On the shared PyTorch traces and the synthetic stress
-    /// traces it reserves at most about 1.015 × the peak live bytes (PyTorch: 1.12–1.71×; PyTorch
+    /// traces it reserves at most about 1.015 × the peak live bytes (PyTorch: 1.12–2.21×; PyTorch
     /// with expandable segments: 1.01–1.58×). As a configuration string:
     /// `expandable_segments:True,cca_large_page_size_mb:2,cca_page_reuse:device,`
     /// `cca_page_reuse_slack:0.01,cca_precise_cap:True`.
