@@ -2,9 +2,10 @@
 """PyTorch as a real client of cuda-caching-allocator.
 
 Trains a small GPT-2 (transformers, random weights, fixed seeds, bf16 autocast) for a few steps,
-once with PyTorch's native caching allocator and once, in a separate process, with this crate's
-allocator loaded through torch.cuda.memory.CUDAPluggableAllocator; then compares the losses
-(bf16 tolerance), the peak reserved memory and the step time.
+with PyTorch's native caching allocator (default and expandable_segments:True) and, each in a
+separate process, with this crate's allocator loaded through
+torch.cuda.memory.CUDAPluggableAllocator (its `pytorch` preset and its default configuration);
+then compares the losses (bf16 tolerance), the peak reserved memory and the step time.
 
   python3 torch_client.py --so path/to/libtorch_plugin.so [--json out.json]   # both, compared
   python3 torch_client.py --mode native|cca --so ...                           # one run
@@ -101,51 +102,65 @@ def run_one(args):
     print("RESULT " + json.dumps(result))
 
 
+RUNS = [
+    # (label, --mode, environment changes)
+    ("native", "native", {}),
+    ("native-expandable", "native", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+    ("cca-pytorch", "cca", {"CUDA_CACHING_ALLOCATOR_CONF": "cca_preset:pytorch"}),
+    ("cca-default", "cca", {}),
+]
+
+
 def compare(args):
     results = {}
-    for mode in ("native", "cca"):
+    for label, mode, env_changes in RUNS:
         cmd = [sys.executable, os.path.abspath(__file__), "--mode", mode] + [
             f"--{k}={v}" for k, v in (("so", args.so), ("layers", args.layers), ("embd", args.embd),
                                       ("heads", args.heads), ("batch", args.batch), ("seq", args.seq),
                                       ("steps", args.steps), ("warmup", args.warmup), ("seed", args.seed))]
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_CACHING_ALLOCATOR_CONF")}
+        env.update(env_changes)
         t0 = time.time()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         sys.stdout.write(proc.stdout)
         sys.stderr.write(proc.stderr[-6000:])
         if proc.returncode != 0:
-            print(f"{mode} run failed with {proc.returncode}")
+            print(f"{label} run failed with {proc.returncode}")
             return 1
         line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
-        results[mode] = json.loads(line[len("RESULT "):])
-        results[mode]["process_s"] = time.time() - t0
+        results[label] = json.loads(line[len("RESULT "):])
+        results[label]["process_s"] = time.time() - t0
 
-    n, c = results["native"], results["cca"]
-    diffs = [abs(a - b) for a, b in zip(n["losses"], c["losses"])]
-    rel = max(d / max(abs(a), 1e-6) for d, a in zip(diffs, n["losses"]))
-    ok = rel <= args.rtol and c["losses"][-1] < 0.8 * c["losses"][0]
+    n = results["native"]
     gib = 1 << 30
     lines = [
         f"GPT-2 {args.layers} layers, n_embd {args.embd}, {n['params_m']:.1f}M params, batch {args.batch} x seq {args.seq}, "
         f"{args.steps} AdamW steps, bf16 autocast, seed {args.seed}",
-        f"losses native: first {n['losses'][0]:.4f} last {n['losses'][-1]:.4f}",
-        f"losses cca:    first {c['losses'][0]:.4f} last {c['losses'][-1]:.4f}",
-        f"max |loss diff| {max(diffs):.3g} (max relative {rel:.3g}, tolerance {args.rtol}) -> {'MATCH' if ok else 'MISMATCH'}",
-        f"peak reserved: native {n['peak_reserved_bytes'] / gib:.3f} GiB, cca {c['peak_reserved_bytes'] / gib:.3f} GiB",
-        f"peak allocated: native {n['peak_allocated_bytes'] / gib:.3f} GiB, cca {c['peak_allocated_bytes'] / gib:.3f} GiB",
-        f"device allocations: native {n['num_device_alloc']}, cca {c['num_device_alloc']}; "
-        f"allocations per step: native {n['allocs_per_step']:.0f}, cca {c['allocs_per_step']:.0f}",
-        f"median step time (after {args.warmup} warm-up steps): native {n['step_ms_median']:.2f} ms, cca {c['step_ms_median']:.2f} ms",
+        f"{'run':<18} {'first loss':>10} {'last loss':>10} {'max rel diff':>12} {'peak reserved':>14} "
+        f"{'peak alloc':>11} {'dev allocs':>10} {'step ms':>8}",
     ]
-    step_delta_us = 1000 * (c["step_ms_median"] - n["step_ms_median"])
-    lines.append(f"step time difference: {step_delta_us:.0f} us per step = "
-                 f"{step_delta_us / max(c['allocs_per_step'], 1):.2f} us per allocation (alloc + free)")
-    lines.append("our alloc+free host cost (ns, cache hit; raw API / core only): " + ", ".join(
+    ok = True
+    for label, _, _ in RUNS:
+        c = results[label]
+        rel = max(abs(a - b) / max(abs(a), 1e-6) for a, b in zip(n["losses"], c["losses"]))
+        good = rel <= args.rtol and c["losses"][-1] < 0.8 * c["losses"][0]
+        ok = ok and good
+        c["max_rel_loss_diff"] = rel
+        lines.append(
+            f"{label:<18} {c['losses'][0]:>10.4f} {c['losses'][-1]:>10.4f} {rel:>12.3g} "
+            f"{c['peak_reserved_bytes'] / gib:>10.3f} GiB {c['peak_allocated_bytes'] / gib:>7.3f} GiB "
+            f"{c['num_device_alloc']:>10} {c['step_ms_median']:>8.2f}" + ("" if good else "  MISMATCH"))
+    lines.append(f"losses {'MATCH' if ok else 'MISMATCH'} (relative tolerance {args.rtol}); "
+                 f"allocations per step {n['allocs_per_step']:.0f}")
+    c = results["cca-default"]
+    lines.append("our alloc+free host cost (ns, cache hit, default config; raw API / core only): " + ", ".join(
         f"{size >> 10} KiB {c[f'alloc_free_ns_raw_{size}']:.0f}/{c[f'alloc_free_ns_core_{size}']:.0f}"
         for size in (4096, 1 << 20, 64 << 20)))
     print("\n".join(["== PyTorch comparison =="] + lines))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"summary": lines, "match": ok, "native": n, "cca": c}, f, indent=1)
+            json.dump({"summary": lines, "match": ok, "runs": results}, f, indent=1)
     return 0 if ok else 1
 
 

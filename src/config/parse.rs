@@ -272,6 +272,14 @@ pub(super) fn apply(
                 i += 2;
                 c.precise_fraction_cap = t.boolean(i)?;
             }
+            "cca_preset" => {
+                // This crate's key: start over from a named preset; keys after it apply on top.
+                t.expect(i + 1, ":")?;
+                i += 2;
+                let preset = super::Preset::from_name(t.get(i)?)?;
+                c = preset.config();
+                c.settings = settings.to_string();
+            }
             "backend" => {
                 t.expect(i + 1, ":")?;
                 i += 2;
@@ -495,5 +503,35 @@ mod tests {
         assert_eq!(c.max_split_size, usize::MAX);
         assert_eq!(c.roundup_power2_divisions, [0; 16]);
         assert!(c.expandable_segments);
+    }
+}
+
+#[cfg(test)]
+mod preset_key_tests {
+    use super::*;
+
+    #[test]
+    fn cca_preset_starts_over_from_a_preset() {
+        let c = apply(AllocatorConfig::default(), "cca_preset:pytorch").unwrap();
+        assert_eq!(
+            AllocatorConfig {
+                settings: String::new(),
+                ..c.clone()
+            },
+            AllocatorConfig::pytorch()
+        );
+        let c = apply(
+            AllocatorConfig::pytorch(),
+            "cca_preset:pytorch-expandable,max_split_size_mb:64",
+        )
+        .unwrap();
+        assert!(c.expandable_segments);
+        assert_eq!(c.max_split_size, 64 << 20);
+        assert!(
+            apply(AllocatorConfig::pytorch(), "cca_preset:nope")
+                .unwrap_err()
+                .message()
+                .contains("known presets")
+        );
     }
 }

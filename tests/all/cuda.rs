@@ -844,3 +844,140 @@ fn cuda_backend_events_and_streams() {
     );
     assert!(info.free <= info.total && info.total > GIB);
 }
+
+// ---- expandable segments (issue #5) -------------------------------------------------------------
+
+/// Growth page by page keeps every earlier buffer's data, and `empty_cache` unmaps and releases the
+/// pages (device free memory rises), under PyTorch's expandable preset and the crate default.
+#[test]
+fn cuda_expandable_growth_keeps_data_and_empty_cache_returns_pages() {
+    let Some(g) = gpu("cuda_expandable_growth_keeps_data_and_empty_cache_returns_pages") else {
+        return;
+    };
+    for (name, config) in [
+        (
+            "pytorch-expandable",
+            cuda_caching_allocator::Preset::PytorchExpandable.config(),
+        ),
+        ("default", AllocatorConfig::default()),
+    ] {
+        let alloc = CudaAllocator::new(Arc::clone(&g.ctx), config).unwrap();
+        assert!(
+            alloc.device().vm_granularity().is_some(),
+            "the device supports virtual memory"
+        );
+        let stream = g.ctx.default_stream();
+        let before = alloc.device().mem_info().unwrap().free;
+        // Growing sizes, as a batch that grows step by step: 3, 5, 7, ... MiB (u32 values), plus
+        // small buffers in between.
+        let mut live: Vec<(CachedSlice<u32>, u32)> = Vec::new();
+        for i in 0..40u32 {
+            let len = ((3 + 2 * i as usize) * MIB) / 4;
+            let mut buf = uninit::<u32>(&alloc, &stream, len);
+            fill!(g, &stream, &mut buf, len, 1000 + i);
+            live.push((buf, 1000 + i));
+            let mut small = uninit::<u32>(&alloc, &stream, 100 + i as usize * 37);
+            let n = small.len();
+            fill!(g, &stream, &mut small, n, 5000 + i);
+            live.push((small, 5000 + i));
+            if i % 3 == 2 {
+                // Free an older buffer so later growth reuses and remaps its pages.
+                let (old, s) = live.remove(0);
+                assert_eq!(
+                    bad!(g, &alloc, &stream, &old, old.len(), s),
+                    0,
+                    "{name}: step {i}"
+                );
+            }
+        }
+        for (buf, s) in &live {
+            assert_eq!(
+                bad!(g, &alloc, &stream, buf, buf.len(), *s),
+                0,
+                "{name}: after growth"
+            );
+        }
+        alloc.check_invariants().unwrap();
+        let st = alloc.memory_stats();
+        let reserved = st.memory_reserved() as usize;
+        println!(
+            "expandable {name}: peak reserved {} MiB, peak allocated {} MiB, {} maps, {} unmaps",
+            st.max_memory_reserved() / MIB as i64,
+            st.max_memory_allocated() / MIB as i64,
+            st.num_device_alloc,
+            st.num_device_free
+        );
+        drop(live);
+        let cached = alloc.device().mem_info().unwrap().free;
+        alloc.empty_cache().unwrap();
+        let after = alloc.device().mem_info().unwrap().free;
+        assert_eq!(
+            alloc.memory_stats().memory_reserved(),
+            0,
+            "{name}: every page released"
+        );
+        assert!(
+            after + 64 * MIB >= cached + reserved,
+            "{name}: free rose by {} MiB of {} MiB reserved",
+            (after.saturating_sub(cached)) / MIB,
+            reserved / MIB
+        );
+        assert!(
+            after + 64 * MIB >= before,
+            "{name}: memory back to where it started"
+        );
+        alloc.check_invariants().unwrap();
+    }
+}
+
+/// The out-of-memory path with expandable segments on a real device: a fraction cap stops growth
+/// with a clear error, the allocator stays usable, and an absurd request is refused cleanly.
+#[test]
+fn cuda_expandable_oom_path_is_clear_and_recoverable() {
+    let Some(g) = gpu("cuda_expandable_oom_path_is_clear_and_recoverable") else {
+        return;
+    };
+    for config in [
+        cuda_caching_allocator::Preset::PytorchExpandable.config(),
+        AllocatorConfig::default(),
+    ] {
+        let alloc = CudaAllocator::new(Arc::clone(&g.ctx), config).unwrap();
+        let stream = g.ctx.default_stream();
+        let total = alloc.device().mem_info().unwrap().total;
+        alloc
+            .set_memory_fraction(GIB as f64 / total as f64)
+            .unwrap();
+        let mut a = uninit::<u32>(&alloc, &stream, 600 * MIB / 4);
+        fill!(g, &stream, &mut a, a.len(), 7);
+        let err = match alloc.alloc_zeros::<u8>(&stream, 600 * MIB) {
+            Err(e) => e,
+            Ok(_) => panic!("600 MiB more must not fit under a 1 GiB cap"),
+        };
+        let report = err.oom_report().expect("an out-of-memory report");
+        assert!(
+            matches!(
+                report.verdict,
+                OomVerdict::FractionCapReached | OomVerdict::Fragmented
+            ),
+            "{err}"
+        );
+        println!("expandable OOM: {err}");
+        assert_eq!(
+            bad!(g, &alloc, &stream, &a, a.len(), 7),
+            0,
+            "live data survives the OOM path"
+        );
+        drop(a);
+        let b = alloc.alloc_zeros::<u8>(&stream, 600 * MIB).unwrap();
+        assert_eq!(b.len(), 600 * MIB);
+        drop(b);
+        alloc.set_memory_fraction(1.0).unwrap();
+        assert!(
+            alloc.alloc_zeros::<u8>(&stream, total + GIB).is_err(),
+            "more than the device"
+        );
+        alloc.check_invariants().unwrap();
+        alloc.empty_cache().unwrap();
+        assert_eq!(alloc.memory_stats().memory_reserved(), 0);
+    }
+}
