@@ -7,20 +7,23 @@ pub mod backend;
 pub mod config;
 mod error;
 mod format;
+#[cfg(feature = "cuda-unpinned")]
+pub mod interop;
 pub mod replay;
 pub mod size_class;
 pub mod stats;
+pub mod synth;
 pub mod trace;
 
 pub use allocator::{
-    Allocation, BlockSnapshot, BlockState, CachingAllocator, InvariantViolation, OwnedAllocation,
-    SegmentSnapshot, memory_summary,
+    Allocation, BlockSnapshot, BlockState, CachingAllocator, FragmentationReport, FreeBucket,
+    InvariantViolation, OwnedAllocation, SegmentSnapshot, memory_summary,
 };
 pub use backend::sim::{FaultKind, SimConfig, SimCounters, SimDevice};
 pub use backend::{
     BackendError, DeviceBackend, DevicePtr, EventHandle, MemInfo, PhysicalHandle, StreamId,
 };
-pub use config::{AllocatorConfig, AllocatorConfigBuilder, ConfigError, Preset};
+pub use config::{AllocatorConfig, AllocatorConfigBuilder, ConfigError, PageReuse, Preset};
 pub use error::{AllocError, OomReport, OomVerdict, Result};
 pub use format::format_size;
 pub use replay::{

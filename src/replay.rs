@@ -17,7 +17,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use crate::allocator::CachingAllocator;
+use crate::allocator::{CachingAllocator, FragmentationReport};
 use crate::backend::sim::SimDevice;
 use crate::backend::{DeviceBackend, DevicePtr, StreamId};
 use crate::error::AllocError;
@@ -91,6 +91,8 @@ pub struct ReplayReport {
     pub latency: Option<LatencySummary>,
     /// All statistics at the moment reserved bytes peaked.
     pub stats_at_peak: MemoryStats,
+    /// The fragmentation report at the moment reserved bytes peaked (first reached).
+    pub fragmentation_at_peak: FragmentationReport,
     /// All statistics at the end.
     pub final_stats: MemoryStats,
 }
@@ -278,6 +280,7 @@ pub fn replay_observed<B: DeviceBackend>(
         if reserved > peak_reserved {
             peak_reserved = reserved;
             report.stats_at_peak = st;
+            report.fragmentation_at_peak = alloc.fragmentation();
         }
         peak_segments = peak_segments.max(st.segment.get(crate::stats::StatType::All).current);
         observer(index, live_bytes, &st);

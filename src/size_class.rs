@@ -94,6 +94,17 @@ pub fn segment_size(rounded: usize, config: &AllocatorConfig) -> usize {
     }
 }
 
+/// The page size of `pool`'s expandable segments: 2 MiB for the small pool; for the large pool
+/// `expandable_large_page_size` if set, else `large_segment_size` (PyTorch: 20 MiB).
+pub fn expandable_page_size(pool: PoolKind, config: &AllocatorConfig) -> usize {
+    match pool {
+        PoolKind::Small => SMALL_BUFFER,
+        PoolKind::Large => config
+            .expandable_large_page_size
+            .unwrap_or(config.large_segment_size),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

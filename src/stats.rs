@@ -123,6 +123,16 @@ impl StatArray {
         self.0[StatType::from(pool).index()].decrease(n);
     }
 
+    /// Moves `n` from `from`'s slice to `to`'s, leaving `all` alone (physical pages handed from
+    /// one pool to the other).
+    #[inline]
+    pub fn transfer(&mut self, from: PoolKind, to: PoolKind, n: i64) {
+        if from != to {
+            self.0[StatType::from(from).index()].decrease(n);
+            self.0[StatType::from(to).index()].increase(n);
+        }
+    }
+
     fn for_each(&mut self, f: impl Fn(&mut Stat)) {
         self.0.iter_mut().for_each(f);
     }

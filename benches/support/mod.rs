@@ -1,6 +1,6 @@
 //! Workloads shared by the criterion suites and `examples/gpu_bench.rs`, generic over the
 //! device backend: warm alloc+free pairs, threads doing pairs at once, random mixes, and trace
-//! replay from the shipped RMM CSV logs (with feature `trace-io`, for its gzip reader).
+//! replay from the shipped RMM CSV logs (with feature `trace-io`, for the crate's importer).
 //!
 //! Each workload returns the wall time of the work it was asked to do; callers divide.
 #![allow(dead_code)]
@@ -207,8 +207,8 @@ pub(crate) struct CompiledTrace {
 }
 
 impl CompiledTrace {
-    /// Compiles `(is_alloc, pointer, size, stream)` events: frees of pointers never allocated
-    /// are dropped.
+    /// Compiles `(is_alloc, key, size, stream)` events (the key names an allocation: a pointer
+    /// or an id): frees of keys never allocated are dropped.
     pub(crate) fn compile(
         name: &str,
         events: impl Iterator<Item = (bool, u64, usize, u64)>,
@@ -270,36 +270,26 @@ impl CompiledTrace {
     }
 }
 
-/// Reads an RMM-style CSV log (`Thread,Time,Action,Pointer,Size,Stream`, plain or gzipped).
+/// Reads a trace file with the crate's importer (RMM CSV or PyTorch snapshot, plain or gzipped)
+/// and compiles it.
 #[cfg(feature = "trace-io")]
-pub(crate) fn read_rmm_csv(path: &std::path::Path) -> std::io::Result<CompiledTrace> {
-    use std::io::Read;
-    let mut raw = Vec::new();
-    std::fs::File::open(path)?.read_to_end(&mut raw)?;
-    let text = if raw.starts_with(&[0x1f, 0x8b]) {
-        let mut s = String::new();
-        flate2::read::GzDecoder::new(&raw[..]).read_to_string(&mut s)?;
-        s
-    } else {
-        String::from_utf8(raw)
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?
-    };
+pub(crate) fn read_trace(path: &std::path::Path) -> Option<CompiledTrace> {
+    use cuda_caching_allocator::trace::{ImportOptions, TraceOp, read_trace_file};
+    let trace = read_trace_file(path, &ImportOptions::lenient()).ok()?.trace;
     let name = path
         .file_name()
         .and_then(|n| n.to_str())
         .map_or("trace", |n| n.split('.').next().unwrap_or(n))
         .to_string();
-    let events = text.lines().skip(1).filter_map(|line| {
-        let f: Vec<&str> = line.split(',').collect();
-        let [_, _, action, ptr, size, stream] = f.as_slice() else {
-            return None;
-        };
-        let ptr = u64::from_str_radix(ptr.trim().trim_start_matches("0x"), 16).ok()?;
-        let size = size.trim().parse().ok()?;
-        let stream = stream.trim().parse().unwrap_or(0);
-        Some((action.trim() == "allocate", ptr, size, stream))
+    // Allocation ids stand in for pointers.
+    let events = trace.events.iter().filter_map(|e| match e.op {
+        TraceOp::Alloc {
+            id, size, stream, ..
+        } => Some((true, id, size as usize, stream)),
+        TraceOp::Free { id } => Some((false, id, 0, 0)),
+        _ => None,
     });
-    Ok(CompiledTrace::compile(&name, events))
+    Some(CompiledTrace::compile(&name, events))
 }
 
 /// The shipped traces (`examples/traces/*.csv.gz`), sorted by name; empty without `trace-io`.
@@ -317,7 +307,7 @@ pub(crate) fn shipped_traces(dir: &std::path::Path) -> Vec<CompiledTrace> {
             })
             .unwrap_or_default();
         paths.sort();
-        paths.iter().filter_map(|p| read_rmm_csv(p).ok()).collect()
+        paths.iter().filter_map(|p| read_trace(p)).collect()
     }
     #[cfg(not(feature = "trace-io"))]
     {

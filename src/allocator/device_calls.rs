@@ -2,8 +2,6 @@
 //!
 //! Each wrapper states which obligation of [`DeviceBackend`] it meets and why; every caller in
 //! `state.rs` passes only segments, events and pages it owns.
-// The page and range wrappers serve expandable segments.
-#![allow(dead_code)]
 
 use crate::backend::{
     BackendError, DeviceBackend, DevicePtr, EventHandle, PhysicalHandle, StreamId,
@@ -37,41 +35,44 @@ pub(crate) fn destroy_event<B: DeviceBackend>(
     unsafe { backend.destroy_event(event) }
 }
 
-/// Maps one physical page handle the cache created at `va` inside its own reservation.
+/// Maps one physical page handle the cache holds at `va` inside its own reservation.
 pub(crate) fn map_page<B: DeviceBackend>(
     backend: &B,
     va: DevicePtr,
     size: usize,
     handle: PhysicalHandle,
 ) -> Result<(), BackendError> {
-    // SAFETY: obligation 1: `va..va+size` lies in a reservation the cache made and tracks page by
-    // page as unmapped; obligation 2: `handle` was just created with exactly `size` bytes.
+    // SAFETY: obligation 1: `va..va+size` is one page of a reservation the cache made
+    // (`reserve_address_range`) whose page table (`VmSegment::pages`) records it as unmapped;
+    // obligation 2: `handle` came from `create_physical(size)` with the segment's page size and
+    // is mapped nowhere (the cache holds each handle in exactly one place: a segment's page
+    // table or the spare list, and takes it out of the spare list before this call).
     unsafe { backend.map(va, size, handle) }
 }
 
-/// Unmaps and releases one page the cache mapped.
+/// Unmaps one page the cache mapped; its physical handle stays live (spare or reused).
 pub(crate) fn unmap_page<B: DeviceBackend>(
     backend: &B,
     va: DevicePtr,
     size: usize,
-    handle: PhysicalHandle,
 ) -> Result<(), BackendError> {
-    // SAFETY: `unmap` obligation 1: the range is exactly one earlier `map_page`; obligation 2: the
-    // caller synchronized after the page's last use and no allocated block overlaps it.
-    unsafe { backend.unmap(va, size) }?;
-    // SAFETY: `release_physical` obligation 1: `handle`/`size` come from one `create_physical`;
-    // obligation 2: it was mapped only at `va`, which was just unmapped.
-    unsafe { backend.release_physical(handle, size) }
+    // SAFETY: obligation 1: the range is exactly one earlier `map_page` (pages are mapped one
+    // at a time at page-aligned addresses and recorded in the segment's page table);
+    // obligation 2: the caller synchronized the page's stream first and the page lies wholly
+    // inside a free block (no allocated or event-pending block overlaps it), so no queued work
+    // uses it.
+    unsafe { backend.unmap(va, size) }
 }
 
-/// Releases a physical page that was created but never mapped (a failed map).
+/// Releases a physical page that is mapped nowhere (never mapped, or unmapped already).
 pub(crate) fn release_unmapped_page<B: DeviceBackend>(
     backend: &B,
     handle: PhysicalHandle,
     size: usize,
 ) -> Result<(), BackendError> {
-    // SAFETY: obligation 1: `handle`/`size` come from one `create_physical`; obligation 2: the map
-    // of this handle failed, so it is mapped nowhere.
+    // SAFETY: obligation 1: `handle`/`size` come from one `create_physical`; obligation 2: the
+    // cache took the handle out of every page table (it was never mapped, or `unmap_page`
+    // succeeded), so it is mapped nowhere.
     unsafe { backend.release_physical(handle, size) }
 }
 
@@ -82,6 +83,6 @@ pub(crate) fn release_range<B: DeviceBackend>(
     size: usize,
 ) -> Result<(), BackendError> {
     // SAFETY: obligation 1: `base`/`size` are one reservation the cache made; obligation 2: the
-    // cache unmapped every page of it before calling.
+    // cache unmapped every page of it before calling (the segment is one unmapped block).
     unsafe { backend.release_address_range(base, size) }
 }

@@ -8,6 +8,7 @@
 
 mod block;
 mod device_calls;
+mod fragmentation;
 mod front;
 mod history;
 mod invariants;
@@ -22,6 +23,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+pub use fragmentation::{FragmentationReport, FreeBucket};
 pub use invariants::InvariantViolation;
 pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
 pub use summary::memory_summary;
@@ -120,11 +122,12 @@ impl<B: DeviceBackend> CachingAllocator<B> {
                 source,
             })?
             .total;
+        let granularity = backend.vm_granularity();
         let front = config.fast_path.then(|| Front::new(&config));
         Ok(CachingAllocator {
             backend,
             state: Mutex::new(Locked {
-                st: State::new(config, total),
+                st: State::new(config, total, granularity),
                 front: FrontLocked::default(),
             }),
             front,
@@ -309,6 +312,26 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     pub fn memory_summary(&self, abbreviated: bool) -> String {
         let stats = self.memory_stats();
         summary::memory_summary(&stats, self.backend.device_index(), abbreviated)
+    }
+
+    /// Where the reserved bytes are now and how fragmented the free memory is: reserved,
+    /// allocated, requested, pending and free bytes, the largest free block, a power-of-two
+    /// histogram of free block sizes, and the metrics `1 − allocated/reserved` and
+    /// `1 − largest free/total free`. Costs one walk over the blocks. With the fast path on, the
+    /// per-thread front caches are flushed first (their blocks would count as allocated).
+    pub fn fragmentation(&self) -> FragmentationReport {
+        let mut guard = self.state.lock();
+        if let Some(front) = &self.front {
+            let Locked { st, front: fl } = &mut *guard;
+            front.flush(st, fl, &self.backend);
+        }
+        fragmentation::take(&guard)
+    }
+
+    /// [`fragmentation`](Self::fragmentation) as text (kept apart from
+    /// [`memory_summary`](Self::memory_summary), whose table is PyTorch's, line for line).
+    pub fn fragmentation_summary(&self) -> String {
+        self.fragmentation().to_string()
     }
 
     /// The segments and their blocks, in address order (PyTorch's `memory_snapshot()`).

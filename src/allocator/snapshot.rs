@@ -16,7 +16,11 @@ pub enum BlockState {
     ActivePendingFree,
     /// Free and cached (`inactive`).
     Inactive,
-    /// Reserved address space without physical pages (expandable segments only).
+    /// Reserved address space without physical pages (expandable segments only). Snapshots
+    /// leave such ranges out, as PyTorch does, so [`CachingAllocator::snapshot`] never reports
+    /// this state.
+    ///
+    /// [`CachingAllocator::snapshot`]: crate::CachingAllocator::snapshot
     Unmapped,
 }
 
@@ -45,7 +49,7 @@ pub struct BlockSnapshot {
     pub state: BlockState,
 }
 
-/// One device segment.
+/// One device segment, or one contiguous mapped range of an expandable segment.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SegmentSnapshot {
     /// Base address.
@@ -92,12 +96,17 @@ impl SegmentSnapshot {
     }
 }
 
-/// Walks every segment from its head block.
+/// Walks every segment from its head block. An expandable segment is reported as PyTorch
+/// reports it: one segment per contiguous mapped range, holding only mapped blocks.
 pub(crate) fn take(st: &State) -> Vec<SegmentSnapshot> {
     let mut heads: Vec<(u64, BlockId)> = st
         .arena
         .iter()
-        .filter(|(_, b)| b.prev.is_none())
+        .filter(|(_, b)| {
+            b.mapped
+                && b.prev
+                    .is_none_or(|p| st.arena.get(p).is_some_and(|pb| !pb.mapped))
+        })
         .map(|(id, b)| (b.ptr, id))
         .collect();
     heads.sort_unstable();
@@ -108,6 +117,9 @@ pub(crate) fn take(st: &State) -> Vec<SegmentSnapshot> {
         let (mut stream, mut pool, mut expandable) = (StreamId::DEFAULT, PoolKind::Small, false);
         while let Some(id) = cur {
             let Some(b) = st.arena.get(id) else { break };
+            if !b.mapped {
+                break;
+            }
             stream = b.stream;
             pool = b.pool;
             expandable |= b.expandable;
@@ -115,8 +127,6 @@ pub(crate) fn take(st: &State) -> Vec<SegmentSnapshot> {
                 BlockState::ActiveAllocated
             } else if b.event_count > 0 {
                 BlockState::ActivePendingFree
-            } else if !b.mapped {
-                BlockState::Unmapped
             } else {
                 BlockState::Inactive
             };
@@ -145,4 +155,74 @@ pub(crate) fn take(st: &State) -> Vec<SegmentSnapshot> {
         });
     }
     out
+}
+
+/// The allocator's segments as a PyTorch snapshot lists them, for the snapshot exporter
+/// (`SnapshotExportOptions::with_allocator_segments`). Like PyTorch, an expandable segment is
+/// reported as one segment per contiguous mapped range; unmapped blocks are left out.
+#[cfg(feature = "trace-io")]
+mod trace_export {
+    use super::{BlockState, SegmentSnapshot};
+    use crate::size_class::PoolKind;
+    use crate::trace::{
+        SegmentPool, SnapshotBlock, SnapshotBlockState, SnapshotSegment, ToSnapshotSegments,
+    };
+
+    fn block(b: &super::BlockSnapshot) -> Option<SnapshotBlock> {
+        let state = match b.state {
+            BlockState::ActiveAllocated => SnapshotBlockState::ActiveAllocated,
+            BlockState::ActivePendingFree => SnapshotBlockState::ActivePendingFree,
+            BlockState::Inactive => SnapshotBlockState::Inactive,
+            BlockState::Unmapped => return None,
+        };
+        Some(SnapshotBlock {
+            address: b.address.0,
+            size: b.size as u64,
+            requested_size: b.requested_size as u64,
+            state,
+        })
+    }
+
+    impl ToSnapshotSegments for [SegmentSnapshot] {
+        fn to_snapshot_segments(&self, device: usize) -> Vec<SnapshotSegment> {
+            let mut out = Vec::with_capacity(self.len());
+            for seg in self {
+                let pool = match seg.pool {
+                    PoolKind::Small => SegmentPool::Small,
+                    PoolKind::Large => SegmentPool::Large,
+                };
+                // Maximal runs of mapped blocks; a segment without unmapped blocks is one run.
+                let mut runs: Vec<Vec<SnapshotBlock>> = Vec::new();
+                let mut run = Vec::new();
+                for b in &seg.blocks {
+                    match block(b) {
+                        Some(b) => run.push(b),
+                        None => runs.push(std::mem::take(&mut run)),
+                    }
+                }
+                runs.push(run);
+                for blocks in runs.into_iter().filter(|run| !run.is_empty()) {
+                    let address = blocks[0].address;
+                    let total_size = blocks.iter().map(|b| b.size).sum();
+                    out.push(SnapshotSegment {
+                        device,
+                        address,
+                        total_size,
+                        stream: seg.stream.0,
+                        pool,
+                        pool_id: (0, 0),
+                        is_expandable: seg.is_expandable,
+                        blocks,
+                    });
+                }
+            }
+            out
+        }
+    }
+
+    impl ToSnapshotSegments for Vec<SegmentSnapshot> {
+        fn to_snapshot_segments(&self, device: usize) -> Vec<SnapshotSegment> {
+            self.as_slice().to_snapshot_segments(device)
+        }
+    }
 }

@@ -3,8 +3,11 @@
 //!
 //! Everything here runs under the allocator's one lock. The steps follow
 //! `DeviceCachingAllocator::malloc` / `free` of PyTorch 2.11 and are numbered in
-//! `docs/algorithm.md`. May use: `block`, `pool`, `device_calls`, `size_class`, `stats`, `config`.
+//! `docs/algorithm.md`. Expandable (virtual-memory) segments live in the child module
+//! `expandable`. May use: `block`, `pool`, `device_calls`, `size_class`, `stats`, `config`.
 #![forbid(unsafe_code)]
+
+mod expandable;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -17,8 +20,10 @@ use super::pool::{BlockPool, FreeKey};
 use crate::backend::{BackendError, DeviceBackend, DevicePtr, EventHandle, StreamId};
 use crate::config::{AllocatorConfig, MAX_ALLOCATION_SIZE};
 use crate::error::{AllocError, OomReport, OomVerdict, Result};
-use crate::size_class::{PoolKind, pool_kind, round_size, segment_size};
+use crate::size_class::{PoolKind, expandable_page_size, pool_kind, round_size, segment_size};
 use crate::stats::MemoryStats;
+
+pub(crate) use expandable::{SparePage, VmSegment};
 
 /// A multiply-shift hasher for device addresses (512-byte aligned, so low bits carry nothing).
 #[derive(Default, Clone, Copy, Debug)]
@@ -45,9 +50,12 @@ pub(crate) type AddrMap<V> = HashMap<u64, V, BuildHasherDefault<AddrHasher>>;
 /// What the cache knows about one device segment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct SegmentRec {
+    /// Bytes: the segment's size, or an expandable segment's whole address range.
     pub(crate) size: usize,
     pub(crate) stream: StreamId,
     pub(crate) pool: PoolKind,
+    /// An expandable segment (its pages are in `State::vm_segments`).
+    pub(crate) expandable: bool,
 }
 
 /// All mutable state of one allocator.
@@ -59,8 +67,16 @@ pub(crate) struct State {
     pub(crate) large: BlockPool,
     /// Allocated blocks by address.
     pub(crate) active: AddrMap<BlockId>,
-    /// Device segments by base address.
+    /// Device segments and expandable segments' address ranges, by base address.
     pub(crate) segments: BTreeMap<u64, SegmentRec>,
+    /// Expandable segments by base address: their page size and mapped pages.
+    pub(crate) vm_segments: BTreeMap<u64, VmSegment>,
+    /// Physical pages held but mapped nowhere (left by a failed device call); released by
+    /// `release_cached_blocks`, reused first when a segment grows.
+    pub(crate) spare_pages: Vec<SparePage>,
+    /// Whether expandable segments are in use (configured, and the backend has virtual memory
+    /// with a granularity that divides both page sizes).
+    pub(crate) expandable: bool,
     pub(crate) stats: MemoryStats,
     /// Bytes reserved from the device (PyTorch's `total_allocated_memory`).
     pub(crate) total_allocated_memory: usize,
@@ -81,7 +97,21 @@ pub(crate) struct State {
 }
 
 impl State {
-    pub(crate) fn new(config: AllocatorConfig, device_total: usize) -> Self {
+    pub(crate) fn new(
+        config: AllocatorConfig,
+        device_total: usize,
+        vm_granularity: Option<usize>,
+    ) -> Self {
+        let expandable = config.expandable_segments
+            && vm_granularity.is_some_and(|g| {
+                g > 0
+                    && [PoolKind::Small, PoolKind::Large]
+                        .iter()
+                        .all(|&k| expandable_page_size(k, &config) % g == 0)
+            });
+        if config.expandable_segments && !expandable {
+            tracing::warn!(target: "cuda_caching_allocator", granularity = ?vm_granularity, "expandable segments need virtual memory with a granularity dividing the page sizes; using fixed segments");
+        }
         let stats = MemoryStats {
             max_split_size: if config.max_split_size == usize::MAX {
                 -1
@@ -97,6 +127,9 @@ impl State {
             large: BlockPool::default(),
             active: AddrMap::default(),
             segments: BTreeMap::new(),
+            vm_segments: BTreeMap::new(),
+            spare_pages: Vec::new(),
+            expandable,
             stats,
             total_allocated_memory: 0,
             allowed_memory_maximum: None,
@@ -218,17 +251,17 @@ impl State {
             {
                 self.garbage_collect_cached_blocks(dev)?;
             }
-            found = self.alloc_block(dev, stream, kind, alloc_size, false)?;
+            found = self.alloc_block(dev, stream, kind, alloc_size, size, false)?;
             let give_up = self.cap_rejected && self.config.throw_on_cudamalloc_oom;
             if found.is_none()
                 && !give_up
                 && self.release_available_cached_blocks(dev, stream, size, kind)?
             {
-                found = self.alloc_block(dev, stream, kind, alloc_size, false)?;
+                found = self.alloc_block(dev, stream, kind, alloc_size, size, false)?;
             }
             if found.is_none() && !give_up {
                 self.release_cached_blocks(dev)?;
-                found = self.alloc_block(dev, stream, kind, alloc_size, true)?;
+                found = self.alloc_block(dev, stream, kind, alloc_size, size, true)?;
             }
         }
         let Some(id) = found else {
@@ -250,10 +283,14 @@ impl State {
         if gc_on {
             pool.get_free_blocks_call_count += 1;
         }
-        let key = *pool.blocks.range(FreeKey::search(stream, size)..).next()?;
+        let mut key = *pool.blocks.range(FreeKey::search(stream, size)..).next()?;
         if key.stream != stream {
             return None;
         }
+        if self.expandable {
+            key = self.expandable_best_fit(key, kind);
+        }
+        let pool = self.pool(kind);
         if size < max_split && key.size >= max_split {
             return None;
         }
@@ -267,7 +304,8 @@ impl State {
     fn should_split(&self, id: BlockId, size: usize) -> bool {
         let b = self.block(id);
         let remaining = b.size - size;
-        if b.pool == PoolKind::Small || b.expandable {
+        // PyTorch tests the configuration flag, not the block.
+        if b.pool == PoolKind::Small || self.expandable {
             remaining >= crate::config::MIN_BLOCK_SIZE
         } else {
             size < self.config.max_split_size && remaining > crate::config::SMALL_SIZE
@@ -282,17 +320,22 @@ impl State {
         stream: StreamId,
         kind: PoolKind,
         size: usize,
+        rounded: usize,
         is_retry: bool,
     ) -> Result<Option<BlockId>> {
         if is_retry {
             self.stats.num_alloc_retries += 1;
         }
         self.cap_rejected = false;
+        let precise_cap = self.expandable && self.config.precise_fraction_cap;
         if let Some(max) = self.allowed_memory_maximum {
-            if self.total_allocated_memory.saturating_add(size) > max {
+            if !precise_cap && self.total_allocated_memory.saturating_add(size) > max {
                 self.cap_rejected = true;
                 return Ok(None);
             }
+        }
+        if self.expandable {
+            return self.try_allocate_expandable_block(dev, stream, kind, rounded);
         }
         let ptr = match dev.allocate(size, stream) {
             Ok(p) => p,
@@ -318,6 +361,7 @@ impl State {
                 size,
                 stream,
                 pool: kind,
+                expandable: false,
             },
         );
         if let Some(h) = &mut self.history {
@@ -702,13 +746,20 @@ impl State {
             .collect()
     }
 
-    /// `release_cached_blocks`: drain events, then free every whole free segment.
+    /// `release_cached_blocks`: drain events, then, per pool (large first), free every whole
+    /// free segment and unmap the free pages of expandable segments (dropping those left wholly
+    /// unmapped); finally release spare physical pages.
     pub(crate) fn release_cached_blocks<B: DeviceBackend>(&mut self, dev: &B) -> Result<()> {
         self.synchronize_and_free_events(dev)?;
-        let mut ids = self.releasable(PoolKind::Large);
-        ids.extend(self.releasable(PoolKind::Small));
-        self.release_all(dev, &ids)?;
-        tracing::debug!(target: "cuda_caching_allocator", device = dev.device_index(), segments = ids.len(), "cache flushed");
+        let mut released = 0usize;
+        for kind in [PoolKind::Large, PoolKind::Small] {
+            let ids = self.releasable(kind);
+            released += ids.len();
+            self.release_all(dev, &ids)?;
+            self.release_expandable_blocks(dev, kind)?;
+        }
+        self.release_spare_pages(dev)?;
+        tracing::debug!(target: "cuda_caching_allocator", device = dev.device_index(), segments = released, "cache flushed");
         Ok(())
     }
 

@@ -11,10 +11,13 @@
 //!   used by expandable segments.
 //!
 //! This module names no concrete device. [`sim::SimDevice`] is the deterministic host-only device;
-//! the CUDA backend lives behind the `cuda` feature. May use: nothing internal but value types.
+//! `cuda::CudaDevice` (behind the `cuda` feature) drives a real GPU through cudarc. May use:
+//! nothing internal but value types.
 
 use std::fmt;
 
+#[cfg(feature = "cuda-unpinned")]
+pub mod cuda;
 pub mod sim;
 
 /// An opaque device address. Never dereferenced on the host. `0` is the null pointer, which is

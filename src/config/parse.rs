@@ -5,7 +5,8 @@
 #![forbid(unsafe_code)]
 
 use super::{
-    AllocatorConfig, ConfigError, LARGE_BUFFER, MIB, MIN_LARGE_ALLOC, ROUNDUP_POWER2_BUCKETS,
+    AllocatorConfig, ConfigError, LARGE_BUFFER, MIB, MIN_LARGE_ALLOC, PageReuse,
+    ROUNDUP_POWER2_BUCKETS,
 };
 
 /// The crate's own environment variable, read before `PYTORCH_CUDA_ALLOC_CONF`.
@@ -218,11 +219,71 @@ pub(super) fn apply(
                 i += 2;
                 c.graph_capture_record_stream_reuse = t.boolean(i)?;
             }
-            // Crate-specific: per-thread front caches (not a PyTorch key).
-            "fast_path" => {
+            // Crate-specific keys (prefix `cca_`); PyTorch does not know them.
+            "cca_large_page_size_mb" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                let mb = t.size(i, &key)?;
+                if mb == 0 || mb > (usize::MAX / MIB) {
+                    return Err(ConfigError::new(
+                        "cca_large_page_size_mb must be a whole, positive number of MiB",
+                    ));
+                }
+                c.expandable_large_page_size = Some(mb * MIB);
+            }
+            "cca_max_handle_size_mb" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                let mb = t.size(i, &key)?;
+                if mb == 0 || mb > (usize::MAX / MIB) {
+                    return Err(ConfigError::new(
+                        "cca_max_handle_size_mb must be a whole, positive number of MiB",
+                    ));
+                }
+                c.expandable_max_handle_size = Some(mb * MIB);
+            }
+            "cca_page_reuse" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                c.page_reuse = match t.get(i)? {
+                    "off" => PageReuse::Off,
+                    "segment" => PageReuse::Segment,
+                    "device" => PageReuse::Device,
+                    other => {
+                        return Err(ConfigError::new(format!(
+                            "cca_page_reuse must be off, segment or device (got '{other}')"
+                        )));
+                    }
+                };
+            }
+            "cca_page_reuse_slack" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                let v = t.double(i, &key)?;
+                if !(0.0..=1.0).contains(&v) {
+                    return Err(ConfigError::new(
+                        "cca_page_reuse_slack is invalid, set it in [0.0, 1.0]",
+                    ));
+                }
+                c.page_reuse_slack = v;
+            }
+            "cca_precise_cap" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                c.precise_fraction_cap = t.boolean(i)?;
+            }
+            "cca_fast_path" => {
                 t.expect(i + 1, ":")?;
                 i += 2;
                 c.fast_path = t.boolean(i)?;
+            }
+            "cca_preset" => {
+                // This crate's key: start over from a named preset; keys after it apply on top.
+                t.expect(i + 1, ":")?;
+                i += 2;
+                let preset = super::Preset::from_name(t.get(i)?)?;
+                c = preset.config();
+                c.settings = settings.to_string();
             }
             "backend" => {
                 t.expect(i + 1, ":")?;
@@ -380,10 +441,10 @@ mod tests {
                 .unwrap();
         assert!(c.release_lock_on_cudamalloc);
         assert!(!c.fast_path);
-        assert!(parse("fast_path:True").unwrap().fast_path);
-        let c = apply(AllocatorConfig::default(), "fast_path:False").unwrap();
+        assert!(parse("cca_fast_path:True").unwrap().fast_path);
+        let c = apply(AllocatorConfig::default(), "cca_fast_path:False").unwrap();
         assert!(!c.fast_path);
-        assert!(err("fast_path:yes").contains("Expected 'True' or 'False'"));
+        assert!(err("cca_fast_path:yes").contains("Expected 'True' or 'False'"));
     }
 
     #[test]
@@ -452,5 +513,35 @@ mod tests {
         assert_eq!(c.max_split_size, usize::MAX);
         assert_eq!(c.roundup_power2_divisions, [0; 16]);
         assert!(c.expandable_segments);
+    }
+}
+
+#[cfg(test)]
+mod preset_key_tests {
+    use super::*;
+
+    #[test]
+    fn cca_preset_starts_over_from_a_preset() {
+        let c = apply(AllocatorConfig::default(), "cca_preset:pytorch").unwrap();
+        assert_eq!(
+            AllocatorConfig {
+                settings: String::new(),
+                ..c.clone()
+            },
+            AllocatorConfig::pytorch()
+        );
+        let c = apply(
+            AllocatorConfig::pytorch(),
+            "cca_preset:pytorch-expandable,max_split_size_mb:64",
+        )
+        .unwrap();
+        assert!(c.expandable_segments);
+        assert_eq!(c.max_split_size, 64 << 20);
+        assert!(
+            apply(AllocatorConfig::pytorch(), "cca_preset:nope")
+                .unwrap_err()
+                .message()
+                .contains("known presets")
+        );
     }
 }

@@ -1,4 +1,4 @@
-//! The fast path (per-thread front caches, `fast_path:True`): cache hits, and that it respects
+//! The fast path (per-thread front caches, `cca_fast_path:True`): cache hits, and that it respects
 //! `empty_cache`, growth, the OOM path, the fraction cap, double-free detection, `record_stream`,
 //! the history recorder, snapshots, thread exit and several allocators per thread; and that its
 //! statistics equal the plain core's for the same single-threaded program.
@@ -38,7 +38,11 @@ fn the_knob_is_off_for_pytorch_and_on_by_default() {
     assert!(!Preset::PytorchExpandable.config().fast_path);
     assert!(AllocatorConfig::default().fast_path);
     assert!(Preset::Default.config().fast_path);
-    assert!(AllocatorConfig::parse("fast_path:True").unwrap().fast_path);
+    assert!(
+        AllocatorConfig::parse("cca_fast_path:True")
+            .unwrap()
+            .fast_path
+    );
     assert!(!AllocatorConfig::parse("").unwrap().fast_path);
     let a = CachingAllocator::new(SimDevice::default(), AllocatorConfig::default()).unwrap();
     assert!(a.fast_path());
@@ -557,42 +561,18 @@ proptest! {
 }
 
 /// Note [Candidates go back before a miss] in `front/mod.rs`: replaying the shipped PyTorch traces
-/// with the fast path on reaches PyTorch's peak reserved bytes (within 0.2%).
+/// with the fast path on reserves what the same configuration reserves without it (within 0.2%),
+/// for PyTorch's configuration and for the crate's default.
 #[cfg(feature = "trace-io")]
 #[test]
 fn front_caches_keep_pytorchs_peak_reserved_on_the_shipped_traces() {
-    use std::io::Read;
-
-    use cuda_caching_allocator::trace::{Trace, TraceOp, TraceSource};
+    use cuda_caching_allocator::trace::{ImportOptions, read_trace_file};
 
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/traces");
     for name in ["resnet50_train", "gpt2_train", "bert_varlen"] {
-        let mut raw = Vec::new();
-        std::fs::File::open(dir.join(format!("{name}.csv.gz")))
+        let trace = read_trace_file(dir.join(format!("{name}.csv.gz")), &ImportOptions::strict())
             .unwrap()
-            .read_to_end(&mut raw)
-            .unwrap();
-        let mut text = String::new();
-        flate2::read::GzDecoder::new(&raw[..])
-            .read_to_string(&mut text)
-            .unwrap();
-        let mut trace = Trace::new(TraceSource::RmmCsv);
-        let mut ids = std::collections::HashMap::new();
-        for (id, line) in text.lines().skip(1).enumerate() {
-            let f: Vec<&str> = line.split(',').collect();
-            let ptr = u64::from_str_radix(f[3].trim_start_matches("0x"), 16).unwrap();
-            if f[2] == "allocate" {
-                ids.insert(ptr, id as u64);
-                trace.push(TraceOp::Alloc {
-                    id: id as u64,
-                    size: f[4].parse().unwrap(),
-                    stream: f[5].parse().unwrap(),
-                    addr: Some(ptr),
-                });
-            } else if let Some(id) = ids.remove(&ptr) {
-                trace.push(TraceOp::Free { id });
-            }
-        }
+            .trace;
         let peak = |config: AllocatorConfig| {
             let a = with_config(80 << 30, config);
             let r = replay(&a, &trace, &ReplayOptions::default()).unwrap();
@@ -603,6 +583,16 @@ fn front_caches_keep_pytorchs_peak_reserved_on_the_shipped_traces() {
         assert!(
             fast <= torch * 1.002,
             "{name}: {fast} reserved with the fast path, {torch} without"
+        );
+        // The same for the crate's default (expandable segments).
+        let plain = AllocatorConfig {
+            fast_path: false,
+            ..AllocatorConfig::default()
+        };
+        let (plain, default) = (peak(plain), peak(AllocatorConfig::default()));
+        assert!(
+            default <= plain * 1.002,
+            "{name}: {default} reserved by the default, {plain} without its fast path"
         );
     }
 }

@@ -131,8 +131,10 @@ fn fresh_placement_lands_within_a_tenth_of_a_percent() {
             .as_u64()
             .unwrap() as f64;
         let off = (r.peak_reserved_bytes as f64 / want - 1.0).abs();
+        // The shared README's "up to 0.1%" is rounded: its own bert_varlen figures
+        // (9,403,629,568 instead of 9,414,115,328 reserved) are 0.111% apart.
         assert!(
-            off <= 0.001,
+            off <= 0.0012,
             "{name}: fresh placement is {:.4}% off",
             off * 100.0
         );

@@ -1,10 +1,19 @@
 //! The single integration-test binary. Each module is one area; shared helpers live in `util`.
 
+// Test helpers outside `#[test]` functions unwrap (a failure there is a test failure), and
+// `util`'s helpers are `pub` for the sibling modules.
+#![allow(clippy::unwrap_used, unreachable_pub)]
+
 mod caching;
 mod concurrency;
 mod config_env;
+mod cuda;
+mod expandable;
+mod expandable_fidelity;
 mod fast_path;
 mod faults;
 mod fidelity;
+mod fragmentation;
 mod props;
+mod trace_io;
 mod util;

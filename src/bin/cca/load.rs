@@ -53,8 +53,7 @@ pub(crate) fn load_trace(path: &Path, lenient: bool) -> CliResult<Trace> {
     } else {
         ImportOptions::strict()
     };
-    let imported =
-        read_trace_file(path, &options).map_err(|e| format!("{}: {e}", path.display()))?;
+    let imported = read_trace_file(path, &options)?;
     Ok(imported.trace)
 }
 
@@ -141,12 +140,9 @@ pub(crate) fn run(
         ..ReplayOptions::default()
     };
     let total = trace.events.len();
-    let every = if points == 0 {
-        usize::MAX
-    } else {
-        (total / points).max(1)
-    };
+    let every = total.checked_div(points).map_or(usize::MAX, |e| e.max(1));
     let mut timeline = Vec::new();
+    let mut bucket = (0u64, 0u64);
     let started = Instant::now();
     let bar = ProgressBar::with_draw_target(Some(total as u64), ProgressDrawTarget::hidden());
     bar.set_style(
@@ -162,12 +158,15 @@ pub(crate) fn run(
         None => dev.clear_placement_hint(),
     };
     let report = replay_observed(&alloc, trace, &opts, Some(&hint), &mut |i, _live, st| {
-        if i % every == 0 || i + 1 == total {
-            timeline.push((
-                i,
-                st.memory_allocated().max(0) as u64,
-                st.memory_reserved().max(0) as u64,
-            ));
+        // Each point is the maximum over its bucket of events, so no peak is lost.
+        let (a, r) = (
+            st.memory_allocated().max(0) as u64,
+            st.memory_reserved().max(0) as u64,
+        );
+        bucket = (bucket.0.max(a), bucket.1.max(r));
+        if (i + 1) % every == 0 || i + 1 == total {
+            timeline.push((i, bucket.0, bucket.1));
+            bucket = (0, 0);
         }
         if i % 4096 == 0 {
             if !shown && started.elapsed() > Duration::from_secs(1) {

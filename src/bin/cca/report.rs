@@ -67,6 +67,7 @@ fn reference_json(reference: &Reference) -> Value {
         "pytorch_expandable_peak_reserved_bytes": reference.expandable_reserved,
         "cudaMallocAsync_peak_reserved_bytes": reference.async_reserved,
         "pytorch_replay_ns_per_op": reference.torch_ns_per_op,
+        "cudaMallocAsync_replay_ns_per_op": reference.async_ns_per_op,
     })
 }
 
@@ -101,7 +102,7 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
     println!("trace          {}", a.trace.trace.display());
     println!("configuration  {}", label.label);
     println!(
-        "device         simulated, {} , {} placement",
+        "device         simulated, {}, {} placement",
         format_size(a.trace.device_memory),
         if a.trace.placement == crate::PlacementArg::Faithful {
             "address-faithful"
@@ -177,9 +178,17 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
         format!("{:.0}", lat.mean_ns),
         reference
             .as_ref()
-            .and_then(|x| x
-                .torch_ns_per_op
-                .map(|t| format!("{:>18}  (PyTorch native on the {} host)", t, x.device)))
+            .and_then(|x| {
+                x.torch_ns_per_op.map(|t| {
+                    let asyncmax = x
+                        .async_ns_per_op
+                        .map_or(String::new(), |a| format!("; cudaMallocAsync {a}"));
+                    format!(
+                        "{t:>18}  (PyTorch native{asyncmax}; replayed on the {} host)",
+                        x.device
+                    )
+                })
+            })
             .unwrap_or_default()
     );
     println!(

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Runs the whole GPU suite on the device machine in one go; staged next to the binaries by
+# gpu/build.sh. Logs go to $OUT (the device tool's output folder), a summary is printed last.
+#
+#   bash gpu-bin/run.sh [PHASE...]    # phases: tests example torch sanitizer (default: all)
+set -uo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+OUT=${OUT:-/tmp/cca-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 CCA_TEST_CUDA=1 RUST_BACKTRACE=1
+S="$OUT/summary.txt"
+{
+  echo "== cuda-caching-allocator GPU run"
+  date -u +%Y-%m-%dT%H:%M:%SZ
+  cat "$HERE/BUILD_INFO"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+} | tee "$S"
+
+step() { # name, command...
+  local name=$1; shift
+  local t0=$SECONDS
+  "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc=$rc ($((SECONDS - t0)) s)" | tee -a "$S"
+  return $rc
+}
+
+PHASES=${*:-tests example torch sanitizer}
+BUDGET=${CCA_GPU_BUDGET_S:-570}   # stay inside the device tool's 600 s per command
+left() { echo $(( BUDGET - SECONDS > 30 ? BUDGET - SECONDS : 30 )); }
+
+for phase in $PHASES; do
+  case $phase in
+  tests) # The test suite, single-threaded (several tests read device-wide free memory).
+    step tests timeout 200 "$HERE/cuda_tests" cuda:: --test-threads=1 --nocapture
+    grep -E '^test result|FAILED|panicked' "$OUT/tests.log" | tee -a "$S" ;;
+  example) # The migration example (cached vs uncached results, cuBLAS).
+    step example timeout 60 "$HERE/cudarc_migration"
+    grep -E 'axpy|cuBLAS' "$OUT/example.log" | tee -a "$S" ;;
+  torch) # PyTorch: GPT-2 training with the native allocator and with ours, compared.
+    step torch timeout 300 python3 "$HERE/torch_client.py" --so "$HERE/libtorch_plugin.so" --json "$OUT/torch.json"
+    sed -n '/== PyTorch comparison ==/,$p' "$OUT/torch.log" | tee -a "$S" ;;
+  sanitizer) # The suite and the example under compute-sanitizer memcheck, in the time left.
+    # API-error reports are off: the OOM tests fail cuMemAlloc on purpose (3 reports otherwise);
+    # memory-access errors, leaks of device allocations excepted, still fail the run.
+    CCA_UNDER_SANITIZER=1 step sanitizer timeout "$(left)" compute-sanitizer --tool memcheck \
+      --report-api-errors no --error-exitcode 99 "$HERE/cuda_tests" cuda:: --test-threads=1
+    grep -E '^test |^test result|ERROR SUMMARY|FAILED|panicked' "$OUT/sanitizer.log" | tee -a "$S"
+    step sanitizer_example timeout 120 compute-sanitizer --tool memcheck --error-exitcode 99 \
+      "$HERE/cudarc_migration"
+    grep -E 'ERROR SUMMARY' "$OUT/sanitizer_example.log" | tee -a "$S" ;;
+  *) echo "unknown phase $phase (tests example torch sanitizer)" | tee -a "$S" ;;
+  esac
+done

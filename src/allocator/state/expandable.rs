@@ -1,0 +1,870 @@
+//! Expandable segments: PyTorch's `ExpandableSegment` and the block surgery around it
+//! (`find_expandable_block`, `map_block`, `try_allocate_expandable_block`, `unmap_block`,
+//! `release_blocks`, `release_expandable_segment` of PyTorch 2.11), plus this crate's page reuse.
+//!
+//! Note [Expandable segments]: one segment per (stream, pool) reserves a large virtual range
+//! (`page × ceil(1.125 × device total / page)`) and grows by mapping physical pages, one
+//! `create_physical` + `map` per page, 2 MiB pages in the small pool and `large_segment_size`
+//! pages in the large pool. The segment is tiled by blocks like any other; the parts without
+//! pages are blocks with `mapped == false`, kept in the pool's `unmapped` set. Growth maps pages
+//! at the lowest address where free and unmapped blocks together have room (merging the new
+//! pages with free neighbours); pages are unmapped only by `release_cached_blocks` (empty_cache
+//! and the OOM path), never by an ordinary free. Stats follow PyTorch: `reserved_bytes` counts
+//! mapped bytes, `segment` is not touched, `num_device_alloc` / `num_device_free` count map and
+//! unmap operations (one per mapped or unmapped range), `inactive_split` skips expandable blocks.
+//!
+//! Note [Page reuse]: with `page_reuse` on (not PyTorch), a growth first takes pages from
+//! `spare_pages`, then unmaps whole free pages of free cached blocks elsewhere (after
+//! synchronizing their stream) and maps the same physical pages where the growth needs them;
+//! only the rest is created new. A growth therefore creates memory only when no free whole page
+//! is left, so reserved memory stays within the live bytes plus the partial pages around free
+//! blocks. Pages moved between pools move their `reserved_bytes` with them (`StatArray::transfer`).
+//!
+//! Failure handling: a device error part-way through mapping or unmapping records what did
+//! happen (the pages mapped or unmapped so far) in the block structure and puts physical pages
+//! that are mapped nowhere into `spare_pages`, so the state stays consistent and nothing leaks.
+#![forbid(unsafe_code)]
+
+use std::collections::BTreeMap;
+
+use super::{SegmentRec, State};
+use crate::allocator::block::{Block, BlockId};
+use crate::allocator::device_calls;
+use crate::allocator::pool::FreeKey;
+use crate::backend::{BackendError, DeviceBackend, DevicePtr, PhysicalHandle, StreamId};
+use crate::config::PageReuse;
+use crate::error::{AllocError, Result};
+use crate::size_class::{PoolKind, expandable_page_size};
+use crate::trace::TraceOp;
+
+/// One expandable segment: a reserved address range and the physical handles mapped in it.
+#[derive(Clone, Debug)]
+pub(crate) struct VmSegment {
+    /// Base address of the reservation.
+    pub(crate) base: u64,
+    /// Bytes reserved (a multiple of `page_size`).
+    pub(crate) size: usize,
+    /// Bytes per page.
+    pub(crate) page_size: usize,
+    pub(crate) stream: StreamId,
+    pub(crate) pool: PoolKind,
+    /// Mapped handles: first page → (handle, pages it spans). One page per handle unless
+    /// `expandable_max_handle_size` allows more. Never overlapping.
+    pub(crate) handles: BTreeMap<usize, (PhysicalHandle, usize)>,
+    /// Pages mapped in all.
+    pub(crate) mapped_pages: usize,
+}
+
+impl VmSegment {
+    /// Bytes mapped.
+    pub(crate) fn mapped_bytes(&self) -> usize {
+        self.mapped_pages * self.page_size
+    }
+
+    /// Address of page `page`.
+    pub(crate) fn page_addr(&self, page: usize) -> u64 {
+        self.base + (page * self.page_size) as u64
+    }
+
+    /// The page holding `addr` (PyTorch's `segmentLeft`).
+    pub(crate) fn page_left(&self, addr: u64) -> usize {
+        ((addr - self.base) / self.page_size as u64) as usize
+    }
+
+    /// The first page starting at or after `addr` (PyTorch's `segmentRight`).
+    pub(crate) fn page_right(&self, addr: u64) -> usize {
+        (addr - self.base).div_ceil(self.page_size as u64) as usize
+    }
+
+    /// The handle mapped over `page`, as `(first page, pages)`.
+    pub(crate) fn covering(&self, page: usize) -> Option<(usize, usize)> {
+        self.handles
+            .range(..=page)
+            .next_back()
+            .filter(|(start, (_, n))| page < **start + *n)
+            .map(|(start, (_, n))| (*start, *n))
+    }
+
+    /// Handles lying wholly inside pages `[first, last)`, as `(first page, pages)`, in order.
+    fn handles_within(&self, first: usize, last: usize) -> Vec<(usize, usize)> {
+        if last <= first {
+            return Vec::new();
+        }
+        self.handles
+            .range(first..last)
+            .filter(|(start, (_, n))| **start + *n <= last)
+            .map(|(start, (_, n))| (*start, *n))
+            .collect()
+    }
+}
+
+/// Contiguous runs `(first page, pages)` of the given handles, highest first (so that unmapping
+/// one run leaves the runs below it in the block's lower remainder).
+fn runs_descending(mut handles: Vec<(usize, usize)>) -> Vec<(usize, usize)> {
+    handles.sort_unstable();
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for (start, n) in handles {
+        match runs.last_mut() {
+            Some(r) if r.0 + r.1 == start => r.1 += n,
+            _ => runs.push((start, n)),
+        }
+    }
+    runs.reverse();
+    runs
+}
+
+/// A physical handle the cache holds but has mapped nowhere. Its bytes count as reserved, in the
+/// pool it last served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SparePage {
+    pub(crate) handle: PhysicalHandle,
+    /// Bytes (a multiple of the granularity; one or more pages).
+    pub(crate) size: usize,
+    pub(crate) pool: PoolKind,
+}
+
+/// Runs of whole handles of one free block to hand to a growing segment, highest first.
+#[derive(Clone, Debug)]
+struct Reclaim {
+    id: BlockId,
+    runs: Vec<(usize, usize)>,
+}
+
+/// What a growth is for: the address range page reuse must leave alone, the unmapped block being
+/// mapped, and the request's size.
+#[derive(Clone, Copy, Debug)]
+struct Growth {
+    keep: (u64, u64),
+    to_map: BlockId,
+    request: usize,
+}
+
+fn backend(operation: &'static str) -> impl FnOnce(BackendError) -> AllocError {
+    move |source| AllocError::Backend { operation, source }
+}
+
+impl State {
+    /// Base address of the expandable segment holding `addr`.
+    pub(crate) fn vm_segment_of(&self, addr: u64) -> Option<u64> {
+        self.vm_segments
+            .range(..=addr)
+            .next_back()
+            .filter(|(base, s)| addr < **base + s.size as u64)
+            .map(|(base, _)| *base)
+    }
+
+    /// The expandable segment holding `addr`, with its base address.
+    fn vm_at(&self, addr: u64) -> Option<(u64, &VmSegment)> {
+        let base = self.vm_segment_of(addr)?;
+        Some((base, self.vm_segments.get(&base)?))
+    }
+
+    /// Free for reuse: not allocated and no pending stream use (mapped or not).
+    fn allocatable(&self, id: BlockId) -> bool {
+        let b = self.block(id);
+        !b.allocated && b.event_count == 0 && b.stream_uses.is_empty()
+    }
+
+    /// Removes a free mapped block from its pool's free set.
+    fn uncache_block(&mut self, id: BlockId) {
+        let kind = self.block(id).pool;
+        let pool = match kind {
+            PoolKind::Small => &mut self.small,
+            PoolKind::Large => &mut self.large,
+        };
+        if let Some(b) = self.arena.get(id) {
+            pool.remove(id, b);
+        }
+    }
+
+    /// `get_free_block`'s expandable walk: from the first fitting key, move on while the next
+    /// candidate of the stream has a smaller *expandable size* (its size plus an unmapped block
+    /// right after it), so that best fit counts growable room.
+    pub(super) fn expandable_best_fit(&self, key: FreeKey, kind: PoolKind) -> FreeKey {
+        let expandable_size = |id: BlockId| {
+            let b = self.block(id);
+            let tail = b
+                .next
+                .map(|n| self.block(n))
+                .filter(|n| !n.mapped)
+                .map_or(0, |n| n.size);
+            b.size + tail
+        };
+        let mut it = key;
+        for next in self.pool_ref(kind).blocks.range(key..).skip(1) {
+            if !self.block(it.id).expandable
+                || next.stream != key.stream
+                || expandable_size(next.id) >= expandable_size(it.id)
+            {
+                break;
+            }
+            it = *next;
+        }
+        it
+    }
+
+    /// `find_expandable_block`: the lowest-addressed run of free and unmapped blocks of `stream`
+    /// with room for `size` bytes (starting at the free block before an unmapped one when there
+    /// is one); else a new segment with one unmapped block spanning its whole range.
+    fn find_expandable_block<B: DeviceBackend>(
+        &mut self,
+        dev: &B,
+        stream: StreamId,
+        kind: PoolKind,
+        size: usize,
+    ) -> Result<Option<BlockId>> {
+        let unmapped: Vec<BlockId> = self
+            .pool_ref(kind)
+            .unmapped
+            .range((stream, 0, BlockId(0))..)
+            .take_while(|(s, _, _)| *s == stream)
+            .map(|&(_, _, id)| id)
+            .collect();
+        for id in unmapped {
+            let mut c = id;
+            if let Some(p) = self.block(c).prev {
+                if self.allocatable(p) {
+                    c = p;
+                }
+            }
+            let mut bytes = 0usize;
+            let mut cur = Some(c);
+            while let Some(b) = cur {
+                if bytes >= size || !self.allocatable(b) {
+                    break;
+                }
+                bytes += self.block(b).size;
+                cur = self.block(b).next;
+            }
+            if bytes >= size {
+                return Ok(Some(c));
+            }
+        }
+        let page = expandable_page_size(kind, &self.config);
+        let total = self.device_total;
+        let handles = (total + total / 8)
+            .div_ceil(page)
+            .max(size.div_ceil(page))
+            .max(1);
+        let Some(va_size) = page.checked_mul(handles) else {
+            return Ok(None);
+        };
+        let base = match dev.reserve_address_range(va_size) {
+            Ok(p) => p.0,
+            Err(BackendError::OutOfMemory) => return Ok(None),
+            Err(source) => return Err(backend("reserve_address_range")(source)),
+        };
+        let mut b = Block::new(base, va_size, stream, kind);
+        b.mapped = false;
+        b.expandable = true;
+        let id = self.arena.insert(b);
+        self.pool(kind).unmapped.insert((stream, base, id));
+        self.segments.insert(
+            base,
+            SegmentRec {
+                size: va_size,
+                stream,
+                pool: kind,
+                expandable: true,
+            },
+        );
+        self.vm_segments.insert(
+            base,
+            VmSegment {
+                base,
+                size: va_size,
+                page_size: page,
+                stream,
+                pool: kind,
+                handles: BTreeMap::new(),
+                mapped_pages: 0,
+            },
+        );
+        tracing::debug!(target: "cuda_caching_allocator", device = dev.device_index(), base = %DevicePtr(base), va_size, page, %stream, pool = kind.segment_type(), "expandable segment reserved");
+        Ok(Some(id))
+    }
+
+    /// `try_allocate_expandable_block`: finds room, maps the pages it lacks, and returns one free
+    /// block (removed from the free set) of at least `size` bytes. `Ok(None)`: out of memory.
+    pub(super) fn try_allocate_expandable_block<B: DeviceBackend>(
+        &mut self,
+        dev: &B,
+        stream: StreamId,
+        kind: PoolKind,
+        size: usize,
+    ) -> Result<Option<BlockId>> {
+        let Some(mut cand) = self.find_expandable_block(dev, stream, kind, size)? else {
+            return Ok(None);
+        };
+        // Page reuse must not take pages from the run being assembled.
+        let lo = self.block(cand).ptr;
+        let mut growth = Growth {
+            keep: (lo, lo.saturating_add(size as u64)),
+            to_map: cand,
+            request: size,
+        };
+        if !self.block(cand).mapped {
+            let n = self.block(cand).size.min(size);
+            if !self.map_block(dev, n, growth)? {
+                return Ok(None);
+            }
+        }
+        while self.block(cand).size < size {
+            let remaining = size - self.block(cand).size;
+            let Some(next) = self.block(cand).next.filter(|&n| !self.block(n).mapped) else {
+                // find_expandable_block promised free -> unmapped -> ...; nothing else to do.
+                return Ok(None);
+            };
+            let n = remaining.min(self.block(next).size);
+            growth.to_map = next;
+            if !self.map_block(dev, n, growth)? {
+                return Ok(None);
+            }
+            cand = next;
+        }
+        self.uncache_block(cand);
+        Ok(Some(cand))
+    }
+
+    /// `map_block`: maps the pages covering the first `size` bytes of unmapped block
+    /// `growth.to_map`, which then becomes (part of) a free mapped block. `Ok(false)`: out of
+    /// memory (nothing changed).
+    fn map_block<B: DeviceBackend>(
+        &mut self,
+        dev: &B,
+        size: usize,
+        growth: Growth,
+    ) -> Result<bool> {
+        let to_map = growth.to_map;
+        let ptr = self.block(to_map).ptr;
+        let Some((base, seg)) = self.vm_at(ptr) else {
+            return Ok(false);
+        };
+        let (first, last, page, kind, stream) = (
+            seg.page_left(ptr),
+            seg.page_right(ptr + size as u64),
+            seg.page_size,
+            seg.pool,
+            seg.stream,
+        );
+        if last <= first {
+            return Ok(false);
+        }
+        let Some(handles) = self.acquire_pages(dev, base, last - first, growth)? else {
+            return Ok(false);
+        };
+        let mut at = first;
+        let mut mapped = 0usize;
+        let mut err = None;
+        for sp in &handles {
+            let n = sp.size / page;
+            let va = DevicePtr(base + (at * page) as u64);
+            match device_calls::map_page(dev, va, sp.size, sp.handle) {
+                Ok(()) => {
+                    if let Some(seg) = self.vm_segments.get_mut(&base) {
+                        seg.handles.insert(at, (sp.handle, n));
+                        seg.mapped_pages += n;
+                    }
+                    self.stats
+                        .reserved_bytes
+                        .transfer(sp.pool, kind, sp.size as i64);
+                    at += n;
+                    mapped += 1;
+                }
+                Err(source) => {
+                    err = Some(backend("map")(source));
+                    break;
+                }
+            }
+        }
+        self.spare_pages.extend_from_slice(&handles[mapped..]);
+        if at > first {
+            let bytes = (at - first) * page;
+            self.mark_mapped(to_map, bytes);
+            if let Some(h) = &mut self.history {
+                h.op(TraceOp::SegmentMap {
+                    addr: base + (first * page) as u64,
+                    size: bytes as u64,
+                    stream: stream.0,
+                });
+            }
+        }
+        match err {
+            Some(e) => Err(e),
+            None => Ok(true),
+        }
+    }
+
+    /// The block surgery of `map_block` once `bytes` at the start of `to_map` are mapped.
+    fn mark_mapped(&mut self, to_map: BlockId, bytes: usize) {
+        let (ptr, size, stream, kind, next) = {
+            let b = self.block(to_map);
+            (b.ptr, b.size, b.stream, b.pool, b.next)
+        };
+        self.pool(kind).unmapped.remove(&(stream, ptr, to_map));
+        self.block_mut(to_map).mapped = true;
+        if bytes < size {
+            let mut rest = Block::new(ptr + bytes as u64, size - bytes, stream, kind);
+            rest.mapped = false;
+            rest.expandable = true;
+            rest.prev = Some(to_map);
+            rest.next = next;
+            let rid = self.arena.insert(rest);
+            if let Some(n) = next {
+                self.block_mut(n).prev = Some(rid);
+            }
+            let b = self.block_mut(to_map);
+            b.next = Some(rid);
+            b.size = bytes;
+            self.pool(kind)
+                .unmapped
+                .insert((stream, ptr + bytes as u64, rid));
+        }
+        let prev = self.block(to_map).prev;
+        self.try_merge_blocks(to_map, prev);
+        let next = self.block(to_map).next;
+        self.try_merge_blocks(to_map, next);
+        self.cache_block(to_map);
+        self.stats.num_device_alloc += 1;
+    }
+
+    /// Physical handles covering `n` pages of segment `base`, already counted as reserved (each
+    /// in the pool its `SparePage` names): spare handles first, then (with page reuse) handles
+    /// unmapped from free blocks, then new ones. `Ok(None)`: out of memory or over the cap,
+    /// nothing changed except that reused handles may have moved to `spare_pages`.
+    fn acquire_pages<B: DeviceBackend>(
+        &mut self,
+        dev: &B,
+        base: u64,
+        n: usize,
+        growth: Growth,
+    ) -> Result<Option<Vec<SparePage>>> {
+        let Some((page, kind)) = self.vm_segments.get(&base).map(|s| (s.page_size, s.pool)) else {
+            return Ok(None);
+        };
+        let mut got: Vec<SparePage> = Vec::new();
+        let mut have = 0usize;
+        self.spare_pages.sort_by_key(|p| std::cmp::Reverse(p.size));
+        let mut i = 0;
+        while i < self.spare_pages.len() && have < n {
+            let sp = self.spare_pages[i];
+            if sp.size % page == 0 && sp.size / page <= n - have {
+                have += sp.size / page;
+                got.push(self.spare_pages.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        let need = n - have;
+        // Within the slack, new pages are cheaper than moving pages around.
+        let allowance = if self.config.page_reuse_slack > 0.0 {
+            let allocated = self.stats.memory_allocated().max(0) as usize;
+            let peak = self.stats.max_memory_allocated().max(0) as usize;
+            let budget = (allocated.saturating_add(growth.request).max(peak) as f64
+                * (1.0 + self.config.page_reuse_slack)) as usize;
+            budget.saturating_sub(self.total_allocated_memory) / page
+        } else {
+            0
+        };
+        let reuse = self.config.page_reuse != PageReuse::Off;
+        let to_reclaim = need.saturating_sub(allowance);
+        let (mut plan, mut reclaimed) = if to_reclaim > 0 && reuse {
+            self.reclaim_plan(base, to_reclaim, growth)
+        } else {
+            (Vec::new(), 0)
+        };
+        let over_cap = |st: &Self, fresh: usize| {
+            st.config.precise_fraction_cap
+                && st
+                    .allowed_memory_maximum
+                    .is_some_and(|max| st.total_allocated_memory.saturating_add(fresh * page) > max)
+        };
+        if reuse && to_reclaim < need && over_cap(self, need - reclaimed) {
+            // No slack under the cap: reuse all that can be reused.
+            (plan, reclaimed) = self.reclaim_plan(base, need, growth);
+        }
+        let fresh = need - reclaimed;
+        if fresh > 0 && over_cap(self, fresh) {
+            self.cap_rejected = true;
+            self.spare_pages.extend(got);
+            return Ok(None);
+        }
+        let per_handle = self
+            .config
+            .expandable_max_handle_size
+            .map_or(1, |m| (m / page).max(1));
+        let mut created: Vec<SparePage> = Vec::new();
+        let mut left = fresh;
+        while left > 0 {
+            // The last page usually holds the end of the request and the start of whatever
+            // comes next: a handle of its own there keeps the big handles reusable.
+            let pages = if left > 1 && left <= per_handle {
+                left - 1
+            } else {
+                left.min(per_handle)
+            };
+            match dev.create_physical(pages * page) {
+                Ok(handle) => created.push(SparePage {
+                    handle,
+                    size: pages * page,
+                    pool: kind,
+                }),
+                Err(e) => {
+                    for sp in created {
+                        if device_calls::release_unmapped_page(dev, sp.handle, sp.size).is_err() {
+                            // Keep what cannot be released: it is real memory.
+                            self.total_allocated_memory += sp.size;
+                            self.stats.reserved_bytes.increase(kind, sp.size as i64);
+                            self.spare_pages.push(sp);
+                        }
+                    }
+                    self.spare_pages.extend(got);
+                    return if e.is_out_of_memory() {
+                        Ok(None)
+                    } else {
+                        Err(backend("create_physical")(e))
+                    };
+                }
+            }
+            left -= pages;
+        }
+        if fresh > 0 {
+            self.total_allocated_memory += fresh * page;
+            self.stats
+                .reserved_bytes
+                .increase(kind, (fresh * page) as i64);
+            got.extend(created);
+        }
+        let mut synced: Vec<StreamId> = Vec::new();
+        for r in plan {
+            let stream = self.block(r.id).stream;
+            if !synced.contains(&stream) {
+                if let Err(source) = dev.synchronize_stream(stream) {
+                    self.spare_pages.extend(got);
+                    return Err(backend("synchronize_stream")(source));
+                }
+                synced.push(stream);
+            }
+            let mut cur = Some(r.id);
+            for (first, count) in r.runs {
+                let Some(id) = cur else { break };
+                let (pages, below, res) = self.unmap_run(dev, id, first, count);
+                got.extend(pages);
+                if let Err(e) = res {
+                    self.spare_pages.extend(got);
+                    return Err(e);
+                }
+                cur = below;
+            }
+        }
+        // Big handles first, the smallest (usually one page) last, where the range ends.
+        got.sort_by_key(|p| std::cmp::Reverse(p.size));
+        Ok(Some(got))
+    }
+
+    /// Which mapped handles to reuse for `need` pages of segment `base`, and how many pages they
+    /// give: handles lying wholly inside free blocks the policy allows (same segment, or any
+    /// segment whose handles are whole multiples of this page size), largest first, never more
+    /// than needed; never from blocks in `growth.keep` in `base` (the run being assembled), nor
+    /// the pages of `growth.to_map`'s neighbours that touch it (unmapped, they would merge with
+    /// it).
+    fn reclaim_plan(&self, base: u64, need: usize, growth: Growth) -> (Vec<Reclaim>, usize) {
+        let Some((page, kind)) = self.vm_segments.get(&base).map(|s| (s.page_size, s.pool)) else {
+            return (Vec::new(), 0);
+        };
+        let same_segment_only = self.config.page_reuse == PageReuse::Segment;
+        let (lo, hi) = growth.keep;
+        // Per block: (pages here in all, address, block, [(pages here, first page there, pages
+        // there)]).
+        type Cand = (usize, u64, BlockId, Vec<(usize, usize, usize)>);
+        let mut cands: Vec<Cand> = Vec::new();
+        for pk in [PoolKind::Small, PoolKind::Large] {
+            if same_segment_only && pk != kind {
+                continue;
+            }
+            for k in &self.pool_ref(pk).blocks {
+                let b = self.block(k.id);
+                if !b.expandable {
+                    continue;
+                }
+                let Some((sb, seg)) = self.vm_at(b.ptr) else {
+                    continue;
+                };
+                if same_segment_only && sb != base {
+                    continue;
+                }
+                if sb == base && b.ptr < hi && b.end() > lo {
+                    continue;
+                }
+                // A neighbour of the block being mapped keeps its page next to it: unmapped
+                // there, it would merge into that block.
+                let skip_low = usize::from(b.prev == Some(growth.to_map));
+                let skip_high = usize::from(b.next == Some(growth.to_map));
+                let bytes_per = seg.page_size;
+                let handles: Vec<(usize, usize, usize)> = seg
+                    .handles_within(
+                        seg.page_right(b.ptr) + skip_low,
+                        seg.page_left(b.end()).saturating_sub(skip_high),
+                    )
+                    .into_iter()
+                    .filter(|&(_, count)| (count * bytes_per) % page == 0)
+                    .map(|(start, count)| (count * bytes_per / page, start, count))
+                    .collect();
+                let total: usize = handles.iter().map(|h| h.0).sum();
+                if total > 0 {
+                    cands.push((total, b.ptr, k.id, handles));
+                }
+            }
+        }
+        // Fewest blocks touched: the blocks with most reusable pages first; within a block its
+        // highest handles first (the low part stays mapped next to what precedes it).
+        cands.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        let mut left = need;
+        let mut taken: Vec<(BlockId, usize, usize)> = Vec::new();
+        for (_, _, id, handles) in cands {
+            if left == 0 {
+                break;
+            }
+            for &(pages, start, count) in handles.iter().rev() {
+                if pages <= left {
+                    left -= pages;
+                    taken.push((id, start, count));
+                }
+            }
+        }
+        taken.sort_unstable();
+        let mut plan: Vec<Reclaim> = Vec::new();
+        let mut i = 0;
+        while i < taken.len() {
+            let id = taken[i].0;
+            let mut handles = Vec::new();
+            while i < taken.len() && taken[i].0 == id {
+                handles.push((taken[i].1, taken[i].2));
+                i += 1;
+            }
+            plan.push(Reclaim {
+                id,
+                runs: runs_descending(handles),
+            });
+        }
+        // Deterministic order: by block address.
+        plan.sort_unstable_by_key(|r| self.block(r.id).ptr);
+        (plan, need - left)
+    }
+
+    /// Unmaps the handles tiling pages `[first, first + count)` of free mapped block `id` (the
+    /// caller synchronized its stream) and does `unmap_block`'s surgery for what was unmapped.
+    /// Returns the handles (still counted as reserved in the block's pool), the free block left
+    /// below the run (if any), and the first error.
+    fn unmap_run<B: DeviceBackend>(
+        &mut self,
+        dev: &B,
+        id: BlockId,
+        first: usize,
+        count: usize,
+    ) -> (Vec<SparePage>, Option<BlockId>, Result<()>) {
+        let ptr = self.block(id).ptr;
+        let Some((base, seg)) = self.vm_at(ptr) else {
+            return (Vec::new(), Some(id), Ok(()));
+        };
+        let (page, kind, stream) = (seg.page_size, seg.pool, seg.stream);
+        let mut out = Vec::new();
+        let mut res = Ok(());
+        let mut at = first;
+        while at < first + count {
+            let Some(seg) = self.vm_segments.get_mut(&base) else {
+                break;
+            };
+            let Some(&(handle, n)) = seg.handles.get(&at) else {
+                break;
+            };
+            match device_calls::unmap_page(dev, DevicePtr(seg.page_addr(at)), n * page) {
+                Ok(()) => {
+                    seg.handles.remove(&at);
+                    seg.mapped_pages -= n;
+                    out.push(SparePage {
+                        handle,
+                        size: n * page,
+                        pool: kind,
+                    });
+                    at += n;
+                }
+                Err(source) => {
+                    res = Err(backend("unmap")(source));
+                    break;
+                }
+            }
+        }
+        let below = if at > first {
+            let start = base + (first * page) as u64;
+            let bytes = (at - first) * page;
+            if let Some(h) = &mut self.history {
+                h.op(TraceOp::SegmentUnmap {
+                    addr: start,
+                    size: bytes as u64,
+                    stream: stream.0,
+                });
+            }
+            self.mark_unmapped(id, start, bytes)
+        } else {
+            Some(id)
+        };
+        (out, below, res)
+    }
+
+    /// `unmap_block`'s surgery: `[start, start + bytes)` of free block `id` lost its pages; the
+    /// mapped parts before and after become free blocks of their own. Returns the part before.
+    fn mark_unmapped(&mut self, id: BlockId, start: u64, bytes: usize) -> Option<BlockId> {
+        self.uncache_block(id);
+        let (ptr, size, stream, kind, prev, next) = {
+            let b = self.block(id);
+            (b.ptr, b.size, b.stream, b.pool, b.prev, b.next)
+        };
+        let before = (start - ptr) as usize;
+        let mut below = None;
+        if before > 0 {
+            let mut bf = Block::new(ptr, before, stream, kind);
+            bf.expandable = true;
+            bf.prev = prev;
+            bf.next = Some(id);
+            let bid = self.arena.insert(bf);
+            if let Some(p) = prev {
+                self.block_mut(p).next = Some(bid);
+            }
+            self.block_mut(id).prev = Some(bid);
+            self.cache_block(bid);
+            below = Some(bid);
+        }
+        let after = size - before - bytes;
+        if after > 0 {
+            let mut af = Block::new(start + bytes as u64, after, stream, kind);
+            af.expandable = true;
+            af.prev = Some(id);
+            af.next = next;
+            let aid = self.arena.insert(af);
+            if let Some(n) = next {
+                self.block_mut(n).prev = Some(aid);
+            }
+            self.block_mut(id).next = Some(aid);
+            self.cache_block(aid);
+        }
+        {
+            let b = self.block_mut(id);
+            b.ptr = start;
+            b.size = bytes;
+            b.mapped = false;
+        }
+        let prev = self.block(id).prev;
+        self.try_merge_blocks(id, prev);
+        let next = self.block(id).next;
+        self.try_merge_blocks(id, next);
+        let ptr = self.block(id).ptr;
+        self.pool(kind).unmapped.insert((stream, ptr, id));
+        self.stats.num_device_free += 1;
+        below
+    }
+
+    /// Gives physical handles back to the device; those that cannot be released stay spare.
+    fn release_pages<B: DeviceBackend>(&mut self, dev: &B, pages: Vec<SparePage>) -> Result<()> {
+        let mut first_err = None;
+        for sp in pages {
+            match device_calls::release_unmapped_page(dev, sp.handle, sp.size) {
+                Ok(()) => {
+                    self.total_allocated_memory -= sp.size;
+                    self.cap_grace = self.cap_grace.min(self.total_allocated_memory);
+                    self.stats.reserved_bytes.decrease(sp.pool, sp.size as i64);
+                }
+                Err(source) => {
+                    first_err.get_or_insert(backend("release_physical")(source));
+                    self.spare_pages.push(sp);
+                }
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Releases every spare handle.
+    pub(super) fn release_spare_pages<B: DeviceBackend>(&mut self, dev: &B) -> Result<()> {
+        let pages = std::mem::take(&mut self.spare_pages);
+        self.release_pages(dev, pages)
+    }
+
+    /// `release_blocks` for expandable segments of one pool: unmaps the handles lying wholly
+    /// inside every free block and releases them, dropping segments left wholly unmapped.
+    pub(super) fn release_expandable_blocks<B: DeviceBackend>(
+        &mut self,
+        dev: &B,
+        kind: PoolKind,
+    ) -> Result<()> {
+        let to_unmap: Vec<BlockId> = self
+            .pool_ref(kind)
+            .blocks
+            .iter()
+            .filter(|k| self.block(k.id).expandable)
+            .map(|k| k.id)
+            .collect();
+        for id in to_unmap {
+            let Some(b) = self.arena.get(id) else {
+                continue;
+            };
+            if !b.expandable || !b.mapped || b.allocated || b.event_count > 0 {
+                continue;
+            }
+            let Some((_, seg)) = self.vm_at(b.ptr) else {
+                continue;
+            };
+            let (runs, stream) = {
+                let inside = seg.handles_within(seg.page_right(b.ptr), seg.page_left(b.end()));
+                (runs_descending(inside), seg.stream)
+            };
+            let mut last = id;
+            if !runs.is_empty() {
+                // "MemUnmap and MemRelease do not appear to synchronize": wait for the stream.
+                dev.synchronize_stream(stream)
+                    .map_err(backend("synchronize_stream"))?;
+            }
+            let mut cur = Some(id);
+            for (first, count) in runs {
+                let Some(c) = cur else { break };
+                let (pages, below, res) = self.unmap_run(dev, c, first, count);
+                last = c;
+                let rel = self.release_pages(dev, pages);
+                res?;
+                rel?;
+                cur = below;
+            }
+            let b = self.block(last);
+            if !b.mapped && !b.is_split() {
+                self.release_expandable_segment(dev, last)?;
+            }
+        }
+        // Ranges left wholly unmapped by an earlier failed release.
+        let empty: Vec<BlockId> = self
+            .pool_ref(kind)
+            .unmapped
+            .iter()
+            .map(|&(_, _, id)| id)
+            .filter(|&id| !self.block(id).is_split())
+            .collect();
+        for id in empty {
+            self.release_expandable_segment(dev, id)?;
+        }
+        Ok(())
+    }
+
+    /// `release_expandable_segment`: frees the address range of a wholly unmapped segment.
+    fn release_expandable_segment<B: DeviceBackend>(&mut self, dev: &B, id: BlockId) -> Result<()> {
+        let (base, size, stream, kind) = {
+            let b = self.block(id);
+            (b.ptr, b.size, b.stream, b.pool)
+        };
+        device_calls::release_range(dev, DevicePtr(base), size)
+            .map_err(backend("release_address_range"))?;
+        self.pool(kind).unmapped.remove(&(stream, base, id));
+        self.arena.remove(id);
+        self.segments.remove(&base);
+        self.vm_segments.remove(&base);
+        tracing::debug!(target: "cuda_caching_allocator", device = dev.device_index(), base = %DevicePtr(base), "expandable segment released");
+        Ok(())
+    }
+}

@@ -1,0 +1,625 @@
+//! `CudaDevice`: the [`DeviceBackend`] of a real CUDA device, over cudarc's driver API.
+//!
+//! Segments come from `cuMemAlloc` and go back through `cuMemFree`; events are created with
+//! `CU_EVENT_DISABLE_TIMING` (the cache pools them); the virtual-memory group maps physical pages
+//! (`cuMemCreate`) into reserved address ranges (`cuMemAddressReserve`) for expandable segments.
+//! Every driver call first binds this device's context to the calling thread, because the cache
+//! may be called from any thread.
+//!
+//! This file and `src/interop/` are the only places that name `cudarc`; its types never reach the
+//! core. May use: `backend` (the trait and its value types).
+//!
+//! ## Raw handles and soundness
+//!
+//! The trait passes streams and events as plain numbers ([`StreamId`], [`EventHandle`]) to safe
+//! methods. Handing the driver a number that is not a live handle is undefined behaviour, so
+//! `CudaDevice` only passes on handles it knows to be live:
+//! * events: the ones it created and has not destroyed (a set, checked on each event call);
+//! * streams: the legacy and per-thread default streams, plus streams *admitted* with
+//!   [`CudaDevice::admit_stream`] (which keeps the cudarc stream alive for the device's life) or
+//!   the `unsafe` [`CudaDevice::admit_raw_stream`] (whose caller promises the stream outlives its
+//!   use). [`DeviceBackend::validate_stream`] rejects every other stream.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::sync::Arc;
+
+use cudarc::driver::result::{self, DriverError};
+use cudarc::driver::{CudaContext, CudaStream, sys};
+use parking_lot::{Mutex, RwLock};
+
+use super::{
+    BackendError, DeviceBackend, DevicePtr, EventHandle, MemInfo, PhysicalHandle, StreamId,
+};
+
+/// `CU_STREAM_LEGACY`: the legacy default stream's explicit handle.
+const STREAM_LEGACY: u64 = 0x1;
+/// `CU_STREAM_PER_THREAD`: the per-thread default stream's handle.
+const STREAM_PER_THREAD: u64 = 0x2;
+/// The alignment `cuMemAlloc` documents for every allocation.
+const CUDA_ALIGNMENT: usize = 256;
+
+/// The [`StreamId`] of a cudarc stream: its raw `CUstream` handle value.
+pub fn stream_id(stream: &CudaStream) -> StreamId {
+    StreamId(stream.cu_stream().addr() as u64)
+}
+
+/// Whether a CUDA driver library can be loaded on this machine and reports at least one device.
+///
+/// Call this before anything else that touches CUDA when the program must also run on machines
+/// without a GPU: cudarc loads `libcuda` lazily and panics when it is missing, while this only
+/// answers `false`.
+pub fn cuda_available() -> bool {
+    device_count().is_ok_and(|n| n > 0)
+}
+
+/// The number of CUDA devices.
+///
+/// # Errors
+/// [`BackendError::Unsupported`] when no CUDA driver library can be loaded; a driver error when
+/// `cuInit` or the count fails (no usable device, driver too old for the bindings).
+pub fn device_count() -> Result<usize, BackendError> {
+    // SAFETY: `is_culib_present` only tries to open the library by its candidate names; it has no
+    // preconditions (cudarc marks it unsafe because opening a library runs its initialisers, and
+    // libcuda's initialisers are sound to run at any time).
+    if !unsafe { sys::is_culib_present() } {
+        return Err(BackendError::Unsupported(
+            "CUDA (no CUDA driver library such as libcuda.so.1 was found)",
+        ));
+    }
+    result::init().map_err(|e| driver("cuInit", e))?;
+    let n = result::device::get_count().map_err(|e| driver("cuDeviceGetCount", e))?;
+    Ok(usize::try_from(n).unwrap_or(0))
+}
+
+fn driver(operation: &'static str, e: DriverError) -> BackendError {
+    if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        BackendError::OutOfMemory
+    } else {
+        BackendError::Driver {
+            operation,
+            source: Box::new(e),
+        }
+    }
+}
+
+fn to_stream(stream: StreamId) -> sys::CUstream {
+    std::ptr::without_provenance_mut(stream.0 as usize)
+}
+
+fn to_event(event: EventHandle) -> sys::CUevent {
+    std::ptr::without_provenance_mut(event.0 as usize)
+}
+
+/// A `CUmemLocation` naming device `ordinal`.
+///
+/// Built field by field from a zeroed value, because its layout differs in name (but not in
+/// place) across CUDA versions: `{ type_: u32, id: i32 }` up to 13.1, `{ type_: u32, union { id:
+/// i32, .. } }` from 13.2. The device id sits at byte 4 in every version.
+fn device_location(ordinal: i32) -> sys::CUmemLocation {
+    // SAFETY: `CUmemLocation` is plain old data (an enum with a zero variant, `INVALID`, and an
+    // integer or a union of integers); all-zero bytes are a valid value of it.
+    let mut location: sys::CUmemLocation = unsafe { std::mem::zeroed() };
+    location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    const _: () = assert!(std::mem::size_of::<sys::CUmemLocation>() == 8);
+    // SAFETY: the assertion above pins the size to 8 bytes, `type_` (a `repr(u32)` enum) fills
+    // bytes 0..4, and the device id (`int`, or the union whose first member is that `int`) fills
+    // bytes 4..8 with 4-byte alignment; the pointer is derived from a live local and in bounds.
+    unsafe {
+        let id = std::ptr::from_mut(&mut location)
+            .cast::<u8>()
+            .add(4)
+            .cast::<i32>();
+        id.write(ordinal);
+    }
+    location
+}
+
+/// Allocation properties for pinned device memory on device `ordinal`.
+fn device_alloc_prop(ordinal: i32) -> sys::CUmemAllocationProp {
+    // SAFETY: `CUmemAllocationProp` is plain old data (integers, enums with a zero variant, a null
+    // pointer, a byte array); all-zero bytes are a valid value: no shareable handle types, no
+    // compression, no flags.
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location = device_location(ordinal);
+    prop
+}
+
+/// One CUDA device as a [`DeviceBackend`]. See the module documentation.
+///
+/// ```no_run
+/// use cuda_caching_allocator::backend::cuda::CudaDevice;
+/// use cuda_caching_allocator::{DeviceBackend, StreamId};
+/// let device = CudaDevice::open(0)?;
+/// let ptr = device.allocate(1 << 20, StreamId::DEFAULT)?;
+/// // SAFETY: `ptr` came from `allocate` above with this size, and no work uses it.
+/// unsafe { device.free(ptr, 1 << 20, StreamId::DEFAULT)? };
+/// # Ok::<(), cuda_caching_allocator::BackendError>(())
+/// ```
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    ordinal: i32,
+    total: usize,
+    /// `Some(granularity)` when the device supports virtual memory management.
+    granularity: Option<usize>,
+    /// Admitted streams (see the module documentation); the cudarc ones are kept alive here.
+    streams: RwLock<HashMap<u64, Option<Arc<CudaStream>>>>,
+    /// Live events created by this device.
+    events: Mutex<HashSet<u64>>,
+}
+
+impl fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("ordinal", &self.ordinal)
+            .field("total", &self.total)
+            .field("vm_granularity", &self.granularity)
+            .field("admitted_streams", &self.streams.read().len())
+            .field("live_events", &self.events.lock().len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl CudaDevice {
+    /// A backend on the device of `ctx`.
+    ///
+    /// # Errors
+    /// A driver error when the context cannot be bound or the device queried.
+    pub fn new(ctx: Arc<CudaContext>) -> Result<Self, BackendError> {
+        ctx.bind_to_thread()
+            .map_err(|e| driver("cuCtxSetCurrent", e))?;
+        let ordinal = i32::try_from(ctx.ordinal()).map_err(|_| BackendError::InvalidArgument {
+            operation: "CudaDevice::new",
+            reason: format!("device ordinal {} out of range", ctx.ordinal()),
+        })?;
+        let total = ctx.total_mem().map_err(|e| driver("cuDeviceTotalMem", e))?;
+        let vmm = ctx
+            .attribute(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+            )
+            .map_err(|e| driver("cuDeviceGetAttribute", e))?;
+        let granularity = if vmm > 0 {
+            let prop = device_alloc_prop(ordinal);
+            let mut granularity = 0usize;
+            // SAFETY: both pointers point to live locals of the right types for the call's
+            // duration; `prop` is a valid property value (see `device_alloc_prop`).
+            let r = unsafe {
+                sys::cuMemGetAllocationGranularity(
+                    &mut granularity,
+                    &prop,
+                    sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+                )
+            };
+            r.result()
+                .map_err(|e| driver("cuMemGetAllocationGranularity", e))?;
+            (granularity > 0).then_some(granularity)
+        } else {
+            None
+        };
+        Ok(CudaDevice {
+            ctx,
+            ordinal,
+            total,
+            granularity,
+            streams: RwLock::new(HashMap::new()),
+            events: Mutex::new(HashSet::new()),
+        })
+    }
+
+    /// A backend on device `ordinal`, through its primary context (the one the CUDA runtime and
+    /// PyTorch use).
+    ///
+    /// # Errors
+    /// [`BackendError::Unsupported`] when no CUDA driver is installed; a driver error when the
+    /// device does not exist or its context cannot be created.
+    pub fn open(ordinal: usize) -> Result<Self, BackendError> {
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(BackendError::InvalidArgument {
+                operation: "CudaDevice::open",
+                reason: format!("device {ordinal} does not exist ({count} CUDA devices)"),
+            });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| driver("cuDevicePrimaryCtxRetain", e))?;
+        CudaDevice::new(ctx)
+    }
+
+    /// The cudarc context this device allocates in.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    fn bind(&self) -> Result<(), BackendError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver("cuCtxSetCurrent", e))
+    }
+
+    fn is_default_stream(stream: StreamId) -> bool {
+        matches!(stream.0, 0 | STREAM_LEGACY | STREAM_PER_THREAD)
+    }
+
+    /// Whether `stream` may be handed to the driver (a default stream or an admitted one).
+    pub fn is_admitted(&self, stream: StreamId) -> bool {
+        Self::is_default_stream(stream) || self.streams.read().contains_key(&stream.0)
+    }
+
+    fn check_stream(&self, stream: StreamId) -> Result<(), BackendError> {
+        if self.is_admitted(stream) {
+            Ok(())
+        } else {
+            Err(BackendError::InvalidStream {
+                stream,
+                reason: "not admitted to this CudaDevice (use CudaDevice::admit_stream)".into(),
+            })
+        }
+    }
+
+    /// Admits a cudarc stream, so that the cache may allocate on it and record events on it, and
+    /// returns its [`StreamId`]. The device keeps a clone of the `Arc` until it is dropped, so the
+    /// stream stays alive while the cache may still use it. Admitting twice is cheap.
+    ///
+    /// # Errors
+    /// [`BackendError::InvalidStream`] when the stream belongs to another context.
+    pub fn admit_stream(&self, stream: &Arc<CudaStream>) -> Result<StreamId, BackendError> {
+        let id = stream_id(stream);
+        if Self::is_default_stream(id) || self.streams.read().contains_key(&id.0) {
+            return Ok(id);
+        }
+        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
+            return Err(BackendError::InvalidStream {
+                stream: id,
+                reason: format!(
+                    "the stream belongs to the context of device {}, not device {}",
+                    stream.context().ordinal(),
+                    self.ordinal
+                ),
+            });
+        }
+        self.streams
+            .write()
+            .entry(id.0)
+            .or_insert_with(|| Some(Arc::clone(stream)));
+        Ok(id)
+    }
+
+    /// Admits a raw `CUstream` handle (from C, or from PyTorch through the pluggable-allocator
+    /// interface). The handle's context is checked against this device's.
+    ///
+    /// # Errors
+    /// [`BackendError::InvalidStream`] when the stream belongs to another context; a driver error
+    /// when the query fails.
+    ///
+    /// # Safety
+    /// 1. `stream` is `0`, `CU_STREAM_LEGACY`, `CU_STREAM_PER_THREAD`, or a live stream handle.
+    /// 2. The stream stays alive for as long as this device may use it: until every block
+    ///    allocated on it or recorded with it has been released, or until the device is dropped.
+    pub unsafe fn admit_raw_stream(&self, stream: StreamId) -> Result<(), BackendError> {
+        if self.is_admitted(stream) {
+            return Ok(());
+        }
+        self.bind()?;
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: obligation 1 makes `stream` a live stream handle; `ctx` is a live local.
+        let r = unsafe { sys::cuStreamGetCtx(to_stream(stream), &mut ctx) };
+        r.result().map_err(|e| driver("cuStreamGetCtx", e))?;
+        if ctx != self.ctx.cu_ctx() {
+            return Err(BackendError::InvalidStream {
+                stream,
+                reason: format!(
+                    "the stream does not belong to the context of device {}",
+                    self.ordinal
+                ),
+            });
+        }
+        self.streams.write().entry(stream.0).or_insert(None);
+        Ok(())
+    }
+
+    /// Events created by this device and not yet destroyed (the cache pools them, so this stays
+    /// small; the GPU tests check that plain allocation creates none).
+    pub fn live_event_count(&self) -> usize {
+        self.events.lock().len()
+    }
+
+    fn check_event(&self, event: EventHandle, operation: &'static str) -> Result<(), BackendError> {
+        if self.events.lock().contains(&event.0) {
+            Ok(())
+        } else {
+            Err(BackendError::InvalidArgument {
+                operation,
+                reason: format!("unknown event {:#x}", event.0),
+            })
+        }
+    }
+}
+
+// SAFETY: (1) `allocate` returns what `cuMemAlloc` returned: a non-null (checked) range of the
+// requested size, aligned to at least 256 bytes (the driver's documented guarantee, reported by
+// `alignment`), which the driver never hands out again before `cuMemFree`; `reserve_address_range`
+// likewise returns a fresh, non-null range from `cuMemAddressReserve`, so every range mapped into
+// it is disjoint from all segments. (2) Memory from `cuMemAlloc` or mapped with read-write access
+// for this device stays valid for work on every stream of the context until it is freed or
+// unmapped, which only the cache's unsafe calls do. (3) `mem_info().total` is the device's total
+// memory as `cuMemGetInfo` reports it, a constant of the hardware.
+unsafe impl DeviceBackend for CudaDevice {
+    fn device_index(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    fn alignment(&self) -> usize {
+        CUDA_ALIGNMENT
+    }
+
+    fn mem_info(&self) -> Result<MemInfo, BackendError> {
+        self.bind()?;
+        let (free, total) = result::mem_get_info().map_err(|e| driver("cuMemGetInfo", e))?;
+        Ok(MemInfo { free, total })
+    }
+
+    fn allocate(&self, size: usize, _stream: StreamId) -> Result<DevicePtr, BackendError> {
+        if size == 0 {
+            return Err(BackendError::InvalidArgument {
+                operation: "cuMemAlloc",
+                reason: "size 0".into(),
+            });
+        }
+        self.bind()?;
+        // SAFETY: the context is bound to this thread (above); `size` is non-zero. The returned
+        // memory is owned by the caller until `free`.
+        let ptr = unsafe { result::malloc_sync(size) }.map_err(|e| driver("cuMemAlloc", e))?;
+        if ptr == 0 {
+            return Err(BackendError::InvalidArgument {
+                operation: "cuMemAlloc",
+                reason: "the driver returned a null pointer".into(),
+            });
+        }
+        Ok(DevicePtr(ptr))
+    }
+
+    unsafe fn free(
+        &self,
+        ptr: DevicePtr,
+        _size: usize,
+        _stream: StreamId,
+    ) -> Result<(), BackendError> {
+        self.bind()?;
+        // SAFETY: the caller's obligation 1 makes `ptr` a live `cuMemAlloc` pointer of this
+        // context (bound above); obligation 2 says no queued work still uses it (and `cuMemFree`
+        // itself waits for the device).
+        unsafe { result::free_sync(ptr.0) }.map_err(|e| driver("cuMemFree", e))
+    }
+
+    fn synchronize(&self) -> Result<(), BackendError> {
+        self.bind()?;
+        result::ctx::synchronize().map_err(|e| driver("cuCtxSynchronize", e))
+    }
+
+    fn validate_stream(&self, stream: StreamId) -> Result<(), BackendError> {
+        self.check_stream(stream)
+    }
+
+    fn synchronize_stream(&self, stream: StreamId) -> Result<(), BackendError> {
+        self.check_stream(stream)?;
+        self.bind()?;
+        // SAFETY: `check_stream` passed, so `stream` is a default stream or an admitted live
+        // stream of this context (bound above).
+        unsafe { result::stream::synchronize(to_stream(stream)) }
+            .map_err(|e| driver("cuStreamSynchronize", e))
+    }
+
+    fn create_event(&self) -> Result<EventHandle, BackendError> {
+        self.bind()?;
+        let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| driver("cuEventCreate", e))?;
+        let handle = EventHandle(event.addr() as u64);
+        self.events.lock().insert(handle.0);
+        Ok(handle)
+    }
+
+    fn record_event(&self, event: EventHandle, stream: StreamId) -> Result<(), BackendError> {
+        self.check_event(event, "cuEventRecord")?;
+        self.check_stream(stream)?;
+        self.bind()?;
+        // SAFETY: the event is live (created here, not destroyed: checked) and the stream is a
+        // default or admitted live stream of this context (checked).
+        unsafe { result::event::record(to_event(event), to_stream(stream)) }
+            .map_err(|e| driver("cuEventRecord", e))
+    }
+
+    fn query_event(&self, event: EventHandle) -> Result<bool, BackendError> {
+        self.check_event(event, "cuEventQuery")?;
+        self.bind()?;
+        // SAFETY: the event is live (checked above).
+        match unsafe { result::event::query(to_event(event)) } {
+            Ok(()) => Ok(true),
+            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            Err(e) => Err(driver("cuEventQuery", e)),
+        }
+    }
+
+    fn synchronize_event(&self, event: EventHandle) -> Result<(), BackendError> {
+        self.check_event(event, "cuEventSynchronize")?;
+        self.bind()?;
+        // SAFETY: the event is live (checked above).
+        unsafe { result::event::synchronize(to_event(event)) }
+            .map_err(|e| driver("cuEventSynchronize", e))
+    }
+
+    fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> Result<(), BackendError> {
+        self.check_event(event, "cuStreamWaitEvent")?;
+        self.check_stream(stream)?;
+        self.bind()?;
+        // SAFETY: the event is live and the stream a default or admitted live stream (checked).
+        unsafe {
+            result::stream::wait_event(
+                to_stream(stream),
+                to_event(event),
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(|e| driver("cuStreamWaitEvent", e))
+    }
+
+    unsafe fn destroy_event(&self, event: EventHandle) -> Result<(), BackendError> {
+        // Removing first makes a concurrent second destroy of the same handle fail cleanly.
+        if !self.events.lock().remove(&event.0) {
+            return Err(BackendError::InvalidArgument {
+                operation: "cuEventDestroy",
+                reason: format!("unknown event {:#x}", event.0),
+            });
+        }
+        self.bind()?;
+        // SAFETY: the event was live (it was in the set, which only `create_event` fills) and is
+        // destroyed once (it left the set above); obligation 1 of the caller is thereby checked.
+        unsafe { result::event::destroy(to_event(event)) }.map_err(|e| driver("cuEventDestroy", e))
+    }
+
+    fn vm_granularity(&self) -> Option<usize> {
+        self.granularity
+    }
+
+    fn reserve_address_range(&self, size: usize) -> Result<DevicePtr, BackendError> {
+        let gran = self
+            .granularity
+            .ok_or(BackendError::Unsupported("virtual memory"))?;
+        if size == 0 || size % gran != 0 {
+            return Err(BackendError::InvalidArgument {
+                operation: "cuMemAddressReserve",
+                reason: format!("size {size} is not a positive multiple of the granularity {gran}"),
+            });
+        }
+        self.bind()?;
+        let mut base: sys::CUdeviceptr = 0;
+        // SAFETY: `base` is a live local; alignment 0 (the default), no fixed address, no flags.
+        let r = unsafe { sys::cuMemAddressReserve(&mut base, size, 0, 0, 0) };
+        r.result().map_err(|e| driver("cuMemAddressReserve", e))?;
+        Ok(DevicePtr(base))
+    }
+
+    unsafe fn release_address_range(
+        &self,
+        base: DevicePtr,
+        size: usize,
+    ) -> Result<(), BackendError> {
+        self.bind()?;
+        // SAFETY: the caller's obligations: `base`/`size` are one live reservation of this device
+        // and nothing is mapped in it.
+        unsafe { sys::cuMemAddressFree(base.0, size) }
+            .result()
+            .map_err(|e| driver("cuMemAddressFree", e))
+    }
+
+    fn create_physical(&self, size: usize) -> Result<PhysicalHandle, BackendError> {
+        let gran = self
+            .granularity
+            .ok_or(BackendError::Unsupported("virtual memory"))?;
+        if size == 0 || size % gran != 0 {
+            return Err(BackendError::InvalidArgument {
+                operation: "cuMemCreate",
+                reason: format!("size {size} is not a positive multiple of the granularity {gran}"),
+            });
+        }
+        self.bind()?;
+        let prop = device_alloc_prop(self.ordinal);
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: `handle` and `prop` are live locals; `prop` describes pinned memory on this
+        // device; `size` is a positive multiple of the granularity (checked above).
+        let r = unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) };
+        r.result().map_err(|e| driver("cuMemCreate", e))?;
+        Ok(PhysicalHandle(handle))
+    }
+
+    unsafe fn release_physical(
+        &self,
+        handle: PhysicalHandle,
+        _size: usize,
+    ) -> Result<(), BackendError> {
+        self.bind()?;
+        // SAFETY: the caller's obligations: `handle` is a live handle of this device, mapped
+        // nowhere.
+        unsafe { sys::cuMemRelease(handle.0) }
+            .result()
+            .map_err(|e| driver("cuMemRelease", e))
+    }
+
+    unsafe fn map(
+        &self,
+        va: DevicePtr,
+        size: usize,
+        handle: PhysicalHandle,
+    ) -> Result<(), BackendError> {
+        self.bind()?;
+        // SAFETY: the caller's obligations: `[va, va + size)` lies in one reservation of this
+        // device with nothing mapped, and `handle` is a live handle of exactly `size` bytes.
+        unsafe { sys::cuMemMap(va.0, size, 0, handle.0, 0) }
+            .result()
+            .map_err(|e| driver("cuMemMap", e))?;
+        let access = sys::CUmemAccessDesc {
+            location: device_location(self.ordinal),
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: the range was mapped just above; `access` is a live local describing one entry.
+        let r = unsafe { sys::cuMemSetAccess(va.0, size, &access, 1) };
+        if let Err(e) = r.result() {
+            // SAFETY: undoes the mapping made above, which no work can have used yet (it had no
+            // access rights). A failure here leaves the mapping, which the error reports.
+            let undo = unsafe { sys::cuMemUnmap(va.0, size) }.result();
+            if let Err(u) = undo {
+                tracing::error!(target: "cuda_caching_allocator", %u, "cuMemUnmap after a failed cuMemSetAccess failed");
+            }
+            return Err(driver("cuMemSetAccess", e));
+        }
+        Ok(())
+    }
+
+    unsafe fn unmap(&self, va: DevicePtr, size: usize) -> Result<(), BackendError> {
+        self.bind()?;
+        // SAFETY: the caller's obligations: the range is exactly one earlier `map` of this device
+        // and no queued work uses it.
+        unsafe { sys::cuMemUnmap(va.0, size) }
+            .result()
+            .map_err(|e| driver("cuMemUnmap", e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn location_puts_the_device_id_at_byte_four() {
+        let loc = device_location(3);
+        // SAFETY: reading the 8 bytes of a live, fully initialised 8-byte value.
+        let bytes: [u8; 8] = unsafe { std::mem::transmute(loc) };
+        assert_eq!(&bytes[4..], &3i32.to_ne_bytes());
+        assert_eq!(
+            &bytes[..4],
+            &(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE as u32).to_ne_bytes()
+        );
+    }
+
+    #[test]
+    fn out_of_memory_maps_to_its_own_variant() {
+        assert!(
+            driver("x", DriverError(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY)).is_out_of_memory()
+        );
+        let other = driver("x", DriverError(sys::CUresult::CUDA_ERROR_INVALID_VALUE));
+        assert!(matches!(other, BackendError::Driver { operation: "x", .. }));
+        assert!(std::error::Error::source(&other).is_some());
+    }
+
+    #[test]
+    fn default_streams_are_always_admitted() {
+        for s in [0, STREAM_LEGACY, STREAM_PER_THREAD] {
+            assert!(CudaDevice::is_default_stream(StreamId(s)));
+        }
+        assert!(!CudaDevice::is_default_stream(StreamId(0x1234)));
+    }
+}

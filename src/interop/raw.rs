@@ -1,0 +1,79 @@
+//! The raw-pointer API: allocate and free device memory by device ordinal and raw `CUstream`
+//! handle, through the [global registry](super::AllocatorRegistry::global). This is what C
+//! callers and PyTorch's pluggable-allocator interface need (`examples/torch_plugin.rs` wraps it
+//! in `extern "C"` functions); Rust code should prefer [`CachedSlice`](super::CachedSlice).
+//!
+//! Errors are values here too; turning them into a null pointer and a log line, and keeping
+//! panics from crossing the C boundary, is the job of the `extern "C"` layer.
+//! May use: `interop::registry`, `backend::cuda`, the core.
+
+use super::registry::AllocatorRegistry;
+use crate::{AllocError, Allocation, DevicePtr, MemoryStats, Result, StreamId};
+
+/// Allocates `size` bytes on device `device` for use on `stream`, from the device's shared
+/// cache. A `size` of 0 returns an allocation with the null pointer.
+///
+/// # Errors
+/// Out of memory (with the core's report), no such device, or a stream of another device.
+///
+/// # Safety
+/// 1. `stream` is `0` (the legacy default stream), `CU_STREAM_LEGACY`, `CU_STREAM_PER_THREAD`,
+///    or a live `CUstream` of device `device`'s primary context.
+/// 2. That stream stays alive while the cache may use it: until every block allocated on it (or
+///    recorded on it with [`record_stream`]) has been freed and reused, or until the process
+///    ends. Streams of PyTorch's stream pools live for the whole process.
+pub unsafe fn alloc(device: usize, size: usize, stream: StreamId) -> Result<Allocation> {
+    let alloc = AllocatorRegistry::global().get(device)?;
+    // SAFETY: obligations 1 and 2 are the caller's, passed on unchanged.
+    unsafe { alloc.device().admit_raw_stream(stream) }
+        .map_err(|source| AllocError::InvalidStream { stream, source })?;
+    alloc.allocate(size, stream)
+}
+
+/// Returns `ptr` (from [`alloc`] on the same device) to the cache. Freeing the null pointer does
+/// nothing.
+///
+/// # Errors
+/// No such device, or a pointer this device's cache did not hand out (or already took back).
+pub fn free(device: usize, ptr: DevicePtr) -> Result<()> {
+    if ptr.is_null() {
+        return Ok(());
+    }
+    AllocatorRegistry::global().get(device)?.free(ptr)
+}
+
+/// Marks the allocation at `ptr` as used on `stream` (PyTorch's `recordStream`).
+///
+/// # Errors
+/// No such device, a pointer this device's cache does not know, or a stream of another device.
+///
+/// # Safety
+/// The obligations of [`alloc`] for `stream`.
+pub unsafe fn record_stream(device: usize, ptr: DevicePtr, stream: StreamId) -> Result<()> {
+    let alloc = AllocatorRegistry::global().get(device)?;
+    // SAFETY: the caller's obligations, passed on unchanged.
+    unsafe { alloc.device().admit_raw_stream(stream) }
+        .map_err(|source| AllocError::InvalidStream { stream, source })?;
+    alloc.record_stream(ptr, stream)
+}
+
+/// The statistics of device `device`'s shared cache, or `None` when it was never used.
+pub fn memory_stats(device: usize) -> Option<MemoryStats> {
+    Some(
+        AllocatorRegistry::global()
+            .get_if_created(device)?
+            .memory_stats(),
+    )
+}
+
+/// Returns the cached, unused memory of device `device` to the driver (no-op when the device's
+/// cache was never used).
+///
+/// # Errors
+/// A driver error from synchronizing or freeing.
+pub fn empty_cache(device: usize) -> Result<()> {
+    match AllocatorRegistry::global().get_if_created(device) {
+        Some(alloc) => alloc.empty_cache(),
+        None => Ok(()),
+    }
+}

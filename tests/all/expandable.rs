@@ -1,0 +1,640 @@
+//! Expandable segments: PyTorch 2.11's rules (one growable range per stream and pool, pages
+//! mapped on growth and unmapped only by `empty_cache` / the OOM path, the expandable best-fit
+//! walk, splitting down to 512 bytes, PyTorch's stats), this crate's page reuse, invariants after
+//! every operation of random programs, and fault injection at every device call.
+
+use std::collections::BTreeMap;
+
+use cuda_caching_allocator::*;
+use proptest::prelude::*;
+
+use crate::util::{MIB, with_config};
+
+fn pytorch_expandable() -> AllocatorConfig {
+    Preset::PytorchExpandable.config()
+}
+
+#[test]
+fn one_range_per_stream_and_pool_grows_by_pages() {
+    let a = with_config(1 << 30, pytorch_expandable());
+    let x = a.allocate(3 * MIB, StreamId(0)).unwrap();
+    let c = a.backend().counters();
+    assert_eq!(c.reserve_calls, 1);
+    assert_eq!(
+        (c.create_physical_calls, c.map_calls),
+        (1, 1),
+        "one 20 MiB page"
+    );
+    let st = a.memory_stats();
+    assert_eq!(st.memory_reserved(), 20 * MIB as i64);
+    assert_eq!(
+        st.segment.get(StatType::All).current,
+        0,
+        "map does not bump `segment`"
+    );
+    assert_eq!(st.num_device_alloc, 1);
+    // 30 MiB more: the free 17 MiB at the end plus one more page... two pages, one map range.
+    let y = a.allocate(30 * MIB, StreamId(0)).unwrap();
+    assert_eq!(
+        y.ptr.0,
+        x.ptr.0 + 3 * MIB as u64,
+        "tiles right after the first block"
+    );
+    let c = a.backend().counters();
+    assert_eq!((c.reserve_calls, c.create_physical_calls), (1, 2));
+    assert_eq!(a.memory_stats().num_device_alloc, 2);
+    // The small pool and another stream get ranges of their own.
+    let z = a.allocate(1000, StreamId(0)).unwrap();
+    let w = a.allocate(5 * MIB, StreamId(7)).unwrap();
+    let c = a.backend().counters();
+    assert_eq!(c.reserve_calls, 3);
+    assert_eq!(
+        a.memory_stats().memory_reserved(),
+        (40 + 2 + 20) * MIB as i64
+    );
+    // Snapshots report one segment per contiguous mapped range, as PyTorch does.
+    let snap = a.snapshot();
+    assert_eq!(snap.len(), 3);
+    assert!(snap.iter().all(|s| s.is_expandable));
+    assert!(
+        snap.iter()
+            .flat_map(|s| &s.blocks)
+            .all(|b| b.state != BlockState::Unmapped)
+    );
+    assert_eq!(
+        snap.iter().map(|s| s.total_size).sum::<usize>(),
+        62 * MIB,
+        "snapshots cover the mapped bytes"
+    );
+    for p in [x, y, z, w] {
+        a.free(p.ptr).unwrap();
+    }
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn frees_never_unmap_and_empty_cache_releases_everything() {
+    let a = with_config(1 << 30, pytorch_expandable());
+    let xs: Vec<_> = [5 * MIB, 25 * MIB, 700 * 1024, 64 * MIB]
+        .into_iter()
+        .map(|s| a.allocate(s, StreamId(0)).unwrap())
+        .collect();
+    let reserved = a.memory_stats().memory_reserved();
+    for x in &xs {
+        a.free(x.ptr).unwrap();
+    }
+    assert_eq!(a.memory_stats().memory_reserved(), reserved);
+    assert_eq!(a.backend().counters().unmap_calls, 0);
+    a.empty_cache().unwrap();
+    let st = a.memory_stats();
+    assert_eq!(st.memory_reserved(), 0);
+    assert_eq!(
+        st.num_device_free, 2,
+        "one unmap per free block (one per pool)"
+    );
+    let c = a.backend().counters();
+    assert_eq!(c.reserved_bytes, 0);
+    assert_eq!(
+        c.release_range_calls, c.reserve_calls,
+        "empty ranges are released"
+    );
+    assert_eq!(c.release_physical_calls, c.create_physical_calls);
+    assert!(a.backend().live_mappings().is_empty());
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn empty_cache_unmaps_only_whole_free_pages() {
+    let a = with_config(1 << 30, pytorch_expandable());
+    // 3 pages of 20 MiB; keep a block in the middle page alive.
+    let x = a.allocate(25 * MIB, StreamId(0)).unwrap();
+    let keep = a.allocate(2 * MIB, StreamId(0)).unwrap();
+    let y = a.allocate(30 * MIB, StreamId(0)).unwrap();
+    assert_eq!(a.memory_stats().memory_reserved(), 60 * MIB as i64);
+    a.free(x.ptr).unwrap();
+    a.free(y.ptr).unwrap();
+    a.empty_cache().unwrap();
+    // Page 0 ([0, 20)) is wholly free; page 1 holds `keep` ([25, 27)); page 2 ([40, 60)) is
+    // wholly free.
+    assert_eq!(a.memory_stats().memory_reserved(), 20 * MIB as i64);
+    assert_eq!(a.memory_stats().num_device_free, 2);
+    a.check_invariants().unwrap();
+    // No free block holds 22 MiB: growth maps the lowest hole, which with the free 5 MiB after
+    // it has room.
+    let z = a.allocate(22 * MIB, StreamId(0)).unwrap();
+    assert_eq!(z.ptr, x.ptr);
+    assert_eq!(a.memory_stats().memory_reserved(), 40 * MIB as i64);
+    a.free(keep.ptr).unwrap();
+    a.free(z.ptr).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.backend().counters().reserved_bytes, 0);
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn best_fit_prefers_a_block_that_cannot_grow() {
+    let a = with_config(1 << 30, pytorch_expandable());
+    let x = a.allocate(4 * MIB, StreamId(0)).unwrap();
+    let b = a.allocate(6 * MIB, StreamId(0)).unwrap();
+    let c = a.allocate(6 * MIB, StreamId(0)).unwrap();
+    // Free: [16, 20) MiB next to the unmapped tail; now also [4, 10) MiB in the middle.
+    a.free(b.ptr).unwrap();
+    let d = a.allocate(4 * MIB, StreamId(0)).unwrap();
+    assert_eq!(
+        d.ptr, b.ptr,
+        "the 6 MiB hole has the smaller expandable size than the 4 MiB block at the tail"
+    );
+    // The same request under PyTorch's fixed segments takes the exact fit.
+    let f = with_config(1 << 30, AllocatorConfig::pytorch());
+    let fx = f.allocate(4 * MIB, StreamId(0)).unwrap();
+    let fb = f.allocate(6 * MIB, StreamId(0)).unwrap();
+    let fc = f.allocate(6 * MIB, StreamId(0)).unwrap();
+    f.free(fb.ptr).unwrap();
+    let fd = f.allocate(4 * MIB, StreamId(0)).unwrap();
+    assert_eq!(fd.ptr.0, fc.ptr.0 + 6 * MIB as u64);
+    for p in [x, c, d] {
+        a.free(p.ptr).unwrap();
+    }
+    for p in [fx, fc, fd] {
+        f.free(p.ptr).unwrap();
+    }
+}
+
+#[test]
+fn large_blocks_split_down_to_512_bytes_and_skip_inactive_split() {
+    let a = with_config(1 << 30, pytorch_expandable());
+    let x = a.allocate(2 * MIB, StreamId(0)).unwrap();
+    let y = a.allocate(2 * MIB, StreamId(0)).unwrap();
+    a.free(x.ptr).unwrap();
+    // 2 MiB - 512 from a 2 MiB free block: fixed segments keep the slack in the block;
+    // expandable segments split the 512 bytes off.
+    let z = a.allocate(2 * MIB - 512, StreamId(0)).unwrap();
+    assert_eq!(z.block_size, 2 * MIB - 512);
+    let st = a.memory_stats();
+    assert_eq!(st.inactive_split.get(StatType::All).current, 0);
+    assert_eq!(st.inactive_split_bytes.get(StatType::All).peak, 0);
+    for p in [y, z] {
+        a.free(p.ptr).unwrap();
+    }
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn reservations_cover_nine_eighths_of_the_device() {
+    let a = with_config(1 << 30, pytorch_expandable());
+    let x = a.allocate(MIB, StreamId(0)).unwrap();
+    let y = a.allocate(3 * MIB, StreamId(0)).unwrap();
+    // The next reservation is placed after the previous ones: their size shows in the gap.
+    let z = a.allocate(3 * MIB, StreamId(1)).unwrap();
+    let small_va = (9 * (1usize << 30) / 8).div_ceil(2 * MIB) * 2 * MIB;
+    let large_va = (9 * (1usize << 30) / 8).div_ceil(20 * MIB) * 20 * MIB;
+    assert_eq!(y.ptr.0 - x.ptr.0, small_va as u64);
+    assert_eq!(z.ptr.0 - y.ptr.0, large_va as u64);
+    for p in [x, y, z] {
+        a.free(p.ptr).unwrap();
+    }
+}
+
+#[test]
+fn without_virtual_memory_the_default_falls_back_to_fixed_segments() {
+    let sim = SimDevice::new(SimConfig {
+        vm_granularity: None,
+        ..SimConfig::default()
+    });
+    let a = CachingAllocator::new(sim, AllocatorConfig::default()).unwrap();
+    let x = a.allocate(3 * MIB, StreamId(0)).unwrap();
+    assert_eq!(a.backend().counters().allocate_calls, 1);
+    assert_eq!(a.memory_stats().segment.get(StatType::All).current, 1);
+    a.free(x.ptr).unwrap();
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn growth_reuses_free_pages_instead_of_creating_new_ones() {
+    let a = with_config(1 << 30, AllocatorConfig::default());
+    let x = a.allocate(40 * MIB, StreamId(0)).unwrap();
+    let y = a.allocate(MIB + 512, StreamId(0)).unwrap();
+    a.free(x.ptr).unwrap();
+    let created = a.backend().counters().create_physical_calls;
+    // 60 MiB does not fit the 40 MiB hole: the hole's 19 whole free pages move to the tail.
+    let z = a.allocate(60 * MIB, StreamId(0)).unwrap();
+    let c = a.backend().counters();
+    assert!(c.unmap_calls >= 19, "{c:?}");
+    assert!(
+        c.create_physical_calls - created <= 12,
+        "created {} new pages",
+        c.create_physical_calls - created
+    );
+    let st = a.memory_stats();
+    assert!(
+        st.memory_reserved() as usize <= 64 * MIB,
+        "{}",
+        st.memory_reserved()
+    );
+    assert_eq!(st.memory_reserved() as usize, c.reserved_bytes);
+    a.check_invariants().unwrap();
+    // PyTorch keeps the hole mapped and creates every page of the growth (three 20 MiB pages).
+    let p = with_config(1 << 30, pytorch_expandable());
+    let px = p.allocate(40 * MIB, StreamId(0)).unwrap();
+    let py = p.allocate(MIB + 512, StreamId(0)).unwrap();
+    p.free(px.ptr).unwrap();
+    let pz = p.allocate(60 * MIB, StreamId(0)).unwrap();
+    assert_eq!(p.memory_stats().memory_reserved(), 120 * MIB as i64);
+    for q in [y, z] {
+        a.free(q.ptr).unwrap();
+    }
+    for q in [py, pz] {
+        p.free(q.ptr).unwrap();
+    }
+}
+
+#[test]
+fn pages_move_between_pools_and_streams_with_their_reserved_bytes() {
+    let a = with_config(1 << 30, AllocatorConfig::default());
+    let big = a.allocate(32 * MIB, StreamId(1)).unwrap();
+    a.free(big.ptr).unwrap();
+    let before = a.memory_stats();
+    assert_eq!(
+        before.reserved_bytes.get(StatType::LargePool).current,
+        32 * MIB as i64
+    );
+    // Small blocks on another stream: reserved memory is already above the peak allocated bytes
+    // plus the 1% slack, so their pages come from the large pool's free block.
+    let mut small = Vec::new();
+    for _ in 0..16 {
+        small.push(a.allocate(MIB, StreamId(2)).unwrap());
+    }
+    let st = a.memory_stats();
+    let c = a.backend().counters();
+    assert!(c.unmap_calls > 0, "{c:?}");
+    assert_eq!(st.memory_reserved() as usize, c.reserved_bytes);
+    assert!(
+        st.memory_reserved() as usize <= 34 * MIB,
+        "{}",
+        st.memory_reserved()
+    );
+    assert_eq!(
+        st.reserved_bytes.get(StatType::SmallPool).current
+            + st.reserved_bytes.get(StatType::LargePool).current,
+        st.memory_reserved()
+    );
+    assert!(st.reserved_bytes.get(StatType::SmallPool).current >= 16 * MIB as i64);
+    assert!(
+        c.synchronize_calls > 0,
+        "reuse waits for the page's old stream"
+    );
+    for s in small {
+        a.free(s.ptr).unwrap();
+    }
+    a.check_invariants().unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.backend().counters().reserved_bytes, 0);
+}
+
+#[test]
+fn page_reuse_is_policy() {
+    let run = |conf: &str| {
+        let a = with_config(1 << 30, AllocatorConfig::parse(conf).unwrap());
+        let x = a.allocate(40 * MIB, StreamId(0)).unwrap();
+        let y = a.allocate(MIB + 512, StreamId(0)).unwrap();
+        let other = a.allocate(20 * MIB, StreamId(3)).unwrap();
+        a.free(other.ptr).unwrap();
+        a.free(x.ptr).unwrap();
+        let z = a.allocate(60 * MIB, StreamId(0)).unwrap();
+        a.check_invariants().unwrap();
+        let r = a.memory_stats().memory_reserved() as usize / MIB;
+        for p in [y, z] {
+            a.free(p.ptr).unwrap();
+        }
+        r
+    };
+    let base = "expandable_segments:True,cca_large_page_size_mb:2";
+    assert_eq!(run(base), 2 + 40 + 20 + 60);
+    let same_segment = run(&format!("{base},cca_page_reuse:segment"));
+    let device = run(&format!("{base},cca_page_reuse:device"));
+    assert!(same_segment < 2 + 40 + 20 + 60, "{same_segment}");
+    assert!(device < same_segment, "{device} vs {same_segment}");
+    assert!(device <= 64, "{device}");
+}
+
+#[test]
+fn precise_cap_counts_only_new_pages() {
+    // Cap 64 MiB: a 30 MiB request needs only 10 new pages after 40 MiB of free pages are
+    // reused; PyTorch's check counts the whole 30 MiB on top of 42 MiB reserved and fails.
+    let cap = |conf: &str| {
+        let a = with_config(1 << 30, AllocatorConfig::parse(conf).unwrap());
+        a.set_memory_fraction(64.0 / 1024.0).unwrap();
+        let x = a.allocate(40 * MIB, StreamId(0)).unwrap();
+        let _y = a.allocate(MIB + 512, StreamId(0)).unwrap();
+        a.free(x.ptr).unwrap();
+        let z = a.allocate(50 * MIB, StreamId(0));
+        a.check_invariants().unwrap();
+        let retries = a.memory_stats().num_alloc_retries;
+        (z.is_ok(), retries)
+    };
+    let base = "expandable_segments:True,cca_large_page_size_mb:2,cca_page_reuse:device";
+    assert_eq!(cap(&format!("{base},cca_precise_cap:True")), (true, 0));
+    // Without the precise check the cache is flushed first (then the retry fits).
+    assert_eq!(cap(base), (true, 1));
+}
+
+#[test]
+fn max_handle_size_creates_fewer_larger_handles() {
+    let conf = "expandable_segments:True,cca_large_page_size_mb:2,cca_max_handle_size_mb:16";
+    let a = with_config(1 << 30, AllocatorConfig::parse(conf).unwrap());
+    let x = a.allocate(100 * MIB, StreamId(0)).unwrap();
+    let c = a.backend().counters();
+    // 50 pages: six handles of 8 pages, then the last two pages one by one (the last page
+    // always gets a handle of its own).
+    assert_eq!(c.create_physical_calls, 8, "{c:?}");
+    assert_eq!(c.create_physical_calls, c.map_calls);
+    a.free(x.ptr).unwrap();
+    a.check_invariants().unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.backend().counters().reserved_bytes, 0);
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn history_records_maps_and_unmaps() {
+    let a = with_config(1 << 30, pytorch_expandable());
+    a.record_history(100);
+    let x = a.allocate(3 * MIB, StreamId(0)).unwrap();
+    a.free(x.ptr).unwrap();
+    a.empty_cache().unwrap();
+    let (t, _) = a.history();
+    let maps = t
+        .events
+        .iter()
+        .filter(|e| matches!(e.op, trace::TraceOp::SegmentMap { .. }))
+        .count();
+    let unmaps = t
+        .events
+        .iter()
+        .filter(|e| matches!(e.op, trace::TraceOp::SegmentUnmap { .. }))
+        .count();
+    assert_eq!((maps, unmaps), (1, 1));
+}
+
+// ---- fault injection -----------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug)]
+enum Step {
+    Alloc(usize, u64),
+    Free(usize),
+    Empty,
+}
+
+fn program() -> Vec<Step> {
+    use Step::*;
+    vec![
+        Alloc(300, 0),
+        Alloc(3 * MIB, 0),
+        Alloc(12 * MIB, 1),
+        Alloc(600 * 1024, 1),
+        Free(1),
+        Alloc(25 * MIB, 0),
+        Free(0),
+        Alloc(2 * MIB, 1),
+        Free(2),
+        Alloc(40 * MIB, 0),
+        Free(3),
+        Alloc(5000, 2),
+        Empty,
+        Free(5),
+        Alloc(30 * MIB, 1),
+        Alloc(MIB, 0),
+        Free(9),
+        Alloc(33 * MIB, 0),
+    ]
+}
+
+fn run_program(config: &AllocatorConfig, fail: Option<(u64, FaultKind)>) -> u64 {
+    let sim = SimDevice::with_capacity(1 << 30);
+    if let Some((n, k)) = fail {
+        sim.fail_call(n, k);
+    }
+    let a = CachingAllocator::new(sim, config.clone()).unwrap();
+    let mut slots: Vec<Option<Allocation>> = Vec::new();
+    for step in program() {
+        match step {
+            Step::Alloc(size, s) => match a.allocate(size, StreamId(s)) {
+                Ok(x) => slots.push(Some(x)),
+                Err(e) => {
+                    assert!(
+                        e.is_out_of_memory() || matches!(e, AllocError::Backend { .. }),
+                        "{e}"
+                    );
+                    slots.push(None);
+                }
+            },
+            Step::Free(i) => {
+                if let Some(x) = slots.get_mut(i).and_then(Option::take) {
+                    a.free(x.ptr).unwrap();
+                }
+            }
+            Step::Empty => {
+                let _ = a.empty_cache();
+            }
+        }
+        a.check_invariants()
+            .unwrap_or_else(|v| panic!("after {step:?} with fault {fail:?}: {v}"));
+        let live: Vec<&Allocation> = slots.iter().flatten().collect();
+        let st = a.memory_stats();
+        assert_eq!(
+            st.allocation.get(StatType::All).current as usize,
+            live.len()
+        );
+        // Nothing lost: every physical page the device holds is counted as reserved.
+        assert_eq!(
+            st.memory_reserved() as usize,
+            a.backend().counters().reserved_bytes,
+            "after {step:?} with fault {fail:?}"
+        );
+    }
+    for x in slots.into_iter().flatten() {
+        a.free(x.ptr).unwrap();
+    }
+    a.backend().clear_faults();
+    a.empty_cache().unwrap();
+    let c = a.backend().counters();
+    assert_eq!(a.memory_stats().memory_reserved(), 0, "fault {fail:?}");
+    assert_eq!(c.reserved_bytes, 0, "fault {fail:?}");
+    assert_eq!(c.release_range_calls, c.reserve_calls, "fault {fail:?}");
+    assert!(a.backend().live_mappings().is_empty());
+    a.check_invariants().unwrap();
+    c.device_calls
+}
+
+#[test]
+fn every_virtual_memory_call_can_fail() {
+    let configs = [
+        pytorch_expandable(),
+        AllocatorConfig::default(),
+        AllocatorConfig::parse(
+            "expandable_segments:True,cca_large_page_size_mb:2,cca_max_handle_size_mb:8,cca_page_reuse:segment",
+        )
+        .unwrap(),
+    ];
+    for config in &configs {
+        let calls = run_program(config, None);
+        assert!(calls >= 10, "the program makes {calls} device calls");
+        for n in 1..=calls + 2 {
+            for kind in [FaultKind::Error, FaultKind::OutOfMemory] {
+                run_program(config, Some((n, kind)));
+            }
+        }
+    }
+}
+
+// ---- random programs -----------------------------------------------------------------------
+
+#[derive(Clone, Debug)]
+enum Op {
+    Alloc { size: usize, stream: u64 },
+    Free { pick: usize },
+    EmptyCache,
+    SetFraction { fraction: f64 },
+    RecordStream { pick: usize, stream: u64 },
+    CompleteWork { stream: u64 },
+    FailNextCall { oom: bool },
+}
+
+fn size_strategy() -> impl Strategy<Value = usize> {
+    prop_oneof![
+        4 => 1usize..=4096,
+        3 => 4096usize..=(MIB + 4096),
+        2 => MIB..=(12 * MIB),
+        1 => (10 * MIB)..=(48 * MIB),
+    ]
+}
+
+fn op_strategy() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        10 => (size_strategy(), 0u64..3).prop_map(|(size, stream)| Op::Alloc { size, stream }),
+        7 => any::<usize>().prop_map(|pick| Op::Free { pick }),
+        1 => Just(Op::EmptyCache),
+        1 => prop_oneof![Just(1.0), 0.05f64..1.0].prop_map(|fraction| Op::SetFraction { fraction }),
+        2 => (any::<usize>(), 0u64..4).prop_map(|(pick, stream)| Op::RecordStream { pick, stream }),
+        1 => (0u64..4).prop_map(|stream| Op::CompleteWork { stream }),
+        1 => any::<bool>().prop_map(|oom| Op::FailNextCall { oom }),
+    ]
+}
+
+fn config_strategy() -> impl Strategy<Value = AllocatorConfig> {
+    prop_oneof![
+        Just("expandable_segments:True".to_string()),
+        Just("expandable_segments:True,max_split_size_mb:24".to_string()),
+        Just("expandable_segments:True,cca_page_reuse:segment".to_string()),
+        Just("expandable_segments:True,cca_large_page_size_mb:2,cca_page_reuse:device,cca_page_reuse_slack:0.01,cca_precise_cap:True".to_string()),
+        Just("expandable_segments:True,cca_large_page_size_mb:4,cca_max_handle_size_mb:12,cca_page_reuse:device".to_string()),
+        Just("expandable_segments:True,garbage_collection_threshold:0.5,cca_page_reuse:device".to_string()),
+    ]
+    .prop_map(|s| AllocatorConfig::parse(&s).unwrap())
+}
+
+fn check_model(
+    a: &CachingAllocator<SimDevice>,
+    live: &BTreeMap<u64, Allocation>,
+) -> Result<(), TestCaseError> {
+    if let Err(v) = a.check_invariants() {
+        return Err(TestCaseError::fail(format!("invariant: {v}")));
+    }
+    let mappings = a.backend().live_mappings();
+    let mut prev_end = 0u64;
+    for x in live.values() {
+        prop_assert!(x.ptr.0 >= prev_end, "live allocations overlap at {}", x.ptr);
+        prev_end = x.ptr.0 + x.block_size as u64;
+        // Every byte of a live allocation is backed by a mapped page.
+        let mut at = x.ptr.0;
+        while at < prev_end {
+            let m = mappings
+                .iter()
+                .find(|&&(base, size)| at >= base.0 && at < base.0 + size as u64);
+            let Some(&(base, size)) = m else {
+                return Err(TestCaseError::fail(format!(
+                    "{} is not mapped at {at:#x}",
+                    x.ptr
+                )));
+            };
+            at = base.0 + size as u64;
+        }
+    }
+    let st = a.memory_stats();
+    prop_assert_eq!(
+        st.memory_allocated() as usize,
+        live.values().map(|x| x.block_size).sum::<usize>()
+    );
+    prop_assert!(st.memory_allocated() <= st.memory_reserved());
+    prop_assert_eq!(
+        st.memory_reserved() as usize,
+        a.backend().counters().reserved_bytes
+    );
+    prop_assert_eq!(st.segment.get(StatType::All).current, 0);
+    let frag = a.fragmentation();
+    prop_assert_eq!(
+        frag.reserved_bytes,
+        frag.allocated_bytes + frag.pending_free_bytes + frag.free_bytes + frag.spare_bytes
+    );
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(64),
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn random_programs_keep_expandable_segments_consistent(
+        config in config_strategy(),
+        capacity_mib in 64usize..400,
+        ops in proptest::collection::vec(op_strategy(), 1..160),
+    ) {
+        let a = CachingAllocator::new(SimDevice::with_capacity(capacity_mib * MIB), config).unwrap();
+        let mut live: BTreeMap<u64, Allocation> = BTreeMap::new();
+        for op in ops {
+            match op {
+                Op::Alloc { size, stream } => match a.allocate(size, StreamId(stream)) {
+                    Ok(x) => {
+                        prop_assert!(live.insert(x.ptr.0, x).is_none(), "pointer handed out twice");
+                    }
+                    Err(e) => prop_assert!(
+                        e.is_out_of_memory() || matches!(e, AllocError::Backend { .. }),
+                        "unexpected error {}", e
+                    ),
+                },
+                Op::Free { pick } => {
+                    if !live.is_empty() {
+                        let key = *live.keys().nth(pick % live.len()).unwrap();
+                        let x = live.remove(&key).unwrap();
+                        a.free(x.ptr).unwrap();
+                    }
+                }
+                Op::EmptyCache => {
+                    let _ = a.empty_cache();
+                }
+                Op::SetFraction { fraction } => a.set_memory_fraction(fraction).unwrap(),
+                Op::RecordStream { pick, stream } => {
+                    if !live.is_empty() {
+                        let x = *live.values().nth(pick % live.len()).unwrap();
+                        a.backend().submit_work(StreamId(stream));
+                        a.record_stream(x.ptr, StreamId(stream)).unwrap();
+                    }
+                }
+                Op::CompleteWork { stream } => a.backend().complete_work(StreamId(stream)),
+                Op::FailNextCall { oom } => a.backend().fail_next_call(if oom { FaultKind::OutOfMemory } else { FaultKind::Error }),
+            }
+            check_model(&a, &live)?;
+        }
+        a.backend().clear_faults();
+        for x in std::mem::take(&mut live).into_values() {
+            a.free(x.ptr).unwrap();
+        }
+        a.empty_cache().unwrap();
+        prop_assert_eq!(a.memory_stats().memory_reserved(), 0);
+        prop_assert_eq!(a.backend().counters().reserved_bytes, 0);
+        prop_assert!(a.backend().live_mappings().is_empty());
+        check_model(&a, &live)?;
+    }
+}
