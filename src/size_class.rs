@@ -61,6 +61,7 @@ pub fn roundup_power2_next_division(size: usize, divisions: usize) -> usize {
 /// assert_eq!(round_size(1, &c), 512);
 /// assert_eq!(round_size(513, &c), 1024);
 /// ```
+#[inline]
 pub fn round_size(size: usize, config: &AllocatorConfig) -> usize {
     if size < MIN_BLOCK_SIZE {
         return MIN_BLOCK_SIZE;

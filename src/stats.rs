@@ -104,6 +104,11 @@ impl StatArray {
         &self.0[t.index()]
     }
 
+    /// The slice for `t`, mutable (the fast path writes its user view through it).
+    pub(crate) fn get_mut(&mut self, t: StatType) -> &mut Stat {
+        &mut self.0[t.index()]
+    }
+
     /// Adds `n` to `all` and to `pool`.
     #[inline]
     pub fn increase(&mut self, pool: PoolKind, n: i64) {

@@ -1,12 +1,15 @@
 //! The caching allocator: [`CachingAllocator`] over any [`DeviceBackend`].
 //!
-//! All mutable state sits in one `State` behind one `parking_lot::Mutex` (PyTorch's one mutex per
-//! device); the algorithm is in `state.rs`, the invariant checker in `invariants.rs`, the summary
-//! table in `summary.rs`. May use: everything below it (backend, config, size_class, stats).
+//! All mutable state of the core sits in one `State` behind one `parking_lot::Mutex` (PyTorch's
+//! one mutex per device), with the fast path's bookkeeping beside it; the algorithm is in
+//! `state.rs`, the invariant checker in `invariants.rs`, the summary table in `summary.rs`. With
+//! `fast_path` on, per-thread front caches (`front/`) serve cache hits and frees before the lock
+//! is taken. May use: everything below it (backend, config, size_class, stats).
 
 mod block;
 mod device_calls;
 mod fragmentation;
+mod front;
 mod history;
 mod invariants;
 mod pool;
@@ -15,6 +18,7 @@ mod state;
 mod summary;
 
 use std::fmt;
+use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -29,6 +33,7 @@ use crate::config::AllocatorConfig;
 use crate::error::{AllocError, Result};
 use crate::stats::MemoryStats;
 use crate::trace::{Trace, TraceOp, TraceSource};
+use front::{FastFree, Front, FrontLocked};
 use history::History;
 use state::State;
 
@@ -64,7 +69,29 @@ pub struct Allocation {
 /// ```
 pub struct CachingAllocator<B: DeviceBackend> {
     backend: B,
-    state: Mutex<State>,
+    state: Mutex<Locked>,
+    /// The per-thread front caches, when `fast_path` is on.
+    front: Option<Front>,
+}
+
+/// What the allocator's one lock guards: the core's state and the fast path's bookkeeping.
+#[derive(Debug)]
+struct Locked {
+    st: State,
+    front: FrontLocked,
+}
+
+impl Deref for Locked {
+    type Target = State;
+    fn deref(&self) -> &State {
+        &self.st
+    }
+}
+
+impl DerefMut for Locked {
+    fn deref_mut(&mut self) -> &mut State {
+        &mut self.st
+    }
 }
 
 impl<B: DeviceBackend> fmt::Debug for CachingAllocator<B> {
@@ -75,6 +102,7 @@ impl<B: DeviceBackend> fmt::Debug for CachingAllocator<B> {
             .field("reserved_bytes", &st.total_allocated_memory)
             .field("allocated_bytes", &st.stats.memory_allocated())
             .field("segments", &st.segments.len())
+            .field("fast_path", &self.front.is_some())
             .finish()
     }
 }
@@ -95,9 +123,14 @@ impl<B: DeviceBackend> CachingAllocator<B> {
             })?
             .total;
         let granularity = backend.vm_granularity();
+        let front = config.fast_path.then(|| Front::new(&config));
         Ok(CachingAllocator {
             backend,
-            state: Mutex::new(State::new(config, total, granularity)),
+            state: Mutex::new(Locked {
+                st: State::new(config, total, granularity),
+                front: FrontLocked::default(),
+            }),
+            front,
         })
     }
 
@@ -120,14 +153,23 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// backend rejects; [`AllocError::Backend`] for other device failures. The allocator stays
     /// intact after any error.
     pub fn allocate(&self, size: usize, stream: StreamId) -> Result<Allocation> {
-        let mut st = self.state.lock();
-        let r = st.malloc(&self.backend, size, stream);
+        if let Some(front) = &self.front {
+            if let Some(a) = front.try_alloc(size, stream) {
+                return Ok(a);
+            }
+        }
+        let mut guard = self.state.lock();
+        let Locked { st, front: fl } = &mut *guard;
+        let r = match &self.front {
+            Some(front) => front.alloc_locked(st, fl, &self.backend, size, stream),
+            None => st.malloc(&self.backend, size, stream),
+        };
         if let (Some(h), Ok(a)) = (&mut st.history, &r) {
             if !a.ptr.is_null() {
                 h.alloc(a.ptr, size, stream);
             }
         }
-        self.after_op(&st, "allocate");
+        self.after_op(st, "allocate");
         r
     }
 
@@ -140,12 +182,21 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// [`AllocError::UnknownPointer`] for a pointer that is not a live allocation (nothing
     /// changes); [`AllocError::Backend`] if recording a stream event failed.
     pub fn free(&self, ptr: DevicePtr) -> Result<()> {
-        let mut st = self.state.lock();
-        let r = st.free(&self.backend, ptr);
+        if let Some(front) = &self.front {
+            if let FastFree::Done(r) = front.try_free(ptr) {
+                return r;
+            }
+        }
+        let mut guard = self.state.lock();
+        let Locked { st, front: fl } = &mut *guard;
+        let r = match &self.front {
+            Some(front) => front.free_locked(st, fl, &self.backend, ptr),
+            None => st.free(&self.backend, ptr),
+        };
         if let (Some(h), Ok(())) = (&mut st.history, &r) {
             h.free(ptr);
         }
-        self.after_op(&st, "free");
+        self.after_op(st, "free");
         r
     }
 
@@ -156,11 +207,16 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// # Errors
     /// The pointer errors of [`free`](Self::free).
     pub fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
-        self.state.lock().record_stream(ptr, stream)
+        let mut guard = self.state.lock();
+        let Locked { st, front: fl } = &mut *guard;
+        match &self.front {
+            Some(front) => front.record_stream_locked(st, fl, ptr, stream),
+            None => st.record_stream(ptr, stream),
+        }
     }
 
     /// Releases every wholly free cached segment to the device, after waiting for pending stream
-    /// events.
+    /// events. With the fast path on, every thread's front cache is flushed back first.
     ///
     /// # Errors
     /// [`AllocError::Backend`] if a device call failed; what was released before stays released.
@@ -168,6 +224,10 @@ impl<B: DeviceBackend> CachingAllocator<B> {
         let mut st = self.state.lock();
         if let Some(h) = &mut st.history {
             h.op(TraceOp::EmptyCache);
+        }
+        if let Some(front) = &self.front {
+            let Locked { st, front: fl } = &mut *st;
+            front.flush(st, fl, &self.backend);
         }
         let r = st.release_cached_blocks(&self.backend);
         self.after_op(&st, "empty_cache");
@@ -196,19 +256,56 @@ impl<B: DeviceBackend> CachingAllocator<B> {
         self.state.lock().config.per_process_memory_fraction
     }
 
-    /// A copy of all statistics.
+    /// A copy of all statistics. With the fast path on, the per-thread counters are summed in:
+    /// a block in a front cache counts as freed (see `benches/README.md` for the exact meaning
+    /// of each counter then).
     pub fn memory_stats(&self) -> MemoryStats {
-        self.state.lock().stats
+        let mut guard = self.state.lock();
+        let Locked { st, front: fl } = &mut *guard;
+        match &self.front {
+            Some(front) => front.stats(st, fl),
+            None => st.stats,
+        }
     }
 
     /// `reset_peak_memory_stats`.
     pub fn reset_peak_stats(&self) {
-        self.state.lock().stats.reset_peak();
+        let mut guard = self.state.lock();
+        let Locked { st, front: fl } = &mut *guard;
+        match &self.front {
+            Some(front) => front.reset_peak(st, fl),
+            None => st.stats.reset_peak(),
+        }
     }
 
     /// `reset_accumulated_memory_stats`.
     pub fn reset_accumulated_stats(&self) {
-        self.state.lock().stats.reset_accumulated();
+        let mut guard = self.state.lock();
+        let Locked { st, front: fl } = &mut *guard;
+        match &self.front {
+            Some(front) => front.reset_accumulated(st, fl),
+            None => st.stats.reset_accumulated(),
+        }
+    }
+
+    /// Gives every block held in the per-thread front caches back to the core (where it merges
+    /// with its free neighbours); returns how many. The allocator does this by itself before it
+    /// would reserve more memory, on [`empty_cache`](Self::empty_cache) and on the
+    /// out-of-memory path; 0 when the fast path is off.
+    pub fn flush_thread_caches(&self) -> usize {
+        match &self.front {
+            Some(front) => {
+                let mut guard = self.state.lock();
+                let Locked { st, front: fl } = &mut *guard;
+                front.flush(st, fl, &self.backend)
+            }
+            None => 0,
+        }
+    }
+
+    /// Whether the fast path (per-thread front caches) is on.
+    pub fn fast_path(&self) -> bool {
+        self.front.is_some()
     }
 
     /// PyTorch's `memory_summary()` table for this allocator.
@@ -220,9 +317,15 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// Where the reserved bytes are now and how fragmented the free memory is: reserved,
     /// allocated, requested, pending and free bytes, the largest free block, a power-of-two
     /// histogram of free block sizes, and the metrics `1 − allocated/reserved` and
-    /// `1 − largest free/total free`. Costs one walk over the blocks.
+    /// `1 − largest free/total free`. Costs one walk over the blocks. With the fast path on, the
+    /// per-thread front caches are flushed first (their blocks would count as allocated).
     pub fn fragmentation(&self) -> FragmentationReport {
-        fragmentation::take(&self.state.lock())
+        let mut guard = self.state.lock();
+        if let Some(front) = &self.front {
+            let Locked { st, front: fl } = &mut *guard;
+            front.flush(st, fl, &self.backend);
+        }
+        fragmentation::take(&guard)
     }
 
     /// [`fragmentation`](Self::fragmentation) as text (kept apart from
@@ -233,19 +336,34 @@ impl<B: DeviceBackend> CachingAllocator<B> {
 
     /// The segments and their blocks, in address order (PyTorch's `memory_snapshot()`).
     pub fn snapshot(&self) -> Vec<SegmentSnapshot> {
-        snapshot::take(&self.state.lock())
+        let guard = self.state.lock();
+        let mut segments = snapshot::take(&guard.st);
+        if let Some(front) = &self.front {
+            front.annotate(&guard.front, &mut segments);
+        }
+        segments
     }
 
     /// Starts recording this allocator's history in a ring buffer of `capacity` events (the
     /// oldest are dropped when it is full), discarding any earlier recording. Recording is off by
     /// default and costs one branch per operation while off.
     pub fn record_history(&self, capacity: usize) {
-        self.state.lock().history = Some(History::new(capacity));
+        let mut guard = self.state.lock();
+        let Locked { st, front: fl } = &mut *guard;
+        if let Some(front) = &self.front {
+            front.set_history(st, fl, &self.backend, true);
+        }
+        st.history = Some(History::new(capacity));
     }
 
     /// Stops recording and discards the history.
     pub fn stop_history(&self) {
-        self.state.lock().history = None;
+        let mut guard = self.state.lock();
+        let Locked { st, front: fl } = &mut *guard;
+        if let Some(front) = &self.front {
+            front.set_history(st, fl, &self.backend, false);
+        }
+        st.history = None;
     }
 
     /// The recorded history as a trace (empty when not recording), and the number of events
@@ -257,12 +375,19 @@ impl<B: DeviceBackend> CachingAllocator<B> {
         }
     }
 
-    /// Runs every invariant check.
+    /// Runs every invariant check. With the fast path on, call it while no other thread is
+    /// allocating or freeing (their front caches are read without stopping them).
     ///
     /// # Errors
     /// The first [`InvariantViolation`] found, naming the invariant.
     pub fn check_invariants(&self) -> std::result::Result<(), InvariantViolation> {
-        invariants::check(&self.state.lock())
+        let mut guard = self.state.lock();
+        let Locked { st, front: fl } = &mut *guard;
+        invariants::check(st)?;
+        match &self.front {
+            Some(front) => front.check(st, fl),
+            None => Ok(()),
+        }
     }
 
     #[inline]
@@ -297,7 +422,10 @@ impl<B: DeviceBackend> CachingAllocator<B> {
 
 impl<B: DeviceBackend> Drop for CachingAllocator<B> {
     fn drop(&mut self) {
-        let st = self.state.get_mut();
+        let Locked { st, front: fl } = self.state.get_mut();
+        if let Some(front) = &self.front {
+            front.shutdown(st, fl, &self.backend);
+        }
         let live = st.active.len();
         if live > 0 && !std::thread::panicking() {
             tracing::warn!(target: "cuda_caching_allocator", live, bytes = st.stats.memory_allocated(), "allocator dropped with live allocations; their segments are leaked");

@@ -203,6 +203,19 @@ impl State {
         orig_size: usize,
         stream: StreamId,
     ) -> Result<Allocation> {
+        self.malloc_with(dev, orig_size, stream, &mut |_| false)
+    }
+
+    /// `malloc` with a hook for the fast path: when no cached block fits, `before_growth` runs
+    /// before anything else (garbage collection, device allocation, the release-and-retry
+    /// chain); when it returns true (it gave blocks back), the best-fit search runs again.
+    pub(crate) fn malloc_with<B: DeviceBackend>(
+        &mut self,
+        dev: &B,
+        orig_size: usize,
+        stream: StreamId,
+        before_growth: &mut dyn FnMut(&mut State) -> bool,
+    ) -> Result<Allocation> {
         if orig_size == 0 {
             return Ok(Allocation {
                 ptr: DevicePtr::NULL,
@@ -229,6 +242,9 @@ impl State {
         let alloc_size = segment_size(size, &self.config);
 
         let mut found = self.get_free_block(stream, size, kind);
+        if found.is_none() && before_growth(self) {
+            found = self.get_free_block(stream, size, kind);
+        }
         if found.is_none() {
             if self.allowed_memory_maximum.is_some()
                 && self.config.garbage_collection_threshold > 0.0
@@ -518,35 +534,41 @@ impl State {
     /// Merges free neighbour `src` into `dst`; returns the bytes absorbed (0 if no merge).
     fn try_merge_blocks(&mut self, dst: BlockId, src: Option<BlockId>) -> usize {
         let Some(src) = src else { return 0 };
-        let s = self.block(src).clone();
-        if s.allocated
-            || s.event_count > 0
-            || !s.stream_uses.is_empty()
-            || s.mapped != self.block(dst).mapped
-        {
+        // Read what the merge needs without cloning the block (its `stream_uses` is a Vec).
+        let dst_mapped = self.block(dst).mapped;
+        let s = self.block(src);
+        if s.allocated || s.event_count > 0 || !s.stream_uses.is_empty() || s.mapped != dst_mapped {
             return 0;
         }
-        if s.mapped {
-            self.pool(s.pool).remove(src, &s);
+        let (s_ptr, s_size, s_prev, s_next, s_stream, s_pool, s_mapped) =
+            (s.ptr, s.size, s.prev, s.next, s.stream, s.pool, s.mapped);
+        if s_mapped {
+            let pool = match s_pool {
+                PoolKind::Small => &mut self.small,
+                PoolKind::Large => &mut self.large,
+            };
+            if let Some(b) = self.arena.get(src) {
+                pool.remove(src, b);
+            }
         } else {
-            self.pool(s.pool).unmapped.remove(&(s.stream, s.ptr, src));
+            self.pool(s_pool).unmapped.remove(&(s_stream, s_ptr, src));
         }
         let d = self.block_mut(dst);
         if d.prev == Some(src) {
-            d.ptr = s.ptr;
-            d.prev = s.prev;
-            if let Some(p) = s.prev {
+            d.ptr = s_ptr;
+            d.prev = s_prev;
+            if let Some(p) = s_prev {
                 self.block_mut(p).next = Some(dst);
             }
         } else {
-            d.next = s.next;
-            if let Some(n) = s.next {
+            d.next = s_next;
+            if let Some(n) = s_next {
                 self.block_mut(n).prev = Some(dst);
             }
         }
-        self.block_mut(dst).size += s.size;
+        self.block_mut(dst).size += s_size;
         self.arena.remove(src);
-        s.size
+        s_size
     }
 
     // ---- streams and events ----------------------------------------------------------------

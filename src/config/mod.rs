@@ -160,6 +160,10 @@ pub struct AllocatorConfig {
     /// `cca_precise_cap`). PyTorch counts the whole segment size `get_allocation_size` gives,
     /// even when expandable segments map less or reuse pages.
     pub precise_fraction_cap: bool,
+    /// Per-thread front caches in front of the core (crate key `cca_fast_path`): cache hits and
+    /// frees of this thread's blocks take no lock. Off in the `pytorch` presets (which must
+    /// reproduce PyTorch exactly), on in the crate's default. See `benches/README.md`.
+    pub fast_path: bool,
     /// The original configuration string, when parsed from one.
     pub settings: String,
 }
@@ -212,6 +216,7 @@ impl AllocatorConfig {
             page_reuse: PageReuse::Off,
             page_reuse_slack: 0.0,
             precise_fraction_cap: false,
+            fast_path: false,
             settings: String::new(),
         }
     }
@@ -333,6 +338,7 @@ impl AllocatorConfig {
 
     /// The rounding divisions that apply to a request of `size` bytes (PyTorch's bucket rule:
     /// `clamp(log2(size) - 20, 0, 15)`).
+    #[inline]
     pub fn divisions_for(&self, size: usize) -> usize {
         let log_size = usize::BITS as usize - 1 - size.max(1).leading_zeros() as usize;
         let index = log_size.saturating_sub(20).min(ROUNDUP_POWER2_BUCKETS - 1);
@@ -348,7 +354,10 @@ impl Default for AllocatorConfig {
     /// traces it reserves at most about 1.015 × the peak live bytes (PyTorch: 1.12–2.21×; PyTorch
     /// with expandable segments: 1.01–1.58×). As a configuration string:
     /// `expandable_segments:True,cca_large_page_size_mb:2,cca_page_reuse:device,`
-    /// `cca_page_reuse_slack:0.01,cca_precise_cap:True`.
+    /// `cca_page_reuse_slack:0.01,cca_precise_cap:True,cca_fast_path:True`.
+    ///
+    /// With the fast path on (`cca_fast_path:True`): per-thread front caches serve cache hits
+    /// without a lock (see `benches/README.md`).
     ///
     /// On a backend without virtual memory it falls back to PyTorch's fixed segments.
     fn default() -> Self {
@@ -358,6 +367,7 @@ impl Default for AllocatorConfig {
             page_reuse: PageReuse::Device,
             page_reuse_slack: 0.01,
             precise_fraction_cap: true,
+            fast_path: false,
             ..AllocatorConfig::pytorch()
         }
     }
@@ -466,6 +476,13 @@ impl AllocatorConfigBuilder {
     /// `throw_on_cudamalloc_oom`.
     pub fn throw_on_cudamalloc_oom(mut self, on: bool) -> Self {
         self.config.throw_on_cudamalloc_oom = on;
+        self
+    }
+
+    /// `cca_fast_path` (crate-specific): per-thread front caches that serve cache hits without the
+    /// global lock.
+    pub fn fast_path(mut self, on: bool) -> Self {
+        self.config.fast_path = on;
         self
     }
 

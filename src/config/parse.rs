@@ -272,6 +272,11 @@ pub(super) fn apply(
                 i += 2;
                 c.precise_fraction_cap = t.boolean(i)?;
             }
+            "cca_fast_path" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                c.fast_path = t.boolean(i)?;
+            }
             "cca_preset" => {
                 // This crate's key: start over from a named preset; keys after it apply on top.
                 t.expect(i + 1, ":")?;
@@ -435,6 +440,11 @@ mod tests {
             parse("release_lock_on_cudamalloc:True,backend:native,pinned_num_register_threads:8")
                 .unwrap();
         assert!(c.release_lock_on_cudamalloc);
+        assert!(!c.fast_path);
+        assert!(parse("cca_fast_path:True").unwrap().fast_path);
+        let c = apply(AllocatorConfig::default(), "cca_fast_path:False").unwrap();
+        assert!(!c.fast_path);
+        assert!(err("cca_fast_path:yes").contains("Expected 'True' or 'False'"));
     }
 
     #[test]

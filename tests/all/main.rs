@@ -5,10 +5,12 @@
 #![allow(clippy::unwrap_used, unreachable_pub)]
 
 mod caching;
+mod concurrency;
 mod config_env;
 mod cuda;
 mod expandable;
 mod expandable_fidelity;
+mod fast_path;
 mod faults;
 mod fidelity;
 mod fragmentation;

@@ -1,0 +1,420 @@
+//! Host-side allocator timings in the shape of `reference.json` (PyTorch's own figures on an
+//! H200 host), for the `pytorch` preset and the crate's default (fast path on), on a real GPU or
+//! on `SimDevice`:
+//!
+//! * warm alloc+free pairs at 512 B, 64 KiB, 1 MiB, 8 MiB and 64 MiB (ns per pair, one thread);
+//! * 1, 2, 4, 8 and 16 threads doing 1 MiB pairs at once, each on its own stream and all on the
+//!   default stream (aggregate ns per pair: wall time ÷ all threads' pairs);
+//! * replay of each shipped trace (`examples/traces/*.csv.gz`, needs feature `trace-io`), ns per
+//!   operation, on a fresh allocator (its first device allocations included);
+//! * two random mixes (ns per operation).
+//!
+//! ```text
+//! cargo run --release --example gpu_bench --features cuda,trace-io -- --device cuda
+//! cargo run --release --example gpu_bench --features trace-io -- --device sim
+//! ```
+//!
+//! For a GPU machine without Rust, build here and carry the binary (see `benches/README.md`):
+//! `cargo build --release --example gpu_bench --features cuda,trace-io`, then run
+//! `gpu_bench --device cuda` from the repository root there (it finds `examples/traces`).
+//!
+//! Options: `--device cuda|sim` (default `sim`), `--ordinal N` (CUDA device, default 0),
+//! `--quick` (fewer repetitions), `--traces DIR` (default: the crate's `examples/traces`),
+//! `--json FILE` (also write the figures as JSON). Each figure is the median of 5 runs (2 with
+//! `--quick`). Only the lines under `#[cfg(feature = "cuda")]` name the CUDA backend; the rest is
+//! generic over `DeviceBackend`.
+
+#[path = "../benches/support/mod.rs"]
+mod support;
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use cuda_caching_allocator::{
+    AllocError, AllocatorConfig, CachingAllocator, DeviceBackend, Preset, SimDevice, StreamId,
+};
+
+/// PyTorch 2.11 on the H200 host (`reference.json`): pair ns for `PAIR_SIZES`, native and
+/// cudaMallocAsync.
+const REF_PAIRS: [(f64, f64); 5] = [
+    (785.6, 1180.0),
+    (834.2, 1201.6),
+    (530.5, 695.0),
+    (500.9, 891.7),
+    (372.6, 691.6),
+];
+/// PyTorch 2.11 on the H200 host: aggregate ns per 1 MiB pair for `THREADS`, native and
+/// cudaMallocAsync.
+const REF_THREADS: [(f64, f64); 5] = [
+    (782.9, 727.1),
+    (1295.0, 2176.2),
+    (2157.0, 3693.9),
+    (2969.3, 3083.6),
+    (3630.7, 3709.5),
+];
+/// PyTorch 2.11 on the H200 host: replay ns per operation (trace, native, cudaMallocAsync).
+const REF_REPLAY: [(&str, f64, f64); 3] = [
+    ("bert_varlen", 2912.0, 1021.0),
+    ("gpt2_train", 1058.0, 2245.0),
+    ("resnet50_train", 1587.0, 1726.0),
+];
+
+#[derive(Clone, Debug)]
+struct Args {
+    device: String,
+    ordinal: usize,
+    quick: bool,
+    traces: PathBuf,
+    json: Option<PathBuf>,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        device: "sim".into(),
+        ordinal: 0,
+        quick: false,
+        traces: support::traces_dir(),
+        json: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--device" => args.device = it.next().ok_or("--device needs cuda or sim")?,
+            "--ordinal" => {
+                args.ordinal = it
+                    .next()
+                    .and_then(|s| s.parse().ok())
+                    .ok_or("--ordinal needs a number")?;
+            }
+            "--quick" => args.quick = true,
+            "--traces" => args.traces = it.next().ok_or("--traces needs a directory")?.into(),
+            "--json" => args.json = Some(it.next().ok_or("--json needs a file")?.into()),
+            // `cargo bench` passes `--bench`; ignore it.
+            "--bench" => {}
+            "-h" | "--help" => {
+                return Err(
+                    "usage: gpu_bench [--device cuda|sim] [--ordinal N] [--quick] \
+                            [--traces DIR] [--json FILE]"
+                        .into(),
+                );
+            }
+            other => return Err(format!("unknown argument '{other}' (try --help)")),
+        }
+    }
+    if !matches!(args.device.as_str(), "cuda" | "sim") {
+        return Err(format!("unknown device '{}': use cuda or sim", args.device));
+    }
+    Ok(args)
+}
+
+/// The median of `runs` measurements of `ns per op`.
+fn median(runs: usize, mut f: impl FnMut() -> f64) -> f64 {
+    let mut v: Vec<f64> = (0..runs).map(|_| f()).collect();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Iterations that take about `target` given a probe of `probe` iterations.
+fn calibrate(probe: u64, target: Duration, f: &mut dyn FnMut(u64) -> Duration) -> u64 {
+    let t = f(probe).as_secs_f64().max(1e-9);
+    ((target.as_secs_f64() / t) * probe as f64).clamp(probe as f64, 5e7) as u64
+}
+
+/// The figures of one configuration.
+#[derive(Clone, Debug, Default)]
+struct Figures {
+    pairs: Vec<f64>,
+    threads_own: Vec<f64>,
+    threads_shared: Vec<f64>,
+    replay: Vec<(String, f64)>,
+    mixes: Vec<(String, f64)>,
+}
+
+/// Runs every measurement for `config` on allocators from `make`. `streams` are 16 distinct
+/// streams the backend accepts (one per thread), `shared` the stream all threads share.
+fn measure<B: DeviceBackend>(
+    make: &dyn Fn(AllocatorConfig) -> Result<CachingAllocator<B>, AllocError>,
+    config: &AllocatorConfig,
+    streams: &[StreamId],
+    shared: StreamId,
+    args: &Args,
+    traces: &[support::CompiledTrace],
+) -> Result<Figures, AllocError> {
+    let runs = if args.quick { 2 } else { 5 };
+    let target = Duration::from_millis(if args.quick { 50 } else { 200 });
+    let mut fig = Figures::default();
+    for size in support::PAIR_SIZES {
+        let a = make(config.clone())?;
+        let mut f = |n: u64| support::pairs(&a, size, shared, n);
+        let iters = calibrate(1000, target, &mut f);
+        fig.pairs
+            .push(median(runs, || f(iters).as_nanos() as f64 / iters as f64));
+        eprint!(".");
+    }
+    for (own, out) in [
+        (true, &mut fig.threads_own),
+        (false, &mut fig.threads_shared),
+    ] {
+        for n in support::THREADS {
+            let a = make(config.clone())?;
+            let stream_of = |t: usize| {
+                if own {
+                    streams[t % streams.len()]
+                } else {
+                    shared
+                }
+            };
+            let mut f =
+                |per: u64| support::threads(&a, n, support::THREAD_PAIR_SIZE, per, &stream_of);
+            let per = calibrate(200, target, &mut f);
+            out.push(median(runs, || {
+                f(per).as_nanos() as f64 / (per * n as u64) as f64
+            }));
+            eprint!(".");
+        }
+    }
+    for trace in traces {
+        let ops = trace.steps.len().max(1) as f64;
+        let ns = median(runs, || {
+            let a = make(config.clone()).expect("allocator");
+            trace.run(&a, &|_| shared).as_nanos() as f64 / ops
+        });
+        fig.replay.push((trace.name.clone(), ns));
+        eprint!(".");
+    }
+    for (name, mix) in [
+        (
+            "mix: 2,000 live, 512 B – 64 MiB",
+            support::Mix::new(
+                2000,
+                512,
+                64 << 20,
+                if args.quick { 20_000 } else { 100_000 },
+                7,
+            ),
+        ),
+        (
+            "mix: 20,000 live, 512 B – 1 MiB",
+            support::Mix::new(
+                20_000,
+                512,
+                1 << 20,
+                if args.quick { 20_000 } else { 100_000 },
+                11,
+            ),
+        ),
+    ] {
+        let a = make(config.clone())?;
+        let ops = 2.0 * mix.steps.len() as f64;
+        fig.mixes.push((
+            name.to_string(),
+            median(runs, || mix.run(&a, shared).as_nanos() as f64 / ops),
+        ));
+        eprint!(".");
+    }
+    Ok(fig)
+}
+
+fn table(device: &str, torch: &Figures, fast: &Figures) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "device: {device}\n");
+    let _ = writeln!(
+        s,
+        "| measurement | crate, `pytorch` preset | crate, default (fast path) | PyTorch native (H200 ref) | cudaMallocAsync (H200 ref) |"
+    );
+    let _ = writeln!(s, "|---|---:|---:|---:|---:|");
+    for (i, size) in support::PAIR_SIZES.iter().enumerate() {
+        let _ = writeln!(
+            s,
+            "| pair, {} (ns) | {:.0} | {:.0} | {:.0} | {:.0} |",
+            support::size_name(*size),
+            torch.pairs[i],
+            fast.pairs[i],
+            REF_PAIRS[i].0,
+            REF_PAIRS[i].1
+        );
+    }
+    for (label, t, f) in [
+        ("own stream", &torch.threads_own, &fast.threads_own),
+        ("shared stream", &torch.threads_shared, &fast.threads_shared),
+    ] {
+        for (i, n) in support::THREADS.iter().enumerate() {
+            let r = if label == "own stream" {
+                format!("{:.0} | {:.0}", REF_THREADS[i].0, REF_THREADS[i].1)
+            } else {
+                "– | –".into()
+            };
+            let _ = writeln!(
+                s,
+                "| {n} thread(s), 1 MiB pairs, {label} (aggregate ns/pair) | {:.0} | {:.0} | {r} |",
+                t[i], f[i]
+            );
+        }
+    }
+    for (i, (name, ns)) in torch.replay.iter().enumerate() {
+        let r = REF_REPLAY
+            .iter()
+            .find(|(n, _, _)| n == name)
+            .map_or("– | –".to_string(), |(_, a, b)| {
+                format!("{a:.0} | {b:.0}")
+            });
+        let _ = writeln!(
+            s,
+            "| replay {name} (ns/op) | {ns:.0} | {:.0} | {r} |",
+            fast.replay.get(i).map_or(f64::NAN, |x| x.1)
+        );
+    }
+    for (i, (name, ns)) in torch.mixes.iter().enumerate() {
+        let _ = writeln!(
+            s,
+            "| {name} (ns/op) | {ns:.0} | {:.0} | – | – |",
+            fast.mixes.get(i).map_or(f64::NAN, |x| x.1)
+        );
+    }
+    let one = fast.threads_own.first().copied().unwrap_or(f64::NAN);
+    let sixteen = fast.threads_own.last().copied().unwrap_or(f64::NAN);
+    let _ = writeln!(
+        s,
+        "\nfast path, own streams: 16-thread throughput = {:.1}× one thread's (goal ≥ 8×)",
+        one / sixteen
+    );
+    s
+}
+
+fn json(device: &str, torch: &Figures, fast: &Figures) -> String {
+    let f = |fig: &Figures| {
+        let list = |v: &[f64]| {
+            v.iter()
+                .map(|x| format!("{x:.1}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let named = |v: &[(String, f64)]| {
+            v.iter()
+                .map(|(n, x)| format!("\"{n}\": {x:.1}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        format!(
+            "{{\"pairs_ns\": [{}], \"threads_own_ns_per_pair\": [{}], \"threads_shared_ns_per_pair\": [{}], \"replay_ns_per_op\": {{{}}}, \"mixes_ns_per_op\": {{{}}}}}",
+            list(&fig.pairs),
+            list(&fig.threads_own),
+            list(&fig.threads_shared),
+            named(&fig.replay),
+            named(&fig.mixes)
+        )
+    };
+    format!(
+        "{{\"device\": \"{device}\", \"pair_sizes\": {:?}, \"threads\": {:?}, \"pytorch\": {}, \"default\": {}}}\n",
+        support::PAIR_SIZES,
+        support::THREADS,
+        f(torch),
+        f(fast)
+    )
+}
+
+/// Measures both configurations on one backend and prints the table.
+fn run<B: DeviceBackend>(
+    device: &str,
+    make: &dyn Fn(AllocatorConfig) -> Result<CachingAllocator<B>, AllocError>,
+    streams: &[StreamId],
+    shared: StreamId,
+    args: &Args,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let traces = support::shipped_traces(&args.traces);
+    if traces.is_empty() {
+        eprintln!(
+            "no traces replayed (build with --features trace-io; traces looked for in {})",
+            args.traces.display()
+        );
+    }
+    eprint!("pytorch preset ");
+    let torch = measure(
+        make,
+        &Preset::Pytorch.config(),
+        streams,
+        shared,
+        args,
+        &traces,
+    )?;
+    eprint!("\ndefault (fast path) ");
+    let fast = measure(
+        make,
+        &Preset::Default.config(),
+        streams,
+        shared,
+        args,
+        &traces,
+    )?;
+    eprintln!();
+    println!("{}", table(device, &torch, &fast));
+    if let Some(path) = &args.json {
+        std::fs::write(path, json(device, &torch, &fast))?;
+    }
+    Ok(())
+}
+
+fn sim(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    let streams: Vec<StreamId> = (1..=16).map(StreamId).collect();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    run(
+        &format!("SimDevice (host cost only; {cores} CPU cores)"),
+        &|c| CachingAllocator::new(SimDevice::with_capacity(1 << 40), c),
+        &streams,
+        StreamId::DEFAULT,
+        args,
+    )
+}
+
+#[cfg(feature = "cuda")]
+fn cuda(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    use cuda_caching_allocator::backend::cuda::CudaDevice;
+    let device = CudaDevice::open(args.ordinal)?;
+    // 16 streams of the device's context, admitted so the cache may allocate on them; `keep`
+    // holds them alive until the end.
+    let mut keep = Vec::new();
+    let mut streams = Vec::new();
+    for _ in 0..16 {
+        let s = device.context().new_stream()?;
+        streams.push(device.admit_stream(&s)?);
+        keep.push(s);
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let name = format!("CUDA device {} ({cores} CPU cores)", args.ordinal);
+    run(
+        &name,
+        &|c| CachingAllocator::new(&device, c),
+        &streams,
+        StreamId::DEFAULT,
+        args,
+    )
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda(_: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    Err("built without the CUDA backend: add --features cuda".into())
+}
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    let r = if args.device == "cuda" {
+        cuda(&args)
+    } else {
+        sim(&args)
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gpu_bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,743 @@
+//! The owner's half of a thread cache, in a `thread_local!` table keyed by allocator id: the
+//! address index of the blocks it manages, their bins by `(stream, rounded size)`, and its
+//! bookkeeping. Only its thread touches it, so a hit or a cached free costs one
+//! compare-and-swap on the block's descriptor and no lock.
+//!
+//! The bin table is direct-mapped with two probes per key; a slot holds up to [`SLOT_CAP`]
+//! blocks of one key. A key that misses where other keys hold both probe slots strikes the
+//! weaker one; after [`EVICT_STRIKES`] strikes that slot's blocks go back to the core and the key
+//! takes it. Nothing here allocates on a hit or a cached free: the descriptor chunks, the index
+//! and the bin table reach their working size and stay there.
+//!
+//! When the thread exits, its table is dropped and each cache is marked exited; the allocator
+//! takes the cached blocks back at its next locked operation. May use: `shared`, `backend`
+//! values, `size_class`, `state::AddrMap`.
+#![forbid(unsafe_code)]
+
+use std::cell::RefCell;
+use std::sync::Arc;
+
+use super::delta::Five;
+use super::shared::{CACHED, CHUNK, Chunk, Desc, DescView, GONE, LIVE, Shared, Taken, VACANT};
+use crate::allocator::state::AddrMap;
+use crate::backend::StreamId;
+use crate::size_class::{PoolKind, pool_kind};
+
+/// Slots in a thread's bin table (a power of two).
+pub(crate) const SLOTS: usize = 256;
+/// Blocks one slot holds.
+pub(crate) const SLOT_CAP: usize = 8;
+/// Strikes after which a slot's key gives way to a key that keeps missing.
+pub(crate) const EVICT_STRIKES: u8 = 2;
+/// Misses per admission window: after each, a cache that got fewer than [`HITS_PER_MISS`] hits
+/// per miss pauses for [`PAUSE_WINDOWS`] windows.
+pub(crate) const WINDOW: u32 = 256;
+/// Hits per miss below which the cache does not pay: a hit saves a locked allocation and a
+/// locked free, a miss with the cache active costs about half of one in bookkeeping (measured
+/// with callgrind on the shipped traces).
+pub(crate) const HITS_PER_MISS: f64 = 0.5;
+/// Windows a paused cache admits nothing (and costs almost nothing) before it tries again.
+pub(crate) const PAUSE_WINDOWS: u32 = 8;
+
+/// Bounds of one thread cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Bounds {
+    /// Largest block managed.
+    pub(crate) max_block: usize,
+    /// Most bytes kept in bins.
+    pub(crate) max_bytes: usize,
+    /// Blocks of this size or more are never managed (PyTorch's oversize blocks).
+    pub(crate) max_split_size: usize,
+}
+
+/// What the owner knows about one of its descriptors.
+#[derive(Clone, Copy, Debug)]
+struct Meta {
+    ptr: u64,
+    block_size: usize,
+    rounded: usize,
+    stream: StreamId,
+    kind: PoolKind,
+    /// In a bin (the owner's view: it cached the block and has not taken it back).
+    in_bin: bool,
+}
+
+const NO_META: Meta = Meta {
+    ptr: 0,
+    block_size: 0,
+    rounded: 0,
+    stream: StreamId(0),
+    kind: PoolKind::Small,
+    in_bin: false,
+};
+
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    /// The key's rounded size; 0 for a slot no key holds.
+    size: usize,
+    stream: StreamId,
+    len: u8,
+    strikes: u8,
+    /// When the key was last seen (the cache's tick): empty slots are reused oldest first.
+    seen: u32,
+    idx: [u32; SLOT_CAP],
+}
+
+const EMPTY_SLOT: Slot = Slot {
+    size: 0,
+    stream: StreamId(0),
+    len: 0,
+    strikes: 0,
+    seen: 0,
+    idx: [0; SLOT_CAP],
+};
+
+#[inline]
+fn pool_index(kind: PoolKind) -> usize {
+    match kind {
+        PoolKind::Small => 1,
+        PoolKind::Large => 2,
+    }
+}
+
+#[inline]
+fn home_slot(stream: StreamId, rounded: usize) -> usize {
+    const K: u64 = 0x9e37_79b9_7f4a_7c15;
+    let h = ((rounded as u64 >> 9) ^ stream.0.wrapping_mul(K)).wrapping_mul(K);
+    (h >> (64 - SLOTS.trailing_zeros())) as usize
+}
+
+/// What a free found in the owner's cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Give {
+    /// The block went into a bin.
+    Cached,
+    /// The block was already cached: a double free.
+    DoubleFree,
+    /// Take the locked path (no room, `record_stream`, caching off for now, or not managed
+    /// here).
+    Slow,
+}
+
+/// Blocks a slot eviction took out of their bin (descriptor indices).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Evicted {
+    pub(crate) idx: [u32; SLOT_CAP],
+    pub(crate) len: usize,
+}
+
+/// The owner's half of one thread cache.
+#[derive(Debug)]
+pub(crate) struct Local {
+    pub(crate) shared: Arc<Shared>,
+    chunks: Vec<Arc<Chunk>>,
+    meta: Vec<Meta>,
+    vacant: Vec<u32>,
+    index: AddrMap<u32>,
+    slots: Box<[Slot]>,
+    /// One bit per slot holding cached blocks.
+    occupied: [u64; SLOTS / 64],
+    bounds: Bounds,
+    pub(crate) cached_bytes: usize,
+    pub(crate) cached_count: usize,
+    pub(crate) live_count: usize,
+    /// The delta's `current` values (`3 * quantity + pool`), mirrored from the shared counters
+    /// (this thread is their only writer).
+    pub(crate) cur: [i64; 9],
+    /// The largest `cur` values since the last synchronisation.
+    pub(crate) hi: [i64; 9],
+    /// The user-view values at the last synchronisation, less `cur` then: `base + hi` is the
+    /// peak candidate of the interval.
+    pub(crate) base: Five,
+    /// The peak epoch `base` belongs to.
+    pub(crate) epoch: u64,
+    /// A hit or a cached free happened since the last synchronisation.
+    pub(crate) dirty: bool,
+    /// The delta changed on the locked path (a block retired) since the last synchronisation.
+    pub(crate) retired: bool,
+    /// No cached block is larger than this (an upper bound; 0 when none is cached).
+    max_cached: usize,
+    /// Counts key sightings on the locked path (for [`Slot::seen`]).
+    tick: u32,
+    /// Admission control: misses and hits in this window, and windows left paused.
+    window_misses: u32,
+    window_hits: u32,
+    paused: u32,
+}
+
+impl Local {
+    pub(crate) fn new(shared: Arc<Shared>, bounds: Bounds) -> Self {
+        Local {
+            shared,
+            chunks: Vec::new(),
+            meta: Vec::new(),
+            vacant: Vec::new(),
+            index: AddrMap::default(),
+            slots: vec![EMPTY_SLOT; SLOTS].into_boxed_slice(),
+            occupied: [0; SLOTS / 64],
+            bounds,
+            cached_bytes: 0,
+            cached_count: 0,
+            live_count: 0,
+            cur: [0; 9],
+            hi: [0; 9],
+            base: Five::default(),
+            epoch: 0,
+            dirty: false,
+            retired: false,
+            max_cached: 0,
+            tick: 0,
+            window_misses: 0,
+            window_hits: 0,
+            paused: 0,
+        }
+    }
+
+    #[inline]
+    fn desc(&self, i: u32) -> Option<&Desc> {
+        self.chunks
+            .get(i as usize / CHUNK)
+            .map(|c| &c.0[i as usize % CHUNK])
+    }
+
+    /// Adds `sign × v` (`v = [count, bytes, requested]`) to the mirrored `current` values.
+    #[inline(always)]
+    fn mirror(&mut self, kind: PoolKind, v: [i64; 3], sign: i64) {
+        let p = pool_index(kind);
+        for (q, v) in v.into_iter().enumerate() {
+            self.cur[3 * q] += sign * v;
+            self.cur[3 * q + p] += sign * v;
+        }
+    }
+
+    /// Updates slot `s`'s bit in [`occupied`](Self::occupied).
+    #[inline(always)]
+    fn mark(&mut self, s: usize) {
+        let bit = 1u64 << (s % 64);
+        if self.slots[s].len > 0 {
+            self.occupied[s / 64] |= bit;
+        } else {
+            self.occupied[s / 64] &= !bit;
+        }
+    }
+
+    #[inline]
+    fn find_slot(&self, stream: StreamId, rounded: usize) -> Option<usize> {
+        let i = home_slot(stream, rounded);
+        [i, i ^ 1].into_iter().find(|&s| {
+            let slot = &self.slots[s];
+            slot.size == rounded && slot.stream == stream
+        })
+    }
+
+    /// A cache hit: a cached block for `(stream, rounded)`, now live for a request of `req`
+    /// bytes. Returns `(address, block size)`.
+    #[inline]
+    pub(crate) fn take(
+        &mut self,
+        stream: StreamId,
+        rounded: usize,
+        req: usize,
+    ) -> Option<(u64, usize)> {
+        let s = self.find_slot(stream, rounded)?;
+        let len = self.slots[s].len as usize;
+        let i = *self.slots[s].idx.get(len.checked_sub(1)?)?;
+        let d = self.desc(i)?;
+        // A flush may have taken it (GONE): the locked path cleans up.
+        d.transition(CACHED, LIVE).ok()?;
+        d.set_user_req(req);
+        let slot = &mut self.slots[s];
+        slot.len -= 1;
+        slot.strikes = 0;
+        if slot.len == 0 {
+            self.mark(s);
+        }
+        let m = self.meta.get_mut(i as usize)?;
+        m.in_bin = false;
+        let (ptr, bs, kind) = (m.ptr, m.block_size, m.kind);
+        self.cached_bytes -= bs;
+        self.cached_count -= 1;
+        self.live_count += 1;
+        self.dirty = true;
+        self.window_hits = self.window_hits.wrapping_add(1);
+        let v = [1, bs as i64, req as i64];
+        self.shared.counters.hit(kind, v);
+        let p = pool_index(kind);
+        for (q, v) in v.into_iter().enumerate() {
+            for k in [3 * q, 3 * q + p] {
+                self.cur[k] += v;
+                self.hi[k] = self.hi[k].max(self.cur[k]);
+            }
+        }
+        Some((ptr, bs))
+    }
+
+    /// A free of `ptr`: into a bin when it is managed here, live, there is room, and
+    /// `may_cache`.
+    #[inline]
+    pub(crate) fn give(&mut self, ptr: u64, may_cache: bool) -> Give {
+        let Some(&i) = self.index.get(&ptr) else {
+            return Give::Slow;
+        };
+        let Some(m) = self.meta.get(i as usize).copied() else {
+            return Give::Slow;
+        };
+        let Some(d) = self.desc(i) else {
+            return Give::Slow;
+        };
+        if !may_cache
+            || self.paused > 0
+            || d.needs_core.load(std::sync::atomic::Ordering::Relaxed)
+            || self.cached_bytes + m.block_size > self.bounds.max_bytes
+        {
+            return Give::Slow;
+        }
+        let home = home_slot(m.stream, m.rounded);
+        let mut target = None;
+        for s in [home, home ^ 1] {
+            let slot = &self.slots[s];
+            if slot.size == m.rounded && slot.stream == m.stream {
+                target = Some(s);
+                break;
+            }
+            if slot.len == 0 && target.is_none() {
+                target = Some(s);
+            }
+        }
+        let Some(s) = target else {
+            return Give::Slow;
+        };
+        if self.slots[s].len as usize >= SLOT_CAP {
+            return Give::Slow;
+        }
+        match d.transition(LIVE, CACHED) {
+            Ok(()) => {}
+            Err(CACHED) => return Give::DoubleFree,
+            Err(_) => return Give::Slow,
+        }
+        let req = d.user_req();
+        let slot = &mut self.slots[s];
+        if slot.size != m.rounded || slot.stream != m.stream {
+            *slot = Slot {
+                size: m.rounded,
+                stream: m.stream,
+                ..EMPTY_SLOT
+            };
+        }
+        slot.idx[slot.len as usize] = i;
+        slot.len += 1;
+        if slot.len == 1 {
+            self.mark(s);
+        }
+        if let Some(m) = self.meta.get_mut(i as usize) {
+            m.in_bin = true;
+        }
+        self.cached_bytes += m.block_size;
+        self.cached_count += 1;
+        self.max_cached = self.max_cached.max(m.rounded);
+        self.live_count -= 1;
+        self.dirty = true;
+        let v = [1, m.block_size as i64, req as i64];
+        self.shared.counters.cache(m.kind, v);
+        self.mirror(m.kind, v, -1);
+        Give::Cached
+    }
+
+    // ---- locked path (the caller holds the core lock) ---------------------------------------
+
+    /// Counts a miss; returns whether the cache is active (admitting blocks). A cache that got
+    /// fewer than [`HITS_PER_MISS`] hits per miss over the last window of [`WINDOW`] misses
+    /// (random sizes, or sizes that come back too rarely) pauses for [`PAUSE_WINDOWS`] windows,
+    /// then tries again.
+    pub(crate) fn note_miss(&mut self) -> bool {
+        self.window_misses += 1;
+        if self.window_misses >= WINDOW {
+            let productive = f64::from(self.window_hits) >= f64::from(WINDOW) * HITS_PER_MISS;
+            if self.paused > 0 {
+                self.paused -= 1;
+            } else if !productive {
+                self.paused = PAUSE_WINDOWS;
+            }
+            self.window_misses = 0;
+            self.window_hits = 0;
+        }
+        self.paused == 0
+    }
+
+    /// Nothing to do on the locked path: no hit possible before the next synchronisation (see
+    /// [`may_hit`](Self::may_hit)), no hit or cached free since the last one, nothing taken
+    /// away.
+    pub(crate) fn idle(&self) -> bool {
+        !self.may_hit()
+            && !self.dirty
+            && !self
+                .shared
+                .taken_pending
+                .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether a hit may happen before the next synchronisation: a block is cached, or a live
+    /// one may be freed into a bin (not while paused).
+    pub(crate) fn may_hit(&self) -> bool {
+        self.cached_count > 0 || (self.live_count > 0 && self.paused == 0)
+    }
+
+    /// The descriptor index and state of a block managed here.
+    pub(crate) fn find(&self, ptr: u64) -> Option<(u32, u32)> {
+        let &i = self.index.get(&ptr)?;
+        let d = self.desc(i)?;
+        Some((i, d.state.load(std::sync::atomic::Ordering::Acquire)))
+    }
+
+    /// Whether a new block for `(stream, rounded)` should be managed here. A key is admitted on
+    /// its second sighting: the first only marks a free probe slot with it (the oldest seen), so
+    /// sizes that never come back cost no bookkeeping. A key whose probe slots other keys hold
+    /// strikes the weaker one; at [`EVICT_STRIKES`] that slot gives way: its blocks come back in
+    /// `evicted` (for [`evict`](Self::evict)) and the key takes it.
+    pub(crate) fn claim(
+        &mut self,
+        stream: StreamId,
+        rounded: usize,
+        evicted: &mut Evicted,
+    ) -> bool {
+        evicted.len = 0;
+        self.tick = self.tick.wrapping_add(1);
+        let home = home_slot(stream, rounded);
+        let mut free: Option<usize> = None;
+        for s in [home, home ^ 1] {
+            let (size, st, len, seen) = {
+                let slot = &self.slots[s];
+                (slot.size, slot.stream, slot.len, slot.seen)
+            };
+            if size == rounded && st == stream {
+                self.slots[s].seen = self.tick;
+                return (len as usize) < SLOT_CAP;
+            }
+            if len == 0 && free.is_none_or(|f| self.slots[f].seen > seen) {
+                free = Some(s);
+            }
+        }
+        if let Some(s) = free {
+            self.slots[s] = Slot {
+                size: rounded,
+                stream,
+                seen: self.tick,
+                ..EMPTY_SLOT
+            };
+            return false;
+        }
+        let (a, b) = (home, home ^ 1);
+        let victim = if self.slots[a].strikes >= self.slots[b].strikes {
+            a
+        } else {
+            b
+        };
+        let slot = &mut self.slots[victim];
+        slot.strikes = slot.strikes.saturating_add(1);
+        if slot.strikes < EVICT_STRIKES {
+            return false;
+        }
+        let n = slot.len as usize;
+        evicted.idx[..n].copy_from_slice(&slot.idx[..n]);
+        evicted.len = n;
+        *slot = Slot {
+            size: rounded,
+            stream,
+            seen: self.tick,
+            ..EMPTY_SLOT
+        };
+        self.mark(victim);
+        for k in 0..n {
+            if let Some(m) = self.meta.get_mut(evicted.idx[k] as usize) {
+                m.in_bin = false;
+            }
+        }
+        true
+    }
+
+    /// The bins holding blocks that the core's best fit could choose for a `(stream, rounded)`
+    /// request: of `stream`, in the same pool, of at least `rounded` bytes (one bit per slot;
+    /// all zero when none).
+    pub(crate) fn candidates(&mut self, stream: StreamId, rounded: usize) -> [u64; SLOTS / 64] {
+        let mut mask = [0u64; SLOTS / 64];
+        if self.cached_count == 0 {
+            self.max_cached = 0;
+            return mask;
+        }
+        if rounded > self.max_cached {
+            return mask;
+        }
+        let kind = pool_kind(rounded);
+        for (w, m) in mask.iter_mut().enumerate() {
+            let mut bits = self.occupied[w];
+            while bits != 0 {
+                let b = bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                let slot = &self.slots[w * 64 + b];
+                if slot.stream == stream && slot.size >= rounded && pool_kind(slot.size) == kind {
+                    *m |= 1 << b;
+                }
+            }
+        }
+        mask
+    }
+
+    /// Gives back the blocks of the bins in `mask` (from [`candidates`](Self::candidates)): each
+    /// leaves its bin and the delta and goes to `f`, which frees it in the core (where it merges
+    /// with its free neighbours).
+    pub(crate) fn drain(&mut self, mask: [u64; SLOTS / 64], mut f: impl FnMut(DescView)) {
+        for (w, &m) in mask.iter().enumerate() {
+            let mut bits = m;
+            while bits != 0 {
+                let s = w * 64 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                let slot = self.slots[s];
+                self.slots[s].len = 0;
+                self.mark(s);
+                for &i in &slot.idx[..slot.len as usize] {
+                    if let Some(m) = self.meta.get_mut(i as usize) {
+                        m.in_bin = false;
+                    }
+                    if let Some(v) = self.evict(i) {
+                        f(v);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Takes back an evicted cached block for the core: its contribution leaves the delta.
+    /// `None` if it was not cached any more.
+    pub(crate) fn evict(&mut self, i: u32) -> Option<DescView> {
+        let d = self.desc(i)?;
+        d.transition(CACHED, VACANT).ok()?;
+        let v = d.view();
+        self.shared.counters.retire(v.kind, v.contribution(CACHED));
+        self.mirror(v.kind, v.contribution(CACHED), -1);
+        self.retired = true;
+        self.cached_count -= 1;
+        self.cached_bytes -= v.block_size;
+        self.forget(i, v.ptr);
+        Some(v)
+    }
+
+    /// Takes back a live block of this thread for the core (a free that cannot be cached).
+    /// `Err(state)` when it is not live.
+    pub(crate) fn retire_live(&mut self, i: u32) -> Result<DescView, u32> {
+        let d = self.desc(i).ok_or(VACANT)?;
+        d.transition(LIVE, VACANT)?;
+        let v = d.view();
+        self.shared.counters.retire(v.kind, v.contribution(LIVE));
+        self.mirror(v.kind, v.contribution(LIVE), -1);
+        self.retired = true;
+        self.live_count -= 1;
+        self.forget(i, v.ptr);
+        Ok(v)
+    }
+
+    fn forget(&mut self, i: u32, ptr: u64) {
+        if self.index.get(&ptr) == Some(&i) {
+            self.index.remove(&ptr);
+        }
+        if let Some(m) = self.meta.get_mut(i as usize) {
+            *m = NO_META;
+        }
+        self.vacant.push(i);
+    }
+
+    /// Starts managing a block the core just allocated for a user on this thread; returns its
+    /// descriptor index.
+    pub(crate) fn register(&mut self, v: &DescView, rounded: usize, stream: StreamId) -> u32 {
+        let i = match self.vacant.pop() {
+            Some(i) => i,
+            None => {
+                let n = self.meta.len();
+                if n % CHUNK == 0 {
+                    let c = Arc::new(Chunk::default());
+                    self.shared.chunks.lock().push(Arc::clone(&c));
+                    self.chunks.push(c);
+                }
+                self.meta.push(NO_META);
+                n as u32
+            }
+        };
+        if let Some(d) = self.desc(i) {
+            d.fill(v);
+        }
+        if let Some(m) = self.meta.get_mut(i as usize) {
+            *m = Meta {
+                ptr: v.ptr,
+                block_size: v.block_size,
+                rounded,
+                stream,
+                kind: v.kind,
+                in_bin: false,
+            };
+        }
+        self.index.insert(v.ptr, i);
+        self.live_count += 1;
+        i
+    }
+
+    /// Cleans up after blocks other threads took away (flushed or freed): each leaves the bins
+    /// and the index, and its contribution moves from the foreign account (through `f`) back into
+    /// this cache's delta as retired.
+    pub(crate) fn process_taken(&mut self, mut f: impl FnMut(&Taken)) {
+        // Pushers set the flag under the core lock, which the caller holds too.
+        if !self
+            .shared
+            .taken_pending
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return;
+        }
+        self.shared
+            .taken_pending
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        let taken = std::mem::take(&mut *self.shared.taken.lock());
+        for t in &taken {
+            let i = t.desc;
+            let Some(m) = self.meta.get(i as usize).copied() else {
+                continue;
+            };
+            if m.in_bin {
+                if let Some(s) = self.find_slot(m.stream, m.rounded) {
+                    let slot = &mut self.slots[s];
+                    let n = slot.len as usize;
+                    if let Some(k) = slot.idx[..n].iter().position(|&x| x == i) {
+                        slot.idx.copy_within(k + 1..n, k);
+                        slot.len -= 1;
+                    }
+                    self.mark(s);
+                }
+                self.cached_count -= 1;
+                self.cached_bytes -= m.block_size;
+            } else {
+                self.live_count -= 1;
+            }
+            self.shared.counters.retire(t.kind, t.contribution);
+            self.mirror(t.kind, t.contribution, -1);
+            self.retired = true;
+            f(t);
+            if let Some(d) = self.desc(i) {
+                d.state.store(VACANT, std::sync::atomic::Ordering::Release);
+            }
+            self.forget(i, m.ptr);
+        }
+        // Keep the queue's buffer for next time (no allocation on the next flush).
+        let mut q = self.shared.taken.lock();
+        if q.is_empty() {
+            let mut taken = taken;
+            taken.clear();
+            *q = taken;
+        }
+    }
+
+    /// Checks the owner's structures against the descriptors: the bins hold exactly the
+    /// `CACHED` descriptors, each once, under its key; the index holds exactly the live and
+    /// cached ones; the counters match. Call after [`process_taken`](Self::process_taken).
+    pub(crate) fn check(&self) -> Result<(), String> {
+        let mut binned = vec![false; self.meta.len()];
+        let (mut cached, mut cached_bytes) = (0usize, 0usize);
+        for slot in self.slots.iter() {
+            for &i in &slot.idx[..slot.len as usize] {
+                let m = self.meta.get(i as usize).ok_or("bin names no descriptor")?;
+                let st = self
+                    .desc(i)
+                    .map(|d| d.state.load(std::sync::atomic::Ordering::Acquire));
+                if st != Some(CACHED) || !m.in_bin || binned[i as usize] {
+                    return Err(format!("bin entry {i} is not a cached block binned once"));
+                }
+                if (m.rounded, m.stream) != (slot.size, slot.stream) {
+                    return Err(format!("block {i} sits under another key"));
+                }
+                binned[i as usize] = true;
+                cached += 1;
+                cached_bytes += m.block_size;
+            }
+        }
+        let mut live = 0usize;
+        let mut indexed = 0usize;
+        for (i, m) in self.meta.iter().enumerate() {
+            let st = self
+                .desc(i as u32)
+                .map(|d| d.state.load(std::sync::atomic::Ordering::Acquire));
+            match st {
+                Some(LIVE) => live += 1,
+                Some(CACHED) if !binned[i] => return Err(format!("cached block {i} is in no bin")),
+                Some(GONE) => return Err(format!("block {i} taken away but not cleaned up")),
+                _ => {}
+            }
+            if matches!(st, Some(LIVE) | Some(CACHED)) {
+                indexed += 1;
+                if self.index.get(&m.ptr) != Some(&(i as u32)) {
+                    return Err(format!("managed block {i} is missing from the index"));
+                }
+            }
+        }
+        if indexed != self.index.len() {
+            return Err("the index holds blocks that are not managed".into());
+        }
+        if (cached, cached_bytes, live) != (self.cached_count, self.cached_bytes, self.live_count) {
+            return Err("cached/live counters disagree with a recount".into());
+        }
+        Ok(())
+    }
+}
+
+/// This thread's caches, by allocator id.
+#[derive(Debug)]
+struct Table(Vec<(u64, Local)>);
+
+impl Drop for Table {
+    fn drop(&mut self) {
+        for (_, local) in self.0.drain(..) {
+            local.shared.thread_exited();
+        }
+    }
+}
+
+thread_local! {
+    static TABLE: RefCell<Table> = const { RefCell::new(Table(Vec::new())) };
+}
+
+/// Runs `f` on this thread's cache for allocator `id`; `None` when it has none, or the table is
+/// in use or gone (the thread is exiting).
+#[inline]
+pub(crate) fn with_local<R>(id: u64, f: impl FnOnce(&mut Local) -> R) -> Option<R> {
+    TABLE
+        .try_with(|t| {
+            let mut t = t.try_borrow_mut().ok()?;
+            let (_, local) = t.0.iter_mut().find(|(i, _)| *i == id)?;
+            Some(f(local))
+        })
+        .ok()
+        .flatten()
+}
+
+/// Runs `f` on this thread's cache for allocator `id`, creating it with `make` first if there
+/// is none (dropping caches of allocators that no longer exist). `None` when the table is in use
+/// or gone, or `make` declines.
+pub(crate) fn with_local_or_make<R>(
+    id: u64,
+    make: impl FnOnce() -> Option<Local>,
+    f: impl FnOnce(&mut Local) -> R,
+) -> Option<R> {
+    TABLE
+        .try_with(|t| {
+            let mut t = t.try_borrow_mut().ok()?;
+            let pos = match t.0.iter().position(|(i, _)| *i == id) {
+                Some(p) => p,
+                None => {
+                    let local = make()?;
+                    // Only this table still holds the shared half of a dropped allocator's cache.
+                    t.0.retain(|(_, l)| Arc::strong_count(&l.shared) > 1);
+                    t.0.push((id, local));
+                    t.0.len() - 1
+                }
+            };
+            t.0.get_mut(pos).map(|(_, local)| f(local))
+        })
+        .ok()
+        .flatten()
+}

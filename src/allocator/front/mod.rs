@@ -1,0 +1,865 @@
+//! The fast path: per-thread front caches in front of the core, so that a cache hit (an
+//! allocation of a size and stream this thread recently freed) and a free of a block this thread
+//! manages take no lock at all.
+//!
+//! # Design
+//!
+//! * **Ownership.** When the core allocates a block for a thread whose fast path is on, and its
+//!   size has missed before (a size is admitted on its second miss), the block becomes *managed*
+//!   by that thread's cache: a descriptor in the cache's shared half (`shared.rs`) and an entry
+//!   in the owner's address index (`local.rs`, thread-local). For the core the block stays
+//!   allocated until it comes back, so the core's own invariants hold unchanged.
+//! * **Hit / cached free.** The owner frees a managed block into its bin of
+//!   `(stream, rounded size)` and allocates it from there again: a thread-local lookup and one
+//!   compare-and-swap on the block's descriptor (`LIVE ⇄ CACHED`), no lock.
+//! * **Everything else** takes the allocator's one lock, which guards the core's state and the
+//!   front's bookkeeping ([`FrontLocked`]), then per-cache queue locks and shard locks, in that
+//!   order (the fast path takes none). A free from another thread finds the owner in the
+//!   sharded owner map (`shards.rs`, kept from the moment a second thread is involved), takes
+//!   the block from it (`LIVE → GONE`) and frees it in the core.
+//! * **Memory is never lost to front caches.** Any thread holding the lock can take every
+//!   thread's cached blocks back (`CACHED → GONE`), and does: before the core would grow (before
+//!   garbage collection, any device allocation, and the OOM path's release-and-retry chain), on
+//!   `empty_cache`, when the history recorder starts, when the allocator is dropped, and (at the
+//!   next locked operation) when the owner thread has exited. Caches are bounded ([`Bounds`]).
+//! * **It pays or it pauses.** A cache that got fewer hits than half its misses over a window
+//!   (random sizes) stops admitting blocks for a while, so that its misses cost little more than
+//!   the core's (`local::Local::note_miss`).
+//! * **Statistics** stay exact (`delta.rs`): a block in a front cache counts as *freed* for
+//!   `allocation`, `active`, `allocated_bytes`, `active_bytes` and `requested_bytes` (PyTorch's
+//!   meaning: allocated bytes drop on free). It stays unmerged until it is flushed, so it does
+//!   not count in `inactive_split` / `inactive_split_bytes`, and a snapshot shows it `inactive`.
+//!
+//! Note [Candidates go back before a miss]: a block in a front cache is invisible to the core's
+//! best fit and does not merge with its free neighbours, so without care the core would cut other
+//! blocks and the segments would fragment differently from PyTorch's (on the shipped traces, up
+//! to 6% more peak reserved bytes). So before the core searches for a block, the thread gives
+//! back its cached blocks that best fit could have chosen: same stream and pool, at least the
+//! requested size (giving back only those smaller than the core's own choice is not enough: the
+//! larger ones merge with their neighbours, which changes later choices). With that, the replays
+//! of the shipped traces stay within 0.2% of PyTorch's peak reserved bytes (see
+//! `benches/README.md`); cached blocks smaller than the request stay.
+//!
+//! Note [Peaks with several threads]: `current`, `allocated` and `freed` are exact sums (a
+//! reader racing an operation in flight may see that one operation half-counted). The peaks of
+//! the five statistics above are exact when one thread at a time uses the allocator. A thread's
+//! hits are folded into the peaks when that thread next takes the lock (any operation that is
+//! not a hit or a cached free, or a statistics read), relative to the other caches' contents as
+//! of their own last locked operation; so with several threads hitting their caches at once, a
+//! reported peak can differ from the peak of any one global order of the operations by what the
+//! other threads' caches took in or handed out meanwhile, and a thread's hits after a peak reset
+//! from another thread count from its next locked operation on.
+//!
+//! May use: `state` (its `pub(crate)` API), `snapshot`, `invariants`, `backend`, `config`,
+//! `size_class`, `stats`.
+#![forbid(unsafe_code)]
+
+mod delta;
+mod local;
+mod shards;
+mod shared;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+
+use super::Allocation;
+use super::invariants::InvariantViolation;
+use super::snapshot::{BlockState, SegmentSnapshot};
+use super::state::State;
+use crate::backend::{DeviceBackend, DevicePtr, StreamId};
+use crate::config::{AllocatorConfig, MIB};
+use crate::error::{AllocError, Result};
+use crate::size_class::{PoolKind, pool_kind, round_size};
+use crate::stats::{MemoryStats, StatType};
+use delta::{Delta, Five};
+use local::{Bounds, Evicted, Give, Local};
+use shards::Shards;
+use shared::{CACHED, DescView, GONE, LIVE, Shared, Taken};
+
+/// Largest block a thread cache manages (larger requests always take the core path).
+pub(crate) const MAX_FRONT_BLOCK: usize = 256 * MIB;
+/// Most bytes one thread cache keeps in its bins.
+pub(crate) const MAX_FRONT_BYTES: usize = 1024 * MIB;
+
+/// Allocator ids, so that a thread's table tells allocators apart.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// One thread cache as the front's locked bookkeeping sees it.
+#[derive(Debug)]
+struct Reg {
+    cell: Arc<Shared>,
+    /// Contributions of blocks other threads took from this cache, not yet cleaned up by its
+    /// owner (or never, if the owner exited).
+    foreign: Delta,
+    /// The `current` values of the cache's delta when its owner last synchronised.
+    published: Five,
+    /// The cache's `allocated` / `freed` counters at the last accumulated-stats reset.
+    acc_offset: Delta,
+}
+
+/// The front's bookkeeping, guarded by the allocator's one lock together with the core.
+#[derive(Debug, Default)]
+pub(crate) struct FrontLocked {
+    /// Every thread cache of this allocator, in creation order (flushes go in this order).
+    registry: Vec<Reg>,
+    /// `Σ (published + foreign)` over the registry: what the locked path knows of the caches.
+    known: Five,
+    /// `allocated` / `freed` of caches already forgotten.
+    retired: Delta,
+    /// The user-view peaks of the five statistics the fast path changes.
+    peaks: Five,
+    /// Bumped by every peak reset; candidates of an older epoch are ignored.
+    epoch: u64,
+    /// The owner map is kept: from the first time a thread other than a block's owner may need
+    /// it (a second cache, or a free by a thread without one) on. A single-threaded program
+    /// never pays for it.
+    shards_on: bool,
+}
+
+impl FrontLocked {
+    fn position(&self, cell: &Arc<Shared>) -> Option<usize> {
+        self.registry
+            .iter()
+            .position(|r| Arc::ptr_eq(&r.cell, cell))
+    }
+
+    /// Moves a contribution `c` into (`sign = 1`) or out of (`-1`) cache `k`'s foreign account.
+    fn foreign(&mut self, k: usize, kind: PoolKind, c: [i64; 3], sign: i64) {
+        let Some(reg) = self.registry.get_mut(k) else {
+            return;
+        };
+        let before = reg.foreign.five();
+        reg.foreign.retire(kind, c, sign);
+        self.known.add(&reg.foreign.five());
+        self.known.sub(&before);
+    }
+}
+
+/// The fast path of one allocator.
+#[derive(Debug)]
+pub(crate) struct Front {
+    id: u64,
+    config: AllocatorConfig,
+    bounds: Bounds,
+    shards: Shards,
+    /// Caches whose thread exited (or that emptied after it did) since the last reclaim.
+    exits: Arc<AtomicUsize>,
+    /// The history recorder is on: every operation takes the core path so it is recorded.
+    history_on: AtomicBool,
+}
+
+/// What the fast free did.
+#[derive(Debug)]
+pub(crate) enum FastFree {
+    /// Done (cached), or a definite error (a double free of a cached block).
+    Done(Result<()>),
+    /// Take the locked path.
+    Slow,
+}
+
+impl Front {
+    pub(crate) fn new(config: &AllocatorConfig) -> Self {
+        Front {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            config: config.clone(),
+            bounds: Bounds {
+                max_block: MAX_FRONT_BLOCK,
+                max_bytes: MAX_FRONT_BYTES,
+                max_split_size: config.max_split_size,
+            },
+            shards: Shards::default(),
+            exits: Arc::new(AtomicUsize::new(0)),
+            history_on: AtomicBool::new(false),
+        }
+    }
+
+    // ---- fast path -------------------------------------------------------------------------
+
+    /// A cache hit, or `None` (take the locked path).
+    #[inline]
+    pub(crate) fn try_alloc(&self, size: usize, stream: StreamId) -> Option<Allocation> {
+        if size == 0 || size > self.bounds.max_block || self.history_on.load(Ordering::Relaxed) {
+            return None;
+        }
+        let rounded = round_size(size, &self.config);
+        let (ptr, block_size) = local::with_local(self.id, |l| l.take(stream, rounded, size))??;
+        Some(Allocation {
+            ptr: DevicePtr(ptr),
+            size,
+            block_size,
+            stream,
+        })
+    }
+
+    /// A free into this thread's cache, or [`FastFree::Slow`].
+    #[inline]
+    pub(crate) fn try_free(&self, ptr: DevicePtr) -> FastFree {
+        let may_cache = !self.history_on.load(Ordering::Relaxed);
+        match local::with_local(self.id, |l| l.give(ptr.0, may_cache)) {
+            Some(Give::Cached) => FastFree::Done(Ok(())),
+            Some(Give::DoubleFree) => FastFree::Done(Err(AllocError::DoubleFree { ptr })),
+            Some(Give::Slow) | None => FastFree::Slow,
+        }
+    }
+
+    // ---- locked path: operations -----------------------------------------------------------
+
+    /// `allocate` under the lock: the core's `malloc`, with every front cache flushed before the
+    /// core would grow; the new block becomes managed by this thread's cache once its size has
+    /// been seen before.
+    pub(crate) fn alloc_locked<B: DeviceBackend>(
+        &self,
+        st: &mut State,
+        fl: &mut FrontLocked,
+        dev: &B,
+        size: usize,
+        stream: StreamId,
+    ) -> Result<Allocation> {
+        self.reclaim_exited(st, fl, dev);
+        let manage =
+            size > 0 && size <= self.bounds.max_block && !self.history_on.load(Ordering::Relaxed);
+        let rounded = if manage {
+            round_size(size, &self.config)
+        } else {
+            0
+        };
+        let has_own = if manage {
+            self.ensure_own(st, fl)
+        } else {
+            local::with_local(self.id, |_| ()).is_some()
+        };
+        let mut claimed = false;
+        let mut idle = false;
+        if has_own {
+            local::with_local(self.id, |l| {
+                let active = manage && l.note_miss();
+                if !active && l.idle() {
+                    // A paused, empty cache: the core's path, plus the peak candidate below.
+                    idle = true;
+                    return;
+                }
+                self.prologue(l, st, fl);
+                let shards_on = fl.shards_on;
+                if active {
+                    let mut evicted = Evicted::default();
+                    claimed = l.claim(stream, rounded, &mut evicted);
+                    for &i in &evicted.idx[..evicted.len] {
+                        if let Some(v) = l.evict(i) {
+                            self.return_to_core(st, dev, v.ptr, shards_on);
+                        }
+                    }
+                }
+                // Note [Candidates go back before a miss] (paused or not).
+                if manage {
+                    let mask = l.candidates(stream, rounded);
+                    if mask.iter().any(|&m| m != 0) {
+                        l.drain(mask, |v| self.return_to_core(st, dev, v.ptr, shards_on));
+                    }
+                }
+            });
+        }
+        let r = st.malloc_with(dev, size, stream, &mut |st| self.flush_all(st, fl, dev) > 0);
+        if idle {
+            // Nothing managed here: the user view is the core's plus the others' deltas.
+            let mut now = Five::of_core(&st.stats);
+            now.add(&fl.known);
+            fl.peaks.raise_to(&now);
+        } else if has_own {
+            local::with_local(self.id, |l| {
+                self.process_taken_own(l, fl);
+                if let Ok(a) = &r {
+                    // Only exact blocks: one with an unsplit tail goes back to the core on free
+                    // and merges, as without the fast path (so no slack is kept).
+                    if claimed && a.block_size == rounded && rounded < self.bounds.max_split_size {
+                        let v = DescView {
+                            ptr: a.ptr.0,
+                            block_size: a.block_size,
+                            kind: pool_kind(rounded),
+                            core_req: size,
+                            user_req: size,
+                        };
+                        let i = l.register(&v, rounded, stream);
+                        if fl.shards_on {
+                            self.shards.insert(a.ptr.0, &l.shared, i);
+                        }
+                    }
+                }
+                self.sync_own(l, &st.stats, fl, true);
+            });
+        }
+        r
+    }
+
+    /// `free` under the lock: a managed block leaves its cache (this thread's or another's) and
+    /// goes back to the core; anything else is the core's.
+    pub(crate) fn free_locked<B: DeviceBackend>(
+        &self,
+        st: &mut State,
+        fl: &mut FrontLocked,
+        dev: &B,
+        ptr: DevicePtr,
+    ) -> Result<()> {
+        if ptr.is_null() {
+            return Ok(());
+        }
+        self.reclaim_exited(st, fl, dev);
+        let own = local::with_local(self.id, |l| {
+            let found = l.find(ptr.0);
+            if l.dirty || matches!(found, Some((_, LIVE))) {
+                self.prologue(l, st, fl);
+            }
+            let r = match found {
+                Some((_, CACHED)) => Some(Err(AllocError::DoubleFree { ptr })),
+                Some((i, LIVE)) => match l.retire_live(i) {
+                    Ok(_) => {
+                        if fl.shards_on {
+                            self.shards.remove(ptr.0);
+                        }
+                        Some(st.free(dev, ptr))
+                    }
+                    Err(CACHED) => Some(Err(AllocError::DoubleFree { ptr })),
+                    Err(_) => None,
+                },
+                _ => None,
+            };
+            if r.is_some() {
+                self.sync_own(l, &st.stats, fl, false);
+            }
+            r
+        });
+        let (r, synced) = match own {
+            Some(Some(r)) => return r,
+            Some(None) => (self.free_elsewhere(st, fl, dev, ptr), false),
+            None => (self.free_elsewhere(st, fl, dev, ptr), true),
+        };
+        if !synced {
+            local::with_local(self.id, |l| self.sync_own(l, &st.stats, fl, false));
+        }
+        r
+    }
+
+    /// A free of a block this thread does not manage: another thread's (taken from it), or the
+    /// core's.
+    fn free_elsewhere<B: DeviceBackend>(
+        &self,
+        st: &mut State,
+        fl: &mut FrontLocked,
+        dev: &B,
+        ptr: DevicePtr,
+    ) -> Result<()> {
+        // Another thread's managed block?
+        let other = if fl.registry.len() > 1 || local::with_local(self.id, |_| ()).is_none() {
+            self.owner_of(fl, ptr.0)
+        } else {
+            None
+        };
+        if let Some((cell, i)) = other {
+            if let Some((chunk, k)) = cell.desc(i) {
+                let d = &chunk.0[k];
+                if d.view().ptr == ptr.0 {
+                    match d.transition(LIVE, GONE) {
+                        Ok(()) => {
+                            let v = d.view();
+                            let c = v.contribution(LIVE);
+                            if let Some(k) = fl.position(&cell) {
+                                fl.foreign(k, v.kind, c, 1);
+                            }
+                            self.shards.remove(ptr.0);
+                            let r = st.free(dev, ptr);
+                            self.after_taken(&cell, i, v, c);
+                            return r;
+                        }
+                        Err(CACHED) => return Err(AllocError::DoubleFree { ptr }),
+                        Err(_) => {}
+                    }
+                }
+            }
+        }
+        st.free(dev, ptr)
+    }
+
+    /// `record_stream` under the lock: a managed block is marked so that its free goes through
+    /// the core, which records the stream events.
+    pub(crate) fn record_stream_locked(
+        &self,
+        st: &mut State,
+        fl: &mut FrontLocked,
+        ptr: DevicePtr,
+        stream: StreamId,
+    ) -> Result<()> {
+        let own = local::with_local(self.id, |l| {
+            l.find(ptr.0).map(|(i, s)| (Arc::clone(&l.shared), i, s))
+        })
+        .flatten();
+        let managed = own.or_else(|| {
+            let (cell, i) = self.owner_of(fl, ptr.0)?;
+            let s = cell.state(i);
+            Some((cell, i, s))
+        });
+        match managed {
+            Some((_, _, CACHED)) => return Err(AllocError::DoubleFree { ptr }),
+            Some((cell, i, LIVE)) => cell.mark_needs_core(i),
+            _ => {}
+        }
+        st.record_stream(ptr, stream)
+    }
+
+    /// Gives every cached block of every thread back to the core; returns how many.
+    pub(crate) fn flush<B: DeviceBackend>(
+        &self,
+        st: &mut State,
+        fl: &mut FrontLocked,
+        dev: &B,
+    ) -> usize {
+        self.reclaim_exited(st, fl, dev);
+        local::with_local(self.id, |l| self.prologue(l, st, fl));
+        let n = self.flush_all(st, fl, dev);
+        local::with_local(self.id, |l| {
+            self.process_taken_own(l, fl);
+            self.sync_own(l, &st.stats, fl, false);
+        });
+        n
+    }
+
+    /// Switches the history recorder's bypass: while recording, every operation takes the core
+    /// path; starting flushes the caches so the recorder sees every block come and go.
+    pub(crate) fn set_history<B: DeviceBackend>(
+        &self,
+        st: &mut State,
+        fl: &mut FrontLocked,
+        dev: &B,
+        on: bool,
+    ) {
+        self.history_on.store(on, Ordering::Relaxed);
+        if on {
+            self.flush(st, fl, dev);
+        }
+    }
+
+    /// The user-view statistics: the core's plus every cache's delta.
+    pub(crate) fn stats(&self, st: &State, fl: &mut FrontLocked) -> MemoryStats {
+        local::with_local(self.id, |l| {
+            self.process_taken_own(l, fl);
+            self.sync_own(l, &st.stats, fl, false);
+        });
+        let sum = self.exact_sum(fl);
+        let mut now = Five::of_core(&st.stats);
+        now.add(&sum.five());
+        fl.peaks.raise_to(&now);
+        let mut stats = st.stats;
+        delta::apply(&mut stats, &sum, &fl.peaks);
+        stats
+    }
+
+    /// `reset_peak_memory_stats` of the user view.
+    pub(crate) fn reset_peak(&self, st: &mut State, fl: &mut FrontLocked) {
+        local::with_local(self.id, |l| self.process_taken_own(l, fl));
+        st.stats.reset_peak();
+        let sum = self.exact_sum(fl);
+        let mut now = Five::of_core(&st.stats);
+        now.add(&sum.five());
+        fl.peaks = now;
+        fl.epoch += 1;
+        local::with_local(self.id, |l| {
+            let mut base = now;
+            base.sub(&Five::of_quantities(&l.cur));
+            l.base = base;
+            l.hi = l.cur;
+            l.epoch = fl.epoch;
+            l.dirty = false;
+        });
+    }
+
+    /// `reset_accumulated_memory_stats` of the user view.
+    pub(crate) fn reset_accumulated(&self, st: &mut State, fl: &mut FrontLocked) {
+        local::with_local(self.id, |l| self.process_taken_own(l, fl));
+        st.stats.reset_accumulated();
+        fl.retired.reset_accumulated();
+        for reg in &mut fl.registry {
+            reg.foreign.reset_accumulated();
+            reg.acc_offset = accumulators(&reg.cell.counters.delta());
+        }
+    }
+
+    /// Marks the blocks that sit in front caches as `inactive` in a snapshot.
+    pub(crate) fn annotate(&self, fl: &FrontLocked, segments: &mut [SegmentSnapshot]) {
+        let mut cached: Vec<u64> = Vec::new();
+        for reg in &fl.registry {
+            reg.cell.each_desc(|_, d| {
+                if d.state.load(Ordering::Acquire) == CACHED {
+                    cached.push(d.view().ptr);
+                }
+            });
+        }
+        cached.sort_unstable();
+        for b in segments.iter_mut().flat_map(|s| s.blocks.iter_mut()) {
+            if b.state == BlockState::ActiveAllocated && cached.binary_search(&b.address.0).is_ok()
+            {
+                b.state = BlockState::Inactive;
+                b.requested_size = 0;
+            }
+        }
+    }
+
+    /// Everything cached back to the core and every cache forgotten (allocator drop).
+    pub(crate) fn shutdown<B: DeviceBackend>(&self, st: &mut State, fl: &mut FrontLocked, dev: &B) {
+        self.flush(st, fl, dev);
+        fl.registry.clear();
+        self.shards.clear();
+        fl.shards_on = false;
+    }
+
+    // ---- locked path: internals ------------------------------------------------------------
+
+    /// Makes sure this thread has a cache (creating and registering it); false when the
+    /// thread-local table is unavailable (the thread is exiting).
+    fn ensure_own(&self, st: &State, fl: &mut FrontLocked) -> bool {
+        if local::with_local(self.id, |_| ()).is_some() {
+            return true;
+        }
+        let cell = Arc::new(Shared::new(Arc::clone(&self.exits)));
+        let mut now = Five::of_core(&st.stats);
+        now.add(&fl.known);
+        let epoch = fl.epoch;
+        let made = local::with_local_or_make(
+            self.id,
+            || Some(Local::new(Arc::clone(&cell), self.bounds)),
+            |l| {
+                l.base = now;
+                l.epoch = epoch;
+            },
+        );
+        if made.is_none() {
+            return false;
+        }
+        if !fl.registry.is_empty() {
+            self.enable_shards(fl);
+        }
+        fl.registry.push(Reg {
+            cell,
+            foreign: Delta::default(),
+            published: Five::default(),
+            acc_offset: Delta::default(),
+        });
+        true
+    }
+
+    /// The owner's first steps on the locked path: clean up what other threads took, and fold
+    /// the peak candidate of its hits before the core changes.
+    fn prologue(&self, l: &mut Local, st: &State, fl: &mut FrontLocked) {
+        self.process_taken_own(l, fl);
+        if l.dirty {
+            self.sync_own(l, &st.stats, fl, false);
+        }
+    }
+
+    fn process_taken_own(&self, l: &mut Local, fl: &mut FrontLocked) {
+        let Some(k) = fl.position(&l.shared) else {
+            return;
+        };
+        l.process_taken(|t| fl.foreign(k, t.kind, t.contribution, -1));
+    }
+
+    /// Synchronises the owner's cache with the core (see `delta.rs`): folds the peak candidate
+    /// of the interval since its last synchronisation, publishes its delta, takes the present as
+    /// a peak candidate when the user view `grew` (an allocation; frees, flushes and reads never
+    /// raise it), and starts a new interval.
+    fn sync_own(&self, l: &mut Local, core: &MemoryStats, fl: &mut FrontLocked, grew: bool) {
+        let changed = l.dirty || l.retired;
+        if l.dirty {
+            if l.epoch == fl.epoch {
+                let mut candidate = l.base;
+                candidate.add(&Five::of_quantities(&l.hi));
+                fl.peaks.raise_to(&candidate);
+            }
+            l.dirty = false;
+        }
+        l.retired = false;
+        let manages = l.may_hit();
+        if !(changed || grew || manages) {
+            return;
+        }
+        let d = Five::of_quantities(&l.cur);
+        if changed {
+            if let Some(k) = fl.position(&l.shared) {
+                let reg = &mut fl.registry[k];
+                fl.known.sub(&reg.published);
+                fl.known.add(&d);
+                reg.published = d;
+            }
+        }
+        if !(grew || manages) {
+            return;
+        }
+        let mut now = Five::of_core(core);
+        now.add(&fl.known);
+        if grew {
+            fl.peaks.raise_to(&now);
+        }
+        // The base matters only for hits before the next synchronisation, which need a block.
+        if manages {
+            now.sub(&d);
+            l.base = now;
+            l.hi = l.cur;
+            l.epoch = fl.epoch;
+        }
+    }
+
+    /// The exact sum of every cache's delta (read now) and foreign account, with `allocated` /
+    /// `freed` since the last reset.
+    fn exact_sum(&self, fl: &FrontLocked) -> Delta {
+        let mut sum = fl.retired;
+        for reg in &fl.registry {
+            sum.add(&reg.cell.counters.delta().minus(&reg.acc_offset));
+            sum.add(&reg.foreign);
+        }
+        sum
+    }
+
+    /// The cache managing `ptr` and its descriptor, through the owner map (kept from now on).
+    fn owner_of(&self, fl: &mut FrontLocked, ptr: u64) -> Option<shards::Owner> {
+        self.enable_shards(fl);
+        self.shards.get(ptr)
+    }
+
+    /// Starts keeping the owner map, filling it with every block managed so far.
+    fn enable_shards(&self, fl: &mut FrontLocked) {
+        if fl.shards_on {
+            return;
+        }
+        fl.shards_on = true;
+        for reg in &fl.registry {
+            reg.cell.each_desc(|i, d| {
+                if matches!(d.state.load(Ordering::Acquire), LIVE | CACHED) {
+                    self.shards.insert(d.view().ptr, &reg.cell, i);
+                }
+            });
+        }
+    }
+
+    /// Returns a block taken from a cache to the core.
+    fn return_to_core<B: DeviceBackend>(&self, st: &mut State, dev: &B, ptr: u64, shards_on: bool) {
+        if shards_on {
+            self.shards.remove(ptr);
+        }
+        if let Err(err) = st.free(dev, DevicePtr(ptr)) {
+            // A managed block is allocated in the core by construction; a failure here is a bug
+            // that the invariant checker reports.
+            tracing::error!(target: "cuda_caching_allocator", error = %err, ptr = %DevicePtr(ptr), "returning a front-cached block to the core failed");
+        }
+    }
+
+    /// Tells the owner of descriptor `i` that its block was taken away (or, when the owner has
+    /// exited, lets the next reclaim check whether its cache can be forgotten).
+    fn after_taken(&self, cell: &Arc<Shared>, i: u32, v: DescView, c: [i64; 3]) {
+        if cell.exited.load(Ordering::Acquire) {
+            self.exits.fetch_add(1, Ordering::Release);
+        } else {
+            cell.taken.lock().push(Taken {
+                desc: i,
+                kind: v.kind,
+                contribution: c,
+            });
+            cell.taken_pending.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Takes every cached block of cache `k` back to the core; returns how many.
+    fn steal_cached<B: DeviceBackend>(
+        &self,
+        st: &mut State,
+        fl: &mut FrontLocked,
+        dev: &B,
+        k: usize,
+    ) -> usize {
+        let Some(reg) = fl.registry.get(k) else {
+            return 0;
+        };
+        // `delta + foreign` counts minus one per cached block: skip caches with none.
+        if reg.cell.counters.count_current() + reg.foreign.count[0].current == 0 {
+            return 0;
+        }
+        let cell = Arc::clone(&reg.cell);
+        let mut n = 0;
+        cell.each_desc(|i, d| {
+            if d.transition(CACHED, GONE).is_ok() {
+                let v = d.view();
+                let c = v.contribution(CACHED);
+                fl.foreign(k, v.kind, c, 1);
+                self.return_to_core(st, dev, v.ptr, fl.shards_on);
+                self.after_taken(&cell, i, v, c);
+                n += 1;
+            }
+        });
+        n
+    }
+
+    /// Flushes every registered cache; returns the number of blocks given back.
+    fn flush_all<B: DeviceBackend>(&self, st: &mut State, fl: &mut FrontLocked, dev: &B) -> usize {
+        let mut n = 0;
+        for k in 0..fl.registry.len() {
+            n += self.steal_cached(st, fl, dev, k);
+        }
+        if n > 0 {
+            tracing::debug!(target: "cuda_caching_allocator", blocks = n, "front caches flushed");
+        }
+        n
+    }
+
+    /// Takes back the cached blocks of exited threads, and forgets their caches once nothing
+    /// they managed is left.
+    fn reclaim_exited<B: DeviceBackend>(&self, st: &mut State, fl: &mut FrontLocked, dev: &B) {
+        if self.exits.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        self.exits.store(0, Ordering::Release);
+        let mut k = 0;
+        while k < fl.registry.len() {
+            if !fl.registry[k].cell.exited.load(Ordering::Acquire) {
+                k += 1;
+                continue;
+            }
+            self.steal_cached(st, fl, dev, k);
+            let mut managed = false;
+            fl.registry[k].cell.each_desc(|_, d| {
+                managed |= matches!(d.state.load(Ordering::Acquire), LIVE | CACHED);
+            });
+            if managed {
+                k += 1;
+            } else {
+                let reg = fl.registry.remove(k);
+                fl.known.sub(&reg.published);
+                fl.known.sub(&reg.foreign.five());
+                let mut gone = accumulators(&reg.cell.counters.delta().minus(&reg.acc_offset));
+                gone.add(&accumulators(&reg.foreign));
+                fl.retired.add(&gone);
+            }
+        }
+    }
+
+    // ---- invariants ------------------------------------------------------------------------
+
+    /// The front's invariants: every managed block is allocated in the core with the size, pool
+    /// and requested size recorded and sits in the owner map under its cache; each cache's delta
+    /// plus foreign account equals a recount of its blocks; this thread's bins and index match
+    /// its descriptors; the user-view statistics are consistent. Exact when no other thread is
+    /// allocating or freeing meanwhile.
+    pub(crate) fn check(
+        &self,
+        st: &State,
+        fl: &mut FrontLocked,
+    ) -> std::result::Result<(), InvariantViolation> {
+        let bad = |detail: String| InvariantViolation::ActiveMapMismatch {
+            detail: format!("front cache: {detail}"),
+        };
+        let own = local::with_local(self.id, |l| {
+            self.process_taken_own(l, fl);
+            l.check()
+        });
+        if let Some(Err(e)) = own {
+            return Err(bad(e));
+        }
+        let owners = self.shards.all();
+        let fl_shards_on = fl.shards_on;
+        let mut managed = 0usize;
+        let mut problem: Option<String> = None;
+        let mut known = Five::default();
+        for reg in &fl.registry {
+            known.add(&reg.published);
+            known.add(&reg.foreign.five());
+            let mut recount = [0i64; 9];
+            reg.cell.each_desc(|i, d| {
+                let state = d.state.load(Ordering::Acquire);
+                if !matches!(state, LIVE | CACHED) || problem.is_some() {
+                    return;
+                }
+                managed += 1;
+                let v = d.view();
+                let p = DevicePtr(v.ptr);
+                let core = st.active.get(&v.ptr).and_then(|&id| st.arena.get(id));
+                match core {
+                    Some(b)
+                        if (b.size, b.pool, b.requested_size)
+                            == (v.block_size, v.kind, v.core_req) => {}
+                    Some(_) => problem = Some(format!("managed block {p} disagrees with the core")),
+                    None => {
+                        problem = Some(format!("managed block {p} is not allocated in the core"))
+                    }
+                }
+                if fl_shards_on
+                    && !owners
+                        .iter()
+                        .any(|(q, (o, k))| *q == v.ptr && *k == i && Arc::ptr_eq(o, &reg.cell))
+                {
+                    problem = Some(format!("managed block {p} is missing from the owner map"));
+                }
+                let pool = match v.kind {
+                    PoolKind::Small => 1,
+                    PoolKind::Large => 2,
+                };
+                for (q, c) in v.contribution(state).into_iter().enumerate() {
+                    recount[3 * q] += c;
+                    recount[3 * q + pool] += c;
+                }
+            });
+            if let Some(p) = problem {
+                return Err(bad(p));
+            }
+            let mut have = reg.cell.counters.delta();
+            have.add(&reg.foreign);
+            let have = have.currents();
+            for q in 0..3 {
+                if have[3 * q..3 * q + 3] != recount[3 * q..3 * q + 3] {
+                    return Err(InvariantViolation::StatsMismatch {
+                        key: format!(
+                            "front cache delta of {}.all.current",
+                            ["allocation", "allocated_bytes", "requested_bytes"][q]
+                        ),
+                        recorded: have[3 * q],
+                        recount: recount[3 * q],
+                    });
+                }
+            }
+        }
+        if owners.len() != if fl_shards_on { managed } else { 0 } {
+            return Err(bad(format!(
+                "{} owner-map entries for {managed} managed blocks",
+                owners.len()
+            )));
+        }
+        if known != fl.known {
+            return Err(bad("the running sum of published deltas drifted".into()));
+        }
+        let user = self.stats(st, fl);
+        for (name, arr) in [
+            ("allocation", &user.allocation),
+            ("active", &user.active),
+            ("allocated_bytes", &user.allocated_bytes),
+            ("active_bytes", &user.active_bytes),
+            ("requested_bytes", &user.requested_bytes),
+        ] {
+            for t in StatType::ALL {
+                let s = arr.get(t);
+                if s.current < 0 || s.peak < s.current {
+                    return Err(InvariantViolation::StatsMismatch {
+                        key: format!("{name}.{}.peak (user view)", t.name()),
+                        recorded: s.peak,
+                        recount: s.current,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `d` with its `current` values zeroed (its accumulators only).
+fn accumulators(d: &Delta) -> Delta {
+    let mut a = *d;
+    for t in [&mut a.count, &mut a.bytes, &mut a.req] {
+        for acc in t.iter_mut() {
+            acc.current = 0;
+        }
+    }
+    a
+}

@@ -1,0 +1,297 @@
+//! The part of a thread cache other threads may touch: one descriptor per managed block (its
+//! state word and what the core needs to take it back), the cache's statistics counters, and the
+//! queue of blocks other threads took away.
+//!
+//! A descriptor's state moves `VACANT → LIVE ⇄ CACHED → GONE → VACANT`. Only the owner thread
+//! makes `VACANT → LIVE`, `LIVE ⇄ CACHED` and `GONE → VACANT`; any thread holding the core lock
+//! may take a block away with `CACHED → GONE` (a flush) or `LIVE → GONE` (a free from another
+//! thread). The two-way transitions are compare-and-swaps, so a flush and a hit, or two racing
+//! frees, never both win: one atomic operation per fast operation, and no lock.
+//!
+//! The counters are written by the owner only (plain loads and stores of atomics, no
+//! read-modify-write) and read by anyone summing statistics; the peak bookkeeping stays in the
+//! owner's half. May use: `delta`, `size_class`.
+#![forbid(unsafe_code)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+
+use parking_lot::Mutex;
+
+use super::delta::{Acc, Delta};
+use crate::size_class::PoolKind;
+
+/// Descriptors per chunk.
+pub(crate) const CHUNK: usize = 64;
+
+/// Descriptor states.
+pub(crate) const VACANT: u32 = 0;
+/// Handed to a user.
+pub(crate) const LIVE: u32 = 1;
+/// Freed by its user, kept in the owner's bin.
+pub(crate) const CACHED: u32 = 2;
+/// Taken back to the core by another thread; the owner has not cleaned up yet.
+pub(crate) const GONE: u32 = 3;
+
+const RELAXED: Ordering = Ordering::Relaxed;
+
+/// One managed block as other threads see it.
+#[derive(Debug, Default)]
+pub(crate) struct Desc {
+    pub(crate) state: AtomicU32,
+    /// `record_stream` was called on it: its free must go through the core.
+    pub(crate) needs_core: AtomicBool,
+    large: AtomicBool,
+    ptr: AtomicU64,
+    block_size: AtomicU64,
+    core_req: AtomicU64,
+    user_req: AtomicU64,
+}
+
+/// A plain copy of a descriptor's fields.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct DescView {
+    pub(crate) ptr: u64,
+    pub(crate) block_size: usize,
+    pub(crate) kind: PoolKind,
+    /// The requested size the core recorded.
+    pub(crate) core_req: usize,
+    /// The current user's requested size.
+    pub(crate) user_req: usize,
+}
+
+impl DescView {
+    /// The block's contribution to its cache's delta (user view − core view) in `state`:
+    /// `(count, bytes, requested bytes)`.
+    pub(crate) fn contribution(&self, state: u32) -> [i64; 3] {
+        match state {
+            LIVE => [0, 0, self.user_req as i64 - self.core_req as i64],
+            CACHED => [-1, -(self.block_size as i64), -(self.core_req as i64)],
+            _ => [0, 0, 0],
+        }
+    }
+}
+
+impl Desc {
+    /// Fills a vacant descriptor (owner only) and publishes it as `LIVE`.
+    pub(crate) fn fill(&self, v: &DescView) {
+        self.ptr.store(v.ptr, RELAXED);
+        self.block_size.store(v.block_size as u64, RELAXED);
+        self.core_req.store(v.core_req as u64, RELAXED);
+        self.user_req.store(v.user_req as u64, RELAXED);
+        self.large.store(v.kind == PoolKind::Large, RELAXED);
+        self.needs_core.store(false, RELAXED);
+        self.state.store(LIVE, Ordering::Release);
+    }
+
+    /// The fields (read after an acquiring load or exchange of `state`).
+    pub(crate) fn view(&self) -> DescView {
+        DescView {
+            ptr: self.ptr.load(RELAXED),
+            block_size: self.block_size.load(RELAXED) as usize,
+            kind: if self.large.load(RELAXED) {
+                PoolKind::Large
+            } else {
+                PoolKind::Small
+            },
+            core_req: self.core_req.load(RELAXED) as usize,
+            user_req: self.user_req.load(RELAXED) as usize,
+        }
+    }
+
+    /// The current user's requested size.
+    #[inline]
+    pub(crate) fn user_req(&self) -> usize {
+        self.user_req.load(RELAXED) as usize
+    }
+
+    /// Records the current user's requested size (owner only, while it holds the block live).
+    #[inline]
+    pub(crate) fn set_user_req(&self, req: usize) {
+        self.user_req.store(req as u64, RELAXED);
+    }
+
+    /// `from → to`, once.
+    #[inline]
+    pub(crate) fn transition(&self, from: u32, to: u32) -> Result<(), u32> {
+        self.state
+            .compare_exchange(from, to, Ordering::AcqRel, Ordering::Acquire)
+            .map(|_| ())
+    }
+}
+
+/// A fixed block of descriptors (chunks never move, so the owner indexes them without a lock).
+#[derive(Debug)]
+pub(crate) struct Chunk(pub(crate) [Desc; CHUNK]);
+
+impl Default for Chunk {
+    fn default() -> Self {
+        Chunk(std::array::from_fn(|_| Desc::default()))
+    }
+}
+
+/// A block another thread took away: its descriptor and the delta contribution it moved into
+/// the cache's foreign account.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Taken {
+    pub(crate) desc: u32,
+    pub(crate) kind: PoolKind,
+    pub(crate) contribution: [i64; 3],
+}
+
+#[inline]
+fn slot(q: usize, p: usize, f: usize) -> usize {
+    q * 9 + p * 3 + f
+}
+
+/// The statistics delta of one cache: written by the owner only (plain loads and stores of
+/// atomics), read by whoever sums the statistics.
+#[derive(Debug)]
+#[repr(align(64))]
+pub(crate) struct Counters {
+    /// Quantity (count, bytes, requested) × pool (all, small, large) × (current, allocated,
+    /// freed).
+    d: [AtomicI64; 27],
+}
+
+impl Default for Counters {
+    fn default() -> Self {
+        Counters {
+            d: std::array::from_fn(|_| AtomicI64::new(0)),
+        }
+    }
+}
+
+#[inline(always)]
+fn bump(a: &AtomicI64, v: i64) {
+    a.store(a.load(RELAXED) + v, RELAXED);
+}
+
+#[inline]
+fn pool_index(kind: PoolKind) -> usize {
+    match kind {
+        PoolKind::Small => 1,
+        PoolKind::Large => 2,
+    }
+}
+
+impl Counters {
+    /// A cache hit (owner only): `v = [1, bytes, requested]` allocated.
+    #[inline(always)]
+    pub(crate) fn hit(&self, kind: PoolKind, v: [i64; 3]) {
+        for p in [0, pool_index(kind)] {
+            for (q, &v) in v.iter().enumerate() {
+                bump(&self.d[slot(q, p, 0)], v);
+                bump(&self.d[slot(q, p, 1)], v);
+            }
+        }
+    }
+
+    /// A free into the owner's bin (owner only): `v = [1, bytes, requested]` freed.
+    #[inline(always)]
+    pub(crate) fn cache(&self, kind: PoolKind, v: [i64; 3]) {
+        for p in [0, pool_index(kind)] {
+            for (q, &v) in v.iter().enumerate() {
+                bump(&self.d[slot(q, p, 0)], -v);
+                bump(&self.d[slot(q, p, 2)], v);
+            }
+        }
+    }
+
+    /// A block leaves the cache for the core (owner only): its contribution moves from
+    /// `current` to `freed`.
+    pub(crate) fn retire(&self, kind: PoolKind, c: [i64; 3]) {
+        for p in [0, pool_index(kind)] {
+            for (q, &v) in c.iter().enumerate() {
+                bump(&self.d[slot(q, p, 0)], -v);
+                bump(&self.d[slot(q, p, 2)], v);
+            }
+        }
+    }
+
+    /// The delta now.
+    pub(crate) fn delta(&self) -> Delta {
+        let acc = |q: usize, p: usize| Acc {
+            current: self.d[slot(q, p, 0)].load(RELAXED),
+            allocated: self.d[slot(q, p, 1)].load(RELAXED),
+            freed: self.d[slot(q, p, 2)].load(RELAXED),
+        };
+        let triple = |q: usize| [acc(q, 0), acc(q, 1), acc(q, 2)];
+        Delta {
+            count: triple(0),
+            bytes: triple(1),
+            req: triple(2),
+        }
+    }
+
+    /// The number of blocks in the owner's bins (minus the delta's `allocation.all.current`),
+    /// before other threads' flushes are cleaned up.
+    pub(crate) fn count_current(&self) -> i64 {
+        self.d[slot(0, 0, 0)].load(RELAXED)
+    }
+}
+
+/// The shared half of one thread cache.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) counters: Counters,
+    /// Every chunk of descriptors, for threads that flush this cache.
+    pub(crate) chunks: Mutex<Vec<Arc<Chunk>>>,
+    /// Blocks other threads took away, for the owner to clean up.
+    pub(crate) taken: Mutex<Vec<Taken>>,
+    /// Whether `taken` may be non-empty (set by whoever pushes, under the core lock).
+    pub(crate) taken_pending: AtomicBool,
+    /// The owner thread has exited.
+    pub(crate) exited: AtomicBool,
+    /// The allocator's count of exited caches to reclaim.
+    pub(crate) exits: Arc<AtomicUsize>,
+}
+
+impl Shared {
+    pub(crate) fn new(exits: Arc<AtomicUsize>) -> Self {
+        Shared {
+            counters: Counters::default(),
+            chunks: Mutex::new(Vec::new()),
+            taken: Mutex::new(Vec::new()),
+            taken_pending: AtomicBool::new(false),
+            exited: AtomicBool::new(false),
+            exits,
+        }
+    }
+
+    /// The descriptor `i`, when it exists.
+    pub(crate) fn desc(&self, i: u32) -> Option<(Arc<Chunk>, usize)> {
+        let chunks = self.chunks.lock();
+        let c = chunks.get(i as usize / CHUNK)?;
+        Some((Arc::clone(c), i as usize % CHUNK))
+    }
+
+    /// Marks the live block `i` as used by another stream: its free goes through the core.
+    pub(crate) fn mark_needs_core(&self, i: u32) {
+        if let Some((c, k)) = self.desc(i) {
+            c.0[k].needs_core.store(true, Ordering::Release);
+        }
+    }
+
+    /// The state of descriptor `i`.
+    pub(crate) fn state(&self, i: u32) -> u32 {
+        self.desc(i)
+            .map_or(VACANT, |(c, k)| c.0[k].state.load(Ordering::Acquire))
+    }
+
+    /// Marks the owner thread gone.
+    pub(crate) fn thread_exited(&self) {
+        self.exited.store(true, Ordering::Release);
+        self.exits.fetch_add(1, Ordering::Release);
+    }
+
+    /// Every descriptor in a state of `states`, with its index (for flushes and checks).
+    pub(crate) fn each_desc(&self, mut f: impl FnMut(u32, &Desc)) {
+        let chunks = self.chunks.lock();
+        for (ci, c) in chunks.iter().enumerate() {
+            for (k, d) in c.0.iter().enumerate() {
+                f((ci * CHUNK + k) as u32, d);
+            }
+        }
+    }
+}
