@@ -1,5 +1,5 @@
 //! Host-side allocator timings in the shape of `reference.json` (PyTorch's own figures on an
-//! H200 host), for the `pytorch` preset and the crate's default (fast path on), on a real GPU or
+//! H200 host), for the `pytorch` preset without and with the fast path (`cca_fast_path:True`), on a real GPU or
 //! on `SimDevice`:
 //!
 //! * warm alloc+free pairs at 512 B, 64 KiB, 1 MiB, 8 MiB and 64 MiB (ns per pair, one thread);
@@ -222,7 +222,7 @@ fn table(device: &str, torch: &Figures, fast: &Figures) -> String {
     let _ = writeln!(s, "device: {device}\n");
     let _ = writeln!(
         s,
-        "| measurement | crate, `pytorch` preset | crate, default (fast path) | PyTorch native (H200 ref) | cudaMallocAsync (H200 ref) |"
+        "| measurement | crate, `pytorch` preset | crate, `pytorch` + `cca_fast_path:True` | PyTorch native (H200 ref) | cudaMallocAsync (H200 ref) |"
     );
     let _ = writeln!(s, "|---|---:|---:|---:|---:|");
     for (i, size) in support::PAIR_SIZES.iter().enumerate() {
@@ -339,10 +339,13 @@ fn run<B: DeviceBackend>(
         args,
         &traces,
     )?;
-    eprint!("\ndefault (fast path) ");
+    eprint!("\npytorch preset + fast path ");
     let fast = measure(
         make,
-        &Preset::Default.config(),
+        &cuda_caching_allocator::AllocatorConfig {
+            fast_path: true,
+            ..Preset::Pytorch.config()
+        },
         streams,
         shared,
         args,
