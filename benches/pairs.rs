@@ -1,6 +1,6 @@
 //! Warm alloc+free pair latency on one thread, by size (the sizes of `reference.json`'s
-//! `pairs_ns_h200`: 512 B, 64 KiB, 1 MiB, 8 MiB, 64 MiB), for the `pytorch` preset and the
-//! crate's default (whose hits the fast path serves), on `SimDevice` (host cost alone).
+//! `pairs_ns_h200`: 512 B, 64 KiB, 1 MiB, 8 MiB, 64 MiB), for the `pytorch` preset without and
+//! with the fast path (`pytorch+fast`), on `SimDevice` (host cost alone).
 //! Criterion's time per iteration is ns per pair.
 //!
 //! Run: `cargo bench --bench pairs`.

@@ -1,6 +1,6 @@
 //! Aggregate throughput of 1/2/4/8/16 threads doing warm 1 MiB alloc+free pairs at once, each
-//! thread on its own stream and all on one shared stream, for the `pytorch` preset and the
-//! crate's default (fast path on), on `SimDevice`. Criterion's time per iteration is the
+//! thread on its own stream and all on one shared stream, for the `pytorch` preset without and
+//! with the fast path (`pytorch+fast`), on `SimDevice`. Criterion's time per iteration is the
 //! aggregate ns per pair (wall time ÷ pairs of all threads), as in `reference.json`'s
 //! `threads_ns_per_pair_h200`; lower is better, and perfect scaling divides it by the thread
 //! count (as far as the machine has cores).

@@ -21,20 +21,22 @@ pub(crate) const THREADS: [usize; 5] = [1, 2, 4, 8, 16];
 pub(crate) const THREAD_PAIR_SIZE: usize = 1 << 20;
 
 /// The configurations compared: the `pytorch` preset, the same with the fast path
-/// (`pytorch+fast`, which isolates the fast path), and the crate's default (expandable segments
-/// with page reuse, and the fast path). `all = false` leaves out `pytorch+fast`.
+/// (`pytorch+fast`, `cca_fast_path:True`), and, with `all`, the crate's default (expandable
+/// segments with page reuse; the fast path is opt-in, off there).
 pub(crate) fn configs(all: bool) -> Vec<(&'static str, AllocatorConfig)> {
-    let mut v = vec![("pytorch", AllocatorConfig::pytorch())];
-    if all {
-        v.push((
+    let mut v = vec![
+        ("pytorch", AllocatorConfig::pytorch()),
+        (
             "pytorch+fast",
             AllocatorConfig {
                 fast_path: true,
                 ..AllocatorConfig::pytorch()
             },
-        ));
+        ),
+    ];
+    if all {
+        v.push(("default", AllocatorConfig::default()));
     }
-    v.push(("default", AllocatorConfig::default()));
     v
 }
 

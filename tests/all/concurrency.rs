@@ -160,7 +160,14 @@ fn ops(default: usize) -> usize {
 
 #[test]
 fn many_threads_with_the_fast_path() {
-    stress(AllocatorConfig::default(), 8, ops(3000));
+    stress(
+        AllocatorConfig {
+            fast_path: true,
+            ..AllocatorConfig::default()
+        },
+        8,
+        ops(3000),
+    );
 }
 
 #[test]

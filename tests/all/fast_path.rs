@@ -32,19 +32,23 @@ fn admit(a: &CachingAllocator<SimDevice>, size: usize) {
 }
 
 #[test]
-fn the_knob_is_off_for_pytorch_and_on_by_default() {
+fn the_knob_is_off_unless_asked_for() {
     assert!(!AllocatorConfig::pytorch().fast_path);
     assert!(!Preset::Pytorch.config().fast_path);
     assert!(!Preset::PytorchExpandable.config().fast_path);
-    assert!(AllocatorConfig::default().fast_path);
-    assert!(Preset::Default.config().fast_path);
+    assert!(!AllocatorConfig::default().fast_path);
+    assert!(!Preset::Default.config().fast_path);
     assert!(
         AllocatorConfig::parse("cca_fast_path:True")
             .unwrap()
             .fast_path
     );
     assert!(!AllocatorConfig::parse("").unwrap().fast_path);
-    let a = CachingAllocator::new(SimDevice::default(), AllocatorConfig::default()).unwrap();
+    let on = AllocatorConfig {
+        fast_path: true,
+        ..AllocatorConfig::default()
+    };
+    let a = CachingAllocator::new(SimDevice::default(), on).unwrap();
     assert!(a.fast_path());
     assert!(a.config().fast_path);
     assert!(!with_config(1 << 30, AllocatorConfig::pytorch()).fast_path());
@@ -584,12 +588,12 @@ fn front_caches_keep_pytorchs_peak_reserved_on_the_shipped_traces() {
             fast <= torch * 1.002,
             "{name}: {fast} reserved with the fast path, {torch} without"
         );
-        // The same for the crate's default (expandable segments).
-        let plain = AllocatorConfig {
-            fast_path: false,
+        // The same for the crate's default (expandable segments) with the fast path switched on.
+        let with_fast_path = AllocatorConfig {
+            fast_path: true,
             ..AllocatorConfig::default()
         };
-        let (plain, default) = (peak(plain), peak(AllocatorConfig::default()));
+        let (plain, default) = (peak(AllocatorConfig::default()), peak(with_fast_path));
         assert!(
             default <= plain * 1.002,
             "{name}: {default} reserved by the default, {plain} without its fast path"
