@@ -146,10 +146,19 @@ fn measure<B: DeviceBackend>(
     let runs = if args.quick { 2 } else { 5 };
     let target = Duration::from_millis(if args.quick { 50 } else { 200 });
     let mut fig = Figures::default();
+    {
+        // Warm the CPU (frequency, caches, this thread's tables) so the first size is not
+        // penalised.
+        let a = make(config.clone())?;
+        let mut f = |n: u64| support::pairs(&a, 4096, shared, n);
+        let iters = calibrate(1000, target, &mut f);
+        f(iters);
+    }
     for size in support::PAIR_SIZES {
         let a = make(config.clone())?;
         let mut f = |n: u64| support::pairs(&a, size, shared, n);
         let iters = calibrate(1000, target, &mut f);
+        f(iters);
         fig.pairs
             .push(median(runs, || f(iters).as_nanos() as f64 / iters as f64));
         eprint!(".");
