@@ -1,5 +1,6 @@
-//! The core's four hot operations on `SimDevice` (host cost alone), for the `pytorch` preset and
-//! the crate's default (fast path on):
+//! The core's four hot operations on `SimDevice` (host cost alone), for the `pytorch` preset, the
+//! same with the fast path (`pytorch+fast`) and the crate's default (expandable segments with
+//! page reuse; the fast path is opt-in, off there):
 //!
 //! * `hit`: a warm alloc+free pair served by a cached block as it is (16 MiB: a whole segment, no
 //!   split or merge; with the fast path, a front-cache hit);
@@ -18,14 +19,14 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use cuda_caching_allocator::{Allocation, CachingAllocator, Preset, SimDevice, StreamId};
+use cuda_caching_allocator::{Allocation, AllocatorConfig, CachingAllocator, SimDevice, StreamId};
 
 const S: StreamId = StreamId(0);
 /// Blocks per batch for split / merge / miss.
 const BATCH: u64 = 64;
 
-fn alloc(preset: Preset) -> CachingAllocator<SimDevice> {
-    CachingAllocator::new(SimDevice::with_capacity(1 << 40), preset.config())
+fn alloc(config: &AllocatorConfig) -> CachingAllocator<SimDevice> {
+    CachingAllocator::new(SimDevice::with_capacity(1 << 40), config.clone())
         .expect("allocator over SimDevice")
 }
 
@@ -55,19 +56,19 @@ fn batched(
 }
 
 fn hot_path(c: &mut Criterion) {
-    for preset in [Preset::Pytorch, Preset::Default] {
+    for (preset, config) in support::configs(true) {
         let mut g = c.benchmark_group(format!("hot_path/{preset}"));
         g.warm_up_time(Duration::from_millis(500))
             .measurement_time(Duration::from_secs(2))
             .sample_size(20);
 
-        let a = alloc(preset);
+        let a = alloc(&config);
         g.bench_function("hit", |b| {
             b.iter_custom(|iters| support::pairs(&a, 16 << 20, S, iters));
         });
 
         // Split: allocations of 4 KiB, each cut from the free tail of a 2 MiB segment.
-        let a = alloc(preset);
+        let a = alloc(&config);
         g.bench_function("split", |b| {
             b.iter_custom(|iters| {
                 batched(
@@ -90,7 +91,7 @@ fn hot_path(c: &mut Criterion) {
 
         // Merge: frees of 4 KiB blocks next to free space (and the flush that merges them, with
         // the fast path).
-        let a = alloc(preset);
+        let a = alloc(&config);
         g.bench_function("merge", |b| {
             b.iter_custom(|iters| {
                 batched(
@@ -118,7 +119,7 @@ fn hot_path(c: &mut Criterion) {
         });
 
         // Miss: allocations that each need a new 30 MiB segment.
-        let a = alloc(preset);
+        let a = alloc(&config);
         g.bench_function("miss", |b| {
             b.iter_custom(|iters| {
                 batched(

@@ -1,5 +1,6 @@
 //! Random mixes and trace replay, ns per operation (each alloc and each free is one operation),
-//! for the `pytorch` preset and the crate's default (fast path on), on `SimDevice`:
+//! for the `pytorch` preset, the same with the fast path (`pytorch+fast`) and the crate's default
+//! (expandable segments with page reuse; the fast path is opt-in, off there), on `SimDevice`:
 //!
 //! * `mix/2000-live-512B-64MiB`: 2,000 live allocations of log-uniform sizes in 512 B – 64 MiB,
 //!   a random one freed and replaced per step (PyTorch's measured mix in
@@ -17,10 +18,10 @@ mod support;
 use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use cuda_caching_allocator::{CachingAllocator, Preset, SimDevice, StreamId};
+use cuda_caching_allocator::{AllocatorConfig, CachingAllocator, SimDevice, StreamId};
 
-fn alloc(preset: Preset) -> CachingAllocator<SimDevice> {
-    CachingAllocator::new(SimDevice::with_capacity(1 << 40), preset.config())
+fn alloc(config: &AllocatorConfig) -> CachingAllocator<SimDevice> {
+    CachingAllocator::new(SimDevice::with_capacity(1 << 40), config.clone())
         .expect("allocator over SimDevice")
 }
 
@@ -36,13 +37,13 @@ fn mixes(c: &mut Criterion) {
         ),
     ];
     let traces = support::shipped_traces(&support::traces_dir());
-    for preset in [Preset::Pytorch, Preset::Default] {
+    for (preset, config) in support::configs(true) {
         let mut g = c.benchmark_group(format!("mix/{preset}"));
         g.warm_up_time(Duration::from_millis(500))
             .measurement_time(Duration::from_secs(3))
             .sample_size(10);
         for (name, mix) in &mixes {
-            let a = alloc(preset);
+            let a = alloc(&config);
             let ops = 2 * mix.steps.len() as u64;
             g.bench_function(*name, |b| {
                 b.iter_custom(|iters| {
@@ -72,7 +73,7 @@ fn mixes(c: &mut Criterion) {
                     let mut t = Duration::ZERO;
                     for _ in 0..runs {
                         // A fresh allocator per replay: its first segments are part of the cost.
-                        let a = alloc(preset);
+                        let a = alloc(&config);
                         t += trace.run(&a, &|s| StreamId(s));
                     }
                     t.mul_f64(iters as f64 / (runs * ops) as f64)

@@ -1,6 +1,7 @@
 //! Host-side allocator timings in the shape of `reference.json` (PyTorch's own figures on an
-//! H200 host), for the `pytorch` preset without and with the fast path (`cca_fast_path:True`), on a real GPU or
-//! on `SimDevice`:
+//! H200 host), for the `pytorch` preset, the same with the fast path (`cca_fast_path:True`), and
+//! the crate's default (expandable segments with page reuse; the fast path is opt-in), on a real
+//! GPU or on `SimDevice`:
 //!
 //! * warm alloc+free pairs at 512 B, 64 KiB, 1 MiB, 8 MiB and 64 MiB (ns per pair, one thread);
 //! * 1, 2, 4, 8 and 16 threads doing 1 MiB pairs at once, each on its own stream and all on the
@@ -33,7 +34,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use cuda_caching_allocator::{
-    AllocError, AllocatorConfig, CachingAllocator, DeviceBackend, Preset, SimDevice, StreamId,
+    AllocError, AllocatorConfig, CachingAllocator, DeviceBackend, SimDevice, StreamId,
 };
 
 /// PyTorch 2.11 on the H200 host (`reference.json`): pair ns for `PAIR_SIZES`, native and
@@ -145,10 +146,19 @@ fn measure<B: DeviceBackend>(
     let runs = if args.quick { 2 } else { 5 };
     let target = Duration::from_millis(if args.quick { 50 } else { 200 });
     let mut fig = Figures::default();
+    {
+        // Warm the CPU (frequency, caches, this thread's tables) so the first size is not
+        // penalised.
+        let a = make(config.clone())?;
+        let mut f = |n: u64| support::pairs(&a, 4096, shared, n);
+        let iters = calibrate(1000, target, &mut f);
+        f(iters);
+    }
     for size in support::PAIR_SIZES {
         let a = make(config.clone())?;
         let mut f = |n: u64| support::pairs(&a, size, shared, n);
         let iters = calibrate(1000, target, &mut f);
+        f(iters);
         fig.pairs
             .push(median(runs, || f(iters).as_nanos() as f64 / iters as f64));
         eprint!(".");
@@ -217,73 +227,87 @@ fn measure<B: DeviceBackend>(
     Ok(fig)
 }
 
-fn table(device: &str, torch: &Figures, fast: &Figures) -> String {
+fn table(device: &str, figs: &[(&str, Figures)]) -> String {
     let mut s = String::new();
     let _ = writeln!(s, "device: {device}\n");
+    let names: Vec<String> = figs.iter().map(|(n, _)| format!("`{n}`")).collect();
     let _ = writeln!(
         s,
-        "| measurement | crate, `pytorch` preset | crate, `pytorch` + `cca_fast_path:True` | PyTorch native (H200 ref) | cudaMallocAsync (H200 ref) |"
+        "| measurement | {} | PyTorch native (H200 ref) | cudaMallocAsync (H200 ref) |",
+        names.join(" | ")
     );
-    let _ = writeln!(s, "|---|---:|---:|---:|---:|");
+    let _ = writeln!(s, "|---|{}---:|---:|", "---:|".repeat(figs.len()));
+    let row = |s: &mut String, label: String, get: &dyn Fn(&Figures) -> f64, r: String| {
+        let cells: Vec<String> = figs.iter().map(|(_, f)| format!("{:.0}", get(f))).collect();
+        let _ = writeln!(s, "| {label} | {} | {r} |", cells.join(" | "));
+    };
     for (i, size) in support::PAIR_SIZES.iter().enumerate() {
-        let _ = writeln!(
-            s,
-            "| pair, {} (ns) | {:.0} | {:.0} | {:.0} | {:.0} |",
-            support::size_name(*size),
-            torch.pairs[i],
-            fast.pairs[i],
-            REF_PAIRS[i].0,
-            REF_PAIRS[i].1
+        row(
+            &mut s,
+            format!("pair, {} (ns)", support::size_name(*size)),
+            &|f| f.pairs.get(i).copied().unwrap_or(f64::NAN),
+            format!("{:.0} | {:.0}", REF_PAIRS[i].0, REF_PAIRS[i].1),
         );
     }
-    for (label, t, f) in [
-        ("own stream", &torch.threads_own, &fast.threads_own),
-        ("shared stream", &torch.threads_shared, &fast.threads_shared),
-    ] {
+    for own in [true, false] {
+        let label = if own { "own stream" } else { "shared stream" };
         for (i, n) in support::THREADS.iter().enumerate() {
-            let r = if label == "own stream" {
+            let r = if own {
                 format!("{:.0} | {:.0}", REF_THREADS[i].0, REF_THREADS[i].1)
             } else {
                 "– | –".into()
             };
-            let _ = writeln!(
-                s,
-                "| {n} thread(s), 1 MiB pairs, {label} (aggregate ns/pair) | {:.0} | {:.0} | {r} |",
-                t[i], f[i]
+            row(
+                &mut s,
+                format!("{n} thread(s), 1 MiB pairs, {label} (aggregate ns/pair)"),
+                &|f| {
+                    let v = if own {
+                        &f.threads_own
+                    } else {
+                        &f.threads_shared
+                    };
+                    v.get(i).copied().unwrap_or(f64::NAN)
+                },
+                r,
             );
         }
     }
-    for (i, (name, ns)) in torch.replay.iter().enumerate() {
+    let first = figs.first().map(|(_, f)| f.clone()).unwrap_or_default();
+    for (i, (name, _)) in first.replay.iter().enumerate() {
         let r = REF_REPLAY
             .iter()
             .find(|(n, _, _)| n == name)
             .map_or("– | –".to_string(), |(_, a, b)| {
                 format!("{a:.0} | {b:.0}")
             });
-        let _ = writeln!(
-            s,
-            "| replay {name} (ns/op) | {ns:.0} | {:.0} | {r} |",
-            fast.replay.get(i).map_or(f64::NAN, |x| x.1)
+        row(
+            &mut s,
+            format!("replay {name} (ns/op)"),
+            &|f| f.replay.get(i).map_or(f64::NAN, |x| x.1),
+            r,
         );
     }
-    for (i, (name, ns)) in torch.mixes.iter().enumerate() {
-        let _ = writeln!(
-            s,
-            "| {name} (ns/op) | {ns:.0} | {:.0} | – | – |",
-            fast.mixes.get(i).map_or(f64::NAN, |x| x.1)
+    for (i, (name, _)) in first.mixes.iter().enumerate() {
+        row(
+            &mut s,
+            format!("{name} (ns/op)"),
+            &|f| f.mixes.get(i).map_or(f64::NAN, |x| x.1),
+            "– | –".into(),
         );
     }
-    let one = fast.threads_own.first().copied().unwrap_or(f64::NAN);
-    let sixteen = fast.threads_own.last().copied().unwrap_or(f64::NAN);
-    let _ = writeln!(
-        s,
-        "\nfast path, own streams: 16-thread throughput = {:.1}× one thread's (goal ≥ 8×)",
-        one / sixteen
-    );
+    if let Some((name, f)) = figs.iter().find(|(n, _)| *n == "pytorch+fast") {
+        let one = f.threads_own.first().copied().unwrap_or(f64::NAN);
+        let sixteen = f.threads_own.last().copied().unwrap_or(f64::NAN);
+        let _ = writeln!(
+            s,
+            "\n`{name}`, own streams: 16 threads give {:.1}× one thread's throughput (goal ≥ 8×)",
+            one / sixteen
+        );
+    }
     s
 }
 
-fn json(device: &str, torch: &Figures, fast: &Figures) -> String {
+fn json(device: &str, figs: &[(&str, Figures)]) -> String {
     let f = |fig: &Figures| {
         let list = |v: &[f64]| {
             v.iter()
@@ -306,13 +330,46 @@ fn json(device: &str, torch: &Figures, fast: &Figures) -> String {
             named(&fig.mixes)
         )
     };
+    let configs: Vec<String> = figs
+        .iter()
+        .map(|(n, fig)| format!("\"{n}\": {}", f(fig)))
+        .collect();
     format!(
-        "{{\"device\": \"{device}\", \"pair_sizes\": {:?}, \"threads\": {:?}, \"pytorch\": {}, \"default\": {}}}\n",
+        "{{\"device\": \"{device}\", \"pair_sizes\": {:?}, \"threads\": {:?}, {}}}\n",
         support::PAIR_SIZES,
         support::THREADS,
-        f(torch),
-        f(fast)
+        configs.join(", ")
     )
+}
+
+/// The host's cost of one uncontended compare-and-swap and of one uncontended mutex lock and
+/// unlock, in ns (the fast path's floor is two compare-and-swaps per pair; the core's path takes
+/// a mutex per operation).
+fn host_atomics() -> (f64, f64) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let n = 20_000_000u64;
+    let a = AtomicU64::new(0);
+    let cas = median(3, || {
+        let t = std::time::Instant::now();
+        for i in 0..n {
+            let _ = std::hint::black_box(&a).compare_exchange(
+                i,
+                i + 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+        }
+        t.elapsed().as_nanos() as f64 / n as f64
+    });
+    let m = parking_lot::Mutex::new(0u64);
+    let lock = median(3, || {
+        let t = std::time::Instant::now();
+        for _ in 0..n {
+            *std::hint::black_box(&m).lock() += 1;
+        }
+        t.elapsed().as_nanos() as f64 / n as f64
+    });
+    (cas, lock)
 }
 
 /// Measures both configurations on one backend and prints the table.
@@ -330,31 +387,20 @@ fn run<B: DeviceBackend>(
             args.traces.display()
         );
     }
-    eprint!("pytorch preset ");
-    let torch = measure(
-        make,
-        &Preset::Pytorch.config(),
-        streams,
-        shared,
-        args,
-        &traces,
-    )?;
-    eprint!("\npytorch preset + fast path ");
-    let fast = measure(
-        make,
-        &cuda_caching_allocator::AllocatorConfig {
-            fast_path: true,
-            ..Preset::Pytorch.config()
-        },
-        streams,
-        shared,
-        args,
-        &traces,
-    )?;
-    eprintln!();
-    println!("{}", table(device, &torch, &fast));
+    let mut figs = Vec::new();
+    for (name, config) in support::configs(true) {
+        eprint!("{name} ");
+        figs.push((
+            name,
+            measure(make, &config, streams, shared, args, &traces)?,
+        ));
+        eprintln!();
+    }
+    let (cas, lock) = host_atomics();
+    println!("{}", table(device, &figs));
+    println!("host: uncontended compare-and-swap {cas:.1} ns, mutex lock + unlock {lock:.1} ns");
     if let Some(path) = &args.json {
-        std::fs::write(path, json(device, &torch, &fast))?;
+        std::fs::write(path, json(device, &figs))?;
     }
     Ok(())
 }

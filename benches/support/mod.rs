@@ -9,7 +9,9 @@ use std::hint::black_box;
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
-use cuda_caching_allocator::{Allocation, CachingAllocator, DeviceBackend, StreamId};
+use cuda_caching_allocator::{
+    Allocation, AllocatorConfig, CachingAllocator, DeviceBackend, StreamId,
+};
 
 /// The pair sizes of `reference.json`'s `pairs_ns_h200`.
 pub(crate) const PAIR_SIZES: [usize; 5] = [512, 64 << 10, 1 << 20, 8 << 20, 64 << 20];
@@ -17,6 +19,26 @@ pub(crate) const PAIR_SIZES: [usize; 5] = [512, 64 << 10, 1 << 20, 8 << 20, 64 <
 pub(crate) const THREADS: [usize; 5] = [1, 2, 4, 8, 16];
 /// The pair size of the thread measurements (1 MiB, as in `reference.json`).
 pub(crate) const THREAD_PAIR_SIZE: usize = 1 << 20;
+
+/// The configurations compared: the `pytorch` preset, the same with the fast path
+/// (`pytorch+fast`, `cca_fast_path:True`), and, with `all`, the crate's default (expandable
+/// segments with page reuse; the fast path is opt-in, off there).
+pub(crate) fn configs(all: bool) -> Vec<(&'static str, AllocatorConfig)> {
+    let mut v = vec![
+        ("pytorch", AllocatorConfig::pytorch()),
+        (
+            "pytorch+fast",
+            AllocatorConfig {
+                fast_path: true,
+                ..AllocatorConfig::pytorch()
+            },
+        ),
+    ];
+    if all {
+        v.push(("default", AllocatorConfig::default()));
+    }
+    v
+}
 
 /// Human name of a size (`512 B`, `64 KiB`, `1 MiB`).
 pub(crate) fn size_name(size: usize) -> String {

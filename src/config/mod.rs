@@ -161,8 +161,8 @@ pub struct AllocatorConfig {
     /// even when expandable segments map less or reuse pages.
     pub precise_fraction_cap: bool,
     /// Per-thread front caches in front of the core (crate key `cca_fast_path`): cache hits and
-    /// frees of this thread's blocks take no lock. Off in the `pytorch` presets (which must
-    /// reproduce PyTorch exactly), on in the crate's default. See `benches/README.md`.
+    /// frees of this thread's blocks take no lock. Opt-in: off in every preset (the `pytorch`
+    /// presets must reproduce PyTorch exactly). See `benches/README.md`.
     pub fast_path: bool,
     /// The original configuration string, when parsed from one.
     pub settings: String,

@@ -150,7 +150,7 @@ fn slot(q: usize, p: usize, f: usize) -> usize {
 #[repr(align(64))]
 pub(crate) struct Counters {
     /// Quantity (count, bytes, requested) × pool (all, small, large) × (current, allocated,
-    /// freed).
+    /// freed); only the two pools are written (`all` is their sum, formed on read).
     d: [AtomicI64; 27],
 }
 
@@ -179,33 +179,30 @@ impl Counters {
     /// A cache hit (owner only): `v = [1, bytes, requested]` allocated.
     #[inline(always)]
     pub(crate) fn hit(&self, kind: PoolKind, v: [i64; 3]) {
-        for p in [0, pool_index(kind)] {
-            for (q, &v) in v.iter().enumerate() {
-                bump(&self.d[slot(q, p, 0)], v);
-                bump(&self.d[slot(q, p, 1)], v);
-            }
+        let p = pool_index(kind);
+        for (q, &v) in v.iter().enumerate() {
+            bump(&self.d[slot(q, p, 0)], v);
+            bump(&self.d[slot(q, p, 1)], v);
         }
     }
 
     /// A free into the owner's bin (owner only): `v = [1, bytes, requested]` freed.
     #[inline(always)]
     pub(crate) fn cache(&self, kind: PoolKind, v: [i64; 3]) {
-        for p in [0, pool_index(kind)] {
-            for (q, &v) in v.iter().enumerate() {
-                bump(&self.d[slot(q, p, 0)], -v);
-                bump(&self.d[slot(q, p, 2)], v);
-            }
+        let p = pool_index(kind);
+        for (q, &v) in v.iter().enumerate() {
+            bump(&self.d[slot(q, p, 0)], -v);
+            bump(&self.d[slot(q, p, 2)], v);
         }
     }
 
     /// A block leaves the cache for the core (owner only): its contribution moves from
     /// `current` to `freed`.
     pub(crate) fn retire(&self, kind: PoolKind, c: [i64; 3]) {
-        for p in [0, pool_index(kind)] {
-            for (q, &v) in c.iter().enumerate() {
-                bump(&self.d[slot(q, p, 0)], -v);
-                bump(&self.d[slot(q, p, 2)], v);
-            }
+        let p = pool_index(kind);
+        for (q, &v) in c.iter().enumerate() {
+            bump(&self.d[slot(q, p, 0)], -v);
+            bump(&self.d[slot(q, p, 2)], v);
         }
     }
 
@@ -216,7 +213,16 @@ impl Counters {
             allocated: self.d[slot(q, p, 1)].load(RELAXED),
             freed: self.d[slot(q, p, 2)].load(RELAXED),
         };
-        let triple = |q: usize| [acc(q, 0), acc(q, 1), acc(q, 2)];
+        // Only the pools are stored; `all` is their sum.
+        let triple = |q: usize| {
+            let (small, large) = (acc(q, 1), acc(q, 2));
+            let all = Acc {
+                current: small.current + large.current,
+                allocated: small.allocated + large.allocated,
+                freed: small.freed + large.freed,
+            };
+            [all, small, large]
+        };
         Delta {
             count: triple(0),
             bytes: triple(1),
@@ -227,7 +233,7 @@ impl Counters {
     /// The number of blocks in the owner's bins (minus the delta's `allocation.all.current`),
     /// before other threads' flushes are cleaned up.
     pub(crate) fn count_current(&self) -> i64 {
-        self.d[slot(0, 0, 0)].load(RELAXED)
+        self.d[slot(0, 1, 0)].load(RELAXED) + self.d[slot(0, 2, 0)].load(RELAXED)
     }
 }
 
