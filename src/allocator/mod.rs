@@ -158,6 +158,13 @@ impl<B: DeviceBackend> CachingAllocator<B> {
                 return Ok(a);
             }
         }
+        self.allocate_locked(size, stream)
+    }
+
+    /// `allocate` under the lock (everything but a front-cache hit), out of line so that the
+    /// hit path keeps a small frame.
+    #[inline(never)]
+    fn allocate_locked(&self, size: usize, stream: StreamId) -> Result<Allocation> {
         let mut guard = self.state.lock();
         let Locked { st, front: fl } = &mut *guard;
         let r = match &self.front {
@@ -187,6 +194,13 @@ impl<B: DeviceBackend> CachingAllocator<B> {
                 return r;
             }
         }
+        self.free_locked(ptr)
+    }
+
+    /// `free` under the lock (everything but a free into this thread's front cache), out of line
+    /// so that the fast path keeps a small frame.
+    #[inline(never)]
+    fn free_locked(&self, ptr: DevicePtr) -> Result<()> {
         let mut guard = self.state.lock();
         let Locked { st, front: fl } = &mut *guard;
         let r = match &self.front {

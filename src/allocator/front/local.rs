@@ -18,10 +18,23 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 use super::delta::Five;
-use super::shared::{CACHED, CHUNK, Chunk, Desc, DescView, GONE, LIVE, Shared, Taken, VACANT};
+use super::shared::{
+    CACHED, CHUNK, Chunk, Desc, DescView, GONE, LIVE, Shared, Taken, VACANT, pool_index,
+};
 use crate::allocator::state::AddrMap;
 use crate::backend::StreamId;
 use crate::size_class::{PoolKind, pool_kind};
+
+/// Entries of the direct-mapped `address → descriptor` cache in front of the index (a power of
+/// two).
+pub(crate) const RECENT: usize = 64;
+/// An empty entry of that cache (no block starts at the last byte of the address space).
+const NO_ADDR: u64 = u64::MAX;
+
+#[inline(always)]
+fn recent_slot(ptr: u64) -> usize {
+    (ptr.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - RECENT.trailing_zeros())) as usize
+}
 
 /// Slots in a thread's bin table (a power of two).
 pub(crate) const SLOTS: usize = 256;
@@ -58,6 +71,8 @@ struct Meta {
     rounded: usize,
     stream: StreamId,
     kind: PoolKind,
+    /// The key's home slot (`home_slot(stream, rounded)`).
+    home: u16,
     /// In a bin (the owner's view: it cached the block and has not taken it back).
     in_bin: bool,
 }
@@ -68,10 +83,13 @@ const NO_META: Meta = Meta {
     rounded: 0,
     stream: StreamId(0),
     kind: PoolKind::Small,
+    home: 0,
     in_bin: false,
 };
 
+/// One bin: up to [`SLOT_CAP`] blocks of one `(stream, rounded size)` key (a cache line).
 #[derive(Clone, Copy, Debug)]
+#[repr(align(64))]
 struct Slot {
     /// The key's rounded size; 0 for a slot no key holds.
     size: usize,
@@ -91,14 +109,6 @@ const EMPTY_SLOT: Slot = Slot {
     seen: 0,
     idx: [0; SLOT_CAP],
 };
-
-#[inline]
-fn pool_index(kind: PoolKind) -> usize {
-    match kind {
-        PoolKind::Small => 1,
-        PoolKind::Large => 2,
-    }
-}
 
 #[inline]
 fn home_slot(stream: StreamId, rounded: usize) -> usize {
@@ -134,6 +144,8 @@ pub(crate) struct Local {
     meta: Vec<Meta>,
     vacant: Vec<u32>,
     index: AddrMap<u32>,
+    /// A direct-mapped subset of `index` (the blocks registered or taken last), checked first.
+    recent: [(u64, u32); RECENT],
     slots: Box<[Slot]>,
     /// One bit per slot holding cached blocks.
     occupied: [u64; SLOTS / 64],
@@ -141,9 +153,6 @@ pub(crate) struct Local {
     pub(crate) cached_bytes: usize,
     pub(crate) cached_count: usize,
     pub(crate) live_count: usize,
-    /// The delta's `current` values (`3 * quantity + pool`), mirrored from the shared counters
-    /// (this thread is their only writer).
-    pub(crate) cur: [i64; 9],
     /// The largest `cur` values since the last synchronisation.
     pub(crate) hi: [i64; 9],
     /// The user-view values at the last synchronisation, less `cur` then: `base + hi` is the
@@ -173,13 +182,13 @@ impl Local {
             meta: Vec::new(),
             vacant: Vec::new(),
             index: AddrMap::default(),
+            recent: [(NO_ADDR, 0); RECENT],
             slots: vec![EMPTY_SLOT; SLOTS].into_boxed_slice(),
             occupied: [0; SLOTS / 64],
             bounds,
             cached_bytes: 0,
             cached_count: 0,
             live_count: 0,
-            cur: [0; 9],
             hi: [0; 9],
             base: Five::default(),
             epoch: 0,
@@ -200,14 +209,11 @@ impl Local {
             .map(|c| &c.0[i as usize % CHUNK])
     }
 
-    /// Adds `sign × v` (`v = [count, bytes, requested]`) to the mirrored `current` values.
+    /// The delta's `current` values (`3 * quantity + pool`), from the shared counters (this
+    /// thread is their only writer).
     #[inline(always)]
-    fn mirror(&mut self, kind: PoolKind, v: [i64; 3], sign: i64) {
-        let p = pool_index(kind);
-        for (q, v) in v.into_iter().enumerate() {
-            self.cur[3 * q] += sign * v;
-            self.cur[3 * q + p] += sign * v;
-        }
+    pub(crate) fn cur(&self) -> [i64; 9] {
+        self.shared.counters.currents()
     }
 
     /// Updates slot `s`'s bit in [`occupied`](Self::occupied).
@@ -240,17 +246,22 @@ impl Local {
         req: usize,
     ) -> Option<(u64, usize)> {
         let s = self.find_slot(stream, rounded)?;
-        let len = self.slots[s].len as usize;
-        let i = *self.slots[s].idx.get(len.checked_sub(1)?)?;
-        let d = self.desc(i)?;
+        let slot = self.slots.get_mut(s)?;
+        let len = slot.len.checked_sub(1)?;
+        let i = *slot.idx.get(len as usize)?;
+        let d = self
+            .chunks
+            .get(i as usize / CHUNK)
+            .map(|c| &c.0[i as usize % CHUNK])?;
         // A flush may have taken it (GONE): the locked path cleans up.
         d.transition(CACHED, LIVE).ok()?;
         d.set_user_req(req);
-        let slot = &mut self.slots[s];
-        slot.len -= 1;
-        slot.strikes = 0;
-        if slot.len == 0 {
-            self.mark(s);
+        slot.len = len;
+        if slot.strikes != 0 {
+            slot.strikes = 0;
+        }
+        if len == 0 {
+            self.occupied[s / 64] &= !(1u64 << (s % 64));
         }
         let m = self.meta.get_mut(i as usize)?;
         m.in_bin = false;
@@ -260,13 +271,14 @@ impl Local {
         self.live_count += 1;
         self.dirty = true;
         self.window_hits = self.window_hits.wrapping_add(1);
-        let v = [1, bs as i64, req as i64];
-        self.shared.counters.hit(kind, v);
         let p = pool_index(kind);
-        for (q, v) in v.into_iter().enumerate() {
-            for k in [3 * q, 3 * q + p] {
-                self.cur[k] += v;
-                self.hi[k] = self.hi[k].max(self.cur[k]);
+        let v = [1, bs as i64, req as i64];
+        self.shared.counters.hit(p, v);
+        // The peak candidates: a store only when a value passes its high-water mark.
+        let cur = self.cur();
+        for (h, c) in self.hi.iter_mut().zip(cur) {
+            if c > *h {
+                *h = c;
             }
         }
         Some((ptr, bs))
@@ -276,36 +288,51 @@ impl Local {
     /// `may_cache`.
     #[inline]
     pub(crate) fn give(&mut self, ptr: u64, may_cache: bool) -> Give {
-        let Some(&i) = self.index.get(&ptr) else {
+        let h = recent_slot(ptr);
+        let r = self.recent[h];
+        let i = if r.0 == ptr {
+            r.1
+        } else {
+            match self.index.get(&ptr) {
+                Some(&i) => {
+                    self.recent[h] = (ptr, i);
+                    i
+                }
+                None => return Give::Slow,
+            }
+        };
+        let Some(m) = self.meta.get(i as usize) else {
             return Give::Slow;
         };
-        let Some(m) = self.meta.get(i as usize).copied() else {
-            return Give::Slow;
-        };
-        let Some(d) = self.desc(i) else {
+        let (bs, rounded, stream, kind, home) =
+            (m.block_size, m.rounded, m.stream, m.kind, m.home as usize);
+        let Some(d) = self
+            .chunks
+            .get(i as usize / CHUNK)
+            .map(|c| &c.0[i as usize % CHUNK])
+        else {
             return Give::Slow;
         };
         if !may_cache
             || self.paused > 0
+            || self.cached_bytes + bs > self.bounds.max_bytes
             || d.needs_core.load(std::sync::atomic::Ordering::Relaxed)
-            || self.cached_bytes + m.block_size > self.bounds.max_bytes
         {
             return Give::Slow;
         }
-        let home = home_slot(m.stream, m.rounded);
-        let mut target = None;
-        for s in [home, home ^ 1] {
-            let slot = &self.slots[s];
-            if slot.size == m.rounded && slot.stream == m.stream {
-                target = Some(s);
-                break;
+        let s = {
+            let (a, b) = (&self.slots[home], &self.slots[home ^ 1]);
+            if a.size == rounded && a.stream == stream {
+                home
+            } else if b.size == rounded && b.stream == stream {
+                home ^ 1
+            } else if a.len == 0 {
+                home
+            } else if b.len == 0 {
+                home ^ 1
+            } else {
+                return Give::Slow;
             }
-            if slot.len == 0 && target.is_none() {
-                target = Some(s);
-            }
-        }
-        let Some(s) = target else {
-            return Give::Slow;
         };
         if self.slots[s].len as usize >= SLOT_CAP {
             return Give::Slow;
@@ -317,29 +344,29 @@ impl Local {
         }
         let req = d.user_req();
         let slot = &mut self.slots[s];
-        if slot.size != m.rounded || slot.stream != m.stream {
+        if slot.size != rounded || slot.stream != stream {
             *slot = Slot {
-                size: m.rounded,
-                stream: m.stream,
+                size: rounded,
+                stream,
                 ..EMPTY_SLOT
             };
         }
         slot.idx[slot.len as usize] = i;
         slot.len += 1;
         if slot.len == 1 {
-            self.mark(s);
+            self.occupied[s / 64] |= 1u64 << (s % 64);
         }
         if let Some(m) = self.meta.get_mut(i as usize) {
             m.in_bin = true;
         }
-        self.cached_bytes += m.block_size;
+        self.cached_bytes += bs;
         self.cached_count += 1;
-        self.max_cached = self.max_cached.max(m.rounded);
+        self.max_cached = self.max_cached.max(rounded);
         self.live_count -= 1;
         self.dirty = true;
-        let v = [1, m.block_size as i64, req as i64];
-        self.shared.counters.cache(m.kind, v);
-        self.mirror(m.kind, v, -1);
+        let p = pool_index(kind);
+        let v = [1, bs as i64, req as i64];
+        self.shared.counters.cache(p, v);
         Give::Cached
     }
 
@@ -513,7 +540,6 @@ impl Local {
         d.transition(CACHED, VACANT).ok()?;
         let v = d.view();
         self.shared.counters.retire(v.kind, v.contribution(CACHED));
-        self.mirror(v.kind, v.contribution(CACHED), -1);
         self.retired = true;
         self.cached_count -= 1;
         self.cached_bytes -= v.block_size;
@@ -528,7 +554,6 @@ impl Local {
         d.transition(LIVE, VACANT)?;
         let v = d.view();
         self.shared.counters.retire(v.kind, v.contribution(LIVE));
-        self.mirror(v.kind, v.contribution(LIVE), -1);
         self.retired = true;
         self.live_count -= 1;
         self.forget(i, v.ptr);
@@ -538,6 +563,10 @@ impl Local {
     fn forget(&mut self, i: u32, ptr: u64) {
         if self.index.get(&ptr) == Some(&i) {
             self.index.remove(&ptr);
+        }
+        let r = &mut self.recent[recent_slot(ptr)];
+        if r.0 == ptr {
+            *r = (NO_ADDR, 0);
         }
         if let Some(m) = self.meta.get_mut(i as usize) {
             *m = NO_META;
@@ -571,10 +600,12 @@ impl Local {
                 rounded,
                 stream,
                 kind: v.kind,
+                home: home_slot(stream, rounded) as u16,
                 in_bin: false,
             };
         }
         self.index.insert(v.ptr, i);
+        self.recent[recent_slot(v.ptr)] = (v.ptr, i);
         self.live_count += 1;
         i
     }
@@ -616,7 +647,6 @@ impl Local {
                 self.live_count -= 1;
             }
             self.shared.counters.retire(t.kind, t.contribution);
-            self.mirror(t.kind, t.contribution, -1);
             self.retired = true;
             f(t);
             if let Some(d) = self.desc(i) {
@@ -677,6 +707,13 @@ impl Local {
         }
         if indexed != self.index.len() {
             return Err("the index holds blocks that are not managed".into());
+        }
+        for &(ptr, i) in &self.recent {
+            if ptr != NO_ADDR && self.index.get(&ptr) != Some(&i) {
+                return Err(format!(
+                    "the recent-address cache names block {i} at {ptr:#x} wrongly"
+                ));
+            }
         }
         if (cached, cached_bytes, live) != (self.cached_count, self.cached_bytes, self.live_count) {
             return Err("cached/live counters disagree with a recount".into());

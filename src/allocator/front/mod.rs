@@ -67,7 +67,7 @@ use super::invariants::InvariantViolation;
 use super::snapshot::{BlockState, SegmentSnapshot};
 use super::state::State;
 use crate::backend::{DeviceBackend, DevicePtr, StreamId};
-use crate::config::{AllocatorConfig, MIB};
+use crate::config::{AllocatorConfig, MIB, MIN_BLOCK_SIZE};
 use crate::error::{AllocError, Result};
 use crate::size_class::{PoolKind, pool_kind, round_size};
 use crate::stats::{MemoryStats, StatType};
@@ -146,6 +146,8 @@ pub(crate) struct Front {
     exits: Arc<AtomicUsize>,
     /// The history recorder is on: every operation takes the core path so it is recorded.
     history_on: AtomicBool,
+    /// No `roundup_power2_divisions` apply: `round_size` is a round-up to 512 bytes.
+    plain_rounding: bool,
 }
 
 /// What the fast free did.
@@ -170,6 +172,7 @@ impl Front {
             shards: Shards::default(),
             exits: Arc::new(AtomicUsize::new(0)),
             history_on: AtomicBool::new(false),
+            plain_rounding: config.roundup_power2_divisions.iter().all(|&d| d <= 1),
         }
     }
 
@@ -181,7 +184,11 @@ impl Front {
         if size == 0 || size > self.bounds.max_block || self.history_on.load(Ordering::Relaxed) {
             return None;
         }
-        let rounded = round_size(size, &self.config);
+        let rounded = if self.plain_rounding {
+            size.div_ceil(MIN_BLOCK_SIZE).max(1) * MIN_BLOCK_SIZE
+        } else {
+            round_size(size, &self.config)
+        };
         let (ptr, block_size) = local::with_local(self.id, |l| l.take(stream, rounded, size))??;
         Some(Allocation {
             ptr: DevicePtr(ptr),
@@ -462,9 +469,9 @@ impl Front {
         fl.epoch += 1;
         local::with_local(self.id, |l| {
             let mut base = now;
-            base.sub(&Five::of_quantities(&l.cur));
+            base.sub(&Five::of_quantities(&l.cur()));
             l.base = base;
-            l.hi = l.cur;
+            l.hi = l.cur();
             l.epoch = fl.epoch;
             l.dirty = false;
         });
@@ -579,7 +586,7 @@ impl Front {
         if !(changed || grew || manages) {
             return;
         }
-        let d = Five::of_quantities(&l.cur);
+        let d = Five::of_quantities(&l.cur());
         if changed {
             if let Some(k) = fl.position(&l.shared) {
                 let reg = &mut fl.registry[k];
@@ -600,7 +607,7 @@ impl Front {
         if manages {
             now.sub(&d);
             l.base = now;
-            l.hi = l.cur;
+            l.hi = l.cur();
             l.epoch = fl.epoch;
         }
     }

@@ -139,19 +139,25 @@ pub(crate) struct Taken {
     pub(crate) contribution: [i64; 3],
 }
 
-#[inline]
+/// Index of `(quantity, pool, field)` in [`Counters`]: quantity 0–2 (count, bytes, requested),
+/// pool 1–2 (small, large), field 0 (`allocated`) or 1 (`freed`).
+#[inline(always)]
 fn slot(q: usize, p: usize, f: usize) -> usize {
-    q * 9 + p * 3 + f
+    q * 4 + (p - 1) * 2 + f
 }
 
 /// The statistics delta of one cache: written by the owner only (plain loads and stores of
 /// atomics), read by whoever sums the statistics.
+///
+/// Only `allocated` and `freed` are stored, per pool: every change of `current` is a change of
+/// one of them (a hit allocates, a cached free or a retirement frees), so `current` is their
+/// difference and `all` the pools' sum, both formed on read. A hit or a cached free writes three
+/// counters.
 #[derive(Debug)]
 #[repr(align(64))]
 pub(crate) struct Counters {
-    /// Quantity (count, bytes, requested) × pool (all, small, large) × (current, allocated,
-    /// freed); only the two pools are written (`all` is their sum, formed on read).
-    d: [AtomicI64; 27],
+    /// Quantity (count, bytes, requested) × pool (small, large) × (allocated, freed).
+    d: [AtomicI64; 12],
 }
 
 impl Default for Counters {
@@ -167,8 +173,9 @@ fn bump(a: &AtomicI64, v: i64) {
     a.store(a.load(RELAXED) + v, RELAXED);
 }
 
-#[inline]
-fn pool_index(kind: PoolKind) -> usize {
+/// Index of a pool in the three-slot arrays (`all` is 0).
+#[inline(always)]
+pub(crate) fn pool_index(kind: PoolKind) -> usize {
     match kind {
         PoolKind::Small => 1,
         PoolKind::Large => 2,
@@ -176,44 +183,39 @@ fn pool_index(kind: PoolKind) -> usize {
 }
 
 impl Counters {
-    /// A cache hit (owner only): `v = [1, bytes, requested]` allocated.
+    /// A cache hit (owner only): `v = [1, bytes, requested]` allocated in pool `p` (1 or 2).
     #[inline(always)]
-    pub(crate) fn hit(&self, kind: PoolKind, v: [i64; 3]) {
-        let p = pool_index(kind);
-        for (q, &v) in v.iter().enumerate() {
-            bump(&self.d[slot(q, p, 0)], v);
-            bump(&self.d[slot(q, p, 1)], v);
-        }
+    pub(crate) fn hit(&self, p: usize, v: [i64; 3]) {
+        bump(&self.d[slot(0, p, 0)], v[0]);
+        bump(&self.d[slot(1, p, 0)], v[1]);
+        bump(&self.d[slot(2, p, 0)], v[2]);
     }
 
-    /// A free into the owner's bin (owner only): `v = [1, bytes, requested]` freed.
+    /// A free into the owner's bin (owner only): `v = [1, bytes, requested]` freed in pool `p`.
     #[inline(always)]
-    pub(crate) fn cache(&self, kind: PoolKind, v: [i64; 3]) {
-        let p = pool_index(kind);
-        for (q, &v) in v.iter().enumerate() {
-            bump(&self.d[slot(q, p, 0)], -v);
-            bump(&self.d[slot(q, p, 2)], v);
-        }
+    pub(crate) fn cache(&self, p: usize, v: [i64; 3]) {
+        bump(&self.d[slot(0, p, 1)], v[0]);
+        bump(&self.d[slot(1, p, 1)], v[1]);
+        bump(&self.d[slot(2, p, 1)], v[2]);
     }
 
-    /// A block leaves the cache for the core (owner only): its contribution moves from
+    /// A block leaves the cache for the core (owner only): its contribution `c` moves from
     /// `current` to `freed`.
     pub(crate) fn retire(&self, kind: PoolKind, c: [i64; 3]) {
-        let p = pool_index(kind);
-        for (q, &v) in c.iter().enumerate() {
-            bump(&self.d[slot(q, p, 0)], -v);
-            bump(&self.d[slot(q, p, 2)], v);
-        }
+        self.cache(pool_index(kind), c);
     }
 
     /// The delta now.
     pub(crate) fn delta(&self) -> Delta {
-        let acc = |q: usize, p: usize| Acc {
-            current: self.d[slot(q, p, 0)].load(RELAXED),
-            allocated: self.d[slot(q, p, 1)].load(RELAXED),
-            freed: self.d[slot(q, p, 2)].load(RELAXED),
+        let acc = |q: usize, p: usize| {
+            let allocated = self.d[slot(q, p, 0)].load(RELAXED);
+            let freed = self.d[slot(q, p, 1)].load(RELAXED);
+            Acc {
+                current: allocated - freed,
+                allocated,
+                freed,
+            }
         };
-        // Only the pools are stored; `all` is their sum.
         let triple = |q: usize| {
             let (small, large) = (acc(q, 1), acc(q, 2));
             let all = Acc {
@@ -230,10 +232,26 @@ impl Counters {
         }
     }
 
+    /// The `current` values (`3 * quantity + pool`, pool 0 = `all`).
+    #[inline(always)]
+    pub(crate) fn currents(&self) -> [i64; 9] {
+        let mut c = [0; 9];
+        for q in 0..3 {
+            let small = self.d[slot(q, 1, 0)].load(RELAXED) - self.d[slot(q, 1, 1)].load(RELAXED);
+            let large = self.d[slot(q, 2, 0)].load(RELAXED) - self.d[slot(q, 2, 1)].load(RELAXED);
+            c[3 * q] = small + large;
+            c[3 * q + 1] = small;
+            c[3 * q + 2] = large;
+        }
+        c
+    }
+
     /// The number of blocks in the owner's bins (minus the delta's `allocation.all.current`),
     /// before other threads' flushes are cleaned up.
     pub(crate) fn count_current(&self) -> i64 {
-        self.d[slot(0, 1, 0)].load(RELAXED) + self.d[slot(0, 2, 0)].load(RELAXED)
+        (1..=2)
+            .map(|p| self.d[slot(0, p, 0)].load(RELAXED) - self.d[slot(0, p, 1)].load(RELAXED))
+            .sum()
     }
 }
 
