@@ -1,6 +1,6 @@
 //! Host-side allocator timings in the shape of `reference.json` (PyTorch's own figures on an
 //! H200 host), for the `pytorch` preset, the same with the fast path (`cca_fast_path:True`), and
-//! the crate's default (expandable segments with page reuse and the fast path), on a real
+//! the crate's default (expandable segments with page reuse; the fast path is opt-in), on a real
 //! GPU or on `SimDevice`:
 //!
 //! * warm alloc+free pairs at 512 B, 64 KiB, 1 MiB, 8 MiB and 64 MiB (ns per pair, one thread);

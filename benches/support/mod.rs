@@ -22,7 +22,7 @@ pub(crate) const THREAD_PAIR_SIZE: usize = 1 << 20;
 
 /// The configurations compared: the `pytorch` preset, the same with the fast path
 /// (`pytorch+fast`, `cca_fast_path:True`), and, with `all`, the crate's default (expandable
-/// segments with page reuse and the fast path).
+/// segments with page reuse; the fast path is opt-in, off there).
 pub(crate) fn configs(all: bool) -> Vec<(&'static str, AllocatorConfig)> {
     let mut v = vec![
         ("pytorch", AllocatorConfig::pytorch()),

@@ -161,8 +161,8 @@ pub struct AllocatorConfig {
     /// even when expandable segments map less or reuse pages.
     pub precise_fraction_cap: bool,
     /// Per-thread front caches in front of the core (crate key `cca_fast_path`): cache hits and
-    /// frees of this thread's blocks take no lock. On in the crate's default, off in the
-    /// `pytorch` presets (which must reproduce PyTorch exactly). See `benches/README.md`.
+    /// frees of this thread's blocks take no lock. Opt-in: off in every preset (the `pytorch`
+    /// presets must reproduce PyTorch exactly). See `benches/README.md`.
     pub fast_path: bool,
     /// The original configuration string, when parsed from one.
     pub settings: String,
@@ -354,11 +354,10 @@ impl Default for AllocatorConfig {
     /// traces it reserves at most about 1.015 × the peak live bytes (PyTorch: 1.12–2.21×; PyTorch
     /// with expandable segments: 1.01–1.58×). As a configuration string:
     /// `expandable_segments:True,cca_large_page_size_mb:2,cca_page_reuse:device,`
-    /// `cca_page_reuse_slack:0.01,cca_precise_cap:True,cca_fast_path:True`.
+    /// `cca_page_reuse_slack:0.01,cca_precise_cap:True`.
     ///
-    /// The per-thread fast path (`cca_fast_path:True`) serves cache hits and frees of a thread's
-    /// own blocks without the lock; with it the shipped traces reserve exactly what they reserve
-    /// without it (see `benches/README.md` for its figures).
+    /// The per-thread fast path (`cca_fast_path:True`) is opt-in: per-thread front caches serve
+    /// cache hits without the lock (see `benches/README.md` for its figures).
     ///
     /// On a backend without virtual memory it falls back to PyTorch's fixed segments.
     fn default() -> Self {
@@ -368,7 +367,7 @@ impl Default for AllocatorConfig {
             page_reuse: PageReuse::Device,
             page_reuse_slack: 0.01,
             precise_fraction_cap: true,
-            fast_path: true,
+            fast_path: false,
             ..AllocatorConfig::pytorch()
         }
     }

@@ -32,17 +32,12 @@ fn admit(a: &CachingAllocator<SimDevice>, size: usize) {
 }
 
 #[test]
-fn the_knob_is_on_in_the_default_and_off_in_the_pytorch_presets() {
+fn the_knob_is_off_unless_asked_for() {
     assert!(!AllocatorConfig::pytorch().fast_path);
     assert!(!Preset::Pytorch.config().fast_path);
     assert!(!Preset::PytorchExpandable.config().fast_path);
-    assert!(AllocatorConfig::default().fast_path);
-    assert!(Preset::Default.config().fast_path);
-    assert!(
-        !AllocatorConfig::parse("cca_preset:default,cca_fast_path:False")
-            .unwrap()
-            .fast_path
-    );
+    assert!(!AllocatorConfig::default().fast_path);
+    assert!(!Preset::Default.config().fast_path);
     assert!(
         AllocatorConfig::parse("cca_fast_path:True")
             .unwrap()
