@@ -84,19 +84,24 @@ pub(crate) fn threads<B: DeviceBackend>(
     pairs_per_thread: u64,
     stream_of: &(dyn Fn(usize) -> StreamId + Sync),
 ) -> Duration {
-    let start = Barrier::new(threads);
+    let (warm, start) = (Barrier::new(threads), Barrier::new(threads));
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
             .map(|t| {
-                let start = &start;
+                let (warm, start) = (&warm, &start);
                 s.spawn(move || {
                     let stream = stream_of(t);
-                    // Warm this thread's cache before the clock starts.
-                    for _ in 0..16 {
-                        let x = a.allocate(size, stream).expect("warm-up allocation");
-                        a.free(x.ptr).expect("warm-up free");
+                    // Warm this thread's cache before the clock starts, twice: the first round
+                    // grows the cache while other threads do too (growth flushes every front
+                    // cache, and the default configuration may move pages between streams), the
+                    // second runs once every thread holds its memory.
+                    for barrier in [warm, start] {
+                        for _ in 0..16 {
+                            let x = a.allocate(size, stream).expect("warm-up allocation");
+                            a.free(x.ptr).expect("warm-up free");
+                        }
+                        barrier.wait();
                     }
-                    start.wait();
                     let t0 = Instant::now();
                     for _ in 0..pairs_per_thread {
                         let x = a.allocate(black_box(size), stream).expect("allocate");
