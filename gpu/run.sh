@@ -2,7 +2,10 @@
 # Runs the whole GPU suite on the device machine in one go; staged next to the binaries by
 # gpu/build.sh. Logs go to $OUT (the device tool's output folder), a summary is printed last.
 #
-#   bash gpu-bin/run.sh [PHASE...]    # phases: tests example torch sanitizer (default: all)
+#   bash gpu-bin/run.sh [PHASE...]    # phases: tests example torch sanitizer (the default: all
+#                                     # four), and on request: multigpu (only the multi-GPU and
+#                                     # context tests), replay (cca replay --device cuda on the
+#                                     # shipped traces; CCA_REPLAY_DEVICE=N picks the GPU, default 0)
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/cca-gpu-out}
@@ -49,6 +52,25 @@ for phase in $PHASES; do
     step sanitizer_example timeout 120 compute-sanitizer --tool memcheck --error-exitcode 99 \
       "$HERE/cudarc_migration"
     grep -E 'ERROR SUMMARY' "$OUT/sanitizer_example.log" | tee -a "$S" ;;
-  *) echo "unknown phase $phase (tests example torch sanitizer)" | tee -a "$S" ;;
+  multigpu) # Only the multi-GPU tests and the context-binding test (with fewer than 2 GPUs the
+    # multi-GPU tests print that they need 2 and pass).
+    step multigpu timeout 200 "$HERE/cuda_tests" multi_gpu current_context --test-threads=1 --nocapture
+    grep -E '^test |^test result|FAILED|panicked|skipped|multi-GPU' "$OUT/multigpu.log" | tee -a "$S" ;;
+  replay) # cca replay on a real GPU: the three shipped traces under pytorch and default, as text
+    # (with PyTorch's figures from reference.json) and JSON, then one compare.
+    dev="cuda:${CCA_REPLAY_DEVICE:-0}"
+    for t in "$HERE"/traces/*.csv.gz; do
+      name=$(basename "$t" .csv.gz)
+      for preset in pytorch default; do
+        step "replay_${name}_$preset" timeout 120 "$HERE/cca" replay "$t" --device "$dev" --preset "$preset"
+        grep -E '^(configuration|device) |peak (allocated|reserved)|device allocs|OOMs|host ns|wall' \
+          "$OUT/replay_${name}_$preset.log" | sed 's/^/    /' | tee -a "$S"
+        timeout 120 "$HERE/cca" replay "$t" --device "$dev" --preset "$preset" --json \
+          >"$OUT/replay_${name}_$preset.json" 2>>"$OUT/replay_${name}_$preset.log"
+      done
+    done
+    step replay_compare_gpt2 timeout 180 "$HERE/cca" compare "$HERE/traces/gpt2_train.csv.gz" --device "$dev"
+    sed 's/^/    /' "$OUT/replay_compare_gpt2.log" | tee -a "$S" ;;
+  *) echo "unknown phase $phase (tests example torch sanitizer multigpu replay)" | tee -a "$S" ;;
   esac
 done
