@@ -57,20 +57,37 @@ for phase in $PHASES; do
     step multigpu timeout 200 "$HERE/cuda_tests" multi_gpu current_context --test-threads=1 --nocapture
     grep -E '^test |^test result|FAILED|panicked|skipped|multi-GPU' "$OUT/multigpu.log" | tee -a "$S" ;;
   replay) # cca replay on a real GPU: the three shipped traces under pytorch and default, as text
-    # (with PyTorch's figures from reference.json) and JSON, then one compare.
+    # (with PyTorch's figures from reference.json) in replay.log and as one JSON array in
+    # replay.json, then one compare; few files, so that all of $OUT comes back.
     dev="cuda:${CCA_REPLAY_DEVICE:-0}"
+    tmp=$(mktemp)
+    : >"$OUT/replay.log"
+    echo "[" >"$OUT/replay.json"
+    sep=""
     for t in "$HERE"/traces/*.csv.gz; do
       name=$(basename "$t" .csv.gz)
       for preset in pytorch default; do
-        step "replay_${name}_$preset" timeout 120 "$HERE/cca" replay "$t" --device "$dev" --preset "$preset"
+        t0=$SECONDS
+        timeout 120 "$HERE/cca" replay "$t" --device "$dev" --preset "$preset" >"$tmp" 2>&1
+        rc=$?
+        { echo "== cca replay $name --device $dev --preset $preset: rc=$rc"; cat "$tmp"; echo; } >>"$OUT/replay.log"
+        echo "replay $name $preset: rc=$rc ($((SECONDS - t0)) s)" | tee -a "$S"
         grep -E '^(configuration|device) |peak (allocated|reserved)|device allocs|OOMs|host ns|wall' \
-          "$OUT/replay_${name}_$preset.log" | sed 's/^/    /' | tee -a "$S"
-        timeout 120 "$HERE/cca" replay "$t" --device "$dev" --preset "$preset" --json \
-          >"$OUT/replay_${name}_$preset.json" 2>>"$OUT/replay_${name}_$preset.log"
+          "$tmp" | sed 's/^/    /' | tee -a "$S"
+        if timeout 120 "$HERE/cca" replay "$t" --device "$dev" --preset "$preset" --json >"$tmp" 2>>"$OUT/replay.log"; then
+          { printf '%s' "$sep"; cat "$tmp"; } >>"$OUT/replay.json"
+          sep=","
+        fi
       done
     done
-    step replay_compare_gpt2 timeout 180 "$HERE/cca" compare "$HERE/traces/gpt2_train.csv.gz" --device "$dev"
-    sed 's/^/    /' "$OUT/replay_compare_gpt2.log" | tee -a "$S" ;;
+    echo "]" >>"$OUT/replay.json"
+    t0=$SECONDS
+    timeout 180 "$HERE/cca" compare "$HERE/traces/gpt2_train.csv.gz" --device "$dev" >"$tmp" 2>&1
+    rc=$?
+    { echo "== cca compare gpt2_train --device $dev: rc=$rc"; cat "$tmp"; } >>"$OUT/replay.log"
+    echo "replay compare gpt2_train: rc=$rc ($((SECONDS - t0)) s)" | tee -a "$S"
+    sed 's/^/    /' "$tmp" | tee -a "$S"
+    rm -f "$tmp" ;;
   *) echo "unknown phase $phase (tests example torch sanitizer multigpu replay)" | tee -a "$S" ;;
   esac
 done
