@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
 # Builds the GPU suite HERE (a machine with Rust, no GPU needed) and stages it for the device
-# machine: release test binary, examples (cudarc migration, PyTorch plugin .so), gpu/*.py and
-# gpu/run.sh, stripped of debug info to fit the device tool's 64 MiB transfer limit.
+# machine: release test binary, examples (cudarc migration, PyTorch plugin .so), the `cca` CLI
+# built with CUDA support (features cli,cuda), the shipped traces, gpu/*.py and gpu/run.sh,
+# stripped to fit the device tool's 64 MiB transfer limit.
 #
 #   gpu/build.sh [DEST]        # DEST defaults to /work/main/gpu-bin
 #
-# Then, on the device machine, from the checkout that carries DEST: `bash gpu-bin/run.sh`.
+# Honours CARGO_TARGET_DIR. Then, on the device machine, from the checkout that carries DEST:
+# `bash gpu-bin/run.sh`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${1:-/work/main/gpu-bin}
 FEATURES=cuda,cublas
+TARGET=$(cargo metadata --format-version 1 --no-deps |
+  python3 -c 'import sys, json; print(json.load(sys.stdin)["target_directory"])')
 
 cargo build --release --features "$FEATURES" --examples
+cargo build --release --features cli,cuda --bin cca
 TEST_BIN=$(cargo test --release --features "$FEATURES" --test all --no-run --message-format=json 2>/dev/null |
   python3 -c 'import sys, json
 for line in sys.stdin:
@@ -22,13 +27,23 @@ for line in sys.stdin:
 
 mkdir -p "$DEST"
 find "$DEST" -mindepth 1 -maxdepth 1 -type f -delete
+rm -rf "$DEST/traces"
 cp "$TEST_BIN" "$DEST/cuda_tests"
-cp target/release/examples/cudarc_migration target/release/examples/libtorch_plugin.so "$DEST/"
+cp "$TARGET/release/examples/cudarc_migration" "$TARGET/release/examples/libtorch_plugin.so" \
+  "$TARGET/release/cca" "$DEST/"
 strip --strip-debug "$DEST/cuda_tests" "$DEST/cudarc_migration" "$DEST/libtorch_plugin.so"
+strip "$DEST/cca"
 cp gpu/*.py gpu/run.sh "$DEST/"
+mkdir -p "$DEST/traces"
+cp examples/traces/*.csv.gz examples/traces/reference.json "$DEST/traces/"
 {
   echo "commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo '+dirty')"
-  echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) features $FEATURES"
+  echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) features $FEATURES (cca: cli,cuda)"
 } > "$DEST/BUILD_INFO"
 du -sh "$DEST"
 ls -la "$DEST"
+KIB=$(du -sk "$DEST" | cut -f1)
+if [ "$KIB" -gt $((48 * 1024)) ]; then
+  echo "staged $((KIB / 1024)) MiB: too close to the device tool's 64 MiB limit" >&2
+  exit 1
+fi

@@ -2,7 +2,10 @@
 # Runs the whole GPU suite on the device machine in one go; staged next to the binaries by
 # gpu/build.sh. Logs go to $OUT (the device tool's output folder), a summary is printed last.
 #
-#   bash gpu-bin/run.sh [PHASE...]    # phases: tests example torch sanitizer (default: all)
+#   bash gpu-bin/run.sh [PHASE...]    # phases: tests example torch sanitizer (the default: all
+#                                     # four), and on request: multigpu (only the multi-GPU and
+#                                     # context tests), replay (cca replay --device cuda on the
+#                                     # shipped traces; CCA_REPLAY_DEVICE=N picks the GPU, default 0)
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/cca-gpu-out}
@@ -49,6 +52,42 @@ for phase in $PHASES; do
     step sanitizer_example timeout 120 compute-sanitizer --tool memcheck --error-exitcode 99 \
       "$HERE/cudarc_migration"
     grep -E 'ERROR SUMMARY' "$OUT/sanitizer_example.log" | tee -a "$S" ;;
-  *) echo "unknown phase $phase (tests example torch sanitizer)" | tee -a "$S" ;;
+  multigpu) # Only the multi-GPU tests and the context-binding test (with fewer than 2 GPUs the
+    # multi-GPU tests print that they need 2 and pass).
+    step multigpu timeout 200 "$HERE/cuda_tests" multi_gpu current_context --test-threads=1 --nocapture
+    grep -E '^test |^test result|FAILED|panicked|skipped|multi-GPU' "$OUT/multigpu.log" | tee -a "$S" ;;
+  replay) # cca replay on a real GPU: the three shipped traces under pytorch and default, as text
+    # (with PyTorch's figures from reference.json) in replay.log and as one JSON array in
+    # replay.json, then one compare; few files, so that all of $OUT comes back.
+    dev="cuda:${CCA_REPLAY_DEVICE:-0}"
+    tmp=$(mktemp)
+    : >"$OUT/replay.log"
+    echo "[" >"$OUT/replay.json"
+    sep=""
+    for t in "$HERE"/traces/*.csv.gz; do
+      name=$(basename "$t" .csv.gz)
+      for preset in pytorch default; do
+        t0=$SECONDS
+        timeout 120 "$HERE/cca" replay "$t" --device "$dev" --preset "$preset" >"$tmp" 2>&1
+        rc=$?
+        { echo "== cca replay $name --device $dev --preset $preset: rc=$rc"; cat "$tmp"; echo; } >>"$OUT/replay.log"
+        echo "replay $name $preset: rc=$rc ($((SECONDS - t0)) s)" | tee -a "$S"
+        grep -E '^(configuration|device) |peak (allocated|reserved)|device allocs|OOMs|host ns|wall' \
+          "$tmp" | sed 's/^/    /' | tee -a "$S"
+        if timeout 120 "$HERE/cca" replay "$t" --device "$dev" --preset "$preset" --json >"$tmp" 2>>"$OUT/replay.log"; then
+          { printf '%s' "$sep"; cat "$tmp"; } >>"$OUT/replay.json"
+          sep=","
+        fi
+      done
+    done
+    echo "]" >>"$OUT/replay.json"
+    t0=$SECONDS
+    timeout 180 "$HERE/cca" compare "$HERE/traces/gpt2_train.csv.gz" --device "$dev" >"$tmp" 2>&1
+    rc=$?
+    { echo "== cca compare gpt2_train --device $dev: rc=$rc"; cat "$tmp"; } >>"$OUT/replay.log"
+    echo "replay compare gpt2_train: rc=$rc ($((SECONDS - t0)) s)" | tee -a "$S"
+    sed 's/^/    /' "$tmp" | tee -a "$S"
+    rm -f "$tmp" ;;
+  *) echo "unknown phase $phase (tests example torch sanitizer multigpu replay)" | tee -a "$S" ;;
   esac
 done

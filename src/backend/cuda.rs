@@ -3,8 +3,10 @@
 //! Segments come from `cuMemAlloc` and go back through `cuMemFree`; events are created with
 //! `CU_EVENT_DISABLE_TIMING` (the cache pools them); the virtual-memory group maps physical pages
 //! (`cuMemCreate`) into reserved address ranges (`cuMemAddressReserve`) for expandable segments.
-//! Every driver call first binds this device's context to the calling thread, because the cache
-//! may be called from any thread.
+//! Every driver call first makes this device's context current on the calling thread, because the
+//! cache may be called from any thread and for any device, and afterwards puts back the context
+//! that was current before (as PyTorch's `CUDAGuard` does), so a caller's current device is never
+//! changed behind its back.
 //!
 //! This file and `src/interop/` are the only places that name `cudarc`; its types never reach the
 //! core. May use: `backend` (the trait and its value types).
@@ -79,6 +81,67 @@ fn driver(operation: &'static str, e: DriverError) -> BackendError {
         BackendError::Driver {
             operation,
             source: Box::new(e),
+        }
+    }
+}
+
+/// The context current on the calling thread (null when none), as `cuCtxGetCurrent` reports it.
+fn current_context() -> Result<sys::CUcontext, BackendError> {
+    result::ctx::get_current()
+        .map(|c| c.unwrap_or(std::ptr::null_mut()))
+        .map_err(|e| driver("cuCtxGetCurrent", e))
+}
+
+/// A scope in which one context is current on the calling thread; dropping it puts back the
+/// context that was current before (or none), like PyTorch's `CUDAGuard`. When the context was
+/// current already, it costs one `cuCtxGetCurrent` and restores nothing.
+#[must_use = "the context is restored when the guard drops"]
+struct ContextGuard {
+    /// The context to put back, when this guard replaced it (null: none was current).
+    restore: Option<sys::CUcontext>,
+}
+
+impl ContextGuard {
+    /// Makes `ctx` current on the calling thread until the guard drops.
+    fn bind(ctx: &CudaContext) -> Result<Self, BackendError> {
+        let previous = current_context()?;
+        if previous == ctx.cu_ctx() {
+            return Ok(ContextGuard { restore: None });
+        }
+        // SAFETY: `ctx.cu_ctx()` is a live context: the `CudaContext` retains it (primary
+        // context) or owns it until it drops, and the caller borrows it for this call.
+        unsafe { result::ctx::set_current(ctx.cu_ctx()) }
+            .map_err(|e| driver("cuCtxSetCurrent", e))?;
+        Ok(ContextGuard {
+            restore: Some(previous),
+        })
+    }
+
+    /// Remembers the calling thread's current context, to put it back when the guard drops
+    /// (around calls that bind a context themselves, such as cudarc's `CudaContext::new`).
+    fn save() -> Result<Self, BackendError> {
+        Ok(ContextGuard {
+            restore: Some(current_context()?),
+        })
+    }
+}
+
+impl Drop for ContextGuard {
+    fn drop(&mut self) {
+        let Some(previous) = self.restore else {
+            return;
+        };
+        if current_context().is_ok_and(|c| c == previous) {
+            return;
+        }
+        // SAFETY: `previous` is null (pops the context this guard made current, leaving the
+        // thread with none, as it was) or the context that was current on this thread when the
+        // guard was made, moments ago on the same thread. A context current on a thread stays
+        // valid until it is destroyed, and CUDA makes whoever destroys a context responsible for
+        // no other call using it meanwhile (`cuCtxDestroy`); primary contexts are only reset
+        // through `cuDevicePrimaryCtxReset`, under the same rule.
+        if let Err(e) = unsafe { result::ctx::set_current(previous) } {
+            tracing::error!(target: "cuda_caching_allocator", %e, "cuCtxSetCurrent could not restore the caller's context");
         }
     }
 }
@@ -167,8 +230,7 @@ impl CudaDevice {
     /// # Errors
     /// A driver error when the context cannot be bound or the device queried.
     pub fn new(ctx: Arc<CudaContext>) -> Result<Self, BackendError> {
-        ctx.bind_to_thread()
-            .map_err(|e| driver("cuCtxSetCurrent", e))?;
+        let bound = ContextGuard::bind(&ctx)?;
         let ordinal = i32::try_from(ctx.ordinal()).map_err(|_| BackendError::InvalidArgument {
             operation: "CudaDevice::new",
             reason: format!("device ordinal {} out of range", ctx.ordinal()),
@@ -197,6 +259,7 @@ impl CudaDevice {
         } else {
             None
         };
+        drop(bound);
         Ok(CudaDevice {
             ctx,
             ordinal,
@@ -221,6 +284,8 @@ impl CudaDevice {
                 reason: format!("device {ordinal} does not exist ({count} CUDA devices)"),
             });
         }
+        // cudarc's `CudaContext::new` makes the new context current; put back the caller's.
+        let _restore = ContextGuard::save()?;
         let ctx = CudaContext::new(ordinal).map_err(|e| driver("cuDevicePrimaryCtxRetain", e))?;
         CudaDevice::new(ctx)
     }
@@ -235,10 +300,9 @@ impl CudaDevice {
         self.ctx.ordinal()
     }
 
-    fn bind(&self) -> Result<(), BackendError> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| driver("cuCtxSetCurrent", e))
+    /// Makes this device's context current on the calling thread until the guard drops.
+    fn bind(&self) -> Result<ContextGuard, BackendError> {
+        ContextGuard::bind(&self.ctx)
     }
 
     fn is_default_stream(stream: StreamId) -> bool {
@@ -304,7 +368,7 @@ impl CudaDevice {
         if self.is_admitted(stream) {
             return Ok(());
         }
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: obligation 1 makes `stream` a live stream handle; `ctx` is a live local.
         let r = unsafe { sys::cuStreamGetCtx(to_stream(stream), &mut ctx) };
@@ -358,7 +422,7 @@ unsafe impl DeviceBackend for CudaDevice {
     }
 
     fn mem_info(&self) -> Result<MemInfo, BackendError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let (free, total) = result::mem_get_info().map_err(|e| driver("cuMemGetInfo", e))?;
         Ok(MemInfo { free, total })
     }
@@ -370,7 +434,7 @@ unsafe impl DeviceBackend for CudaDevice {
                 reason: "size 0".into(),
             });
         }
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the context is bound to this thread (above); `size` is non-zero. The returned
         // memory is owned by the caller until `free`.
         let ptr = unsafe { result::malloc_sync(size) }.map_err(|e| driver("cuMemAlloc", e))?;
@@ -389,7 +453,7 @@ unsafe impl DeviceBackend for CudaDevice {
         _size: usize,
         _stream: StreamId,
     ) -> Result<(), BackendError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the caller's obligation 1 makes `ptr` a live `cuMemAlloc` pointer of this
         // context (bound above); obligation 2 says no queued work still uses it (and `cuMemFree`
         // itself waits for the device).
@@ -397,7 +461,7 @@ unsafe impl DeviceBackend for CudaDevice {
     }
 
     fn synchronize(&self) -> Result<(), BackendError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         result::ctx::synchronize().map_err(|e| driver("cuCtxSynchronize", e))
     }
 
@@ -407,7 +471,7 @@ unsafe impl DeviceBackend for CudaDevice {
 
     fn synchronize_stream(&self, stream: StreamId) -> Result<(), BackendError> {
         self.check_stream(stream)?;
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: `check_stream` passed, so `stream` is a default stream or an admitted live
         // stream of this context (bound above).
         unsafe { result::stream::synchronize(to_stream(stream)) }
@@ -415,7 +479,7 @@ unsafe impl DeviceBackend for CudaDevice {
     }
 
     fn create_event(&self) -> Result<EventHandle, BackendError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
             .map_err(|e| driver("cuEventCreate", e))?;
         let handle = EventHandle(event.addr() as u64);
@@ -426,7 +490,7 @@ unsafe impl DeviceBackend for CudaDevice {
     fn record_event(&self, event: EventHandle, stream: StreamId) -> Result<(), BackendError> {
         self.check_event(event, "cuEventRecord")?;
         self.check_stream(stream)?;
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the event is live (created here, not destroyed: checked) and the stream is a
         // default or admitted live stream of this context (checked).
         unsafe { result::event::record(to_event(event), to_stream(stream)) }
@@ -435,7 +499,7 @@ unsafe impl DeviceBackend for CudaDevice {
 
     fn query_event(&self, event: EventHandle) -> Result<bool, BackendError> {
         self.check_event(event, "cuEventQuery")?;
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the event is live (checked above).
         match unsafe { result::event::query(to_event(event)) } {
             Ok(()) => Ok(true),
@@ -446,7 +510,7 @@ unsafe impl DeviceBackend for CudaDevice {
 
     fn synchronize_event(&self, event: EventHandle) -> Result<(), BackendError> {
         self.check_event(event, "cuEventSynchronize")?;
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the event is live (checked above).
         unsafe { result::event::synchronize(to_event(event)) }
             .map_err(|e| driver("cuEventSynchronize", e))
@@ -455,7 +519,7 @@ unsafe impl DeviceBackend for CudaDevice {
     fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> Result<(), BackendError> {
         self.check_event(event, "cuStreamWaitEvent")?;
         self.check_stream(stream)?;
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the event is live and the stream a default or admitted live stream (checked).
         unsafe {
             result::stream::wait_event(
@@ -475,7 +539,7 @@ unsafe impl DeviceBackend for CudaDevice {
                 reason: format!("unknown event {:#x}", event.0),
             });
         }
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the event was live (it was in the set, which only `create_event` fills) and is
         // destroyed once (it left the set above); obligation 1 of the caller is thereby checked.
         unsafe { result::event::destroy(to_event(event)) }.map_err(|e| driver("cuEventDestroy", e))
@@ -495,7 +559,7 @@ unsafe impl DeviceBackend for CudaDevice {
                 reason: format!("size {size} is not a positive multiple of the granularity {gran}"),
             });
         }
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut base: sys::CUdeviceptr = 0;
         // SAFETY: `base` is a live local; alignment 0 (the default), no fixed address, no flags.
         let r = unsafe { sys::cuMemAddressReserve(&mut base, size, 0, 0, 0) };
@@ -508,7 +572,7 @@ unsafe impl DeviceBackend for CudaDevice {
         base: DevicePtr,
         size: usize,
     ) -> Result<(), BackendError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the caller's obligations: `base`/`size` are one live reservation of this device
         // and nothing is mapped in it.
         unsafe { sys::cuMemAddressFree(base.0, size) }
@@ -526,7 +590,7 @@ unsafe impl DeviceBackend for CudaDevice {
                 reason: format!("size {size} is not a positive multiple of the granularity {gran}"),
             });
         }
-        self.bind()?;
+        let _bound = self.bind()?;
         let prop = device_alloc_prop(self.ordinal);
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: `handle` and `prop` are live locals; `prop` describes pinned memory on this
@@ -541,7 +605,7 @@ unsafe impl DeviceBackend for CudaDevice {
         handle: PhysicalHandle,
         _size: usize,
     ) -> Result<(), BackendError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the caller's obligations: `handle` is a live handle of this device, mapped
         // nowhere.
         unsafe { sys::cuMemRelease(handle.0) }
@@ -555,7 +619,7 @@ unsafe impl DeviceBackend for CudaDevice {
         size: usize,
         handle: PhysicalHandle,
     ) -> Result<(), BackendError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the caller's obligations: `[va, va + size)` lies in one reservation of this
         // device with nothing mapped, and `handle` is a live handle of exactly `size` bytes.
         unsafe { sys::cuMemMap(va.0, size, 0, handle.0, 0) }
@@ -580,7 +644,7 @@ unsafe impl DeviceBackend for CudaDevice {
     }
 
     unsafe fn unmap(&self, va: DevicePtr, size: usize) -> Result<(), BackendError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the caller's obligations: the range is exactly one earlier `map` of this device
         // and no queued work uses it.
         unsafe { sys::cuMemUnmap(va.0, size) }

@@ -14,7 +14,9 @@ use cuda_caching_allocator::interop::{AllocatorRegistry, CachedSlice, CudaAlloca
 use cuda_caching_allocator::{
     AllocError, AllocatorConfig, DeviceBackend, DevicePtr, OomVerdict, StreamId,
 };
-use cudarc::driver::{CudaContext, CudaFunction, DevicePtr as _, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, DevicePtr as _, LaunchConfig, PushKernelArg, result, sys,
+};
 
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
@@ -980,4 +982,601 @@ fn cuda_expandable_oom_path_is_clear_and_recoverable() {
         alloc.empty_cache().unwrap();
         assert_eq!(alloc.memory_stats().memory_reserved(), 0);
     }
+}
+
+// ---- context binding (issue #4) -----------------------------------------------------------------
+
+/// The calling thread's current context (null when none).
+fn current_ctx() -> sys::CUcontext {
+    result::ctx::get_current()
+        .unwrap()
+        .unwrap_or(std::ptr::null_mut())
+}
+
+/// Makes `ctx` current on the calling thread (null: none).
+fn set_current(ctx: sys::CUcontext) {
+    // SAFETY: the tests pass null or the primary context of a fixture, which the fixture's
+    // `CudaContext` retains for the whole process.
+    unsafe { result::ctx::set_current(ctx) }.unwrap();
+}
+
+/// Where `ptr` lives: the ordinal of the device whose memory it is
+/// (`CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`) and the context it was allocated in
+/// (`CU_POINTER_ATTRIBUTE_CONTEXT`; `None` for virtual-memory mappings, which belong to no
+/// context). `any` is pushed as the current context for the query (unified addressing answers for
+/// every device's pointers from any context) and popped again, so the caller's current context is
+/// unchanged.
+fn where_is(any: &CudaContext, ptr: DevicePtr) -> (i32, Option<sys::CUcontext>) {
+    // SAFETY: `any` is a live context (its `CudaContext` retains it); it is popped below.
+    unsafe { sys::cuCtxPushCurrent_v2(any.cu_ctx()) }
+        .result()
+        .unwrap();
+    let mut ordinal: i32 = -1;
+    // SAFETY: this attribute writes one `int` into the live local `ordinal`.
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            (&raw mut ordinal).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            ptr.0,
+        )
+    };
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: this attribute writes one `CUcontext` into the live local `ctx`.
+    let rc = unsafe {
+        sys::cuPointerGetAttribute(
+            (&raw mut ctx).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_CONTEXT,
+            ptr.0,
+        )
+    };
+    let mut popped: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: pops the context pushed above into a live local.
+    unsafe { sys::cuCtxPopCurrent_v2(&mut popped) }
+        .result()
+        .unwrap();
+    assert_eq!(popped, any.cu_ctx());
+    r.result()
+        .unwrap_or_else(|e| panic!("cuPointerGetAttribute(DEVICE_ORDINAL, {ptr}): {e}"));
+    let ctx = (rc.result().is_ok() && !ctx.is_null()).then_some(ctx);
+    (ordinal, ctx)
+}
+
+/// The backend leaves the caller's current context as it found it (none, or another one), as
+/// PyTorch's `CUDAGuard` does: a C caller's or the CUDA runtime's current device must not change
+/// because the cache made a driver call. Runs on one GPU.
+#[test]
+fn cuda_calls_leave_the_callers_current_context_as_they_found_it() {
+    let Some(g) = gpu("cuda_calls_leave_the_callers_current_context_as_they_found_it") else {
+        return;
+    };
+    // A fresh thread has no current context; opening a device, creating a registry allocator and
+    // every kind of driver call leave it with none.
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            assert!(current_ctx().is_null(), "a fresh thread has no context");
+            let dev = CudaDevice::open(0).unwrap();
+            assert!(
+                current_ctx().is_null(),
+                "CudaDevice::open left a context current"
+            );
+            drop(dev);
+            set_current(std::ptr::null_mut());
+            let registry = AllocatorRegistry::new(AllocatorConfig::pytorch());
+            let alloc = registry.get(0).unwrap();
+            assert!(
+                current_ctx().is_null(),
+                "AllocatorRegistry::get left a context current"
+            );
+            let a = alloc.allocate(3 * MIB, StreamId::DEFAULT).unwrap();
+            assert!(current_ctx().is_null(), "allocate left a context current");
+            assert_eq!(where_is(&g.ctx, a.ptr).0, 0);
+            assert_eq!(where_is(&g.ctx, a.ptr).1, Some(g.ctx.cu_ctx()));
+            assert!(alloc.device().mem_info().unwrap().total > GIB);
+            let ev = alloc.device().create_event().unwrap();
+            alloc.device().record_event(ev, StreamId::DEFAULT).unwrap();
+            alloc.device().synchronize_event(ev).unwrap();
+            assert!(alloc.device().query_event(ev).unwrap());
+            // SAFETY: created above, destroyed once.
+            unsafe { alloc.device().destroy_event(ev) }.unwrap();
+            alloc.free(a.ptr).unwrap();
+            alloc.empty_cache().unwrap();
+            assert!(
+                current_ctx().is_null(),
+                "a driver call left a context current"
+            );
+            assert_eq!(alloc.memory_stats().memory_reserved(), 0);
+        });
+    });
+    // With the device's own context current, it stays current (and nothing is restored).
+    let ctx0 = g.ctx.cu_ctx();
+    set_current(ctx0);
+    let alloc = private(g);
+    let a = alloc.allocate(3 * MIB, StreamId::DEFAULT).unwrap();
+    alloc.free(a.ptr).unwrap();
+    alloc.empty_cache().unwrap();
+    assert_eq!(current_ctx(), ctx0);
+}
+
+// ---- several GPUs (issue #4 item 4) -----------------------------------------------------------
+
+/// One device's fixture for the multi-GPU tests: its primary context and the kernels loaded into
+/// it (a module belongs to one context).
+struct DeviceGpu {
+    ordinal: usize,
+    ctx: Arc<CudaContext>,
+    fill: CudaFunction,
+    check: CudaFunction,
+}
+
+/// Every visible device's fixture, or `None` (after printing why) when the GPU tests are off or
+/// fewer than two devices are visible: such a test then passes as skipped.
+fn gpus(test: &str) -> Option<&'static [DeviceGpu]> {
+    gpu(test)?;
+    static GPUS: OnceLock<Vec<DeviceGpu>> = OnceLock::new();
+    let all = GPUS.get_or_init(|| {
+        let n = CudaContext::device_count().unwrap() as usize;
+        let ptx = cudarc::nvrtc::compile_ptx(KERNELS).unwrap();
+        (0..n)
+            .map(|ordinal| {
+                let ctx = CudaContext::new(ordinal).unwrap();
+                let module = ctx.load_module(ptx.clone()).unwrap();
+                DeviceGpu {
+                    ordinal,
+                    fill: module.load_function("fill_pattern").unwrap(),
+                    check: module.load_function("check_pattern").unwrap(),
+                    ctx,
+                }
+            })
+            .collect()
+    });
+    if all.len() < 2 {
+        println!(
+            "skipped {test}: needs at least 2 GPUs ({} visible)",
+            all.len()
+        );
+        return None;
+    }
+    Some(all)
+}
+
+/// The registry's allocator of each device allocates in that device's memory (and, for
+/// `cuMemAlloc` segments, in its primary context), on that device's streams; kernels on each
+/// device write and read the data; a stream of another device is refused with nothing allocated.
+/// Under PyTorch's configuration (plain segments) and the crate default (expandable segments).
+#[test]
+fn cuda_multi_gpu_each_device_allocates_from_its_own_allocator() {
+    let Some(gs) = gpus("cuda_multi_gpu_each_device_allocates_from_its_own_allocator") else {
+        return;
+    };
+    for (name, config) in [
+        ("pytorch", AllocatorConfig::pytorch()),
+        ("default", AllocatorConfig::default()),
+    ] {
+        let registry = AllocatorRegistry::new(config);
+        // Created last device first: the order of creation must not matter.
+        for dg in gs.iter().rev() {
+            let alloc = registry.get(dg.ordinal).unwrap();
+            assert_eq!(alloc.ordinal(), dg.ordinal);
+            assert_eq!(alloc.device().device_index(), dg.ordinal);
+            assert_eq!(
+                alloc.context().cu_ctx(),
+                dg.ctx.cu_ctx(),
+                "{name}: the allocator of device {} uses the device's primary context",
+                dg.ordinal
+            );
+        }
+        assert!(registry.get(gs.len()).is_err(), "no such device");
+        let mut held = Vec::new();
+        for dg in gs {
+            let alloc = registry.get(dg.ordinal).unwrap();
+            let stream = dg.ctx.new_stream().unwrap();
+            for (i, len) in [1000usize, 300_000, 5 * MIB].into_iter().enumerate() {
+                let seed = (dg.ordinal as u32) << 8 | i as u32;
+                let mut buf = uninit::<u32>(alloc, &stream, len);
+                fill!(dg, &stream, &mut buf, len, seed);
+                let (ordinal, ctx) = where_is(&gs[0].ctx, buf.device_ptr_raw());
+                assert_eq!(
+                    ordinal, dg.ordinal as i32,
+                    "{name}: a buffer of device {}'s allocator lies in device {ordinal}'s memory",
+                    dg.ordinal
+                );
+                if name == "pytorch" {
+                    assert_eq!(
+                        ctx,
+                        Some(dg.ctx.cu_ctx()),
+                        "{name}: allocated in the device's primary context"
+                    );
+                }
+                held.push((dg, buf, seed));
+            }
+        }
+        // Every buffer's data, checked by a kernel on its own device and copied to the host.
+        for (dg, buf, seed) in &held {
+            let alloc = registry.get(dg.ordinal).unwrap();
+            assert_eq!(
+                bad!(dg, alloc, buf.alloc_stream(), buf, buf.len(), *seed),
+                0,
+                "{name}: device {}",
+                dg.ordinal
+            );
+            let head = alloc.dtoh(&buf.get(..4).unwrap()).unwrap();
+            assert_eq!(head, (0..4).map(|i| pattern(i, *seed)).collect::<Vec<_>>());
+        }
+        // A stream of device 1 on device 0's allocator: refused, nothing allocated.
+        let a0 = registry.get(0).unwrap();
+        let s1 = gs[1].ctx.new_stream().unwrap();
+        let before = a0.memory_stats();
+        let err = a0.alloc_zeros::<u32>(&s1, 16).unwrap_err();
+        assert!(matches!(err, AllocError::InvalidStream { .. }), "{err}");
+        println!("multi-GPU, {name}: foreign stream refused: {err}");
+        assert_eq!(a0.memory_stats(), before);
+        assert!(a0.admit(&s1).is_err());
+        drop(held);
+        let created = registry.created();
+        assert_eq!(created.len(), gs.len());
+        for (d, alloc) in created {
+            alloc.check_invariants().unwrap();
+            assert_eq!(
+                alloc.memory_stats().memory_allocated(),
+                0,
+                "{name}: device {d}"
+            );
+        }
+        registry.empty_cache_all().unwrap();
+        for (d, stats) in registry.memory_stats() {
+            assert_eq!(stats.memory_reserved(), 0, "{name}: device {d}");
+        }
+    }
+}
+
+/// Statistics and caches are per device: allocating on device 1 leaves device 0's statistics
+/// exactly as they were (and the other way round), `empty_cache` on device 1 releases device 1's
+/// memory only, and device 0's cached block is still served from its cache afterwards.
+#[test]
+fn cuda_multi_gpu_stats_and_empty_cache_are_per_device() {
+    let Some(gs) = gpus("cuda_multi_gpu_stats_and_empty_cache_are_per_device") else {
+        return;
+    };
+    let registry = AllocatorRegistry::new(AllocatorConfig::pytorch());
+    let (d0, d1) = (&gs[0], &gs[1]);
+    let (a0, a1) = (registry.get(0).unwrap(), registry.get(1).unwrap());
+    // Device 0 holds one live buffer and one cached block.
+    let s0 = d0.ctx.default_stream();
+    let live0 = uninit::<u8>(a0, &s0, 3 * MIB);
+    let cached0 = uninit::<u8>(a0, &s0, 64 * MIB);
+    let cached0_ptr = cached0.device_ptr_raw();
+    drop(cached0);
+    let stats0 = a0.memory_stats();
+    assert!(stats0.memory_reserved() >= stats0.memory_allocated() + 64 * MIB as i64);
+    let untouched = a1.memory_stats();
+    assert_eq!(
+        (untouched.memory_reserved(), untouched.num_device_alloc),
+        (0, 0),
+        "device 1 untouched so far"
+    );
+
+    // Device 1 allocates, writes and frees 256 MiB: device 0's statistics do not move.
+    let s1 = d1.ctx.new_stream().unwrap();
+    let mut bufs1 = Vec::new();
+    for i in 0..4u32 {
+        let len = 64 * MIB / 4;
+        let mut b = uninit::<u32>(a1, &s1, len);
+        fill!(d1, &s1, &mut b, len, 40 + i);
+        bufs1.push((b, 40 + i));
+    }
+    assert_eq!(
+        a0.memory_stats(),
+        stats0,
+        "device 1's allocations moved device 0's statistics"
+    );
+    assert!(a1.memory_stats().memory_allocated() >= 256 * MIB as i64);
+    for (b, seed) in &bufs1 {
+        assert_eq!(bad!(d1, a1, &s1, b, b.len(), *seed), 0);
+    }
+    drop(bufs1);
+    let stats1 = a1.memory_stats();
+    assert_eq!(stats1.memory_allocated(), 0);
+    assert!(stats1.memory_reserved() >= 256 * MIB as i64);
+    let per_device = registry.memory_stats();
+    assert_eq!(per_device, vec![(0, stats0), (1, stats1)]);
+
+    // empty_cache on device 1 releases device 1's cached memory, and only that.
+    let free0 = a0.device().mem_info().unwrap().free;
+    let free1 = a1.device().mem_info().unwrap().free;
+    a1.empty_cache().unwrap();
+    assert_eq!(a1.memory_stats().memory_reserved(), 0);
+    assert_eq!(
+        a0.memory_stats(),
+        stats0,
+        "empty_cache on device 1 touched device 0's cache"
+    );
+    let free0_after = a0.device().mem_info().unwrap().free;
+    let free1_after = a1.device().mem_info().unwrap().free;
+    println!(
+        "multi-GPU empty_cache on device 1: device 0 free {} -> {} MiB, device 1 free {} -> {} MiB",
+        free0 / MIB,
+        free0_after / MIB,
+        free1 / MIB,
+        free1_after / MIB
+    );
+    assert!(
+        free1_after + 16 * MIB >= free1 + 256 * MIB,
+        "device 1's free memory rose by {} MiB only",
+        free1_after.saturating_sub(free1) / MIB
+    );
+    assert!(
+        free0_after.abs_diff(free0) < 16 * MIB,
+        "device 0's free memory moved by {} MiB",
+        free0_after.abs_diff(free0) / MIB
+    );
+    // Device 0's cached block is still cached: the same request reuses it, no device call.
+    let again = uninit::<u8>(a0, &s0, 64 * MIB);
+    assert_eq!(again.device_ptr_raw(), cached0_ptr);
+    assert_eq!(a0.memory_stats().num_device_alloc, stats0.num_device_alloc);
+
+    // And the other way round: device 0's traffic leaves device 1's statistics alone.
+    let stats1 = a1.memory_stats();
+    let more0 = uninit::<u8>(a0, &s0, 100 * MIB);
+    drop((more0, again, live0));
+    a0.empty_cache().unwrap();
+    assert_eq!(a1.memory_stats(), stats1);
+    assert_eq!(a0.memory_stats().memory_reserved(), 0);
+    for (_, alloc) in registry.created() {
+        alloc.check_invariants().unwrap();
+    }
+}
+
+/// Freeing (or recording) a pointer of device 1 through device 0's allocator is refused as a
+/// foreign pointer, and nothing is lost: both caches are unchanged, the data is intact, and the
+/// owner frees it normally. The same through the raw API, where a stream of the wrong device is
+/// refused too.
+#[test]
+fn cuda_multi_gpu_foreign_pointer_is_refused_and_nothing_is_lost() {
+    let Some(gs) = gpus("cuda_multi_gpu_foreign_pointer_is_refused_and_nothing_is_lost") else {
+        return;
+    };
+    let (d0, d1) = (&gs[0], &gs[1]);
+    for (name, config) in [
+        ("pytorch", AllocatorConfig::pytorch()),
+        (
+            "default + fast path",
+            AllocatorConfig::default()
+                .with_settings("cca_fast_path:True")
+                .unwrap(),
+        ),
+    ] {
+        let registry = AllocatorRegistry::new(config);
+        let (a0, a1) = (registry.get(0).unwrap(), registry.get(1).unwrap());
+        let n = MIB; // u32 values
+        let p1 = a1.allocate(4 * n, StreamId::DEFAULT).unwrap();
+        let addr1 = p1.ptr.addr();
+        let s1 = d1.ctx.default_stream();
+        fill!(d1, &s1, &addr1, n, 0x51);
+        s1.synchronize().unwrap();
+        let (st0, st1) = (a0.memory_stats(), a1.memory_stats());
+        let err = a0.free(p1.ptr).unwrap_err();
+        println!("multi-GPU, {name}: {err}");
+        assert!(
+            matches!(err, AllocError::UnknownPointer { ptr } if ptr == p1.ptr),
+            "{name}: {err}"
+        );
+        assert!(err.to_string().contains("foreign pointer"), "{err}");
+        assert!(a0.record_stream(p1.ptr, StreamId::DEFAULT).is_err());
+        assert_eq!(a0.memory_stats(), st0, "{name}: device 0's cache changed");
+        assert_eq!(a1.memory_stats(), st1, "{name}: device 1's cache changed");
+        a0.check_invariants().unwrap();
+        a1.check_invariants().unwrap();
+        // The data is intact and the owner frees it.
+        assert_eq!(bad!(d1, a1, &s1, &addr1, n, 0x51), 0, "{name}");
+        a1.free(p1.ptr).unwrap();
+        assert!(a1.free(p1.ptr).is_err(), "{name}: a second free is refused");
+        // The other way round.
+        let p0 = a0.allocate(1000, StreamId::DEFAULT).unwrap();
+        assert!(matches!(
+            a1.free(p0.ptr),
+            Err(AllocError::UnknownPointer { .. })
+        ));
+        a0.free(p0.ptr).unwrap();
+        for (d, alloc) in registry.created() {
+            alloc.check_invariants().unwrap();
+            assert_eq!(
+                alloc.memory_stats().memory_allocated(),
+                0,
+                "{name}: device {d}"
+            );
+        }
+        registry.empty_cache_all().unwrap();
+    }
+
+    // The raw API (the global registry): by ordinal, with streams checked against the device.
+    let s0 = d0.ctx.new_stream().unwrap();
+    let sid0 = stream_id(&s0);
+    // SAFETY: the legacy default stream is always valid.
+    let r1 = unsafe { raw::alloc(1, 4096, StreamId::DEFAULT) }.unwrap();
+    assert_eq!(where_is(&d0.ctx, r1.ptr).0, 1);
+    let allocated1 = raw::memory_stats(1).unwrap().memory_allocated();
+    assert!(matches!(
+        raw::free(0, r1.ptr),
+        Err(AllocError::UnknownPointer { .. })
+    ));
+    assert_eq!(raw::memory_stats(1).unwrap().memory_allocated(), allocated1);
+    // SAFETY: `s0` is a live stream of device 0, kept alive until the end of the test.
+    let wrong = unsafe { raw::alloc(1, 4096, sid0) };
+    assert!(
+        matches!(wrong, Err(AllocError::InvalidStream { .. })),
+        "{wrong:?}"
+    );
+    // SAFETY: as above.
+    let wrong = unsafe { raw::record_stream(1, r1.ptr, sid0) };
+    assert!(matches!(wrong, Err(AllocError::InvalidStream { .. })));
+    raw::free(1, r1.ptr).unwrap();
+    raw::empty_cache(1).unwrap();
+}
+
+/// Several threads at once, each driving one device (two per device), on threads that never
+/// touched any device: each thread's first call creates or finds its device's allocator in a
+/// shared registry, allocates in that device's memory without leaving a context current on the
+/// thread, then runs an allocate / fill / check / free loop on a stream of its device.
+#[test]
+fn cuda_multi_gpu_threads_drive_their_own_devices_at_once() {
+    let Some(gs) = gpus("cuda_multi_gpu_threads_drive_their_own_devices_at_once") else {
+        return;
+    };
+    let registry = AllocatorRegistry::new(AllocatorConfig::pytorch());
+    let per_device = 2;
+    let barrier = Barrier::new(gs.len() * per_device);
+    let results: Vec<(usize, u32)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = gs
+            .iter()
+            .flat_map(|dg| (0..per_device).map(move |t| (dg, t)))
+            .map(|(dg, t)| {
+                let (registry, barrier) = (&registry, &barrier);
+                scope.spawn(move || {
+                    assert!(current_ctx().is_null(), "a fresh thread has no context");
+                    barrier.wait();
+                    // The first calls on this thread: through the core API, before any cudarc call.
+                    let alloc = registry.get(dg.ordinal).unwrap();
+                    let probe = alloc.allocate(5 * MIB, StreamId::DEFAULT).unwrap();
+                    assert!(
+                        current_ctx().is_null(),
+                        "device {}'s allocator left a context current",
+                        dg.ordinal
+                    );
+                    assert_eq!(where_is(&dg.ctx, probe.ptr).0, dg.ordinal as i32);
+                    alloc.free(probe.ptr).unwrap();
+                    let stream = dg.ctx.new_stream().unwrap();
+                    let mut held: Vec<(CachedSlice<u32>, u32)> = Vec::new();
+                    let mut bad = 0;
+                    for i in 0..120u32 {
+                        let len =
+                            1 + ((i as usize * 7919 + t * 104_729 + dg.ordinal * 31) % 600_000);
+                        let seed = (dg.ordinal as u32) << 24 | (t as u32) << 16 | i;
+                        let mut buf = uninit::<u32>(alloc, &stream, len);
+                        fill!(dg, &stream, &mut buf, len, seed);
+                        if i % 30 == 0 {
+                            let (ordinal, _) = where_is(&dg.ctx, buf.device_ptr_raw());
+                            assert_eq!(ordinal, dg.ordinal as i32);
+                        }
+                        held.push((buf, seed));
+                        if held.len() > 6 {
+                            let (old, s) = held.remove(i as usize % held.len());
+                            bad += bad!(dg, alloc, &stream, &old, old.len(), s);
+                        }
+                    }
+                    for (buf, s) in &held {
+                        bad += bad!(dg, alloc, &stream, buf, buf.len(), *s);
+                    }
+                    (dg.ordinal, bad)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (d, bad) in &results {
+        assert_eq!(*bad, 0, "device {d}: corrupted values");
+    }
+    let created = registry.created();
+    assert_eq!(created.len(), gs.len(), "one allocator per device");
+    for (d, alloc) in created {
+        alloc.check_invariants().unwrap();
+        let st = alloc.memory_stats();
+        println!(
+            "multi-GPU threads: device {d}: {} allocations, {} device allocations, peak reserved {} MiB",
+            st.allocation
+                .get(cuda_caching_allocator::StatType::All)
+                .allocated,
+            st.num_device_alloc,
+            st.max_memory_reserved() / MIB as i64
+        );
+        assert_eq!(st.memory_allocated(), 0, "device {d}");
+        // Each device served exactly its own threads' requests: per thread the probe, 120
+        // buffers, and one check counter per buffer checked (114 in the loop, 6 at the end).
+        assert_eq!(
+            st.allocation
+                .get(cuda_caching_allocator::StatType::All)
+                .allocated,
+            per_device as i64 * (1 + 120 + 114 + 6),
+            "device {d}"
+        );
+    }
+    registry.empty_cache_all().unwrap();
+}
+
+/// Each call binds its device's context, whatever is current on the thread (none, device 0's,
+/// device 1's), and puts the caller's back: allocations land on the allocator's device, events
+/// are created and recorded on it, `empty_cache` frees through it; a block used on a second
+/// stream of device 1 and freed while device 0's context is current is recorded on device 1.
+#[test]
+fn cuda_multi_gpu_each_call_binds_its_device_and_restores_the_callers_context() {
+    let Some(gs) =
+        gpus("cuda_multi_gpu_each_call_binds_its_device_and_restores_the_callers_context")
+    else {
+        return;
+    };
+    let registry = AllocatorRegistry::new(AllocatorConfig::pytorch());
+    let (d0, d1) = (&gs[0], &gs[1]);
+    let (a0, a1) = (registry.get(0).unwrap(), registry.get(1).unwrap());
+    for (current, name) in [
+        (std::ptr::null_mut(), "no context"),
+        (d0.ctx.cu_ctx(), "device 0's context"),
+        (d1.ctx.cu_ctx(), "device 1's context"),
+    ] {
+        set_current(current);
+        for (dg, alloc) in [(d0, a0), (d1, a1)] {
+            let d = dg.ordinal;
+            let a = alloc.allocate(3 * MIB, StreamId::DEFAULT).unwrap();
+            assert_eq!(
+                current_ctx(),
+                current,
+                "allocate on device {d} with {name} current"
+            );
+            let (ordinal, ctx) = where_is(&d0.ctx, a.ptr);
+            assert_eq!(
+                ordinal, d as i32,
+                "allocate on device {d} with {name} current"
+            );
+            assert_eq!(ctx, Some(dg.ctx.cu_ctx()));
+            assert!(alloc.device().mem_info().unwrap().free > 0);
+            let ev = alloc.device().create_event().unwrap();
+            alloc.device().record_event(ev, StreamId::DEFAULT).unwrap();
+            alloc.device().synchronize_event(ev).unwrap();
+            assert!(alloc.device().query_event(ev).unwrap());
+            // SAFETY: created above, destroyed once.
+            unsafe { alloc.device().destroy_event(ev) }.unwrap();
+            alloc.device().synchronize().unwrap();
+            alloc.free(a.ptr).unwrap();
+            alloc.empty_cache().unwrap();
+            assert_eq!(
+                current_ctx(),
+                current,
+                "device {d}'s calls with {name} current"
+            );
+            assert_eq!(alloc.memory_stats().memory_reserved(), 0);
+        }
+    }
+
+    // record_stream across streams of device 1, the free made while device 0's context is current.
+    let s1 = d1.ctx.new_stream().unwrap();
+    let side = d1.ctx.new_stream().unwrap();
+    let n = MIB;
+    let mut buf = uninit::<u32>(a1, &s1, n);
+    fill!(d1, &side, &mut buf, n, 0x77);
+    buf.record_stream(&side).unwrap();
+    set_current(d0.ctx.cu_ctx());
+    drop(buf);
+    assert_eq!(current_ctx(), d0.ctx.cu_ctx());
+    assert!(
+        a1.device().live_event_count() >= 1,
+        "the free recorded an event on device 1's side stream"
+    );
+    side.synchronize().unwrap();
+    set_current(d0.ctx.cu_ctx());
+    let next = a1.allocate(4 * n, stream_id(&s1)).unwrap();
+    assert_eq!(current_ctx(), d0.ctx.cu_ctx());
+    a1.free(next.ptr).unwrap();
+    a1.empty_cache().unwrap();
+    assert_eq!(current_ctx(), d0.ctx.cu_ctx());
+    assert_eq!(a1.memory_stats().memory_reserved(), 0);
+    assert_eq!(a0.memory_stats().memory_reserved(), 0);
+    a1.check_invariants().unwrap();
 }

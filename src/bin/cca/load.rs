@@ -8,12 +8,12 @@ use cuda_caching_allocator::trace::{
     export_snapshot_file, read_trace_file,
 };
 use cuda_caching_allocator::{
-    AllocatorConfig, CachingAllocator, Placement, Preset, ReplayOptions, ReplayReport, SimConfig,
-    SimDevice, replay_observed,
+    AllocatorConfig, CachingAllocator, DeviceBackend, Placement, Preset, ReplayOptions,
+    ReplayReport, SimConfig, SimDevice, format_size, replay_observed,
 };
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use crate::{ConvertArgs, PlacementArg, TraceArgs};
+use crate::{ConvertArgs, DeviceArg, PlacementArg, TraceArgs};
 
 /// Boxed error for the command line.
 pub(crate) type CliResult<T> = Result<T, Box<dyn std::error::Error>>;
@@ -115,11 +115,44 @@ pub(crate) fn columns(
 pub(crate) struct Run {
     pub(crate) report: ReplayReport,
     pub(crate) timeline: Vec<(usize, u64, u64)>,
+    /// Wall-clock time of the whole replay loop (allocations, frees and the replay's own
+    /// bookkeeping: statistics after every event, fragmentation at each new peak).
+    pub(crate) wall: Duration,
+    /// What the replay ran on, in words.
+    pub(crate) device: String,
+    /// The device's memory in bytes (the simulated capacity, or the GPU's total).
+    pub(crate) device_memory: u64,
 }
 
-/// Replays `trace` on a fresh simulated device under `config`, with a progress bar on stderr for
-/// runs that last more than a second.
+impl Run {
+    /// Wall-clock nanoseconds per allocation or free (0 for a trace without either).
+    pub(crate) fn wall_ns_per_op(&self) -> f64 {
+        let ops = self.report.allocs + self.report.frees;
+        if ops == 0 {
+            0.0
+        } else {
+            self.wall.as_nanos() as f64 / ops as f64
+        }
+    }
+}
+
+/// Replays `trace` under `config` on the device `args.device` names, with a progress bar on
+/// stderr for runs that last more than a second.
 pub(crate) fn run(
+    trace: &Trace,
+    config: &AllocatorConfig,
+    args: &TraceArgs,
+    label: &str,
+    points: usize,
+) -> CliResult<Run> {
+    match args.device {
+        DeviceArg::Sim => run_sim(trace, config, args, label, points),
+        DeviceArg::Cuda(ordinal) => crate::gpu::run(trace, config, ordinal, label, points),
+    }
+}
+
+/// Replays `trace` on a fresh simulated device.
+fn run_sim(
     trace: &Trace,
     config: &AllocatorConfig,
     args: &TraceArgs,
@@ -131,11 +164,49 @@ pub(crate) fn run(
         ..SimConfig::default()
     });
     let alloc = CachingAllocator::new(device, config.clone())?;
+    let placement = match args.placement {
+        PlacementArg::Faithful => Placement::AddressFaithful,
+        PlacementArg::Fresh => Placement::Fresh,
+    };
+    let dev = alloc.backend();
+    let hint = |a: Option<u64>| match a {
+        Some(addr) => dev.place_next_at(addr),
+        None => dev.clear_placement_hint(),
+    };
+    let (report, timeline, wall) =
+        replay_timed(&alloc, trace, placement, Some(&hint), label, points)?;
+    Ok(Run {
+        report,
+        timeline,
+        wall,
+        device: format!(
+            "simulated, {}, {} placement",
+            format_size(args.device_memory),
+            match args.placement {
+                PlacementArg::Faithful => "address-faithful",
+                PlacementArg::Fresh => "fresh-address",
+            }
+        ),
+        device_memory: args.device_memory,
+    })
+}
+
+/// A replay's report, timeline of (event, allocated, reserved) and wall-clock time.
+pub(crate) type Timed = (ReplayReport, Vec<(usize, u64, u64)>, Duration);
+
+/// The replay loop shared by every device: host time per operation, a timeline of `points`
+/// points (each the maximum over its bucket of events, so no peak is lost), a progress bar on
+/// stderr once the run has lasted a second, and the loop's wall-clock time.
+pub(crate) fn replay_timed<B: DeviceBackend>(
+    alloc: &CachingAllocator<B>,
+    trace: &Trace,
+    placement: Placement,
+    hint: Option<&dyn Fn(Option<u64>)>,
+    label: &str,
+    points: usize,
+) -> CliResult<Timed> {
     let opts = ReplayOptions {
-        placement: match args.placement {
-            PlacementArg::Faithful => Placement::AddressFaithful,
-            PlacementArg::Fresh => Placement::Fresh,
-        },
+        placement,
         timing: true,
         ..ReplayOptions::default()
     };
@@ -152,13 +223,7 @@ pub(crate) fn run(
     );
     bar.set_prefix(label.to_string());
     let mut shown = false;
-    let dev = alloc.backend();
-    let hint = |a: Option<u64>| match a {
-        Some(addr) => dev.place_next_at(addr),
-        None => dev.clear_placement_hint(),
-    };
-    let report = replay_observed(&alloc, trace, &opts, Some(&hint), &mut |i, _live, st| {
-        // Each point is the maximum over its bucket of events, so no peak is lost.
+    let report = replay_observed(alloc, trace, &opts, hint, &mut |i, _live, st| {
         let (a, r) = (
             st.memory_allocated().max(0) as u64,
             st.memory_reserved().max(0) as u64,
@@ -176,8 +241,9 @@ pub(crate) fn run(
             bar.set_position(i as u64);
         }
     })?;
+    let wall = started.elapsed();
     bar.finish_and_clear();
-    Ok(Run { report, timeline })
+    Ok((report, timeline, wall))
 }
 
 /// `cca convert`.

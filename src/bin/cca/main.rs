@@ -1,11 +1,13 @@
 //! `cca`: the allocator researchers' workbench.
 //!
 //! `cca replay` runs a trace (PyTorch snapshot pickle or RMM CSV, plain or gzipped) through the
-//! caching allocator on a simulated device and reports peaks, ratios, device calls and host time,
-//! beside PyTorch's own figures when a `reference.json` is found; `cca compare` puts several
+//! caching allocator on a simulated device, or with `--device cuda[:N]` on a real GPU (a binary
+//! built with the `cuda` feature), and reports peaks, ratios, device calls and host time, beside
+//! PyTorch's own figures when a `reference.json` is found; `cca compare` puts several
 //! configurations side by side; `cca convert` translates between formats or exports a run through
 //! this allocator; `cca plot` draws reserved and allocated bytes over the trace.
 
+mod gpu;
 mod load;
 mod plot;
 mod reference;
@@ -49,14 +51,54 @@ enum PlacementArg {
     Fresh,
 }
 
+/// The device a replay runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DeviceArg {
+    /// The simulated device (`SimDevice`): deterministic, host-only.
+    Sim,
+    /// CUDA device N through the CUDA backend (`CudaDevice`): real `cuMemAlloc` / `cuMemFree`
+    /// (or page maps with expandable segments).
+    Cuda(usize),
+}
+
+impl std::fmt::Display for DeviceArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceArg::Sim => f.write_str("sim"),
+            DeviceArg::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+/// Parses `sim`, `cuda` (device 0) or `cuda:N`.
+fn parse_device(s: &str) -> Result<DeviceArg, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "sim" => Ok(DeviceArg::Sim),
+        "cuda" => Ok(DeviceArg::Cuda(0)),
+        other => other
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse().ok())
+            .map(DeviceArg::Cuda)
+            .ok_or_else(|| {
+                format!("unknown device '{s}': use sim, cuda or cuda:N (N = 0, 1, ...)")
+            }),
+    }
+}
+
 #[derive(Args, Debug, Clone)]
 struct TraceArgs {
     /// The trace: a PyTorch snapshot pickle or an RMM CSV log, plain or gzipped.
     trace: PathBuf,
-    /// Simulated device memory (bytes, or with a unit: 80GiB, 141G, 512MiB).
+    /// Where to replay: `sim` (the simulated device), or `cuda` / `cuda:N` to allocate for real on
+    /// CUDA device N (needs a cca built with `--features cli,cuda`).
+    #[arg(long, default_value = "sim", value_parser = parse_device)]
+    device: DeviceArg,
+    /// Simulated device memory (bytes, or with a unit: 80GiB, 141G, 512MiB); with `--device cuda`
+    /// the GPU's own memory applies instead.
     #[arg(long, default_value = "80GiB", value_parser = load::parse_bytes)]
     device_memory: u64,
-    /// Segment placement.
+    /// Segment placement on the simulated device (with `--device cuda` the driver places
+    /// segments).
     #[arg(long, value_enum, default_value_t = PlacementArg::Faithful)]
     placement: PlacementArg,
     /// Skip frees of unknown allocations instead of failing (snapshots with a truncated history).

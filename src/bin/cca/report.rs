@@ -1,6 +1,6 @@
 //! `cca replay` and `cca compare`: text tables and JSON.
 
-use cuda_caching_allocator::{ReplayReport, format_size, memory_summary};
+use cuda_caching_allocator::{ReplayReport, memory_summary};
 use serde_json::{Map, Value, json};
 
 use crate::load::{self, CliResult, Labelled, Run};
@@ -24,7 +24,8 @@ fn ratio(a: u64, b: u64) -> f64 {
 }
 
 /// The JSON object for one run (the keys `--json` promises, and more).
-fn run_json(label: &Labelled, r: &ReplayReport, trace_args: &TraceArgs) -> Value {
+fn run_json(label: &Labelled, run: &Run, trace_args: &TraceArgs) -> Value {
+    let r = &run.report;
     let lat = r.latency.unwrap_or_default();
     let stats: Map<String, Value> = r
         .stats_at_peak
@@ -36,7 +37,9 @@ fn run_json(label: &Labelled, r: &ReplayReport, trace_args: &TraceArgs) -> Value
         "trace": trace_args.trace.display().to_string(),
         "configuration": label.label,
         "settings": label.config.settings,
-        "device_memory": trace_args.device_memory,
+        "device": trace_args.device.to_string(),
+        "device_description": run.device,
+        "device_memory": run.device_memory,
         "events": r.events,
         "allocs": r.allocs,
         "frees": r.frees,
@@ -53,6 +56,9 @@ fn run_json(label: &Labelled, r: &ReplayReport, trace_args: &TraceArgs) -> Value
         "ns_per_op": lat.mean_ns,
         "ns_per_op_p50": lat.p50_ns,
         "ns_per_op_p99": lat.p99_ns,
+        "ns_per_op_max": lat.max_ns,
+        "wall_s": run.wall.as_secs_f64(),
+        "wall_ns_per_op": run.wall_ns_per_op(),
         "stats_at_peak": stats,
     })
 }
@@ -75,10 +81,11 @@ fn reference_json(reference: &Reference) -> Value {
 pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
     let label = load::resolve(a.preset.as_deref(), a.config.as_deref())?;
     let trace = load::load_trace(&a.trace.trace, a.trace.lenient)?;
-    let Run { report: r, .. } = load::run(&trace, &label.config, &a.trace, &label.label, 0)?;
+    let run = load::run(&trace, &label.config, &a.trace, &label.label, 0)?;
+    let r = &run.report;
     let reference = reference::find(&a.trace.trace, a.trace.reference.as_deref());
     if a.json {
-        let mut v = run_json(&label, &r, &a.trace);
+        let mut v = run_json(&label, &run, &a.trace);
         if let (Some(obj), Some(rf)) = (v.as_object_mut(), &reference) {
             obj.insert("pytorch_reference".into(), reference_json(rf));
         }
@@ -101,15 +108,7 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
     let lat = r.latency.unwrap_or_default();
     println!("trace          {}", a.trace.trace.display());
     println!("configuration  {}", label.label);
-    println!(
-        "device         simulated, {}, {} placement",
-        format_size(a.trace.device_memory),
-        if a.trace.placement == crate::PlacementArg::Faithful {
-            "address-faithful"
-        } else {
-            "fresh-address"
-        }
-    );
+    println!("device         {}", run.device);
     println!();
     let header = match &reference {
         Some(rf) => format!("{ref_name} {} (reference.json)", rf.torch),
@@ -196,6 +195,17 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
         "host ns p50 / p99",
         format!("{} / {}", lat.p50_ns, lat.p99_ns)
     );
+    println!("{:<26}{:>18}", "host ns max", thousands(lat.max_ns));
+    println!(
+        "{:<26}{:>18}",
+        "wall time",
+        format!("{:.3} s", run.wall.as_secs_f64())
+    );
+    println!(
+        "{:<26}{:>18}",
+        "wall ns per op",
+        format!("{:.0}", run.wall_ns_per_op())
+    );
     if let Some(rf) = &reference {
         if let (Some(e), Some(live)) = (rf.expandable_reserved, rf.peak_live_bytes) {
             println!(
@@ -235,7 +245,7 @@ pub(crate) fn compare(a: &CompareArgs) -> CliResult<()> {
     let trace = load::load_trace(&a.trace.trace, a.trace.lenient)?;
     let mut runs = Vec::new();
     for c in &cols {
-        runs.push(load::run(&trace, &c.config, &a.trace, &c.label, 0)?.report);
+        runs.push(load::run(&trace, &c.config, &a.trace, &c.label, 0)?);
     }
     if a.json {
         let arr: Vec<Value> = cols
@@ -253,6 +263,9 @@ pub(crate) fn compare(a: &CompareArgs) -> CliResult<()> {
         .unwrap_or(0)
         .max(16)
         + 2;
+    if let Some(run) = runs.first() {
+        println!("device: {}\n", run.device);
+    }
     print!(
         "{:<24}",
         a.trace
@@ -266,7 +279,7 @@ pub(crate) fn compare(a: &CompareArgs) -> CliResult<()> {
     }
     println!();
     type Row = (&'static str, fn(&ReplayReport) -> String);
-    let rows: [Row; 10] = [
+    let rows: [Row; 11] = [
         ("peak live bytes", |r| thousands(r.peak_live_bytes)),
         ("peak allocated bytes", |r| {
             thousands(r.peak_allocated_bytes)
@@ -287,14 +300,22 @@ pub(crate) fn compare(a: &CompareArgs) -> CliResult<()> {
         ("host ns per op (mean)", |r| {
             format!("{:.0}", r.latency.unwrap_or_default().mean_ns)
         }),
+        ("host ns p99", |r| {
+            thousands(r.latency.unwrap_or_default().p99_ns)
+        }),
     ];
     for (name, f) in rows {
         print!("{name:<24}");
         for r in &runs {
-            print!("{:>w$}", f(r));
+            print!("{:>w$}", f(&r.report));
         }
         println!();
     }
+    print!("{:<24}", "wall ns per op");
+    for r in &runs {
+        print!("{:>w$}", format!("{:.0}", r.wall_ns_per_op()));
+    }
+    println!();
     if let Some(rf) = reference::find(&a.trace.trace, a.trace.reference.as_deref()) {
         println!();
         let live = rf.peak_live_bytes.unwrap_or(0);

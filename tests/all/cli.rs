@@ -1,0 +1,122 @@
+//! The `cca` binary end to end (feature `cli`): the replay device flag, and that `--device cuda`
+//! on a machine that cannot run it is a clear error with a non-zero exit, never a panic.
+#![cfg(feature = "cli")]
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+/// The smallest shipped trace.
+fn trace() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/traces/resnet50_train.csv.gz")
+}
+
+fn cca(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_cca"))
+        .args(args)
+        .output()
+        .expect("the cca binary runs")
+}
+
+/// Whether this machine can run `--device cuda` (then the error tests do not apply).
+fn cuda_works() -> bool {
+    #[cfg(feature = "cuda-unpinned")]
+    {
+        cuda_caching_allocator::backend::cuda::cuda_available()
+    }
+    #[cfg(not(feature = "cuda-unpinned"))]
+    {
+        false
+    }
+}
+
+/// Asserts that `out` is the clear `--device cuda` error of this build: exit status 1, the
+/// reason on stderr, nothing on stdout, no panic.
+fn assert_clear_cuda_error(out: &Output, what: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{what}: {stderr}");
+    assert!(out.stdout.is_empty(), "{what}: printed a report");
+    assert!(
+        !stderr.contains("panicked") && !stderr.contains("RUST_BACKTRACE"),
+        "{what}: {stderr}"
+    );
+    assert!(
+        stderr.starts_with("cca: --device cuda:"),
+        "{what}: {stderr}"
+    );
+    let expected = if cfg!(feature = "cuda-unpinned") {
+        "no CUDA driver was found on this machine"
+    } else {
+        "this cca was built without CUDA support"
+    };
+    assert!(stderr.contains(expected), "{what}: {stderr}");
+}
+
+#[test]
+fn cli_replay_on_cuda_without_a_usable_cuda_is_a_clear_error() {
+    if cuda_works() {
+        println!("skipped: this machine has a working CUDA driver");
+        return;
+    }
+    let t = trace();
+    let t = t.to_str().unwrap();
+    for args in [
+        vec!["replay", t, "--device", "cuda"],
+        vec![
+            "replay", t, "--device", "cuda:1", "--preset", "pytorch", "--json",
+        ],
+        vec!["compare", t, "--device", "cuda:0"],
+    ] {
+        assert_clear_cuda_error(&cca(&args), &args.join(" "));
+    }
+}
+
+#[test]
+fn cli_device_flag_rejects_unknown_devices() {
+    let t = trace();
+    for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1"] {
+        let out = cca(&["replay", t.to_str().unwrap(), "--device", bad]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{bad}: {stderr}");
+        assert!(
+            stderr.contains("use sim, cuda or cuda:N"),
+            "{bad}: {stderr}"
+        );
+    }
+}
+
+#[test]
+fn cli_replay_on_the_simulated_device_reports_wall_time() {
+    let t = trace();
+    let out = cca(&[
+        "replay",
+        t.to_str().unwrap(),
+        "--device",
+        "sim",
+        "--preset",
+        "pytorch",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["device"], "sim");
+    assert_eq!(v["configuration"], "pytorch");
+    assert!(
+        v["device_description"]
+            .as_str()
+            .unwrap()
+            .starts_with("simulated")
+    );
+    assert!(v["wall_s"].as_f64().unwrap() > 0.0);
+    assert!(v["wall_ns_per_op"].as_f64().unwrap() > 0.0);
+    assert!(v["peak_reserved_bytes"].as_u64().unwrap() > 0);
+    // The text report names the device and the wall time too.
+    let out = cca(&["replay", t.to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(text.contains("device         simulated"), "{text}");
+    assert!(text.contains("wall ns per op"), "{text}");
+}
