@@ -7,6 +7,7 @@
 mod caching;
 mod concurrency;
 mod config_env;
+mod cross_stream;
 mod cuda;
 mod expandable;
 mod expandable_fidelity;
