@@ -368,13 +368,13 @@ impl Default for AllocatorConfig {
     /// The per-thread fast path (`cca_fast_path:True`) is opt-in: per-thread front caches serve
     /// cache hits without the lock (see `benches/README.md` for its figures).
     ///
-    /// Cross-stream reuse (`cca_cross_stream_reuse:True`) is opt-in too: with page reuse on, it
+    /// On a backend without virtual memory it falls back to PyTorch's fixed segments.
+    ///
+    /// Cross-stream reuse (`cca_cross_stream_reuse:True`) stays off: with page reuse on, it
     /// leaves peak reserved bytes where they are (it halves the range operations and stream
     /// synchronizations of the multi-stream synthetic workload) and makes a stream wait for
     /// another's queued work, which the simulated device cannot price (see
     /// `docs/configuration.md`).
-    ///
-    /// On a backend without virtual memory it falls back to PyTorch's fixed segments.
     fn default() -> Self {
         AllocatorConfig {
             expandable_segments: true,
@@ -383,7 +383,6 @@ impl Default for AllocatorConfig {
             page_reuse_slack: 0.01,
             precise_fraction_cap: true,
             fast_path: false,
-            cross_stream_reuse: false,
             ..AllocatorConfig::pytorch()
         }
     }
