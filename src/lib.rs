@@ -19,7 +19,7 @@ pub use allocator::{
     Allocation, BlockSnapshot, BlockState, CachingAllocator, FragmentationReport, FreeBucket,
     InvariantViolation, OwnedAllocation, SegmentSnapshot, memory_summary,
 };
-pub use backend::sim::{FaultKind, SimConfig, SimCounters, SimDevice};
+pub use backend::sim::{FaultKind, SimConfig, SimCounters, SimDevice, SimEventCall, SimStreamWait};
 pub use backend::{
     BackendError, DeviceBackend, DevicePtr, EventHandle, MemInfo, PhysicalHandle, StreamId,
 };

@@ -85,6 +85,9 @@ pub struct ReplayReport {
     pub num_ooms: u64,
     /// Allocations that needed the final flush-and-retry.
     pub num_alloc_retries: u64,
+    /// Cached segments handed from one stream to another (`cca_cross_stream_reuse`;
+    /// [`CachingAllocator::cross_stream_handovers`] at the end).
+    pub cross_stream_handovers: u64,
     /// Frees skipped because their allocation had failed.
     pub skipped_frees: usize,
     /// Host time per alloc/free, when measured.
@@ -298,6 +301,7 @@ pub fn replay_observed<B: DeviceBackend>(
     report.num_device_free = st.num_device_free as u64;
     report.num_ooms = st.num_ooms as u64;
     report.num_alloc_retries = st.num_alloc_retries as u64;
+    report.cross_stream_handovers = alloc.cross_stream_handovers();
     report.final_stats = st;
     if !times.is_empty() {
         let mean_ns = times.iter().sum::<u64>() as f64 / times.len() as f64;

@@ -15,7 +15,7 @@ use libfuzzer_sys::arbitrary::{Result, Unstructured};
 use libfuzzer_sys::fuzz_target;
 
 const MIB: usize = 1 << 20;
-const CONFIGS: [&str; 8] = [
+const CONFIGS: [&str; 10] = [
     "",
     "max_split_size_mb:20",
     "roundup_power2_divisions:[1:2,4:4,>:8],max_non_split_rounding_mb:24",
@@ -25,6 +25,9 @@ const CONFIGS: [&str; 8] = [
     // The crate's default (AllocatorConfig::default()), and page reuse in multi-page handles.
     "expandable_segments:True,cca_large_page_size_mb:2,cca_page_reuse:device,cca_page_reuse_slack:0.01,cca_precise_cap:True",
     "expandable_segments:True,cca_large_page_size_mb:4,cca_max_handle_size_mb:12,cca_page_reuse:segment",
+    // Cross-stream reuse, with fixed segments and with the default.
+    "max_split_size_mb:24,cca_cross_stream_reuse:True",
+    "cca_preset:default,cca_cross_stream_reuse:True",
 ];
 
 fn size(u: &mut Unstructured) -> Result<usize> {

@@ -5,7 +5,7 @@
 //! never calls it. May use: `state`, `block`, `pool`, `stats`.
 #![forbid(unsafe_code)]
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use super::block::BlockId;
@@ -65,6 +65,16 @@ pub enum InvariantViolation {
         /// What was wrong.
         detail: String,
     },
+    /// The outstanding stream events disagree with the blocks: an event names a dead,
+    /// allocated or unmapped block, or a block's event count differs from the events naming it.
+    /// (A block with pending events must stay out of the free sets, best fit and cross-stream
+    /// handovers until they complete.)
+    PendingEventsMismatch {
+        /// The block.
+        block: DevicePtr,
+        /// What was wrong.
+        detail: String,
+    },
     /// Reserved bytes grew above the fraction cap.
     ReservedAboveCap {
         /// Bytes reserved.
@@ -105,6 +115,12 @@ impl fmt::Display for InvariantViolation {
                     "pages of expandable segment {segment} do not match its blocks: {detail}"
                 )
             }
+            Self::PendingEventsMismatch { block, detail } => {
+                write!(
+                    f,
+                    "pending stream events disagree at block {block}: {detail}"
+                )
+            }
             Self::ReservedAboveCap { reserved, cap } => write!(
                 f,
                 "reserved {reserved} bytes above the fraction cap of {cap}"
@@ -123,6 +139,7 @@ pub(crate) fn check(st: &State) -> Result<(), InvariantViolation> {
     check_unmapped_sets(st)?;
     check_pages(st)?;
     check_active_map(st)?;
+    check_pending_events(st)?;
     check_stats(st)?;
     check_cap(st)
 }
@@ -423,6 +440,39 @@ fn check_active_map(st: &State) -> Result<(), InvariantViolation> {
             "{allocated} allocated blocks but {} map entries",
             st.active.len()
         )));
+    }
+    Ok(())
+}
+
+/// Every outstanding event names a live block that is freed but pending (not allocated, mapped),
+/// and each block's `event_count` equals the number of events naming it.
+fn check_pending_events(st: &State) -> Result<(), InvariantViolation> {
+    let mut named: BTreeMap<BlockId, u32> = BTreeMap::new();
+    for queue in st.pending_events.values() {
+        for &(_, id) in queue {
+            let Some(b) = st.arena.get(id) else {
+                return Err(InvariantViolation::PendingEventsMismatch {
+                    block: DevicePtr::NULL,
+                    detail: "an event names a dead block".into(),
+                });
+            };
+            if b.allocated || !b.mapped {
+                return Err(InvariantViolation::PendingEventsMismatch {
+                    block: DevicePtr(b.ptr),
+                    detail: "an event names an allocated or unmapped block".into(),
+                });
+            }
+            *named.entry(id).or_default() += 1;
+        }
+    }
+    for (id, b) in st.arena.iter() {
+        let n = named.get(&id).copied().unwrap_or(0);
+        if b.event_count != n {
+            return Err(InvariantViolation::PendingEventsMismatch {
+                block: DevicePtr(b.ptr),
+                detail: format!("event count {} but {n} events name it", b.event_count),
+            });
+        }
     }
     Ok(())
 }

@@ -292,14 +292,24 @@ impl<B: DeviceBackend> CachingAllocator<B> {
         }
     }
 
-    /// `reset_accumulated_memory_stats`.
+    /// `reset_accumulated_memory_stats` (also resets
+    /// [`cross_stream_handovers`](Self::cross_stream_handovers)).
     pub fn reset_accumulated_stats(&self) {
         let mut guard = self.state.lock();
         let Locked { st, front: fl } = &mut *guard;
+        st.cross_stream_handovers = 0;
         match &self.front {
             Some(front) => front.reset_accumulated(st, fl),
             None => st.stats.reset_accumulated(),
         }
+    }
+
+    /// How many cached segments were handed from one stream to another
+    /// (`cca_cross_stream_reuse`, see `docs/algorithm.md`) since the allocator was made or the
+    /// accumulated statistics were last reset. Not one of PyTorch's `memory_stats()` keys
+    /// (PyTorch has no such policy); always 0 with the option off.
+    pub fn cross_stream_handovers(&self) -> u64 {
+        self.state.lock().cross_stream_handovers
     }
 
     /// Gives every block held in the per-thread front caches back to the core (where it merges

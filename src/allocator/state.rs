@@ -4,10 +4,12 @@
 //! Everything here runs under the allocator's one lock. The steps follow
 //! `DeviceCachingAllocator::malloc` / `free` of PyTorch 2.11 and are numbered in
 //! `docs/algorithm.md`. Expandable (virtual-memory) segments live in the child module
-//! `expandable`. May use: `block`, `pool`, `device_calls`, `size_class`, `stats`, `config`.
+//! `expandable`; the crate's cross-stream handover (`cca_cross_stream_reuse`) in `handover`.
+//! May use: `block`, `pool`, `device_calls`, `size_class`, `stats`, `config`.
 #![forbid(unsafe_code)]
 
 mod expandable;
+mod handover;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -94,6 +96,11 @@ pub(crate) struct State {
     pub(crate) cap_grace: usize,
     /// The history recorder, when switched on.
     pub(crate) history: Option<History>,
+    /// Segments handed over from one stream to another (`cca_cross_stream_reuse`) since the
+    /// last reset of the accumulated statistics.
+    pub(crate) cross_stream_handovers: u64,
+    /// The backend answered `Unsupported` to an event call of a handover: do not try again.
+    handover_events_unsupported: bool,
 }
 
 impl State {
@@ -140,6 +147,8 @@ impl State {
             cap_rejected: false,
             cap_grace: 0,
             history: None,
+            cross_stream_handovers: 0,
+            handover_events_unsupported: false,
         };
         s.apply_fraction(s.config.per_process_memory_fraction);
         s
@@ -207,8 +216,9 @@ impl State {
     }
 
     /// `malloc` with a hook for the fast path: when no cached block fits, `before_growth` runs
-    /// before anything else (garbage collection, device allocation, the release-and-retry
-    /// chain); when it returns true (it gave blocks back), the best-fit search runs again.
+    /// before anything else (a cross-stream handover, garbage collection, device allocation,
+    /// the release-and-retry chain); when it returns true (it gave blocks back), the best-fit
+    /// search runs again.
     pub(crate) fn malloc_with<B: DeviceBackend>(
         &mut self,
         dev: &B,
@@ -244,6 +254,9 @@ impl State {
         let mut found = self.get_free_block(stream, size, kind);
         if found.is_none() && before_growth(self) {
             found = self.get_free_block(stream, size, kind);
+        }
+        if found.is_none() && self.config.cross_stream_reuse {
+            found = self.cross_stream_handover(dev, stream, size, kind);
         }
         if found.is_none() {
             if self.allowed_memory_maximum.is_some()

@@ -5,6 +5,13 @@
 //! reservations, physical pages, map/unmap), and injects faults on demand: fail the Nth device
 //! call, fail every allocation above a size, report a chosen free figure.
 //!
+//! Streams are counters of submitted and completed units of work ([`SimDevice::submit_work`],
+//! [`SimDevice::complete_work`]). An event completes once its stream has completed the work
+//! submitted before it was recorded; [`stream_wait_event`](DeviceBackend::stream_wait_event)
+//! makes the waiting stream depend on that point of the recorded stream (completing the waiting
+//! stream's later work completes it too), and every wait is logged for tests
+//! ([`SimDevice::stream_waits`]).
+//!
 //! Placement is deterministic: by default each new range goes at the lowest free address at or
 //! above a moving cursor ("fresh addresses"); [`SimDevice::place_next_at`] asks for the next
 //! segment at a given address instead, which trace replay uses to put segments exactly where the
@@ -27,6 +34,54 @@ pub enum FaultKind {
     OutOfMemory,
     /// The call answers [`BackendError::Injected`] (an error the cache passes on).
     Error,
+}
+
+/// An event call that [`SimDevice::fail_next_event_call`] can make fail. Event calls are not
+/// numbered with the device calls [`SimDevice::fail_call`] counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum SimEventCall {
+    /// `create_event`.
+    Create,
+    /// `record_event`.
+    Record,
+    /// `stream_wait_event`.
+    StreamWait,
+}
+
+impl SimEventCall {
+    fn operation(self) -> &'static str {
+        match self {
+            SimEventCall::Create => "create_event",
+            SimEventCall::Record => "record_event",
+            SimEventCall::StreamWait => "stream_wait_event",
+        }
+    }
+}
+
+/// One successful `stream_wait_event` the simulated device saw (see
+/// [`SimDevice::stream_waits`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SimStreamWait {
+    /// The stream made to wait.
+    pub stream: StreamId,
+    /// The event it waits on.
+    pub event: EventHandle,
+    /// Where the event was recorded when the wait was issued: the recording stream and the units
+    /// of work submitted to it by then. `None`: the event was never recorded, so the wait waits
+    /// for nothing (as in CUDA).
+    pub recorded: Option<(StreamId, u64)>,
+    /// Units of work submitted to `stream` before the wait.
+    pub position: u64,
+}
+
+/// A wait not yet known to be satisfied, with the ordering numbers that decide it.
+#[derive(Clone, Copy, Debug)]
+struct OpenWait {
+    wait: SimStreamWait,
+    /// Global order of the wait among records and waits.
+    seq: u64,
+    /// Global order of the record the wait captured.
+    record_seq: u64,
 }
 
 /// Static description of a simulated device.
@@ -86,6 +141,8 @@ pub struct SimCounters {
     pub event_records: u64,
     /// Event queries.
     pub event_queries: u64,
+    /// `stream_wait_event` calls that succeeded.
+    pub stream_waits: u64,
     /// Device calls made so far (the index that fault injection counts).
     pub device_calls: u64,
     /// Bytes of device memory in use now (segments plus physical pages).
@@ -121,9 +178,18 @@ struct Inner {
     rejected_streams: BTreeSet<StreamId>,
     /// Per stream: (work submitted, work completed).
     streams: BTreeMap<StreamId, (u64, u64)>,
-    /// Live events: id → recorded (stream, submitted count), or `None` if never recorded.
-    events: BTreeMap<u64, Option<(StreamId, u64)>>,
+    /// Live events: id → recorded (stream, submitted count, order of the record), or `None` if
+    /// never recorded.
+    events: BTreeMap<u64, Option<(StreamId, u64, u64)>>,
     next_event: u64,
+    /// Order of records and waits.
+    seq: u64,
+    /// Every successful `stream_wait_event`, in order.
+    wait_log: Vec<SimStreamWait>,
+    /// Waits whose recorded point is not known to have completed.
+    open_waits: Vec<OpenWait>,
+    /// Event calls made to fail next, one each.
+    fail_events: Vec<SimEventCall>,
 }
 
 /// A deterministic simulated device. See the module documentation.
@@ -199,6 +265,58 @@ impl Inner {
         self.counters.reserved_bytes
     }
 
+    /// Fails the call if a fault of this kind is pending; `count` is the calls of this kind so far.
+    fn event_fault(&mut self, call: SimEventCall, count: u64) -> Result<(), BackendError> {
+        match self.fail_events.iter().position(|&c| c == call) {
+            Some(i) => {
+                self.fail_events.remove(i);
+                Err(BackendError::Injected {
+                    operation: call.operation(),
+                    call: count + 1,
+                })
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Completes `stream`'s work up to `upto` units (and the waits queued there before that point:
+    /// before unit `upto`, or at it and ordered before `seq_limit`), and, through those waits,
+    /// the recorded streams' work they wait for.
+    fn finish(&mut self, stream: StreamId, upto: u64, seq_limit: u64) {
+        let mut work = vec![(stream, upto, seq_limit)];
+        while let Some((s, upto, limit)) = work.pop() {
+            let st = self.streams.entry(s).or_default();
+            st.1 = st.1.max(upto.min(st.0));
+            self.open_waits.retain(|w| {
+                let covered = w.wait.stream == s
+                    && (w.wait.position < upto || (w.wait.position == upto && w.seq < limit));
+                if covered {
+                    if let Some((t, at)) = w.wait.recorded {
+                        work.push((t, at, w.record_seq));
+                    }
+                }
+                !covered
+            });
+        }
+    }
+
+    /// Whether `stream` has completed its work before unit `upto` and the waits queued before the
+    /// point ordered `seq` (an event record's).
+    fn done(&self, stream: StreamId, upto: u64, seq: u64) -> bool {
+        if self.streams.get(&stream).map_or(0, |s| s.1) < upto {
+            return false;
+        }
+        self.open_waits.iter().all(|w| {
+            let before = w.wait.stream == stream
+                && (w.wait.position < upto || (w.wait.position == upto && w.seq < seq));
+            // A wait's record is ordered before the wait, so the recursion ends.
+            !before
+                || w.wait
+                    .recorded
+                    .is_none_or(|(t, at)| self.done(t, at, w.record_seq))
+        })
+    }
+
     fn charge(&mut self, size: usize) -> bool {
         if self.used().saturating_add(size) > self.config.capacity {
             return false;
@@ -240,6 +358,10 @@ impl SimDevice {
                 streams: BTreeMap::new(),
                 events: BTreeMap::new(),
                 next_event: 1,
+                seq: 0,
+                wait_log: Vec::new(),
+                open_waits: Vec::new(),
+                fail_events: Vec::new(),
             }),
         }
     }
@@ -297,9 +419,16 @@ impl SimDevice {
         self.inner.lock().reported_free = free;
     }
 
+    /// Makes the next call of `call`'s kind fail with [`BackendError::Injected`] (its `call`
+    /// field is the number of calls of that kind, counting this one). Each use arms one failure.
+    pub fn fail_next_event_call(&self, call: SimEventCall) {
+        self.inner.lock().fail_events.push(call);
+    }
+
     /// Clears every pending fault.
     pub fn clear_faults(&self) {
         let mut g = self.inner.lock();
+        g.fail_events.clear();
         g.fail_calls.clear();
         g.fail_above = None;
         g.reported_free = None;
@@ -316,11 +445,19 @@ impl SimDevice {
         self.inner.lock().streams.entry(stream).or_default().0 += 1;
     }
 
-    /// Finishes all simulated work queued on `stream`.
+    /// Finishes all simulated work queued on `stream`, and, through the events it was made to
+    /// wait on, the work of other streams before those events were recorded.
     pub fn complete_work(&self, stream: StreamId) {
         let mut g = self.inner.lock();
-        let s = g.streams.entry(stream).or_default();
-        s.1 = s.0;
+        let upto = g.streams.get(&stream).map_or(0, |s| s.0);
+        g.finish(stream, upto, u64::MAX);
+    }
+
+    /// Every successful `stream_wait_event` so far, in order: which stream waited on which
+    /// event, recorded where. Tests use it to check that work was ordered without a host
+    /// synchronization.
+    pub fn stream_waits(&self) -> Vec<SimStreamWait> {
+        self.inner.lock().wait_log.clone()
     }
 
     /// Whether any simulated work is still pending on `stream`.
@@ -438,6 +575,7 @@ unsafe impl DeviceBackend for SimDevice {
         for s in g.streams.values_mut() {
             s.1 = s.0;
         }
+        g.open_waits.clear();
         Ok(())
     }
 
@@ -454,13 +592,15 @@ unsafe impl DeviceBackend for SimDevice {
     fn synchronize_stream(&self, stream: StreamId) -> Result<(), BackendError> {
         let mut g = self.inner.lock();
         g.counters.synchronize_calls += 1;
-        let s = g.streams.entry(stream).or_default();
-        s.1 = s.0;
+        let upto = g.streams.get(&stream).map_or(0, |s| s.0);
+        g.finish(stream, upto, u64::MAX);
         Ok(())
     }
 
     fn create_event(&self) -> Result<EventHandle, BackendError> {
         let mut g = self.inner.lock();
+        let made = g.counters.events_created;
+        g.event_fault(SimEventCall::Create, made)?;
         let id = g.next_event;
         g.next_event += 1;
         g.events.insert(id, None);
@@ -470,9 +610,13 @@ unsafe impl DeviceBackend for SimDevice {
 
     fn record_event(&self, event: EventHandle, stream: StreamId) -> Result<(), BackendError> {
         let mut g = self.inner.lock();
+        let records = g.counters.event_records;
+        g.event_fault(SimEventCall::Record, records)?;
         let submitted = g.streams.get(&stream).map_or(0, |s| s.0);
+        g.seq += 1;
+        let seq = g.seq;
         match g.events.get_mut(&event.0) {
-            Some(slot) => *slot = Some((stream, submitted)),
+            Some(slot) => *slot = Some((stream, submitted, seq)),
             None => {
                 return Err(BackendError::InvalidArgument {
                     operation: "record_event",
@@ -489,7 +633,7 @@ unsafe impl DeviceBackend for SimDevice {
         g.counters.event_queries += 1;
         match g.events.get(&event.0) {
             Some(None) => Ok(true),
-            Some(Some((stream, at))) => Ok(g.streams.get(stream).map_or(0, |s| s.1) >= *at),
+            Some(&Some((stream, at, seq))) => Ok(g.done(stream, at, seq)),
             None => Err(BackendError::InvalidArgument {
                 operation: "query_event",
                 reason: format!("unknown event {}", event.0),
@@ -500,9 +644,8 @@ unsafe impl DeviceBackend for SimDevice {
     fn synchronize_event(&self, event: EventHandle) -> Result<(), BackendError> {
         let mut g = self.inner.lock();
         match g.events.get(&event.0).copied() {
-            Some(Some((stream, at))) => {
-                let s = g.streams.entry(stream).or_default();
-                s.1 = s.1.max(at);
+            Some(Some((stream, at, seq))) => {
+                g.finish(stream, at, seq);
                 Ok(())
             }
             Some(None) => Ok(()),
@@ -513,15 +656,37 @@ unsafe impl DeviceBackend for SimDevice {
         }
     }
 
-    fn stream_wait_event(&self, _stream: StreamId, event: EventHandle) -> Result<(), BackendError> {
-        if self.inner.lock().events.contains_key(&event.0) {
-            Ok(())
-        } else {
-            Err(BackendError::InvalidArgument {
+    fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> Result<(), BackendError> {
+        let mut g = self.inner.lock();
+        let Some(&recorded) = g.events.get(&event.0) else {
+            return Err(BackendError::InvalidArgument {
                 operation: "stream_wait_event",
                 reason: format!("unknown event {}", event.0),
-            })
+            });
+        };
+        let waits = g.counters.stream_waits;
+        g.event_fault(SimEventCall::StreamWait, waits)?;
+        g.seq += 1;
+        let wait = SimStreamWait {
+            stream,
+            event,
+            recorded: recorded.map(|(s, at, _)| (s, at)),
+            position: g.streams.get(&stream).map_or(0, |s| s.0),
+        };
+        g.wait_log.push(wait);
+        if let Some((t, at, record_seq)) = recorded {
+            // Already satisfied (the recorded point completed): nothing to wait for.
+            if !g.done(t, at, record_seq) {
+                let seq = g.seq;
+                g.open_waits.push(OpenWait {
+                    wait,
+                    seq,
+                    record_seq,
+                });
+            }
         }
+        g.counters.stream_waits += 1;
+        Ok(())
     }
 
     unsafe fn destroy_event(&self, event: EventHandle) -> Result<(), BackendError> {
@@ -785,6 +950,77 @@ mod tests {
         sim.record_event(e, s).unwrap();
         sim.synchronize().unwrap();
         assert!(sim.query_event(e).unwrap());
+    }
+
+    #[test]
+    fn stream_waits_order_work_across_streams() {
+        let sim = SimDevice::default();
+        let (t, s) = (StreamId(1), StreamId(2));
+        let e = sim.create_event().unwrap();
+        sim.submit_work(t);
+        sim.record_event(e, t).unwrap();
+        sim.stream_wait_event(s, e).unwrap();
+        sim.submit_work(s);
+        let after = sim.create_event().unwrap();
+        sim.record_event(after, s).unwrap();
+        assert_eq!(
+            sim.stream_waits(),
+            vec![SimStreamWait {
+                stream: s,
+                event: e,
+                recorded: Some((t, 1)),
+                position: 0,
+            }]
+        );
+        assert_eq!(sim.counters().stream_waits, 1);
+        // The waiting stream's later work cannot have completed before T's.
+        assert!(!sim.query_event(after).unwrap());
+        sim.complete_work(s);
+        assert!(
+            !sim.has_pending_work(t),
+            "completing S completed what S waited for"
+        );
+        assert!(sim.query_event(e).unwrap() && sim.query_event(after).unwrap());
+        assert_eq!(sim.counters().synchronize_calls, 0);
+
+        // An event recorded on an idle stream after a wait is pending until the wait is met.
+        let e2 = sim.create_event().unwrap();
+        sim.submit_work(t);
+        sim.record_event(e2, t).unwrap();
+        sim.stream_wait_event(s, e2).unwrap();
+        let e3 = sim.create_event().unwrap();
+        sim.record_event(e3, s).unwrap();
+        assert!(!sim.query_event(e3).unwrap());
+        sim.complete_work(t);
+        assert!(sim.query_event(e3).unwrap());
+        // A wait on a point already complete waits for nothing.
+        sim.stream_wait_event(s, e2).unwrap();
+        assert_eq!(sim.stream_waits().len(), 3);
+    }
+
+    #[test]
+    fn event_faults_fire_once() {
+        let sim = SimDevice::default();
+        sim.fail_next_event_call(SimEventCall::Create);
+        assert!(matches!(
+            sim.create_event(),
+            Err(BackendError::Injected {
+                operation: "create_event",
+                call: 1
+            })
+        ));
+        let e = sim.create_event().unwrap();
+        sim.fail_next_event_call(SimEventCall::Record);
+        assert!(sim.record_event(e, StreamId(1)).is_err());
+        sim.record_event(e, StreamId(1)).unwrap();
+        sim.fail_next_event_call(SimEventCall::StreamWait);
+        assert!(sim.stream_wait_event(StreamId(2), e).is_err());
+        assert!(sim.stream_waits().is_empty());
+        sim.stream_wait_event(StreamId(2), e).unwrap();
+        sim.fail_next_event_call(SimEventCall::StreamWait);
+        sim.clear_faults();
+        sim.stream_wait_event(StreamId(2), e).unwrap();
+        assert_eq!(sim.counters().stream_waits, 2);
     }
 
     #[test]

@@ -164,6 +164,14 @@ pub struct AllocatorConfig {
     /// frees of this thread's blocks take no lock. Opt-in: off in every preset (the `pytorch`
     /// presets must reproduce PyTorch exactly). See `benches/README.md`.
     pub fast_path: bool,
+    /// Whether idle cached memory of one stream may serve another stream (crate key
+    /// `cca_cross_stream_reuse`). PyTorch reuses a block only on the stream it was allocated for;
+    /// with this on, an allocation that finds no fitting free block of its own stream, before
+    /// the cache would grow, takes a wholly free cached segment of another stream of the same
+    /// pool: an event recorded on the old stream and waited on by the new one orders the work
+    /// (no host synchronization), then the segment belongs to the new stream. Opt-in: off in
+    /// every preset (see `docs/algorithm.md`, "Cross-stream reuse").
+    pub cross_stream_reuse: bool,
     /// The original configuration string, when parsed from one.
     pub settings: String,
 }
@@ -217,6 +225,7 @@ impl AllocatorConfig {
             page_reuse_slack: 0.0,
             precise_fraction_cap: false,
             fast_path: false,
+            cross_stream_reuse: false,
             settings: String::new(),
         }
     }
@@ -360,6 +369,12 @@ impl Default for AllocatorConfig {
     /// cache hits without the lock (see `benches/README.md` for its figures).
     ///
     /// On a backend without virtual memory it falls back to PyTorch's fixed segments.
+    ///
+    /// Cross-stream reuse (`cca_cross_stream_reuse:True`) stays off: with page reuse on, it
+    /// leaves peak reserved bytes where they are (it halves the range operations and stream
+    /// synchronizations of the multi-stream synthetic workload) and makes a stream wait for
+    /// another's queued work, which the simulated device cannot price (see
+    /// `docs/configuration.md`).
     fn default() -> Self {
         AllocatorConfig {
             expandable_segments: true,
@@ -483,6 +498,14 @@ impl AllocatorConfigBuilder {
     /// global lock.
     pub fn fast_path(mut self, on: bool) -> Self {
         self.config.fast_path = on;
+        self
+    }
+
+    /// `cca_cross_stream_reuse` (crate-specific): an allocation that finds no free block of its
+    /// own stream takes a wholly free cached segment of another stream (ordered by an event
+    /// wait) before the cache grows.
+    pub fn cross_stream_reuse(mut self, on: bool) -> Self {
+        self.config.cross_stream_reuse = on;
         self
     }
 

@@ -277,6 +277,11 @@ pub(super) fn apply(
                 i += 2;
                 c.fast_path = t.boolean(i)?;
             }
+            "cca_cross_stream_reuse" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                c.cross_stream_reuse = t.boolean(i)?;
+            }
             "cca_preset" => {
                 // This crate's key: start over from a named preset; keys after it apply on top.
                 t.expect(i + 1, ":")?;
@@ -445,6 +450,42 @@ mod tests {
         let c = apply(AllocatorConfig::default(), "cca_fast_path:False").unwrap();
         assert!(!c.fast_path);
         assert!(err("cca_fast_path:yes").contains("Expected 'True' or 'False'"));
+    }
+
+    #[test]
+    fn cross_stream_reuse_key() {
+        assert!(!parse("").unwrap().cross_stream_reuse);
+        assert!(
+            parse("cca_cross_stream_reuse:True")
+                .unwrap()
+                .cross_stream_reuse
+        );
+        assert!(
+            !parse("cca_cross_stream_reuse:False")
+                .unwrap()
+                .cross_stream_reuse
+        );
+        let c = parse("expandable_segments:True, cca_cross_stream_reuse : True").unwrap();
+        assert!(c.cross_stream_reuse && c.expandable_segments);
+        let c = apply(AllocatorConfig::default(), "cca_cross_stream_reuse:True").unwrap();
+        assert!(c.cross_stream_reuse && c.expandable_segments);
+        assert_eq!(
+            err("cca_cross_stream_reuse:yes"),
+            "Expected 'True' or 'False' at index 2 in ConfigTokenizer but got 'yes'"
+        );
+        assert_eq!(
+            err("cca_cross_stream_reuse:1"),
+            "Expected 'True' or 'False' at index 2 in ConfigTokenizer but got '1'"
+        );
+        assert!(err("cca_cross_stream_reuse").contains("ends too early"));
+        // A preset named after the key starts over (off again).
+        let c = parse("cca_cross_stream_reuse:True,cca_preset:pytorch").unwrap();
+        assert!(!c.cross_stream_reuse);
+        let b = AllocatorConfig::builder()
+            .cross_stream_reuse(true)
+            .build()
+            .unwrap();
+        assert!(b.cross_stream_reuse);
     }
 
     #[test]

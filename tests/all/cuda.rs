@@ -511,6 +511,79 @@ fn cuda_record_stream_holds_the_block_until_the_other_stream_is_done() {
 }
 
 #[test]
+fn cuda_cross_stream_reuse_orders_the_new_stream_after_the_old() {
+    let Some(g) = gpu("cuda_cross_stream_reuse_orders_the_new_stream_after_the_old") else {
+        return;
+    };
+    let config = AllocatorConfig::builder()
+        .cross_stream_reuse(true)
+        .build()
+        .unwrap();
+    let alloc = CudaAllocator::new(Arc::clone(&g.ctx), config).unwrap();
+    let t = g.ctx.new_stream().unwrap();
+    let s = g.ctx.new_stream().unwrap();
+    let n = 5 * MIB; // 20 MiB of u32: exactly one segment, no remainder to split off
+    let seed_t = 0x7;
+    let seed_s = 0x5;
+
+    // A long kernel on T writes the buffer; the buffer is freed on T while it runs (PyTorch's
+    // rule: reusable on T at once, its work being ordered there).
+    let mut buf = uninit::<u32>(&alloc, &t, n);
+    let p = buf.device_ptr_raw();
+    let cycles: i64 = 1_500_000_000; // about 0.75 s at 2 GHz
+    let n64 = n as u64;
+    let mut launch = t.launch_builder(&g.spin_fill);
+    launch.arg(&mut buf).arg(&n64).arg(&seed_t).arg(&cycles);
+    // SAFETY: spin_then_fill(unsigned*, u64, u32, i64) writes `n` values of an `n`-value buffer.
+    unsafe { launch.launch(grid(n)) }.unwrap();
+    let done_t = t.record_event(None).unwrap();
+    drop(buf);
+    let segments = alloc.memory_stats().num_device_alloc;
+
+    // S has no cached block: with the option on it gets T's wholly free segment, without a new
+    // segment and without the host waiting for T.
+    let mut mine = uninit::<u32>(&alloc, &s, n);
+    let running = !done_t.is_complete();
+    assert_eq!(mine.device_ptr_raw(), p, "T's segment was handed over");
+    assert_eq!(alloc.cross_stream_handovers(), 1);
+    assert_eq!(
+        alloc.memory_stats().num_device_alloc,
+        segments,
+        "no new segment"
+    );
+    if !running {
+        // Only possible where launches block (compute-sanitizer serializes them).
+        assert!(
+            under_sanitizer(),
+            "T's kernel finished before the handover: the host waited, or the kernel is too short"
+        );
+    }
+
+    // S writes its own pattern. The handover made S wait on an event recorded on T after the
+    // kernel, so S's write lands after T's late write, never under it.
+    fill!(g, &s, &mut mine, n, seed_s);
+    s.synchronize().unwrap();
+    assert!(
+        done_t.is_complete(),
+        "S's work finished, so T's kernel before the handover's event did too"
+    );
+    assert_eq!(
+        bad!(g, &alloc, &s, &mine, n, seed_s),
+        0,
+        "S reads its own pattern: T's kernel did not write over it"
+    );
+    t.synchronize().unwrap();
+    assert_eq!(bad!(g, &alloc, &s, &mine, n, seed_s), 0);
+    drop(mine);
+    assert_eq!(
+        alloc.memory_stats().num_device_alloc,
+        segments + 1,
+        "one small segment for the checks"
+    );
+    alloc.check_invariants().unwrap();
+}
+
+#[test]
 fn cuda_blocks_belong_to_their_stream() {
     let Some(g) = gpu("cuda_blocks_belong_to_their_stream") else {
         return;

@@ -8,6 +8,7 @@ mod caching;
 mod cli;
 mod concurrency;
 mod config_env;
+mod cross_stream;
 mod cuda;
 mod expandable;
 mod expandable_fidelity;

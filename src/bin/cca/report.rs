@@ -53,6 +53,7 @@ fn run_json(label: &Labelled, run: &Run, trace_args: &TraceArgs) -> Value {
         "num_device_free": r.num_device_free,
         "num_ooms": r.num_ooms,
         "num_alloc_retries": r.num_alloc_retries,
+        "cross_stream_handovers": r.cross_stream_handovers,
         "ns_per_op": lat.mean_ns,
         "ns_per_op_p50": lat.p50_ns,
         "ns_per_op_p99": lat.p99_ns,
