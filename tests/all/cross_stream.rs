@@ -5,12 +5,11 @@
 //! expandable segments, the fast path, the fraction cap and the OOM path, a property test over
 //! multi-stream programs, and the replay measurement on the many-streams workload.
 
-use std::collections::BTreeMap;
-
 use cuda_caching_allocator::synth::Workload;
 use cuda_caching_allocator::*;
 use proptest::prelude::*;
 
+use crate::programs::{Mix, Op, Run, random_program};
 use crate::util::{MIB, with_config};
 
 const T: StreamId = StreamId(1);
@@ -517,42 +516,6 @@ fn the_default_with_the_option_keeps_its_waste_goal_and_syncs_less() {
 
 // ---- property test ------------------------------------------------------------------------
 
-#[derive(Clone, Debug)]
-enum Op {
-    Alloc { size: usize, stream: u64 },
-    Free { pick: usize },
-    EmptyCache,
-    SetFraction { fraction: f64 },
-    RecordStream { pick: usize, stream: u64 },
-    SubmitWork { stream: u64 },
-    CompleteWork { stream: u64 },
-    FailNextCall { oom: bool },
-    FailEvent { call: u8 },
-}
-
-fn size_strategy() -> impl Strategy<Value = usize> {
-    prop_oneof![
-        3 => 1usize..=4096,
-        3 => 4096usize..=(MIB + 4096),
-        3 => MIB..=(12 * MIB),
-        1 => (10 * MIB)..=(40 * MIB),
-    ]
-}
-
-fn op_strategy() -> impl Strategy<Value = Op> {
-    prop_oneof![
-        12 => (size_strategy(), 0u64..4).prop_map(|(size, stream)| Op::Alloc { size, stream }),
-        10 => any::<usize>().prop_map(|pick| Op::Free { pick }),
-        1 => Just(Op::EmptyCache),
-        1 => prop_oneof![Just(1.0), 0.05f64..1.0].prop_map(|fraction| Op::SetFraction { fraction }),
-        2 => (any::<usize>(), 0u64..4).prop_map(|(pick, stream)| Op::RecordStream { pick, stream }),
-        2 => (0u64..4).prop_map(|stream| Op::SubmitWork { stream }),
-        1 => (0u64..4).prop_map(|stream| Op::CompleteWork { stream }),
-        1 => any::<bool>().prop_map(|oom| Op::FailNextCall { oom }),
-        1 => (0u8..3).prop_map(|call| Op::FailEvent { call }),
-    ]
-}
-
 fn config_strategy() -> impl Strategy<Value = AllocatorConfig> {
     prop_oneof![
         Just("".to_string()),
@@ -575,45 +538,12 @@ fn config_strategy() -> impl Strategy<Value = AllocatorConfig> {
     })
 }
 
-/// Whether `[start, end)` lies inside the union of the device's live segments and mappings.
-fn covered(ranges: &[(u64, u64)], start: u64, end: u64) -> bool {
-    let mut at = start;
-    for &(s, e) in ranges {
-        if s <= at && at < e {
-            at = e;
-        }
-        if at >= end {
-            return true;
-        }
-    }
-    at >= end
-}
-
-fn check(
-    a: &CachingAllocator<SimDevice>,
-    live: &BTreeMap<u64, Allocation>,
-) -> Result<(), TestCaseError> {
-    if let Err(v) = a.check_invariants() {
-        return Err(TestCaseError::fail(format!("invariant: {v}")));
-    }
+/// The common checks plus the handovers' own: a live block never changes stream, and every
+/// handover issued exactly one wait.
+fn check(run: &Run) -> Result<(), TestCaseError> {
+    run.check()?;
+    let (a, live) = (&run.a, &run.live);
     let sim = a.backend();
-    let mut ranges: Vec<(u64, u64)> = sim
-        .live_segments()
-        .into_iter()
-        .chain(sim.live_mappings())
-        .map(|(p, s)| (p.0, p.0 + s as u64))
-        .collect();
-    ranges.sort_unstable();
-    let mut prev_end = 0u64;
-    for x in live.values() {
-        prop_assert!(x.ptr.0 >= prev_end, "live allocations overlap at {}", x.ptr);
-        prev_end = x.ptr.0 + x.block_size as u64;
-        prop_assert!(
-            covered(&ranges, x.ptr.0, prev_end),
-            "{} lies outside device memory",
-            x.ptr
-        );
-    }
     // A handover never moves a live block: each allocation's segment is still its stream's.
     let snap = a.snapshot();
     for x in live.values() {
@@ -628,12 +558,6 @@ fn check(
             x.ptr
         );
     }
-    let st = a.memory_stats();
-    prop_assert_eq!(
-        st.allocation.get(StatType::All).current as usize,
-        live.len()
-    );
-    prop_assert_eq!(st.memory_reserved() as usize, sim.counters().reserved_bytes);
     // Every handover issued exactly one wait, and nothing else waits.
     prop_assert_eq!(sim.counters().stream_waits, a.cross_stream_handovers());
     Ok(())
@@ -649,76 +573,26 @@ proptest! {
     fn multi_stream_programs_with_handovers_stay_consistent_and_leak_nothing(
         config in config_strategy(),
         capacity_mib in 64usize..400,
-        ops in proptest::collection::vec(op_strategy(), 1..160),
+        ops in random_program(Mix { min_size: 1, all_streams: true, event_faults: true }),
     ) {
         prop_assert!(config.cross_stream_reuse);
-        let a = CachingAllocator::new(SimDevice::with_capacity(capacity_mib * MIB), config).unwrap();
-        let sim = a.backend();
-        let mut live: BTreeMap<u64, Allocation> = BTreeMap::new();
-        let mut submitted = [0u64; 4];
-        for op in ops {
-            match op {
-                Op::Alloc { size, stream } => {
-                    let before = a.cross_stream_handovers();
-                    match a.allocate(size, StreamId(stream)) {
-                        Ok(x) => {
-                            prop_assert!(live.insert(x.ptr.0, x).is_none(), "pointer handed out twice");
-                        }
-                        Err(e) => prop_assert!(
-                            e.is_out_of_memory() || matches!(e, AllocError::Backend { .. }),
-                            "unexpected error {}", e
-                        ),
-                    }
-                    if a.cross_stream_handovers() > before {
-                        // The new stream waits on the old one's work queued so far.
-                        let w = *sim.stream_waits().last().unwrap();
-                        prop_assert_eq!(w.stream, StreamId(stream));
-                        let (from, at) = w.recorded.unwrap();
-                        prop_assert_ne!(from, StreamId(stream));
-                        prop_assert_eq!(at, submitted[from.0 as usize]);
-                    }
+        let mut run = Run::new(capacity_mib, config);
+        for op in &ops {
+            let before = run.a.cross_stream_handovers();
+            run.step(op)?;
+            if let Op::Alloc { stream, .. } = *op {
+                if run.a.cross_stream_handovers() > before {
+                    // The new stream waits on the old one's work queued so far.
+                    let w = *run.a.backend().stream_waits().last().unwrap();
+                    prop_assert_eq!(w.stream, StreamId(stream));
+                    let (from, at) = w.recorded.unwrap();
+                    prop_assert_ne!(from, StreamId(stream));
+                    prop_assert_eq!(at, run.submitted[from.0 as usize]);
                 }
-                Op::Free { pick } => {
-                    if !live.is_empty() {
-                        let key = *live.keys().nth(pick % live.len()).unwrap();
-                        let x = live.remove(&key).unwrap();
-                        a.free(x.ptr).unwrap();
-                    }
-                }
-                Op::EmptyCache => {
-                    let _ = a.empty_cache();
-                }
-                Op::SetFraction { fraction } => a.set_memory_fraction(fraction).unwrap(),
-                Op::RecordStream { pick, stream } => {
-                    if !live.is_empty() {
-                        let x = *live.values().nth(pick % live.len()).unwrap();
-                        sim.submit_work(StreamId(stream));
-                        submitted[stream as usize] += 1;
-                        a.record_stream(x.ptr, StreamId(stream)).unwrap();
-                    }
-                }
-                Op::SubmitWork { stream } => {
-                    sim.submit_work(StreamId(stream));
-                    submitted[stream as usize] += 1;
-                }
-                Op::CompleteWork { stream } => sim.complete_work(StreamId(stream)),
-                Op::FailNextCall { oom } => sim.fail_next_call(if oom { FaultKind::OutOfMemory } else { FaultKind::Error }),
-                Op::FailEvent { call } => sim.fail_next_event_call(
-                    [SimEventCall::Create, SimEventCall::Record, SimEventCall::StreamWait][call as usize],
-                ),
             }
-            check(&a, &live)?;
+            check(&run)?;
         }
-        sim.clear_faults();
-        for x in std::mem::take(&mut live).into_values() {
-            a.free(x.ptr).unwrap();
-        }
-        a.empty_cache().unwrap();
-        prop_assert_eq!(a.memory_stats().memory_reserved(), 0);
-        let c = sim.counters();
-        prop_assert_eq!(c.live_segments, 0);
-        prop_assert_eq!(c.reserved_bytes, 0);
-        prop_assert!(sim.live_mappings().is_empty());
-        check(&a, &live)?;
+        run.drain()?;
+        check(&run)?;
     }
 }

@@ -1,0 +1,251 @@
+//! The language of random allocator programs shared by the property tests (`props`,
+//! `expandable`, `cross_stream`): the operations, their strategy, how one runs against a model of
+//! the live allocations, the checks every program makes after each step, and the final drain
+//! that must leave nothing behind. Each test adds its own configurations and checks.
+
+use std::collections::BTreeMap;
+
+use cuda_caching_allocator::*;
+use proptest::prelude::*;
+
+use crate::util::MIB;
+
+/// Streams the programs use (allocations on the first three, work on all four).
+pub const STREAMS: usize = 4;
+
+/// One step of a program.
+#[derive(Clone, Debug)]
+pub enum Op {
+    Alloc { size: usize, stream: u64 },
+    Free { pick: usize },
+    EmptyCache,
+    SetFraction { fraction: f64 },
+    RecordStream { pick: usize, stream: u64 },
+    SubmitWork { stream: u64 },
+    CompleteWork { stream: u64 },
+    FailNextCall { oom: bool },
+    FailEvent { call: u8 },
+}
+
+/// Which operations a program may contain beyond the common ones.
+#[derive(Clone, Copy, Debug)]
+pub struct Mix {
+    /// The smallest request (0 exercises the null allocation).
+    pub min_size: usize,
+    /// Allocations on all four streams (not only the first three), and queued work on any
+    /// stream without a `record_stream`.
+    pub all_streams: bool,
+    /// Injected failures of event calls.
+    pub event_faults: bool,
+}
+
+fn size_strategy(min_size: usize) -> impl Strategy<Value = usize> {
+    prop_oneof![
+        4 => min_size..=4096,
+        3 => 4096usize..=(MIB + 4096),
+        2 => MIB..=(12 * MIB),
+        1 => (10 * MIB)..=(48 * MIB),
+    ]
+}
+
+/// Programs of 1–159 steps drawn from `mix`.
+pub fn random_program(mix: Mix) -> impl Strategy<Value = Vec<Op>> {
+    let alloc_streams = if mix.all_streams { STREAMS as u64 } else { 3 };
+    let streams = STREAMS as u64;
+    let mut arms: Vec<(u32, BoxedStrategy<Op>)> = vec![
+        (
+            10,
+            (size_strategy(mix.min_size), 0..alloc_streams)
+                .prop_map(|(size, stream)| Op::Alloc { size, stream })
+                .boxed(),
+        ),
+        (7, any::<usize>().prop_map(|pick| Op::Free { pick }).boxed()),
+        (1, Just(Op::EmptyCache).boxed()),
+        (
+            1,
+            prop_oneof![Just(1.0), 0.05f64..1.0]
+                .prop_map(|fraction| Op::SetFraction { fraction })
+                .boxed(),
+        ),
+        (
+            2,
+            (any::<usize>(), 0..streams)
+                .prop_map(|(pick, stream)| Op::RecordStream { pick, stream })
+                .boxed(),
+        ),
+        (
+            1,
+            (0..streams)
+                .prop_map(|stream| Op::CompleteWork { stream })
+                .boxed(),
+        ),
+        (
+            1,
+            any::<bool>()
+                .prop_map(|oom| Op::FailNextCall { oom })
+                .boxed(),
+        ),
+    ];
+    if mix.all_streams {
+        arms.push((
+            2,
+            (0..streams)
+                .prop_map(|stream| Op::SubmitWork { stream })
+                .boxed(),
+        ));
+    }
+    if mix.event_faults {
+        arms.push((1, (0u8..3).prop_map(|call| Op::FailEvent { call }).boxed()));
+    }
+    proptest::collection::vec(proptest::strategy::Union::new_weighted(arms), 1..160)
+}
+
+/// A program's run: the allocator, the model of its live allocations, and the work submitted
+/// per stream so far.
+pub struct Run {
+    pub a: CachingAllocator<SimDevice>,
+    pub live: BTreeMap<u64, Allocation>,
+    pub submitted: [u64; STREAMS],
+}
+
+impl Run {
+    pub fn new(capacity_mib: usize, config: AllocatorConfig) -> Self {
+        Run {
+            a: CachingAllocator::new(SimDevice::with_capacity(capacity_mib * MIB), config).unwrap(),
+            live: BTreeMap::new(),
+            submitted: [0; STREAMS],
+        }
+    }
+
+    /// Runs `op`: allocations join the model (out of memory and injected backend errors are the
+    /// only errors allowed), frees leave it and a second free of the same pointer is refused.
+    pub fn step(&mut self, op: &Op) -> Result<(), TestCaseError> {
+        let (a, live) = (&self.a, &mut self.live);
+        let sim = a.backend();
+        match *op {
+            Op::Alloc { size, stream } => match a.allocate(size, StreamId(stream)) {
+                Ok(x) if x.ptr.is_null() => prop_assert_eq!(size, 0),
+                Ok(x) => {
+                    prop_assert!(
+                        live.insert(x.ptr.0, x).is_none(),
+                        "pointer handed out twice"
+                    );
+                }
+                Err(e) => prop_assert!(
+                    e.is_out_of_memory() || matches!(e, AllocError::Backend { .. }),
+                    "unexpected error {}",
+                    e
+                ),
+            },
+            Op::Free { pick } => {
+                if !live.is_empty() {
+                    let key = *live.keys().nth(pick % live.len()).unwrap();
+                    let x = live.remove(&key).unwrap();
+                    a.free(x.ptr).unwrap();
+                    prop_assert!(a.free(x.ptr).is_err(), "double free accepted");
+                }
+            }
+            Op::EmptyCache => {
+                let _ = a.empty_cache();
+            }
+            Op::SetFraction { fraction } => a.set_memory_fraction(fraction).unwrap(),
+            Op::RecordStream { pick, stream } => {
+                if !live.is_empty() {
+                    let x = *live.values().nth(pick % live.len()).unwrap();
+                    sim.submit_work(StreamId(stream));
+                    self.submitted[stream as usize] += 1;
+                    a.record_stream(x.ptr, StreamId(stream)).unwrap();
+                }
+            }
+            Op::SubmitWork { stream } => {
+                sim.submit_work(StreamId(stream));
+                self.submitted[stream as usize] += 1;
+            }
+            Op::CompleteWork { stream } => sim.complete_work(StreamId(stream)),
+            Op::FailNextCall { oom } => sim.fail_next_call(if oom {
+                FaultKind::OutOfMemory
+            } else {
+                FaultKind::Error
+            }),
+            Op::FailEvent { call } => sim.fail_next_event_call(
+                [
+                    SimEventCall::Create,
+                    SimEventCall::Record,
+                    SimEventCall::StreamWait,
+                ][call as usize],
+            ),
+        }
+        Ok(())
+    }
+
+    /// What holds after every step: the invariants; live allocations do not overlap and lie in
+    /// device memory (fixed segments or mapped pages); the allocation count, allocated and
+    /// reserved bytes agree with the model and the device.
+    pub fn check(&self) -> Result<(), TestCaseError> {
+        let (a, live) = (&self.a, &self.live);
+        if let Err(v) = a.check_invariants() {
+            return Err(TestCaseError::fail(format!("invariant: {v}")));
+        }
+        let sim = a.backend();
+        let mut ranges: Vec<(u64, u64)> = sim
+            .live_segments()
+            .into_iter()
+            .chain(sim.live_mappings())
+            .map(|(p, s)| (p.0, p.0 + s as u64))
+            .collect();
+        ranges.sort_unstable();
+        let mut prev_end = 0u64;
+        for x in live.values() {
+            prop_assert!(x.ptr.0 >= prev_end, "live allocations overlap at {}", x.ptr);
+            prev_end = x.ptr.0 + x.block_size as u64;
+            prop_assert!(
+                covered(&ranges, x.ptr.0, prev_end),
+                "{} lies outside device memory",
+                x.ptr
+            );
+            prop_assert!(x.block_size >= x.size);
+        }
+        let st = a.memory_stats();
+        prop_assert_eq!(
+            st.allocation.get(StatType::All).current as usize,
+            live.len()
+        );
+        prop_assert_eq!(
+            st.memory_allocated() as usize,
+            live.values().map(|x| x.block_size).sum::<usize>()
+        );
+        prop_assert!(st.memory_allocated() <= st.memory_reserved());
+        prop_assert_eq!(st.memory_reserved() as usize, sim.counters().reserved_bytes);
+        Ok(())
+    }
+
+    /// Frees what is live and empties the cache: nothing may stay reserved, allocated or mapped.
+    pub fn drain(&mut self) -> Result<(), TestCaseError> {
+        let sim = self.a.backend();
+        sim.clear_faults();
+        for x in std::mem::take(&mut self.live).into_values() {
+            self.a.free(x.ptr).unwrap();
+        }
+        self.a.empty_cache().unwrap();
+        prop_assert_eq!(self.a.memory_stats().memory_reserved(), 0);
+        let c = sim.counters();
+        prop_assert_eq!(c.live_segments, 0);
+        prop_assert_eq!(c.reserved_bytes, 0);
+        prop_assert!(sim.live_mappings().is_empty());
+        self.check()
+    }
+}
+
+/// Whether `[start, end)` lies inside the union of the sorted `ranges`.
+fn covered(ranges: &[(u64, u64)], start: u64, end: u64) -> bool {
+    let mut at = start;
+    for &(s, e) in ranges {
+        if s <= at && at < e {
+            at = e;
+        }
+        if at >= end {
+            return true;
+        }
+    }
+    at >= end
+}
