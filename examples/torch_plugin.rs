@@ -4,15 +4,19 @@
 //! `target/release/examples/libtorch_plugin.so`, then in Python, before any CUDA allocation:
 //!
 //! ```python
-//! import torch
-//! alloc = torch.cuda.memory.CUDAPluggableAllocator("libtorch_plugin.so", "cca_alloc", "cca_free")
-//! torch.cuda.memory.change_current_allocator(alloc)
+//! import cuda_caching_allocator.torch as cca   # python/ in this repository
+//! cca.enable(library="target/release/examples/libtorch_plugin.so")
 //! ```
 //!
-//! Besides `cca_alloc` / `cca_free` it exports `cca_memory_stat` (any `torch.cuda.memory_stats()`
-//! key), `cca_print_summary`, `cca_empty_cache`, `cca_reset_peak_stats` and
-//! `cca_set_memory_fraction`, and `cca_bench_alloc_free` (host cost of one allocate + free);
-//! `gpu/torch_client.py` calls them through `ctypes`.
+//! Besides `cca_alloc` / `cca_free` it exports the hooks PyTorch's `CUDAPluggableAllocator`
+//! takes from Python through `.allocator()`: `cca_record_stream` (`set_record_stream_fn`, which
+//! `Tensor.record_stream` reaches: NCCL process groups, FSDP, DDP and prefetchers call it),
+//! `cca_reset` (`set_reset_fn`, `torch.cuda.empty_cache()`), `cca_memory_fraction_hook`
+//! (`set_memory_fraction_fn`) and `cca_init` (`set_init_fn`). `python/cuda_caching_allocator`
+//! loads the library and registers all of them: `cuda_caching_allocator.torch.enable(...)`.
+//! It also exports `cca_memory_stat` (any `torch.cuda.memory_stats()` key),
+//! `cca_print_summary`, `cca_empty_cache`, `cca_reset_peak_stats` and
+//! `cca_set_memory_fraction`, and `cca_bench_alloc_free` (host cost of one allocate + free).
 //!
 //! Nothing unwinds across the C boundary: every entry point runs under `catch_unwind`; errors
 //! become a null pointer or a negative status and a line on stderr.
@@ -75,10 +79,81 @@ pub extern "C" fn cca_free(ptr: *mut c_void, _size: isize, device: c_int, _strea
             eprintln!("cuda_caching_allocator: cca_free: bad device {device}");
             return;
         };
-        if let Err(e) = raw::free(device, DevicePtr(ptr.addr() as u64)) {
+        // SAFETY: PyTorch frees each pointer it got from `cca_alloc` once, and owns no typed
+        // buffer of the registry; its streams are declared through `cca_record_stream`.
+        if let Err(e) = unsafe { raw::free(device, DevicePtr(ptr.addr() as u64)) } {
             eprintln!("cuda_caching_allocator: cca_free({ptr:?}, device {device}) failed: {e}");
         }
     })
+}
+
+/// `void record_stream(void* ptr, cudaStream_t stream)`, PyTorch's pluggable `record_stream`
+/// hook (`Tensor.record_stream`, set with `allocator().set_record_stream_fn`): the allocation at
+/// `ptr` is used on `stream`, so its memory is reused only after the work queued there by the time
+/// it is freed has completed. Errors go to stderr (the hook returns nothing).
+///
+/// # Safety
+/// `stream` is a live stream of the device that owns `ptr` and outlives the allocation (PyTorch's
+/// streams do).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cca_record_stream(ptr: *mut c_void, stream: *mut c_void) {
+    guarded("cca_record_stream", (), || {
+        if ptr.is_null() {
+            return;
+        }
+        let (p, s) = (DevicePtr(ptr.addr() as u64), StreamId(stream.addr() as u64));
+        // SAFETY: the caller's promise about `stream` is `raw::record_stream_on_owner`'s
+        // obligation.
+        if let Err(e) = unsafe { raw::record_stream_on_owner(p, s) } {
+            eprintln!("cuda_caching_allocator: cca_record_stream({p}, {s}) failed: {e}");
+        }
+    })
+}
+
+/// `void reset()`, PyTorch's pluggable `empty_cache` hook (`set_reset_fn`): returns every
+/// device's cached, unused memory to the driver. Errors go to stderr.
+#[unsafe(no_mangle)]
+pub extern "C" fn cca_reset() {
+    guarded("cca_reset", (), || {
+        if let Err(e) = AllocatorRegistry::global().empty_cache_all() {
+            eprintln!("cuda_caching_allocator: empty_cache failed: {e}");
+        }
+    })
+}
+
+/// `void memory_fraction(double fraction, int device)`, PyTorch's pluggable
+/// `set_per_process_memory_fraction` hook (`set_memory_fraction_fn`). Errors go to stderr.
+#[unsafe(no_mangle)]
+pub extern "C" fn cca_memory_fraction_hook(fraction: f64, device: c_int) {
+    let _ = cca_set_memory_fraction(device, fraction);
+}
+
+/// `void init(int device_count)`, PyTorch's pluggable `init` hook (`set_init_fn`): reports a bad
+/// configuration on stderr now rather than at the first allocation.
+#[unsafe(no_mangle)]
+pub extern "C" fn cca_init(device_count: c_int) {
+    let _ = device_count;
+    let _ = cca_check_config();
+}
+
+/// Checks the configuration the devices' caches will use (`CUDA_CACHING_ALLOCATOR_CONF`, else
+/// PyTorch's variables, over the crate's default): 0 when it is good, -1 otherwise, with the
+/// reason on stderr. The Python loader calls it before installing the allocator.
+#[unsafe(no_mangle)]
+pub extern "C" fn cca_check_config() -> c_int {
+    guarded(
+        "cca_check_config",
+        -1,
+        || match cuda_caching_allocator::AllocatorConfig::from_env_or(
+            cuda_caching_allocator::AllocatorConfig::default(),
+        ) {
+            Ok(_) => 0,
+            Err(e) => {
+                eprintln!("cuda_caching_allocator: bad configuration: {e}");
+                -1
+            }
+        },
+    )
 }
 
 /// One statistic of `device`'s cache by its `torch.cuda.memory_stats()` key (for example
@@ -194,10 +269,12 @@ pub unsafe extern "C" fn cca_bench_alloc_free(
             if path == 0 {
                 // SAFETY: the caller's promise about `stream` is `raw::alloc`'s obligations.
                 let a = unsafe { raw::alloc(device, size, stream) }?;
-                raw::free(device, a.ptr)
+                // SAFETY: the pair's own allocation, freed once.
+                unsafe { raw::free(device, a.ptr) }
             } else {
                 let a = alloc.allocate(size, stream)?;
-                alloc.free(a.ptr)
+                // SAFETY: the pair's own allocation, freed once.
+                unsafe { alloc.free(a.ptr) }
             }
         };
         if pair().is_err() {

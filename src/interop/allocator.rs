@@ -1,22 +1,33 @@
 //! `CudaAllocator`: the shared handle to one device's caching allocator, and the typed
 //! allocation helpers (`alloc`, `alloc_zeros`, `htod`, `dtoh`) that return [`CachedSlice`]s.
-//! May use: the core, `backend::cuda`, `interop::slice`.
+//!
+//! The handle exposes the core's statistics and controls, but not its safe pointer-level
+//! `free`: the memory of a live [`CachedSlice`] must never be freed under it, so freeing by
+//! pointer is `unsafe` here ([`CudaAllocator::free`]). May use: the core, `backend::cuda`,
+//! `interop::slice`, `interop::events`.
 
 use std::fmt;
-use std::ops::Deref;
 use std::sync::Arc;
 
 use cudarc::driver::{self as cu, CudaContext, CudaStream, DeviceRepr, ValidAsZeroBits};
 
+use super::events::ShellPool;
+use super::slice::managing;
 use super::{driver_error, registry::AllocatorRegistry, slice::CachedSlice};
+use crate::allocator::{FragmentationReport, InvariantViolation, SegmentSnapshot};
 use crate::backend::cuda::CudaDevice;
-use crate::{AllocError, AllocatorConfig, CachingAllocator, Result, StreamId};
+use crate::trace::Trace;
+use crate::{
+    AllocError, Allocation, AllocatorConfig, CachingAllocator, DevicePtr, MemoryStats, Result,
+    StreamId,
+};
 
-/// A handle to the caching allocator of one CUDA device. Cloning it clones an `Arc`; every clone
-/// and every [`CachedSlice`] made from it share one cache.
+/// A handle to the caching allocator of one CUDA device. Cloning it clones two `Arc`s; every
+/// clone and every [`CachedSlice`] made from it share one cache.
 ///
-/// It dereferences to the core [`CachingAllocator`], so `memory_stats`, `memory_summary`,
-/// `empty_cache`, `set_memory_fraction` and the raw `allocate` / `free` are available on it.
+/// It offers the core [`CachingAllocator`]'s statistics and controls (`memory_stats`,
+/// `memory_summary`, `empty_cache`, `set_memory_fraction`, …) and its raw `allocate`; freeing by
+/// pointer is [`unsafe`](Self::free), since a pointer may belong to a live [`CachedSlice`].
 ///
 /// ```no_run
 /// use cuda_caching_allocator::interop::CudaAllocator;
@@ -33,6 +44,8 @@ use crate::{AllocError, AllocatorConfig, CachingAllocator, Result, StreamId};
 #[derive(Clone)]
 pub struct CudaAllocator {
     inner: Arc<CachingAllocator<CudaDevice>>,
+    /// cudarc event shells kept by block address (see `interop::events`).
+    shells: Arc<ShellPool>,
 }
 
 impl fmt::Debug for CudaAllocator {
@@ -40,14 +53,6 @@ impl fmt::Debug for CudaAllocator {
         f.debug_struct("CudaAllocator")
             .field("device", self.inner.backend())
             .finish_non_exhaustive()
-    }
-}
-
-impl Deref for CudaAllocator {
-    type Target = CachingAllocator<CudaDevice>;
-
-    fn deref(&self) -> &Self::Target {
-        &self.inner
     }
 }
 
@@ -72,6 +77,7 @@ impl CudaAllocator {
     pub fn from_device(device: CudaDevice, config: AllocatorConfig) -> Result<Self> {
         Ok(CudaAllocator {
             inner: Arc::new(CachingAllocator::new(device, config)?),
+            shells: Arc::new(ShellPool::default()),
         })
     }
 
@@ -86,8 +92,166 @@ impl CudaAllocator {
     }
 
     /// The shared core allocator.
-    pub fn as_arc(&self) -> &Arc<CachingAllocator<CudaDevice>> {
+    ///
+    /// # Safety
+    /// 1. Nothing is freed through it ([`CachingAllocator::free`]) that a live [`CachedSlice`] or
+    ///    view owns, nor anything twice: see [`free`](Self::free).
+    pub unsafe fn core(&self) -> &Arc<CachingAllocator<CudaDevice>> {
         &self.inner
+    }
+
+    /// Whether `a` and `b` are handles to the same cache.
+    pub fn ptr_eq(a: &CudaAllocator, b: &CudaAllocator) -> bool {
+        Arc::ptr_eq(&a.inner, &b.inner)
+    }
+
+    /// The pool of cudarc event shells.
+    pub(super) fn shells(&self) -> &ShellPool {
+        &self.shells
+    }
+
+    /// How many cudarc event shells the allocator keeps for reuse (each holds two CUDA events;
+    /// see [`CachedSlice`]'s stream rules). `empty_cache` destroys them.
+    pub fn kept_event_pairs(&self) -> usize {
+        self.shells.len()
+    }
+
+    /// Allocates `size` bytes on `stream` (raw; see [`CachingAllocator::allocate`]). Typed code
+    /// should use [`alloc`](Self::alloc) and friends, which free on drop.
+    ///
+    /// # Errors
+    /// As [`CachingAllocator::allocate`].
+    pub fn allocate(&self, size: usize, stream: StreamId) -> Result<Allocation> {
+        self.inner.allocate(size, stream)
+    }
+
+    /// Returns the allocation at `ptr` to the cache (raw; see [`CachingAllocator::free`]).
+    ///
+    /// # Errors
+    /// As [`CachingAllocator::free`]: an unknown, interior or already freed pointer.
+    ///
+    /// # Safety
+    /// 1. `ptr` came from [`allocate`](Self::allocate) on this cache (or on the same device's
+    ///    raw API) and is not owned by a [`CachedSlice`]: a buffer frees its own memory when
+    ///    dropped, and freeing it under a live buffer lets the cache hand its bytes to a new owner
+    ///    while safe code still reads and writes them.
+    /// 2. No work queued on a stream other than the allocation's still uses the memory, unless
+    ///    that stream was declared with [`record_stream`](Self::record_stream).
+    pub unsafe fn free(&self, ptr: DevicePtr) -> Result<()> {
+        self.inner.free(ptr)
+    }
+
+    /// Marks the allocation at `ptr` as used on `stream` (PyTorch's `recordStream`); see
+    /// [`CachingAllocator::record_stream`].
+    ///
+    /// # Errors
+    /// As [`CachingAllocator::record_stream`].
+    pub fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
+        self.inner.record_stream(ptr, stream)
+    }
+
+    /// Returns cached, unused memory to the driver and destroys the kept cudarc event shells; see
+    /// [`CachingAllocator::empty_cache`].
+    ///
+    /// # Errors
+    /// As [`CachingAllocator::empty_cache`].
+    pub fn empty_cache(&self) -> Result<()> {
+        self.shells.clear();
+        self.inner.empty_cache()
+    }
+
+    /// Caps the cache at `fraction` of the device's memory; see
+    /// [`CachingAllocator::set_memory_fraction`].
+    ///
+    /// # Errors
+    /// As [`CachingAllocator::set_memory_fraction`].
+    pub fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
+        self.inner.set_memory_fraction(fraction)
+    }
+
+    /// The memory-fraction cap in force.
+    pub fn memory_fraction(&self) -> f64 {
+        self.inner.memory_fraction()
+    }
+
+    /// PyTorch's `memory_stats()`; see [`CachingAllocator::memory_stats`].
+    pub fn memory_stats(&self) -> MemoryStats {
+        self.inner.memory_stats()
+    }
+
+    /// Resets the peak statistics.
+    pub fn reset_peak_stats(&self) {
+        self.inner.reset_peak_stats()
+    }
+
+    /// Resets the accumulated statistics.
+    pub fn reset_accumulated_stats(&self) {
+        self.inner.reset_accumulated_stats()
+    }
+
+    /// PyTorch's `memory_summary()` table; see [`CachingAllocator::memory_summary`].
+    pub fn memory_summary(&self, abbreviated: bool) -> String {
+        self.inner.memory_summary(abbreviated)
+    }
+
+    /// The fragmentation report; see [`CachingAllocator::fragmentation`].
+    pub fn fragmentation(&self) -> FragmentationReport {
+        self.inner.fragmentation()
+    }
+
+    /// The fragmentation report as text.
+    pub fn fragmentation_summary(&self) -> String {
+        self.inner.fragmentation_summary()
+    }
+
+    /// The segments and their blocks; see [`CachingAllocator::snapshot`].
+    pub fn snapshot(&self) -> Vec<SegmentSnapshot> {
+        self.inner.snapshot()
+    }
+
+    /// Starts recording the allocation history; see [`CachingAllocator::record_history`].
+    pub fn record_history(&self, capacity: usize) {
+        self.inner.record_history(capacity)
+    }
+
+    /// Stops recording the history.
+    pub fn stop_history(&self) {
+        self.inner.stop_history()
+    }
+
+    /// The recorded history; see [`CachingAllocator::history`].
+    pub fn history(&self) -> (Trace, u64) {
+        self.inner.history()
+    }
+
+    /// Runs the invariant checker; see [`CachingAllocator::check_invariants`].
+    ///
+    /// # Errors
+    /// The first violated invariant.
+    pub fn check_invariants(&self) -> std::result::Result<(), InvariantViolation> {
+        self.inner.check_invariants()
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> AllocatorConfig {
+        self.inner.config()
+    }
+
+    /// Hands every thread cache's blocks back to the core; see
+    /// [`CachingAllocator::flush_thread_caches`].
+    pub fn flush_thread_caches(&self) -> usize {
+        self.inner.flush_thread_caches()
+    }
+
+    /// Whether the fast path is on.
+    pub fn fast_path(&self) -> bool {
+        self.inner.fast_path()
+    }
+
+    /// Segments handed from one stream to another; see
+    /// [`CachingAllocator::cross_stream_handovers`].
+    pub fn cross_stream_handovers(&self) -> u64 {
+        self.inner.cross_stream_handovers()
     }
 
     /// The CUDA backend.
@@ -137,11 +301,31 @@ impl CudaAllocator {
         })?;
         let id = self.admit(stream)?;
         let a = self.inner.allocate(bytes, id)?;
+        // While cudarc manages stream synchronization, the buffer gets its read/write events now
+        // (the block's kept ones on a cache hit), as a `CudaSlice` gets them at allocation.
+        let shell = if a.ptr.0 != 0 && managing(stream) {
+            // SAFETY: the block at `a.ptr` (at least `block_size >= bytes` long) was just handed
+            // to this buffer, which owns it until dropped.
+            match unsafe {
+                self.shells
+                    .take(self.context(), a.ptr.0, bytes, a.block_size)
+            } {
+                Ok(shell) => Some(shell),
+                Err(e) => {
+                    // SAFETY: the block was allocated just above and is not shared yet.
+                    let _ = unsafe { self.free(a.ptr) };
+                    return Err(e);
+                }
+            }
+        } else {
+            None
+        };
         Ok(CachedSlice::from_parts(
             a.ptr,
             len,
             Arc::clone(stream),
             self.clone(),
+            shell,
         ))
     }
 

@@ -12,15 +12,19 @@
 //! * [`raw`]: allocate and free by device ordinal and raw stream handle, for C callers and
 //!   PyTorch's pluggable-allocator interface (see `examples/torch_plugin.rs`).
 //!
-//! Streams work as in PyTorch: a buffer belongs to the stream it was allocated on and is reused
-//! in that stream's order without synchronization. Before a buffer is used on another stream,
-//! call [`CachedSlice::record_stream`] with that stream, or the cache may hand the memory to a
-//! new owner while the other stream still uses it. No CUDA event is created per allocation.
+//! Streams work as in cudarc: a buffer belongs to the stream it was allocated on and is reused in
+//! that stream's order; while the context manages stream synchronization (more than one stream,
+//! event tracking on), every use through cudarc waits for conflicting uses on other streams and
+//! records cudarc's read/write events, and a dropped buffer's memory is reused only after every
+//! stream's last use of it. The events stay with the block's address and are reused by the next
+//! buffer there: a cache hit creates no CUDA event, and a single-stream program makes none. See
+//! [`CachedSlice`] and `docs/streams-and-graphs.md`.
 //!
 //! Together with `backend/cuda.rs`, this module is the only code that names `cudarc`. May use:
 //! the core (`CachingAllocator`), `backend::cuda`, `config`, `error`, `stats`.
 
 mod allocator;
+mod events;
 pub mod raw;
 mod registry;
 mod slice;

@@ -35,11 +35,21 @@ pub unsafe fn alloc(device: usize, size: usize, stream: StreamId) -> Result<Allo
 ///
 /// # Errors
 /// No such device, or a pointer this device's cache did not hand out (or already took back).
-pub fn free(device: usize, ptr: DevicePtr) -> Result<()> {
+///
+/// # Safety
+/// 1. `ptr` came from [`alloc`] on device `device` and nothing else frees it: in particular it is
+///    not the memory of a [`CachedSlice`](super::CachedSlice) (the registry's allocators also
+///    serve [`CudaAllocator::shared`](super::CudaAllocator::shared)), whose bytes the cache would
+///    otherwise hand to a new owner while safe code still uses them.
+/// 2. Work queued on streams other than the allocation's no longer uses the memory, unless those
+///    streams were declared with [`record_stream`].
+pub unsafe fn free(device: usize, ptr: DevicePtr) -> Result<()> {
     if ptr.is_null() {
         return Ok(());
     }
-    AllocatorRegistry::global().get(device)?.free(ptr)
+    let alloc = AllocatorRegistry::global().get(device)?;
+    // SAFETY: the caller's obligations 1 and 2 are `CudaAllocator::free`'s.
+    unsafe { alloc.free(ptr) }
 }
 
 /// Marks the allocation at `ptr` as used on `stream` (PyTorch's `recordStream`).
@@ -55,6 +65,32 @@ pub unsafe fn record_stream(device: usize, ptr: DevicePtr, stream: StreamId) -> 
     unsafe { alloc.device().admit_raw_stream(stream) }
         .map_err(|source| AllocError::InvalidStream { stream, source })?;
     alloc.record_stream(ptr, stream)
+}
+
+/// Marks the allocation at `ptr` as used on `stream`, on whichever device's shared cache owns it,
+/// and returns that device (PyTorch's pluggable `record_stream` hook names no device).
+///
+/// # Errors
+/// A pointer no created cache owns ([`AllocError::UnknownPointer`] from the last device tried, or
+/// when no cache exists), or the owner's error (a stream of another device).
+///
+/// # Safety
+/// The obligations of [`alloc`] for `stream`, on the owning device.
+pub unsafe fn record_stream_on_owner(ptr: DevicePtr, stream: StreamId) -> Result<usize> {
+    let mut last = AllocError::UnknownPointer { ptr };
+    for (device, alloc) in AllocatorRegistry::global().created() {
+        // SAFETY: the caller's obligations for the owning device; a stream of another device is
+        // refused by the admission, which checks the stream's context.
+        if let Err(source) = unsafe { alloc.device().admit_raw_stream(stream) } {
+            last = AllocError::InvalidStream { stream, source };
+            continue;
+        }
+        match alloc.record_stream(ptr, stream) {
+            Ok(()) => return Ok(device),
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
 }
 
 /// The statistics of device `device`'s shared cache, or `None` when it was never used.

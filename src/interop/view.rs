@@ -1,6 +1,9 @@
 //! `CachedView` and `CachedViewMut`: borrowed sub-ranges of a [`CachedSlice`], with the same
-//! cudarc traits. cudarc's own `CudaView` can only be made from a `CudaSlice` (its fields are
-//! private), hence these. May use: `interop::slice`, `interop::allocator`.
+//! cudarc traits and cudarc's stream ordering. cudarc's own `CudaView` can only be made from a
+//! `CudaSlice`, hence these; each carries, while cudarc manages stream synchronization, a cudarc
+//! view of the same bytes cut from the buffer's event shell, through which every use waits and
+//! records exactly as a `CudaView` of a `CudaSlice` would. May use: `interop::slice`,
+//! `interop::allocator`, `interop::events`.
 //!
 //! [`CachedSlice`]: super::CachedSlice
 
@@ -10,15 +13,22 @@ use std::ops::RangeBounds;
 use std::sync::Arc;
 
 use cudarc::driver::{
-    self as cu, CudaStream, DeviceRepr, LaunchArgs, PushKernelArg, SyncOnDrop, sys,
+    self as cu, CudaStream, CudaView, CudaViewMut, DeviceRepr, LaunchArgs, PushKernelArg,
+    SyncOnDrop, sys,
 };
 
 use super::allocator::CudaAllocator;
-use super::slice::resolve;
+use super::slice::{resolve, untracked};
 use crate::{DevicePtr, Result};
 
+/// Byte range of elements `[start, end)` of `T`.
+fn bytes_of<T>(start: usize, end: usize) -> std::ops::Range<usize> {
+    let size = std::mem::size_of::<T>();
+    start * size..end * size
+}
+
 macro_rules! view_common {
-    ($name:ident) => {
+    ($name:ident, $cu:ident) => {
         impl<'a, T> $name<'a, T> {
             pub(super) fn new(
                 ptr: sys::CUdeviceptr,
@@ -26,6 +36,7 @@ macro_rules! view_common {
                 base: sys::CUdeviceptr,
                 stream: &'a Arc<CudaStream>,
                 alloc: &'a CudaAllocator,
+                cu: Option<$cu<'a, u8>>,
             ) -> Self {
                 $name {
                     ptr,
@@ -33,6 +44,7 @@ macro_rules! view_common {
                     base,
                     stream,
                     alloc,
+                    cu,
                     marker: PhantomData,
                 }
             }
@@ -73,15 +85,21 @@ macro_rules! view_common {
                 self.alloc.record_stream(DevicePtr(self.base), id)
             }
 
-            /// A sub-view of `range` (relative to this view), or `None` when out of bounds.
+            /// A shared sub-view of `range` (relative to this view), or `None` when out of
+            /// bounds.
             pub fn get(&self, range: impl RangeBounds<usize>) -> Option<CachedView<'_, T>> {
                 let (start, end) = resolve(range, self.len)?;
+                let cu = self
+                    .cu
+                    .as_ref()
+                    .and_then(|v| v.try_slice(bytes_of::<T>(start, end)));
                 Some(CachedView::new(
                     self.offset(start),
                     end - start,
                     self.base,
                     self.stream,
                     self.alloc,
+                    cu,
                 ))
             }
 
@@ -109,6 +127,7 @@ macro_rules! view_common {
                     .field("ptr", &DevicePtr(self.ptr))
                     .field("len", &self.len)
                     .field("buffer", &DevicePtr(self.base))
+                    .field("events", &self.cu.is_some())
                     .finish()
             }
         }
@@ -123,22 +142,20 @@ macro_rules! view_common {
         }
 
         impl<T> cu::DevicePtr<T> for $name<'_, T> {
-            /// The address, with nothing to record (no per-buffer events).
+            /// The address; `stream` first waits for the buffer's last write and the guard
+            /// records the read, as for cudarc's views.
             fn device_ptr<'b>(
                 &'b self,
-                _stream: &'b CudaStream,
+                stream: &'b CudaStream,
             ) -> (sys::CUdeviceptr, SyncOnDrop<'b>) {
-                (self.ptr, SyncOnDrop::Record(None))
-            }
-        }
-
-        // SAFETY: the pushed argument points at `arg.ptr`, a `CUdeviceptr` (`u64`, a
-        // `DeviceRepr`) inside `*arg`, which stays borrowed, in place and alive for `'b`, longer
-        // than the builder's `'a`; the kernel receives the view's device address by value.
-        unsafe impl<'a, 'b: 'a, 'c: 'b, T> PushKernelArg<&'b $name<'c, T>> for LaunchArgs<'a> {
-            #[inline(always)]
-            fn arg(&mut self, arg: &'b $name<'c, T>) -> &mut Self {
-                <Self as PushKernelArg<&'b sys::CUdeviceptr>>::arg(self, &arg.ptr)
+                match &self.cu {
+                    Some(v) => {
+                        let (_, sync) = cu::DevicePtr::<u8>::device_ptr(v, stream);
+                        (self.ptr, sync)
+                    }
+                    None if self.base == 0 => (self.ptr, SyncOnDrop::Record(None)),
+                    None => (self.ptr, untracked(self.stream, stream)),
+                }
             }
         }
     };
@@ -154,6 +171,8 @@ pub struct CachedView<'a, T> {
     base: sys::CUdeviceptr,
     stream: &'a Arc<CudaStream>,
     alloc: &'a CudaAllocator,
+    /// cudarc's view of the same bytes with the buffer's events, when it has them.
+    cu: Option<CudaView<'a, u8>>,
     marker: PhantomData<&'a [T]>,
 }
 
@@ -168,64 +187,129 @@ pub struct CachedViewMut<'a, T> {
     base: sys::CUdeviceptr,
     stream: &'a Arc<CudaStream>,
     alloc: &'a CudaAllocator,
+    /// cudarc's view of the same bytes with the buffer's events, when it has them.
+    cu: Option<CudaViewMut<'a, u8>>,
     marker: PhantomData<&'a mut [T]>,
 }
 
-view_common!(CachedView);
-view_common!(CachedViewMut);
+view_common!(CachedView, CudaView);
+view_common!(CachedViewMut, CudaViewMut);
 
 impl<T> Clone for CachedView<'_, T> {
     fn clone(&self) -> Self {
-        *self
+        CachedView {
+            ptr: self.ptr,
+            len: self.len,
+            base: self.base,
+            stream: self.stream,
+            alloc: self.alloc,
+            cu: self.cu.as_ref().and_then(|v| v.try_slice(..)),
+            marker: PhantomData,
+        }
     }
 }
 
-impl<T> Copy for CachedView<'_, T> {}
+// SAFETY: with cudarc's view, the argument is pushed by cudarc's implementation for
+// `&CudaView<u8>`, which points at that view's `CUdeviceptr` (equal to this view's address)
+// inside `*arg`, borrowed for `'b` (longer than the builder's `'a`), and waits for the buffer's
+// last write and records its read on the launch stream. Without one it points at `arg.ptr`, a
+// `CUdeviceptr` (`u64`, a `DeviceRepr`) inside `*arg`, equally borrowed. The kernel receives the
+// view's device address by value either way.
+unsafe impl<'a, 'b: 'a, 'c: 'b, T> PushKernelArg<&'b CachedView<'c, T>> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b CachedView<'c, T>) -> &mut Self {
+        match &arg.cu {
+            Some(v) => <Self as PushKernelArg<&'b CudaView<'c, u8>>>::arg(self, v),
+            None => <Self as PushKernelArg<&'b sys::CUdeviceptr>>::arg(self, &arg.ptr),
+        }
+    }
+}
 
 impl<'a, T> CachedViewMut<'a, T> {
     /// A mutable sub-view of `range` (relative to this view), or `None` when out of bounds.
     pub fn get_mut(&mut self, range: impl RangeBounds<usize>) -> Option<CachedViewMut<'_, T>> {
         let (start, end) = resolve(range, self.len)?;
+        let ptr = self.offset(start);
+        let cu = self
+            .cu
+            .as_mut()
+            .and_then(|v| v.try_slice_mut(bytes_of::<T>(start, end)));
         Some(CachedViewMut::new(
-            self.offset(start),
+            ptr,
             end - start,
             self.base,
             self.stream,
             self.alloc,
+            cu,
         ))
+    }
+
+    /// This view as a shared view (cudarc's `CudaViewMut::as_view`).
+    pub fn as_view(&self) -> CachedView<'_, T> {
+        let cu = self.cu.as_ref().and_then(|v| v.try_slice(..));
+        CachedView::new(self.ptr, self.len, self.base, self.stream, self.alloc, cu)
     }
 
     /// Two disjoint mutable sub-views, `[0, mid)` and `[mid, len)`, or `None` when `mid > len`.
     pub fn split_at_mut_checked(
-        self,
+        &mut self,
         mid: usize,
-    ) -> Option<(CachedViewMut<'a, T>, CachedViewMut<'a, T>)> {
+    ) -> Option<(CachedViewMut<'_, T>, CachedViewMut<'_, T>)> {
         if mid > self.len {
             return None;
         }
         let second = self.offset(mid);
+        let (cu_a, cu_b) = match self
+            .cu
+            .as_mut()
+            .and_then(|v| v.try_split_at_mut(mid * std::mem::size_of::<T>()))
+        {
+            Some((x, y)) => (Some(x), Some(y)),
+            None => (None, None),
+        };
         Some((
-            CachedViewMut::new(self.ptr, mid, self.base, self.stream, self.alloc),
-            CachedViewMut::new(second, self.len - mid, self.base, self.stream, self.alloc),
+            CachedViewMut::new(self.ptr, mid, self.base, self.stream, self.alloc, cu_a),
+            CachedViewMut::new(
+                second,
+                self.len - mid,
+                self.base,
+                self.stream,
+                self.alloc,
+                cu_b,
+            ),
         ))
     }
 }
 
 impl<T> cu::DevicePtrMut<T> for CachedViewMut<'_, T> {
-    /// The address, with nothing to record (no per-buffer events).
+    /// The address; `stream` first waits for the buffer's last reads and write and the guard
+    /// records the write, as for cudarc's `CudaViewMut`.
     fn device_ptr_mut<'b>(
         &'b mut self,
-        _stream: &'b CudaStream,
+        stream: &'b CudaStream,
     ) -> (sys::CUdeviceptr, SyncOnDrop<'b>) {
-        (self.ptr, SyncOnDrop::Record(None))
+        let ptr = self.ptr;
+        match &mut self.cu {
+            Some(v) => {
+                let (_, sync) = cu::DevicePtrMut::<u8>::device_ptr_mut(v, stream);
+                (ptr, sync)
+            }
+            None if self.base == 0 => (ptr, SyncOnDrop::Record(None)),
+            None => (ptr, untracked(self.stream, stream)),
+        }
     }
 }
 
-// SAFETY: as for `&CachedViewMut` (see `view_common!`); the exclusive borrow only adds that no
-// one else uses the view from the host meanwhile.
+// SAFETY: as for `&CachedView` above, through cudarc's implementation for `&mut CudaViewMut<u8>`
+// (waits for the last reads and write, records the write); the exclusive borrow only adds that
+// no one else uses the view from the host meanwhile.
 unsafe impl<'a, 'b: 'a, 'c: 'b, T> PushKernelArg<&'b mut CachedViewMut<'c, T>> for LaunchArgs<'a> {
     #[inline(always)]
     fn arg(&mut self, arg: &'b mut CachedViewMut<'c, T>) -> &mut Self {
-        <Self as PushKernelArg<&'b sys::CUdeviceptr>>::arg(self, &arg.ptr)
+        let CachedViewMut { ptr, cu, .. } = arg;
+        match cu {
+            Some(v) => <Self as PushKernelArg<&'b mut CudaViewMut<'c, u8>>>::arg(self, v),
+            None => <Self as PushKernelArg<&'b sys::CUdeviceptr>>::arg(self, &*ptr),
+        }
     }
 }

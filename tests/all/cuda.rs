@@ -784,7 +784,7 @@ fn cuda_registry_gives_one_allocator_per_device_and_raw_api_works() {
     let registry = AllocatorRegistry::global();
     let a = registry.get(0).unwrap();
     let b = CudaAllocator::shared(0).unwrap();
-    assert!(Arc::ptr_eq(a.as_arc(), b.as_arc()));
+    assert!(CudaAllocator::ptr_eq(a, b));
     let count = CudaContext::device_count().unwrap() as usize;
     assert!(registry.get(count).is_err());
     let stream = g.ctx.new_stream().unwrap();
@@ -796,12 +796,15 @@ fn cuda_registry_gives_one_allocator_per_device_and_raw_api_works() {
     let stats = raw::memory_stats(0).unwrap();
     assert!(stats.memory_allocated() >= 3000);
     assert!(registry.memory_stats().iter().any(|(d, _)| *d == 0));
-    raw::free(0, raw_alloc.ptr).unwrap();
+    // SAFETY: a raw allocation of this test, owned by no buffer, freed once here.
+    unsafe { raw::free(0, raw_alloc.ptr) }.unwrap();
     assert!(matches!(
-        raw::free(0, raw_alloc.ptr),
+        // SAFETY: a raw allocation of this test, owned by no buffer, freed once here.
+        unsafe { raw::free(0, raw_alloc.ptr) },
         Err(AllocError::DoubleFree { .. })
     ));
-    assert!(raw::free(0, DevicePtr(0x1000)).is_err());
+    // SAFETY: a bogus pointer the cache never handed out: refused without touching memory.
+    assert!(unsafe { raw::free(0, DevicePtr(0x1000)) }.is_err());
     raw::empty_cache(0).unwrap();
     // Another context object of the same device shares its primary context: admitted.
     let other = CudaContext::new(0).unwrap().new_stream().unwrap();
@@ -1151,7 +1154,8 @@ fn cuda_calls_leave_the_callers_current_context_as_they_found_it() {
             assert!(alloc.device().query_event(ev).unwrap());
             // SAFETY: created above, destroyed once.
             unsafe { alloc.device().destroy_event(ev) }.unwrap();
-            alloc.free(a.ptr).unwrap();
+            // SAFETY: a raw allocation of this test, owned by no buffer, freed once here.
+            unsafe { alloc.free(a.ptr) }.unwrap();
             alloc.empty_cache().unwrap();
             assert!(
                 current_ctx().is_null(),
@@ -1165,7 +1169,8 @@ fn cuda_calls_leave_the_callers_current_context_as_they_found_it() {
     set_current(ctx0);
     let alloc = private(g);
     let a = alloc.allocate(3 * MIB, StreamId::DEFAULT).unwrap();
-    alloc.free(a.ptr).unwrap();
+    // SAFETY: a raw allocation of this test, owned by no buffer, freed once here.
+    unsafe { alloc.free(a.ptr) }.unwrap();
     alloc.empty_cache().unwrap();
     assert_eq!(current_ctx(), ctx0);
 }
@@ -1427,7 +1432,8 @@ fn cuda_multi_gpu_foreign_pointer_is_refused_and_nothing_is_lost() {
         fill!(d1, &s1, &addr1, n, 0x51);
         s1.synchronize().unwrap();
         let (st0, st1) = (a0.memory_stats(), a1.memory_stats());
-        let err = a0.free(p1.ptr).unwrap_err();
+        // SAFETY: a raw allocation of this test, owned by no buffer, freed once here.
+        let err = unsafe { a0.free(p1.ptr) }.unwrap_err();
         println!("multi-GPU, {name}: {err}");
         assert!(
             matches!(err, AllocError::UnknownPointer { ptr } if ptr == p1.ptr),
@@ -1441,15 +1447,22 @@ fn cuda_multi_gpu_foreign_pointer_is_refused_and_nothing_is_lost() {
         a1.check_invariants().unwrap();
         // The data is intact and the owner frees it.
         assert_eq!(bad!(d1, a1, &s1, &addr1, n, 0x51), 0, "{name}");
-        a1.free(p1.ptr).unwrap();
-        assert!(a1.free(p1.ptr).is_err(), "{name}: a second free is refused");
+        // SAFETY: a raw allocation of this test, owned by no buffer, freed once here.
+        unsafe { a1.free(p1.ptr) }.unwrap();
+        assert!(
+            // SAFETY: a second free of the same pointer: refused without touching memory.
+            unsafe { a1.free(p1.ptr) }.is_err(),
+            "{name}: a second free is refused"
+        );
         // The other way round.
         let p0 = a0.allocate(1000, StreamId::DEFAULT).unwrap();
         assert!(matches!(
-            a1.free(p0.ptr),
+            // SAFETY: a raw allocation of this test, owned by no buffer, freed once here.
+            unsafe { a1.free(p0.ptr) },
             Err(AllocError::UnknownPointer { .. })
         ));
-        a0.free(p0.ptr).unwrap();
+        // SAFETY: a raw allocation of this test, owned by no buffer, freed once here.
+        unsafe { a0.free(p0.ptr) }.unwrap();
         for (d, alloc) in registry.created() {
             alloc.check_invariants().unwrap();
             assert_eq!(
@@ -1469,7 +1482,8 @@ fn cuda_multi_gpu_foreign_pointer_is_refused_and_nothing_is_lost() {
     assert_eq!(where_is(&d0.ctx, r1.ptr).0, 1);
     let allocated1 = raw::memory_stats(1).unwrap().memory_allocated();
     assert!(matches!(
-        raw::free(0, r1.ptr),
+        // SAFETY: a raw allocation of this test, owned by no buffer, freed once here.
+        unsafe { raw::free(0, r1.ptr) },
         Err(AllocError::UnknownPointer { .. })
     ));
     assert_eq!(raw::memory_stats(1).unwrap().memory_allocated(), allocated1);
@@ -1482,7 +1496,8 @@ fn cuda_multi_gpu_foreign_pointer_is_refused_and_nothing_is_lost() {
     // SAFETY: as above.
     let wrong = unsafe { raw::record_stream(1, r1.ptr, sid0) };
     assert!(matches!(wrong, Err(AllocError::InvalidStream { .. })));
-    raw::free(1, r1.ptr).unwrap();
+    // SAFETY: a raw allocation of this test, owned by no buffer, freed once here.
+    unsafe { raw::free(1, r1.ptr) }.unwrap();
     raw::empty_cache(1).unwrap();
 }
 
@@ -1516,7 +1531,8 @@ fn cuda_multi_gpu_threads_drive_their_own_devices_at_once() {
                         dg.ordinal
                     );
                     assert_eq!(where_is(&dg.ctx, probe.ptr).0, dg.ordinal as i32);
-                    alloc.free(probe.ptr).unwrap();
+                    // SAFETY: a raw allocation of this test, owned by no buffer, freed once here.
+                    unsafe { alloc.free(probe.ptr) }.unwrap();
                     let stream = dg.ctx.new_stream().unwrap();
                     let mut held: Vec<(CachedSlice<u32>, u32)> = Vec::new();
                     let mut bad = 0;
@@ -1617,7 +1633,8 @@ fn cuda_multi_gpu_each_call_binds_its_device_and_restores_the_callers_context() 
             // SAFETY: created above, destroyed once.
             unsafe { alloc.device().destroy_event(ev) }.unwrap();
             alloc.device().synchronize().unwrap();
-            alloc.free(a.ptr).unwrap();
+            // SAFETY: a raw allocation of this test, owned by no buffer, freed once here.
+            unsafe { alloc.free(a.ptr) }.unwrap();
             alloc.empty_cache().unwrap();
             assert_eq!(
                 current_ctx(),
@@ -1646,7 +1663,8 @@ fn cuda_multi_gpu_each_call_binds_its_device_and_restores_the_callers_context() 
     set_current(d0.ctx.cu_ctx());
     let next = a1.allocate(4 * n, stream_id(&s1)).unwrap();
     assert_eq!(current_ctx(), d0.ctx.cu_ctx());
-    a1.free(next.ptr).unwrap();
+    // SAFETY: a raw allocation of this test, owned by no buffer, freed once here.
+    unsafe { a1.free(next.ptr) }.unwrap();
     a1.empty_cache().unwrap();
     assert_eq!(current_ctx(), d0.ctx.cu_ctx());
     assert_eq!(a1.memory_stats().memory_reserved(), 0);

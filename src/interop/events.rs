@@ -1,0 +1,171 @@
+//! cudarc's stream ordering for cached buffers: an [`EventShell`] is a cudarc `CudaSlice<u8>` over
+//! cached memory that exists only for its read and write events, and a [`ShellPool`] keeps shells
+//! with their block's address after the buffer is dropped, so that a buffer reallocated at that
+//! address takes them back instead of creating CUDA events.
+//!
+//! cudarc tracks cross-stream use through two events per `CudaSlice` (read and write), recorded on
+//! every use and waited on before a conflicting use and before the free. Those fields are private
+//! to cudarc, and its kernel-launch builder only waits and records for its own buffer and view
+//! types. Giving each cached buffer a shell of cudarc's own type makes every cudarc path (copies,
+//! memsets, kernel launches, cuBLAS) apply cudarc's exact rules, with cudarc's own code.
+//!
+//! A shell never frees memory: its drop calls `CudaSlice::leak`, which waits on its events on the
+//! default stream and destroys them, and returns the address without freeing it. Shells are only
+//! made while cudarc manages stream synchronization (the context has more than one stream and
+//! event tracking on): a single-stream program makes none and pays nothing.
+//!
+//! May use: `cudarc`, `interop` helpers, `error`.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::mem::ManuallyDrop;
+use std::ops::{Deref, DerefMut};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaSlice, sys};
+use parking_lot::Mutex;
+
+use crate::{AllocError, BackendError};
+
+/// Most shells a pool keeps; a shell returned to a full pool is destroyed instead. Each holds two
+/// CUDA events and nothing else.
+pub(super) const POOL_CAP: usize = 8192;
+
+/// cudarc's buffer type over cached memory, kept for its read and write events only. Dropping it
+/// never frees the memory (see the module docs).
+pub(super) struct EventShell(ManuallyDrop<CudaSlice<u8>>);
+
+impl fmt::Debug for EventShell {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EventShell")
+            .field("len", &self.0.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Deref for EventShell {
+    type Target = CudaSlice<u8>;
+
+    fn deref(&self) -> &CudaSlice<u8> {
+        &self.0
+    }
+}
+
+impl DerefMut for EventShell {
+    fn deref_mut(&mut self) -> &mut CudaSlice<u8> {
+        &mut self.0
+    }
+}
+
+impl Drop for EventShell {
+    fn drop(&mut self) {
+        // SAFETY: the field is never used again: this is the shell's drop.
+        let slice = unsafe { ManuallyDrop::take(&mut self.0) };
+        // `leak` waits on the events (on the shell's stream), destroys them and hands back the
+        // address without freeing it: the memory belongs to the cache.
+        let _ = slice.leak();
+    }
+}
+
+impl EventShell {
+    /// A new shell of `len` bytes at `ptr`, with two new events (cudarc's
+    /// `CudaStream::upgrade_device_ptr` on the context's default stream).
+    ///
+    /// # Errors
+    /// A backend error when cudarc could not create the events.
+    ///
+    /// # Safety
+    /// 1. `[ptr, ptr + len)` is device memory of `ctx`'s device that the cache has handed to the
+    ///    caller and that stays allocated while the shell is used for it.
+    pub(super) unsafe fn new(
+        ctx: &Arc<CudaContext>,
+        ptr: sys::CUdeviceptr,
+        len: usize,
+    ) -> Result<Self, AllocError> {
+        let stream = ctx.default_stream();
+        // cudarc unwraps the event creation inside `upgrade_device_ptr`; a failure there must not
+        // unwind through the caller, so it is caught and reported as an error.
+        // SAFETY: obligation 1 is the caller's; the shell is never dropped as a `CudaSlice` (see
+        // `Drop for EventShell`), so cudarc never frees the memory.
+        let made = catch_unwind(AssertUnwindSafe(|| unsafe {
+            stream.upgrade_device_ptr::<u8>(ptr, len)
+        }));
+        match made {
+            Ok(slice) => Ok(EventShell(ManuallyDrop::new(slice))),
+            Err(_) => Err(AllocError::Backend {
+                operation: "cuEventCreate",
+                source: BackendError::Driver {
+                    operation: "cuEventCreate",
+                    source: "cudarc could not create the read/write events of a buffer".into(),
+                },
+            }),
+        }
+    }
+}
+
+/// Shells kept by block address after their buffers were dropped.
+#[derive(Default)]
+pub(super) struct ShellPool {
+    shells: Mutex<HashMap<sys::CUdeviceptr, EventShell>>,
+}
+
+impl fmt::Debug for ShellPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ShellPool")
+            .field("kept", &self.shells.lock().len())
+            .finish()
+    }
+}
+
+impl ShellPool {
+    /// The shell kept for `ptr` if it covers `need` bytes, else a new one of `make` bytes
+    /// (`make >= need`: the whole block, so that a later, larger buffer there can take it too).
+    ///
+    /// # Errors
+    /// As [`EventShell::new`].
+    ///
+    /// # Safety
+    /// As [`EventShell::new`], for `[ptr, ptr + make)`.
+    pub(super) unsafe fn take(
+        &self,
+        ctx: &Arc<CudaContext>,
+        ptr: sys::CUdeviceptr,
+        need: usize,
+        make: usize,
+    ) -> Result<EventShell, AllocError> {
+        let kept = self.shells.lock().remove(&ptr);
+        match kept {
+            Some(shell) if shell.len() >= need => Ok(shell),
+            // A shell too short for this buffer is destroyed (outside the lock) and replaced.
+            _ => {
+                // SAFETY: the caller's obligations, passed on.
+                unsafe { EventShell::new(ctx, ptr, make.max(need)) }
+            }
+        }
+    }
+
+    /// Keeps `shell` for the next buffer at `ptr` (destroys it when the pool is full).
+    pub(super) fn put(&self, ptr: sys::CUdeviceptr, shell: EventShell) {
+        let displaced = {
+            let mut shells = self.shells.lock();
+            if shells.len() >= POOL_CAP && !shells.contains_key(&ptr) {
+                Some(shell)
+            } else {
+                shells.insert(ptr, shell)
+            }
+        };
+        drop(displaced);
+    }
+
+    /// Destroys every kept shell (their events), for `empty_cache`.
+    pub(super) fn clear(&self) {
+        let all = std::mem::take(&mut *self.shells.lock());
+        drop(all);
+    }
+
+    /// How many shells are kept.
+    pub(super) fn len(&self) -> usize {
+        self.shells.lock().len()
+    }
+}

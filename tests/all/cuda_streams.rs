@@ -1,0 +1,288 @@
+//! GPU probes of cudarc's stream ordering on cached buffers (issue #10): each hazard is run 20
+//! times with a delay kernel that makes a missing wait visible, once on a context that manages
+//! stream synchronization (cudarc's default: the cached buffers must be as correct as cudarc's
+//! own) and once, as a control, on a context object with event tracking off (cudarc orders
+//! nothing there, nor do the cached buffers: the race must show, or the probe proves nothing).
+//! Opt-in like `cuda.rs`: `CCA_TEST_CUDA=1`, single-threaded.
+#![cfg(feature = "cuda")]
+
+use std::sync::{Arc, OnceLock};
+
+use cuda_caching_allocator::AllocatorConfig;
+use cuda_caching_allocator::interop::{CachedSlice, CudaAllocator};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
+
+const TRIALS: usize = 20;
+/// Values per buffer: 4 MiB of `u32`.
+const N: usize = 1 << 20;
+/// About 20 ms of spinning at 2 GHz: long enough for the host to queue the conflicting work.
+const SPIN: i64 = 40_000_000;
+
+const KERNELS: &str = r#"
+extern "C" __global__ void spin_fill(unsigned int* p, unsigned long long n, unsigned int v,
+                                     long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) { }
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x)
+        p[i] = v + (unsigned int)i;
+}
+extern "C" __global__ void spin_copy(const unsigned int* src, unsigned int* dst,
+                                     unsigned long long n, long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) { }
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x)
+        dst[i] = src[i];
+}
+"#;
+
+struct Kernels {
+    spin_fill: CudaFunction,
+    spin_copy: CudaFunction,
+}
+
+fn enabled(test: &str) -> bool {
+    if std::env::var("CCA_TEST_CUDA").as_deref() != Ok("1") {
+        println!("skipped {test}: set CCA_TEST_CUDA=1 to run the GPU tests");
+        return false;
+    }
+    true
+}
+
+fn kernels(ctx: &Arc<CudaContext>) -> Kernels {
+    let ptx = cudarc::nvrtc::compile_ptx(KERNELS).unwrap();
+    let module = ctx.load_module(ptx).unwrap();
+    Kernels {
+        spin_fill: module.load_function("spin_fill").unwrap(),
+        spin_copy: module.load_function("spin_copy").unwrap(),
+    }
+}
+
+fn grid() -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (1024, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn under_sanitizer() -> bool {
+    std::env::var_os("CCA_UNDER_SANITIZER").is_some()
+}
+
+/// A context object for the probe: the primary context of device 0 with its own flags
+/// (cudarc keeps the stream count and event tracking per `CudaContext` object), and two streams.
+fn setup(tracking: bool) -> (Arc<CudaContext>, Arc<CudaStream>, Arc<CudaStream>) {
+    let ctx = CudaContext::new(0).unwrap();
+    if !tracking {
+        // SAFETY: no buffer of this context object exists yet; the probe orders nothing by hand
+        // on purpose (that is the control arm).
+        unsafe { ctx.disable_event_tracking() };
+    }
+    let s1 = ctx.new_stream().unwrap();
+    let s2 = ctx.new_stream().unwrap();
+    (ctx, s1, s2)
+}
+
+fn expected(v: u32) -> Vec<u32> {
+    (0..N as u32).map(|i| v.wrapping_add(i)).collect()
+}
+
+/// Hazard (a): a slow kernel writes `x` on s1; a copy on s2 reads `x` at once. Returns the trials
+/// whose copy did not see the write.
+fn read_after_write(tracking: bool) -> usize {
+    let (ctx, s1, s2) = setup(tracking);
+    let k = kernels(&ctx);
+    let alloc = CudaAllocator::new(Arc::clone(&ctx), AllocatorConfig::default()).unwrap();
+    let n = N as u64;
+    let mut wrong = 0;
+    for trial in 0..TRIALS {
+        let v = 1000 * trial as u32 + 7;
+        let mut x: CachedSlice<u32> = alloc.alloc_zeros(&s1, N).unwrap();
+        s1.synchronize().unwrap();
+        let mut launch = s1.launch_builder(&k.spin_fill);
+        launch.arg(&mut x).arg(&n).arg(&v).arg(&SPIN);
+        // SAFETY: spin_fill(unsigned*, u64, u32, i64) writes `N` values of an `N`-value buffer.
+        unsafe { launch.launch(grid()) }.unwrap();
+        let mut y: CachedSlice<u32> = alloc.alloc_zeros(&s2, N).unwrap();
+        s2.memcpy_dtod(&x, &mut y).unwrap();
+        let got = y.to_vec().unwrap();
+        if got != expected(v) {
+            wrong += 1;
+        }
+        ctx.synchronize().unwrap();
+    }
+    alloc.check_invariants().unwrap();
+    wrong
+}
+
+/// Hazard (b): a slow kernel on s2 reads `x` (allocated on s1); `x` is dropped at once and s1
+/// allocates the same size (the same block) and overwrites it. Returns the trials whose read saw
+/// the overwrite, and how many trials reused the block.
+fn reuse_after_read(tracking: bool) -> (usize, usize) {
+    let (ctx, s1, s2) = setup(tracking);
+    let k = kernels(&ctx);
+    let alloc = CudaAllocator::new(Arc::clone(&ctx), AllocatorConfig::default()).unwrap();
+    let n = N as u64;
+    let (mut wrong, mut reused) = (0, 0);
+    for trial in 0..TRIALS {
+        let v = 1000 * trial as u32 + 11;
+        let mut x: CachedSlice<u32> = alloc.alloc_zeros(&s1, N).unwrap();
+        let mut fill = s1.launch_builder(&k.spin_fill);
+        let zero = 0i64;
+        fill.arg(&mut x).arg(&n).arg(&v).arg(&zero);
+        // SAFETY: as above.
+        unsafe { fill.launch(grid()) }.unwrap();
+        s1.synchronize().unwrap();
+        let mut z: CachedSlice<u32> = alloc.alloc_zeros(&s2, N).unwrap();
+        let mut copy = s2.launch_builder(&k.spin_copy);
+        copy.arg(&x).arg(&mut z).arg(&n).arg(&SPIN);
+        // SAFETY: spin_copy(const unsigned*, unsigned*, u64, i64) reads and writes `N` values of
+        // two `N`-value buffers.
+        unsafe { copy.launch(grid()) }.unwrap();
+        let before = x.device_ptr_raw();
+        drop(x);
+        let mut x2: CachedSlice<u32> = unsafe_uninit(&alloc, &s1);
+        if x2.device_ptr_raw() == before {
+            reused += 1;
+        }
+        let junk = 0xDEAD_0000u32;
+        let mut over = s1.launch_builder(&k.spin_fill);
+        over.arg(&mut x2).arg(&n).arg(&junk).arg(&zero);
+        // SAFETY: as above.
+        unsafe { over.launch(grid()) }.unwrap();
+        let got = z.to_vec().unwrap();
+        if got != expected(v) {
+            wrong += 1;
+        }
+        ctx.synchronize().unwrap();
+    }
+    alloc.check_invariants().unwrap();
+    (wrong, reused)
+}
+
+fn unsafe_uninit(alloc: &CudaAllocator, s: &Arc<CudaStream>) -> CachedSlice<u32> {
+    // SAFETY: `u32` is valid for every bit pattern; the probe overwrites it before reading.
+    unsafe { alloc.alloc::<u32>(s, N) }.unwrap()
+}
+
+/// Results of the probes, computed once and printed for the GPU log.
+fn results() -> &'static [(usize, (usize, usize)); 2] {
+    static R: OnceLock<[(usize, (usize, usize)); 2]> = OnceLock::new();
+    R.get_or_init(|| {
+        let managed = (read_after_write(true), reuse_after_read(true));
+        let control = (read_after_write(false), reuse_after_read(false));
+        println!(
+            "cudarc stream probes, {TRIALS} trials each: managed (event tracking on): read-after-write wrong {}/{TRIALS}, reuse-after-read wrong {}/{TRIALS} (block reused {}); control (tracking off): read-after-write wrong {}/{TRIALS}, reuse-after-read wrong {}/{TRIALS} (block reused {})",
+            managed.0, managed.1.0, managed.1.1, control.0, control.1.0, control.1.1
+        );
+        [managed, control]
+    })
+}
+
+#[test]
+fn cached_buffers_keep_cudarc_stream_order() {
+    if !enabled("cached_buffers_keep_cudarc_stream_order") {
+        return;
+    }
+    let [managed, control] = *results();
+    assert_eq!(managed.0, 0, "read after a write on another stream");
+    assert_eq!(managed.1.0, 0, "reuse after a read on another stream");
+    if !under_sanitizer() {
+        // The probe must be able to fail: without ordering, the race shows.
+        assert!(
+            control.0 > 0,
+            "control arm: the read-after-write race did not show"
+        );
+        assert!(
+            control.1.0 > 0,
+            "control arm: the reuse-after-read race did not show"
+        );
+        // The hazard (b) arm only means something if the block was reused.
+        assert!(control.1.1 > 0, "control arm never reused the block");
+    }
+}
+
+#[test]
+fn cudarc_own_buffers_agree() {
+    // The reference: the same hazard (a) with cudarc's own `CudaSlice` is ordered by cudarc.
+    if !enabled("cudarc_own_buffers_agree") {
+        return;
+    }
+    let (ctx, s1, s2) = setup(true);
+    let k = kernels(&ctx);
+    let n = N as u64;
+    for trial in 0..TRIALS {
+        let v = 77 + trial as u32;
+        let mut x: CudaSlice<u32> = s1.alloc_zeros(N).unwrap();
+        let mut launch = s1.launch_builder(&k.spin_fill);
+        launch.arg(&mut x).arg(&n).arg(&v).arg(&SPIN);
+        // SAFETY: as above.
+        unsafe { launch.launch(grid()) }.unwrap();
+        let mut y: CudaSlice<u32> = s2.alloc_zeros(N).unwrap();
+        s2.memcpy_dtod(&x, &mut y).unwrap();
+        assert_eq!(s2.clone_dtoh(&y).unwrap(), expected(v));
+    }
+}
+
+#[test]
+fn single_stream_programs_make_no_events_and_hits_reuse_them() {
+    if !enabled("single_stream_programs_make_no_events_and_hits_reuse_them") {
+        return;
+    }
+    // A fresh context object with no second stream: cudarc manages nothing, nor do we.
+    let ctx = CudaContext::new(0).unwrap();
+    let s = ctx.default_stream();
+    let alloc = CudaAllocator::new(Arc::clone(&ctx), AllocatorConfig::default()).unwrap();
+    let a: CachedSlice<u32> = alloc.alloc_zeros(&s, 1000).unwrap();
+    assert!(!a.has_events(), "one stream: no events");
+    drop(a);
+    assert_eq!(alloc.kept_event_pairs(), 0);
+    // A second stream switches the context to multi-stream mode: buffers get events, which stay
+    // with the block's address and are taken back by the next buffer there.
+    let s2 = ctx.new_stream().unwrap();
+    let b: CachedSlice<u32> = alloc.alloc_zeros(&s2, 1000).unwrap();
+    assert!(b.has_events());
+    let p = b.device_ptr_raw();
+    drop(b);
+    assert_eq!(alloc.kept_event_pairs(), 1);
+    let c: CachedSlice<u32> = alloc.alloc_zeros(&s2, 1000).unwrap();
+    assert_eq!(c.device_ptr_raw(), p, "cache hit");
+    assert!(c.has_events());
+    assert_eq!(
+        alloc.kept_event_pairs(),
+        0,
+        "the hit took the kept events back"
+    );
+    // Views carry the events: a write through a view on s1 orders a read on s2.
+    let s1 = ctx.new_stream().unwrap();
+    let k = kernels(&ctx);
+    let mut d: CachedSlice<u32> = alloc.alloc_zeros(&s1, N).unwrap();
+    let n = (N / 2) as u64;
+    let v = 5u32;
+    {
+        let mut tail = d.get_mut(N / 2..).unwrap();
+        let mut launch = s1.launch_builder(&k.spin_fill);
+        launch.arg(&mut tail).arg(&n).arg(&v).arg(&SPIN);
+        // SAFETY: spin_fill writes `N / 2` values of an `N / 2`-value view.
+        unsafe { launch.launch(grid()) }.unwrap();
+    }
+    let mut e: CachedSlice<u32> = alloc.alloc_zeros(&s2, N / 2).unwrap();
+    s2.memcpy_dtod(&d.get(N / 2..).unwrap(), &mut e).unwrap();
+    let want: Vec<u32> = (0..N as u32 / 2).map(|i| v.wrapping_add(i)).collect();
+    assert_eq!(
+        e.to_vec().unwrap(),
+        want,
+        "view write on s1, view read on s2"
+    );
+    drop((c, d, e));
+    alloc.empty_cache().unwrap();
+    assert_eq!(
+        alloc.kept_event_pairs(),
+        0,
+        "empty_cache destroys kept events"
+    );
+}
