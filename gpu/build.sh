@@ -34,6 +34,9 @@ cp "$TARGET/release/examples/cudarc_migration" "$TARGET/release/examples/libtorc
 strip --strip-debug "$DEST/cuda_tests" "$DEST/cudarc_migration" "$DEST/libtorch_plugin.so"
 strip "$DEST/cca"
 cp gpu/*.py gpu/run.sh "$DEST/"
+rm -rf "$DEST/python"
+mkdir -p "$DEST/python"
+cp -r python/cuda_caching_allocator python/tests "$DEST/python/"
 mkdir -p "$DEST/traces"
 cp examples/traces/*.csv.gz examples/traces/reference.json "$DEST/traces/"
 {

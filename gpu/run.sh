@@ -2,8 +2,8 @@
 # Runs the whole GPU suite on the device machine in one go; staged next to the binaries by
 # gpu/build.sh. Logs go to $OUT (the device tool's output folder), a summary is printed last.
 #
-#   bash gpu-bin/run.sh [PHASE...]    # phases: tests example torch sanitizer (the default: all
-#                                     # four), and on request: multigpu (only the multi-GPU and
+#   bash gpu-bin/run.sh [PHASE...]    # phases: tests example torch safety sanitizer (the default:
+#                                     # all five), and on request: multigpu (only the multi-GPU and
 #                                     # context tests), replay (cca replay --device cuda on the
 #                                     # shipped traces; CCA_REPLAY_DEVICE=N picks the GPU, default 0)
 set -uo pipefail
@@ -28,14 +28,15 @@ step() { # name, command...
   return $rc
 }
 
-PHASES=${*:-tests example torch sanitizer}
+PHASES=${*:-tests example torch safety sanitizer}
+GPU_TESTS=${CCA_GPU_TESTS:-"cuda:: cuda_streams:: cuda_capture::"}
 BUDGET=${CCA_GPU_BUDGET_S:-570}   # stay inside the device tool's 600 s per command
 left() { echo $(( BUDGET - SECONDS > 30 ? BUDGET - SECONDS : 30 )); }
 
 for phase in $PHASES; do
   case $phase in
   tests) # The test suite, single-threaded (several tests read device-wide free memory).
-    step tests timeout 200 "$HERE/cuda_tests" cuda:: --test-threads=1 --nocapture
+    step tests timeout 240 "$HERE/cuda_tests" $GPU_TESTS --test-threads=1 --nocapture
     grep -E '^test result|FAILED|panicked' "$OUT/tests.log" | tee -a "$S" ;;
   example) # The migration example (cached vs uncached results, cuBLAS).
     step example timeout 60 "$HERE/cudarc_migration"
@@ -43,11 +44,16 @@ for phase in $PHASES; do
   torch) # PyTorch: GPT-2 training with the native allocator and with ours, compared.
     step torch timeout 300 python3 "$HERE/torch_client.py" --so "$HERE/libtorch_plugin.so" --json "$OUT/torch.json"
     sed -n '/== PyTorch comparison ==/,$p' "$OUT/torch.log" | tee -a "$S" ;;
+  safety) # PyTorch stream and graph safety probes (record_stream race, graph capture), native
+    # against the plugin installed by cuda_caching_allocator.torch.enable(), with a control arm.
+    step safety timeout 300 python3 "$HERE/python/tests/torch_safety.py" \
+      --library "$HERE/libtorch_plugin.so" --json "$OUT/safety.json"
+    grep -E '^== |^   |control arm' "$OUT/safety.log" | cut -c1-300 | tee -a "$S" ;;
   sanitizer) # The suite and the example under compute-sanitizer memcheck, in the time left.
     # API-error reports are off: the OOM tests fail cuMemAlloc on purpose (3 reports otherwise);
     # memory-access errors, leaks of device allocations excepted, still fail the run.
     CCA_UNDER_SANITIZER=1 step sanitizer timeout "$(left)" compute-sanitizer --tool memcheck \
-      --report-api-errors no --error-exitcode 99 "$HERE/cuda_tests" cuda:: --test-threads=1
+      --report-api-errors no --error-exitcode 99 "$HERE/cuda_tests" $GPU_TESTS --test-threads=1
     grep -E '^test |^test result|ERROR SUMMARY|FAILED|panicked' "$OUT/sanitizer.log" | tee -a "$S"
     step sanitizer_example timeout 120 compute-sanitizer --tool memcheck --error-exitcode 99 \
       "$HERE/cudarc_migration"
