@@ -18,5 +18,6 @@ mod fidelity;
 mod fragmentation;
 mod programs;
 mod props;
+mod stream_safety;
 mod trace_io;
 mod util;
