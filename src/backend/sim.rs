@@ -281,6 +281,8 @@ struct Inner {
     open_waits: Vec<OpenWait>,
     /// Event calls made to fail next, one each.
     fail_events: Vec<SimEventCall>,
+    /// Synchronize calls (`synchronize`, `synchronize_stream`) made to fail next.
+    fail_syncs: u64,
     /// Queued uses not yet known to be complete.
     uses: Vec<SimUse>,
     /// Every breach of the safety rule seen, in order.
@@ -412,6 +414,18 @@ impl Inner {
         })
     }
 
+    /// Fails a synchronize call if one was armed.
+    fn sync_fault(&mut self, operation: &'static str) -> Result<(), BackendError> {
+        if self.fail_syncs == 0 {
+            return Ok(());
+        }
+        self.fail_syncs -= 1;
+        Err(BackendError::Injected {
+            operation,
+            call: self.counters.synchronize_calls,
+        })
+    }
+
     /// Forgets the uses that completed.
     fn prune_uses(&mut self) {
         let uses = std::mem::take(&mut self.uses);
@@ -521,6 +535,7 @@ impl SimDevice {
                 wait_log: Vec::new(),
                 open_waits: Vec::new(),
                 fail_events: Vec::new(),
+                fail_syncs: 0,
                 uses: Vec::new(),
                 violations: Vec::new(),
             }),
@@ -586,10 +601,17 @@ impl SimDevice {
         self.inner.lock().fail_events.push(call);
     }
 
+    /// Makes the next `synchronize` or `synchronize_stream` call fail with
+    /// [`BackendError::Injected`] (nothing completes then). Each use arms one failure.
+    pub fn fail_next_synchronize(&self) {
+        self.inner.lock().fail_syncs += 1;
+    }
+
     /// Clears every pending fault.
     pub fn clear_faults(&self) {
         let mut g = self.inner.lock();
         g.fail_events.clear();
+        g.fail_syncs = 0;
         g.fail_calls.clear();
         g.fail_above = None;
         g.reported_free = None;
@@ -784,6 +806,7 @@ unsafe impl DeviceBackend for SimDevice {
     fn synchronize(&self) -> Result<(), BackendError> {
         let mut g = self.inner.lock();
         g.counters.synchronize_calls += 1;
+        g.sync_fault("synchronize")?;
         for s in g.streams.values_mut() {
             s.1 = s.0;
         }
@@ -805,6 +828,7 @@ unsafe impl DeviceBackend for SimDevice {
     fn synchronize_stream(&self, stream: StreamId) -> Result<(), BackendError> {
         let mut g = self.inner.lock();
         g.counters.synchronize_calls += 1;
+        g.sync_fault("synchronize_stream")?;
         let upto = g.streams.get(&stream).map_or(0, |s| s.0);
         g.finish(stream, upto, u64::MAX);
         Ok(())

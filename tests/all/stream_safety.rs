@@ -220,3 +220,41 @@ fn page_reuse_moves_pages_only_after_their_stream_finished() {
     assert!(!sim.pending_uses().contains(&used));
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
 }
+
+// ---- regressions -----------------------------------------------------------------------------
+
+/// A free whose stream event cannot be recorded falls back to synchronizing the stream; when
+/// that fails too (and the device synchronize after it), the block must stay out of the cache
+/// until a later attempt succeeds, not go back to the pool while the other stream may still use
+/// it.
+#[test]
+fn a_free_whose_event_and_synchronizes_fail_keeps_the_block_out_of_the_cache() {
+    for config in [AllocatorConfig::pytorch(), all_on()] {
+        let a = with_config(256 * MIB, config);
+        let sim = a.backend();
+        let x = a.allocate(MIB, S0).unwrap();
+        sim.use_range(S1, x.ptr, x.size);
+        a.record_stream(x.ptr, S1).unwrap();
+        sim.fail_next_event_call(SimEventCall::Record);
+        sim.fail_next_synchronize();
+        sim.fail_next_synchronize();
+        assert!(a.free(x.ptr).is_err(), "the failure is reported");
+        assert!(a.free(x.ptr).is_err(), "the pointer is gone for the user");
+        a.check_invariants().unwrap();
+        assert_eq!(a.memory_stats().memory_allocated(), 0);
+        let y = a.allocate(MIB, S0).unwrap();
+        assert_ne!(y.ptr, x.ptr, "pending on S1");
+        assert!(sim.check_handout(y.stream, y.ptr, y.block_size));
+        a.check_invariants().unwrap();
+        // The next attempt records the event; once S1 finishes, the block is reused.
+        sim.complete_work(S1);
+        let z = a.allocate(MIB, S0).unwrap();
+        assert!(sim.check_handout(z.stream, z.ptr, z.block_size));
+        a.free(z.ptr).unwrap();
+        a.free(y.ptr).unwrap();
+        a.empty_cache().unwrap();
+        assert_eq!(a.memory_stats().memory_reserved(), 0);
+        assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+        a.check_invariants().unwrap();
+    }
+}
