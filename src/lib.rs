@@ -19,7 +19,10 @@ pub use allocator::{
     Allocation, BlockSnapshot, BlockState, CachingAllocator, FragmentationReport, FreeBucket,
     InvariantViolation, OwnedAllocation, SegmentSnapshot, memory_summary,
 };
-pub use backend::sim::{FaultKind, SimConfig, SimCounters, SimDevice, SimEventCall, SimStreamWait};
+pub use backend::sim::{
+    FaultKind, SimConfig, SimCounters, SimDevice, SimEventCall, SimStreamWait, SimUse,
+    SimViolation, SimViolationKind,
+};
 pub use backend::{
     BackendError, DeviceBackend, DevicePtr, EventHandle, MemInfo, PhysicalHandle, StreamId,
 };

@@ -445,7 +445,8 @@ fn check_active_map(st: &State) -> Result<(), InvariantViolation> {
 }
 
 /// Every outstanding event names a live block that is freed but pending (not allocated, mapped),
-/// and each block's `event_count` equals the number of events naming it.
+/// and each block's `event_count` equals the number of events naming it; the `unsynced` list
+/// holds exactly the freed blocks that still have stream uses.
 fn check_pending_events(st: &State) -> Result<(), InvariantViolation> {
     let mut named: BTreeMap<BlockId, u32> = BTreeMap::new();
     for queue in st.pending_events.values() {
@@ -466,6 +467,18 @@ fn check_pending_events(st: &State) -> Result<(), InvariantViolation> {
         }
     }
     for (id, b) in st.arena.iter() {
+        // A freed block keeps stream uses only while it waits, listed in `unsynced`, for a
+        // stream it could neither fence nor wait for.
+        let unsynced = !b.allocated && !b.stream_uses.is_empty();
+        if unsynced != st.unsynced.contains(&id) {
+            return Err(InvariantViolation::PendingEventsMismatch {
+                block: DevicePtr(b.ptr),
+                detail: format!(
+                    "freed with stream uses: {unsynced}, listed as unsynced: {}",
+                    !unsynced
+                ),
+            });
+        }
         let n = named.get(&id).copied().unwrap_or(0);
         if b.event_count != n {
             return Err(InvariantViolation::PendingEventsMismatch {
@@ -491,7 +504,7 @@ fn check_stats(st: &State) -> Result<(), InvariantViolation> {
                 oversize_allocs += 1;
             }
         }
-        if b.allocated || b.event_count > 0 {
+        if b.allocated || b.event_count > 0 || !b.stream_uses.is_empty() {
             want.active.increase(k, 1);
             want.active_bytes.increase(k, n);
             want.requested_bytes.increase(k, b.requested_size as i64);

@@ -187,7 +187,10 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// # Errors
     /// [`AllocError::DoubleFree`], [`AllocError::InteriorPointer`] or
     /// [`AllocError::UnknownPointer`] for a pointer that is not a live allocation (nothing
-    /// changes); [`AllocError::Backend`] if recording a stream event failed.
+    /// changes); [`AllocError::Backend`] if recording a stream event failed and waiting for
+    /// that stream failed too: the allocation is gone for the caller, but its block stays out of
+    /// the cache until a later attempt (at the next allocation or `empty_cache`) fences or waits
+    /// for the stream.
     pub fn free(&self, ptr: DevicePtr) -> Result<()> {
         if let Some(front) = &self.front {
             if let FastFree::Done(r) = front.try_free(ptr) {

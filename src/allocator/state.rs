@@ -88,6 +88,10 @@ pub(crate) struct State {
     known_streams: Vec<StreamId>,
     /// Outstanding `record_stream` events, per stream, oldest first.
     pub(crate) pending_events: BTreeMap<StreamId, VecDeque<(EventHandle, BlockId)>>,
+    /// Freed blocks whose use by another stream could be neither fenced by an event nor waited
+    /// for (event and synchronize calls failed): the streams stay in their `stream_uses` and the
+    /// blocks stay out of the cache until a later attempt succeeds (`retry_unsynced`).
+    pub(crate) unsynced: Vec<BlockId>,
     event_pool: Vec<EventHandle>,
     /// Set when the last `alloc_block` failed because of the fraction cap.
     cap_rejected: bool,
@@ -143,6 +147,7 @@ impl State {
             device_total,
             known_streams: Vec::new(),
             pending_events: BTreeMap::new(),
+            unsynced: Vec::new(),
             event_pool: Vec::new(),
             cap_rejected: false,
             cap_grace: 0,
@@ -244,7 +249,7 @@ impl State {
                 .map_err(|source| AllocError::InvalidStream { stream, source })?;
             self.known_streams.push(stream);
         }
-        if !self.pending_events.is_empty() {
+        if !self.pending_events.is_empty() || !self.unsynced.is_empty() {
             self.process_events(dev)?;
         }
         let size = round_size(orig_size, &self.config);
@@ -608,10 +613,14 @@ impl State {
     }
 
     /// Records an event on every stream that used the block; the block becomes free when all
-    /// have completed. Without event support, synchronizes those streams instead.
+    /// have completed. Where an event cannot be recorded, waits for that stream instead (then
+    /// for the whole device); where that fails too, the stream stays in the block's
+    /// `stream_uses` and the block in `unsynced`, out of the cache, until a later attempt
+    /// succeeds (never back in the pool while that stream may still use it).
     fn insert_events<B: DeviceBackend>(&mut self, dev: &B, id: BlockId) -> Result<()> {
         let uses = std::mem::take(&mut self.block_mut(id).stream_uses);
         let mut first_err = None;
+        let mut unsynced = Vec::new();
         for s in uses {
             let recorded = match self.get_event(dev) {
                 Ok(ev) => match dev.record_event(ev, s) {
@@ -630,17 +639,38 @@ impl State {
                 },
                 Err(_) => false,
             };
-            if !recorded {
-                if let Err(source) = dev.synchronize_stream(s) {
-                    first_err.get_or_insert(AllocError::Backend {
-                        operation: "synchronize_stream",
-                        source,
-                    });
-                }
+            if recorded {
+                continue;
+            }
+            // A context synchronize covers every stream when the stream's own wait fails.
+            if let Err(source) = dev.synchronize_stream(s).or_else(|_| dev.synchronize()) {
+                first_err.get_or_insert(AllocError::Backend {
+                    operation: "synchronize",
+                    source,
+                });
+                unsynced.push(s);
             }
         }
-        if self.block(id).event_count == 0 {
+        let b = self.block_mut(id);
+        b.stream_uses = unsynced;
+        if !b.stream_uses.is_empty() {
+            if !self.unsynced.contains(&id) {
+                self.unsynced.push(id);
+            }
+        } else if b.event_count == 0 {
             self.free_block(id);
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Tries again to fence or wait for the streams of the `unsynced` blocks.
+    fn retry_unsynced<B: DeviceBackend>(&mut self, dev: &B) -> Result<()> {
+        let mut first_err = None;
+        for id in std::mem::take(&mut self.unsynced) {
+            // A block that fails again puts itself back.
+            if let Err(e) = self.insert_events(dev, id) {
+                first_err.get_or_insert(e);
+            }
         }
         first_err.map_or(Ok(()), Err)
     }
@@ -649,13 +679,16 @@ impl State {
         self.event_pool.push(ev);
         let b = self.block_mut(id);
         b.event_count -= 1;
-        if b.event_count == 0 {
+        if b.event_count == 0 && b.stream_uses.is_empty() {
             self.free_block(id);
         }
     }
 
     /// Frees blocks whose events completed; per stream, stops at the first pending event.
     pub(crate) fn process_events<B: DeviceBackend>(&mut self, dev: &B) -> Result<()> {
+        if !self.unsynced.is_empty() {
+            self.retry_unsynced(dev)?;
+        }
         let streams: Vec<StreamId> = self.pending_events.keys().copied().collect();
         for s in streams {
             while let Some(&(ev, id)) = self.pending_events.get(&s).and_then(|q| q.front()) {
@@ -684,6 +717,9 @@ impl State {
 
     fn synchronize_and_free_events<B: DeviceBackend>(&mut self, dev: &B) -> Result<()> {
         self.stats.num_sync_all_streams += 1;
+        if !self.unsynced.is_empty() {
+            self.retry_unsynced(dev)?;
+        }
         while let Some((&s, _)) = self.pending_events.first_key_value() {
             while let Some(&(ev, id)) = self.pending_events.get(&s).and_then(|q| q.front()) {
                 dev.synchronize_event(ev)

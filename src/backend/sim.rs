@@ -12,12 +12,33 @@
 //! stream's later work completes it too), and every wait is logged for tests
 //! ([`SimDevice::stream_waits`]).
 //!
+//! Queued *uses* of memory are modelled too: [`SimDevice::use_range`] queues one unit of work on
+//! a stream that reads or writes a device range. The device itself then checks the cache's
+//! safety rule (`DESIGN.md` rule 3, Note [Queued uses] below) wherever memory is taken away
+//! (`free` of a segment, `unmap` of pages) and, through [`SimDevice::check_handout`], wherever
+//! the cache hands memory out; every breach is logged as a [`SimViolation`]
+//! ([`SimDevice::violations`]).
+//!
 //! Placement is deterministic: by default each new range goes at the lowest free address at or
 //! above a moving cursor ("fresh addresses"); [`SimDevice::place_next_at`] asks for the next
 //! segment at a given address instead, which trace replay uses to put segments exactly where the
 //! recorded run had them (see Note [Address-faithful replay] in `replay.rs`).
 //!
 //! No clocks, no randomness, no hash-order: any run replays exactly. May use: `backend`.
+//!
+//! Note [Queued uses]: a use is (stream S, unit k, range). It is *complete* once S completed its
+//! unit k (directly, through a synchronize, or through a stream that waited on an event recorded
+//! after it). A complete use constrains nothing. An incomplete use makes these a violation:
+//!
+//! * `free` of a segment or `unmap` of pages overlapping its range: the bytes leave their
+//!   address while the work may still run. Pages can only be released or mapped elsewhere (moved)
+//!   after being unmapped, which the device enforces, so the `unmap` check covers releases and
+//!   page moves; address ranges can only be released with nothing mapped in them.
+//! * a hand-out ([`SimDevice::check_handout`]) of an overlapping range to stream X, unless
+//!   X == S or X's next work is ordered after unit k of S: X waited on an event recorded on a
+//!   stream T at a point that is itself ordered after unit k of S (transitively, over every
+//!   `stream_wait_event` so far). The new owner's work is queued after the hand-out, so this is
+//!   exactly "every use is complete or ordered before the new owner's work".
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -72,6 +93,76 @@ pub struct SimStreamWait {
     pub recorded: Option<(StreamId, u64)>,
     /// Units of work submitted to `stream` before the wait.
     pub position: u64,
+}
+
+/// One unit of simulated work that reads or writes device memory (see
+/// [`SimDevice::use_range`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SimUse {
+    /// The stream the work is queued on.
+    pub stream: StreamId,
+    /// Its position on the stream: the stream's `unit`-th unit of work (counting from 1).
+    pub unit: u64,
+    /// The first byte it uses.
+    pub ptr: DevicePtr,
+    /// Bytes it uses.
+    pub len: usize,
+}
+
+impl SimUse {
+    fn overlaps(&self, ptr: u64, len: usize) -> bool {
+        let end = ptr.saturating_add(len as u64);
+        let uend = self.ptr.0.saturating_add(self.len as u64);
+        self.ptr.0 < end && ptr < uend
+    }
+}
+
+/// What the cache did to memory that incomplete queued work still used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SimViolationKind {
+    /// A segment was freed to the device.
+    Free,
+    /// Pages were unmapped (to be released, or moved elsewhere).
+    Unmap,
+    /// The range was handed out to a new owner on `stream`, which is not ordered after the use.
+    Handout {
+        /// The new owner's stream.
+        stream: StreamId,
+    },
+}
+
+/// One breach of the safety rule the simulated device saw (see Note [Queued uses] in the module
+/// source and [`SimDevice::violations`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SimViolation {
+    /// What the cache did.
+    pub kind: SimViolationKind,
+    /// The range it did it to: start.
+    pub ptr: DevicePtr,
+    /// The range it did it to: bytes.
+    pub len: usize,
+    /// The incomplete use it broke.
+    pub pending: SimUse,
+}
+
+impl std::fmt::Display for SimViolation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let what = match self.kind {
+            SimViolationKind::Free => "freed".to_string(),
+            SimViolationKind::Unmap => "unmapped".to_string(),
+            SimViolationKind::Handout { stream } => format!("handed out to stream {stream}"),
+        };
+        write!(
+            f,
+            "{}+{} {what} while unit {} of stream {} still used {}+{}",
+            self.ptr,
+            self.len,
+            self.pending.unit,
+            self.pending.stream,
+            self.pending.ptr,
+            self.pending.len
+        )
+    }
 }
 
 /// A wait not yet known to be satisfied, with the ordering numbers that decide it.
@@ -184,12 +275,18 @@ struct Inner {
     next_event: u64,
     /// Order of records and waits.
     seq: u64,
-    /// Every successful `stream_wait_event`, in order.
-    wait_log: Vec<SimStreamWait>,
+    /// Every successful `stream_wait_event`, in order, with its ordering numbers.
+    wait_log: Vec<OpenWait>,
     /// Waits whose recorded point is not known to have completed.
     open_waits: Vec<OpenWait>,
     /// Event calls made to fail next, one each.
     fail_events: Vec<SimEventCall>,
+    /// Synchronize calls (`synchronize`, `synchronize_stream`) made to fail next.
+    fail_syncs: u64,
+    /// Queued uses not yet known to be complete.
+    uses: Vec<SimUse>,
+    /// Every breach of the safety rule seen, in order.
+    violations: Vec<SimViolation>,
 }
 
 /// A deterministic simulated device. See the module documentation.
@@ -317,6 +414,82 @@ impl Inner {
         })
     }
 
+    /// Fails a synchronize call if one was armed.
+    fn sync_fault(&mut self, operation: &'static str) -> Result<(), BackendError> {
+        if self.fail_syncs == 0 {
+            return Ok(());
+        }
+        self.fail_syncs -= 1;
+        Err(BackendError::Injected {
+            operation,
+            call: self.counters.synchronize_calls,
+        })
+    }
+
+    /// Forgets the uses that completed.
+    fn prune_uses(&mut self) {
+        let uses = std::mem::take(&mut self.uses);
+        self.uses = uses
+            .into_iter()
+            .filter(|u| !self.done(u.stream, u.unit, 0))
+            .collect();
+    }
+
+    /// Logs a violation of `kind` for every incomplete use overlapping `[ptr, ptr + len)` that
+    /// `allowed` does not excuse; returns how many.
+    fn check_range(
+        &mut self,
+        kind: SimViolationKind,
+        ptr: u64,
+        len: usize,
+        allowed: &dyn Fn(&SimUse) -> bool,
+    ) -> usize {
+        self.prune_uses();
+        let found: Vec<SimViolation> = self
+            .uses
+            .iter()
+            .filter(|u| u.overlaps(ptr, len) && !allowed(u))
+            .map(|&pending| SimViolation {
+                kind,
+                ptr: DevicePtr(ptr),
+                len,
+                pending,
+            })
+            .collect();
+        let n = found.len();
+        self.violations.extend(found);
+        n
+    }
+
+    /// Per stream, the last point ordered before the next work `target` will run, as (units of
+    /// work, order of the record or wait): its own units and waits so far, and through every
+    /// `stream_wait_event` (transitively) the recorded points of the streams it waited on. A wait
+    /// queued at `(position, seq)` precedes a point `(units, seq')` when `(position, seq)` is
+    /// smaller, as in `done`.
+    fn ordered_before(&self, target: StreamId) -> BTreeMap<StreamId, (u64, u64)> {
+        let mut frontier = BTreeMap::new();
+        let next = self.streams.get(&target).map_or(0, |s| s.0);
+        frontier.insert(target, (next, u64::MAX));
+        let mut changed = true;
+        while changed {
+            changed = false;
+            for w in &self.wait_log {
+                let Some((t, at)) = w.wait.recorded else {
+                    continue;
+                };
+                let reached = frontier
+                    .get(&w.wait.stream)
+                    .is_some_and(|&f| (w.wait.position, w.seq) < f);
+                let point = (at, w.record_seq);
+                if reached && frontier.get(&t).is_none_or(|&f| f < point) {
+                    frontier.insert(t, point);
+                    changed = true;
+                }
+            }
+        }
+        frontier
+    }
+
     fn charge(&mut self, size: usize) -> bool {
         if self.used().saturating_add(size) > self.config.capacity {
             return false;
@@ -362,6 +535,9 @@ impl SimDevice {
                 wait_log: Vec::new(),
                 open_waits: Vec::new(),
                 fail_events: Vec::new(),
+                fail_syncs: 0,
+                uses: Vec::new(),
+                violations: Vec::new(),
             }),
         }
     }
@@ -425,10 +601,17 @@ impl SimDevice {
         self.inner.lock().fail_events.push(call);
     }
 
+    /// Makes the next `synchronize` or `synchronize_stream` call fail with
+    /// [`BackendError::Injected`] (nothing completes then). Each use arms one failure.
+    pub fn fail_next_synchronize(&self) {
+        self.inner.lock().fail_syncs += 1;
+    }
+
     /// Clears every pending fault.
     pub fn clear_faults(&self) {
         let mut g = self.inner.lock();
         g.fail_events.clear();
+        g.fail_syncs = 0;
         g.fail_calls.clear();
         g.fail_above = None;
         g.reported_free = None;
@@ -457,7 +640,57 @@ impl SimDevice {
     /// event, recorded where. Tests use it to check that work was ordered without a host
     /// synchronization.
     pub fn stream_waits(&self) -> Vec<SimStreamWait> {
-        self.inner.lock().wait_log.clone()
+        self.inner.lock().wait_log.iter().map(|w| w.wait).collect()
+    }
+
+    /// Queues one unit of simulated work on `stream` that reads or writes `[ptr, ptr + len)`,
+    /// and returns it. Until it completes ([`complete_work`](Self::complete_work), a
+    /// synchronize, or an event wait that orders it), the device checks that the range is not
+    /// freed, unmapped or handed to a new owner that is not ordered after it (Note [Queued
+    /// uses] in the module source); breaches are logged in [`violations`](Self::violations).
+    pub fn use_range(&self, stream: StreamId, ptr: DevicePtr, len: usize) -> SimUse {
+        let mut g = self.inner.lock();
+        let st = g.streams.entry(stream).or_default();
+        st.0 += 1;
+        let u = SimUse {
+            stream,
+            unit: st.0,
+            ptr,
+            len,
+        };
+        if len > 0 {
+            g.uses.push(u);
+        }
+        u
+    }
+
+    /// Checks a hand-out: the cache just gave `[ptr, ptr + len)` to a new owner on `stream`.
+    /// Every incomplete use of an overlapping range must be on `stream` itself or ordered
+    /// before `stream`'s next work by event waits; each one that is not is logged as a
+    /// [`SimViolationKind::Handout`] violation. Returns whether the hand-out was clean.
+    ///
+    /// The cache does not call this (it cannot tell a hand-out from any other return value);
+    /// tests call it, or wrap the allocator so that every allocation it returns is checked.
+    pub fn check_handout(&self, stream: StreamId, ptr: DevicePtr, len: usize) -> bool {
+        let mut g = self.inner.lock();
+        let frontier = g.ordered_before(stream);
+        let allowed = |u: &SimUse| {
+            u.stream == stream || frontier.get(&u.stream).is_some_and(|&(f, _)| f >= u.unit)
+        };
+        g.check_range(SimViolationKind::Handout { stream }, ptr.0, len, &allowed) == 0
+    }
+
+    /// Every breach of the safety rule seen so far, in order (see
+    /// [`use_range`](Self::use_range)).
+    pub fn violations(&self) -> Vec<SimViolation> {
+        self.inner.lock().violations.clone()
+    }
+
+    /// The queued uses not yet complete, in the order they were queued.
+    pub fn pending_uses(&self) -> Vec<SimUse> {
+        let mut g = self.inner.lock();
+        g.prune_uses();
+        g.uses.clone()
     }
 
     /// Whether any simulated work is still pending on `stream`.
@@ -562,6 +795,7 @@ unsafe impl DeviceBackend for SimDevice {
         if let Err(f) = g.next_call(None) {
             return Err(fault("free", f));
         }
+        g.check_range(SimViolationKind::Free, ptr.0, size, &|_| false);
         g.ranges.remove(&ptr.0);
         g.counters.reserved_bytes -= size;
         g.counters.free_calls += 1;
@@ -572,10 +806,12 @@ unsafe impl DeviceBackend for SimDevice {
     fn synchronize(&self) -> Result<(), BackendError> {
         let mut g = self.inner.lock();
         g.counters.synchronize_calls += 1;
+        g.sync_fault("synchronize")?;
         for s in g.streams.values_mut() {
             s.1 = s.0;
         }
         g.open_waits.clear();
+        g.uses.clear();
         Ok(())
     }
 
@@ -592,6 +828,7 @@ unsafe impl DeviceBackend for SimDevice {
     fn synchronize_stream(&self, stream: StreamId) -> Result<(), BackendError> {
         let mut g = self.inner.lock();
         g.counters.synchronize_calls += 1;
+        g.sync_fault("synchronize_stream")?;
         let upto = g.streams.get(&stream).map_or(0, |s| s.0);
         g.finish(stream, upto, u64::MAX);
         Ok(())
@@ -673,7 +910,12 @@ unsafe impl DeviceBackend for SimDevice {
             recorded: recorded.map(|(s, at, _)| (s, at)),
             position: g.streams.get(&stream).map_or(0, |s| s.0),
         };
-        g.wait_log.push(wait);
+        let seq = g.seq;
+        g.wait_log.push(OpenWait {
+            wait,
+            seq,
+            record_seq: recorded.map_or(0, |r| r.2),
+        });
         if let Some((t, at, record_seq)) = recorded {
             // Already satisfied (the recorded point completed): nothing to wait for.
             if !g.done(t, at, record_seq) {
@@ -862,6 +1104,7 @@ unsafe impl DeviceBackend for SimDevice {
         if let Err(f) = g.next_call(None) {
             return Err(fault("unmap", f));
         }
+        g.check_range(SimViolationKind::Unmap, va.0, size, &|_| false);
         g.mappings.remove(&va.0);
         g.counters.unmap_calls += 1;
         Ok(())
@@ -1040,5 +1283,103 @@ mod tests {
         // SAFETY: nothing mapped.
         unsafe { sim.release_address_range(va, 16 * MIB).unwrap() };
         assert_eq!(sim.counters().reserved_bytes, 0);
+    }
+
+    #[test]
+    fn incomplete_uses_make_frees_and_unmaps_violations() {
+        let sim = SimDevice::with_capacity(64 * MIB);
+        let s = StreamId(3);
+        let a = sim.allocate(2 * MIB, s).unwrap();
+        let b = sim.allocate(2 * MIB, s).unwrap();
+        let u = sim.use_range(s, a.offset(4096), 512);
+        assert_eq!(u.unit, 1);
+        assert_eq!(sim.pending_uses(), vec![u]);
+        // SAFETY: simulated memory; the point is the breach being logged.
+        unsafe { sim.free(b, 2 * MIB, s).unwrap() };
+        assert!(sim.violations().is_empty(), "b was not used");
+        // SAFETY: as above.
+        unsafe { sim.free(a, 2 * MIB, s).unwrap() };
+        let v = sim.violations();
+        assert_eq!(v.len(), 1);
+        assert_eq!(v[0].kind, SimViolationKind::Free);
+        assert_eq!(v[0].pending, u);
+        assert!(v[0].to_string().contains("freed"), "{}", v[0]);
+
+        // Completed uses constrain nothing; a pending one blocks an unmap.
+        let va = sim.reserve_address_range(4 * MIB).unwrap();
+        let h = sim.create_physical(2 * MIB).unwrap();
+        // SAFETY: fresh reservation and handle.
+        unsafe { sim.map(va, 2 * MIB, h).unwrap() };
+        sim.use_range(s, va, MIB);
+        sim.complete_work(s);
+        assert!(sim.pending_uses().is_empty());
+        let pending = sim.use_range(StreamId(4), va.offset(MIB), 4096);
+        // SAFETY: exactly the mapping above.
+        unsafe { sim.unmap(va, 2 * MIB).unwrap() };
+        let v = sim.violations();
+        assert_eq!(v.len(), 2);
+        assert_eq!(v[1].kind, SimViolationKind::Unmap);
+        assert_eq!(v[1].pending, pending);
+        // A synchronize completes everything.
+        sim.use_range(s, va, 8);
+        sim.synchronize().unwrap();
+        assert!(sim.pending_uses().is_empty());
+    }
+
+    #[test]
+    fn handouts_must_be_ordered_after_every_pending_use() {
+        let sim = SimDevice::default();
+        let (s, t, x) = (StreamId(1), StreamId(2), StreamId(3));
+        let p = DevicePtr(0x1000_0000);
+        let used = sim.use_range(t, p, 4096);
+        // Same stream: ordered by the stream itself. Disjoint range: unconstrained.
+        assert!(sim.check_handout(t, p, 4096));
+        assert!(sim.check_handout(s, p.offset(4096), 4096));
+        assert!(sim.violations().is_empty());
+        // Another stream that waited on nothing.
+        assert!(!sim.check_handout(s, p.offset(512), 512));
+        let v = sim.violations();
+        assert_eq!(v.len(), 1);
+        assert_eq!(v[0].kind, SimViolationKind::Handout { stream: s });
+        assert_eq!(v[0].pending, used);
+        // An event recorded on T before the use orders nothing.
+        let early = sim.create_event().unwrap();
+        let e = sim.create_event().unwrap();
+        sim.use_range(t, p.offset(8192), 8);
+        sim.record_event(e, t).unwrap();
+        sim.stream_wait_event(x, e).unwrap();
+        // X waited on a point after `used`: ordered. S waits on X's point after that wait:
+        // ordered transitively.
+        assert!(sim.check_handout(x, p, 4096));
+        sim.submit_work(x);
+        sim.record_event(early, x).unwrap();
+        sim.stream_wait_event(s, early).unwrap();
+        assert!(sim.check_handout(s, p, 4096));
+        // A wait on a point of T before the use does not order it.
+        let y = StreamId(9);
+        let before = sim.create_event().unwrap();
+        let z = StreamId(10);
+        sim.record_event(before, z).unwrap();
+        let late = sim.use_range(z, p, 64);
+        sim.stream_wait_event(y, before).unwrap();
+        assert!(!sim.check_handout(y, p, 64));
+        let v = sim.violations();
+        assert_eq!(v.last().map(|v| v.pending), Some(late));
+        // An event recorded after a wait (with no new work between) carries the wait: a stream
+        // waiting on it is ordered after what the first wait covered.
+        let (u, w) = (StreamId(11), StreamId(12));
+        let q = DevicePtr(0x2000_0000);
+        let far = sim.use_range(StreamId(13), q, 64);
+        let e1 = sim.create_event().unwrap();
+        sim.record_event(e1, StreamId(13)).unwrap();
+        sim.stream_wait_event(u, e1).unwrap();
+        let e2 = sim.create_event().unwrap();
+        sim.record_event(e2, u).unwrap();
+        sim.stream_wait_event(w, e2).unwrap();
+        assert!(sim.check_handout(w, q, 64), "{far:?} is ordered before W");
+        // Once the uses complete, any stream may have the range.
+        sim.complete_work(t);
+        sim.complete_work(z);
+        assert!(sim.check_handout(y, p, 4096));
     }
 }

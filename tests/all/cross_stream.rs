@@ -573,7 +573,7 @@ proptest! {
     fn multi_stream_programs_with_handovers_stay_consistent_and_leak_nothing(
         config in config_strategy(),
         capacity_mib in 64usize..400,
-        ops in random_program(Mix { min_size: 1, all_streams: true, event_faults: true }),
+        ops in random_program(Mix { min_size: 1, all_streams: true, event_faults: true, uses: false }),
     ) {
         prop_assert!(config.cross_stream_reuse);
         let mut run = Run::new(capacity_mib, config);

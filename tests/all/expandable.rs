@@ -525,7 +525,7 @@ proptest! {
     fn random_programs_keep_expandable_segments_consistent(
         config in config_strategy(),
         capacity_mib in 64usize..400,
-        ops in random_program(Mix { min_size: 1, all_streams: false, event_faults: false }),
+        ops in random_program(Mix { min_size: 1, all_streams: false, event_faults: false, uses: false }),
     ) {
         let mut run = Run::new(capacity_mib, config);
         for op in &ops {

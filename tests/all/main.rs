@@ -19,5 +19,6 @@ mod fidelity;
 mod fragmentation;
 mod programs;
 mod props;
+mod stream_safety;
 mod trace_io;
 mod util;

@@ -1,0 +1,260 @@
+//! The stream-safety rule (`DESIGN.md` rule 3): a block is never reused, unmapped, released,
+//! moved to another stream or handed to a page-reuse move while work that used it may still be
+//! queued, on any stream that used it. SimDevice models queued uses (`SimDevice::use_range`) and
+//! logs every breach it sees (frees and unmaps of used memory; hand-outs to a stream not ordered
+//! after the use, checked by the programs' runner for every allocation the cache returns).
+//!
+//! The random programs come from `programs.rs` with the `uses` mix: allocations on several
+//! streams, uses on the allocation's stream, uses on other streams declared with
+//! `record_stream` or ordered back by an event wait, frees, `empty_cache`, fraction changes,
+//! work completed on streams in random order, synchronizes. They run with every configuration
+//! family (PyTorch, PyTorch with expandable segments, the crate's default with page reuse, the
+//! fast path, cross-stream reuse, and all of them at once), single-threaded with the model's
+//! checks after every step, and multi-threaded on the fast path with threads freeing each
+//! other's blocks.
+
+use cuda_caching_allocator::*;
+use proptest::prelude::*;
+
+use crate::programs::{Mix, Run, random_program, run_threads};
+use crate::util::{MIB, with_config};
+
+const S0: StreamId = StreamId(0);
+const S1: StreamId = StreamId(1);
+const S2: StreamId = StreamId(2);
+
+/// Every configuration family, each alone and all together.
+const CONFIGS: &[&str] = &[
+    "cca_preset:pytorch",
+    "cca_preset:pytorch,max_split_size_mb:24,garbage_collection_threshold:0.5",
+    "cca_preset:pytorch-expandable",
+    "cca_preset:default",
+    "cca_preset:default,cca_page_reuse:segment",
+    "cca_preset:pytorch,cca_fast_path:True",
+    "cca_preset:pytorch,cca_cross_stream_reuse:True",
+    "cca_preset:default,cca_cross_stream_reuse:True",
+    "cca_preset:default,cca_fast_path:True,cca_cross_stream_reuse:True",
+    "cca_preset:default,cca_fast_path:True,cca_cross_stream_reuse:True,cca_large_page_size_mb:4,cca_max_handle_size_mb:12",
+];
+
+fn config_strategy() -> impl Strategy<Value = AllocatorConfig> {
+    proptest::sample::select(CONFIGS).prop_map(|s| AllocatorConfig::parse(s).unwrap())
+}
+
+fn uses_mix(event_faults: bool) -> Mix {
+    Mix {
+        min_size: 1,
+        all_streams: true,
+        event_faults,
+        uses: true,
+    }
+}
+
+fn all_on() -> AllocatorConfig {
+    AllocatorConfig::parse(CONFIGS[CONFIGS.len() - 1]).unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(96),
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn random_multi_stream_programs_never_give_away_memory_in_use(
+        config in config_strategy(),
+        capacity_mib in 48usize..320,
+        ops in random_program(uses_mix(false)),
+    ) {
+        let mut run = Run::new(capacity_mib, config);
+        for op in &ops {
+            run.step(op)?;
+            run.check()?;
+        }
+        run.drain()?;
+    }
+
+    /// Event faults too: a failed record falls back to a synchronize, a failed handover to
+    /// growth; neither may give memory away early.
+    #[test]
+    fn programs_with_event_faults_never_give_away_memory_in_use(
+        config in config_strategy(),
+        capacity_mib in 48usize..320,
+        ops in random_program(uses_mix(true)),
+    ) {
+        let mut run = Run::new(capacity_mib, config);
+        for op in &ops {
+            run.step(op)?;
+            run.check()?;
+        }
+        run.drain()?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(24),
+        ..ProptestConfig::default()
+    })]
+
+    /// Threads on the fast path share one allocator: each runs its own program, freeing and
+    /// using whatever is live, also other threads' blocks.
+    #[test]
+    fn threads_freeing_each_others_blocks_never_give_away_memory_in_use(
+        config in proptest::sample::select(&CONFIGS[5..]),
+        programs in proptest::collection::vec(random_program(uses_mix(false)), 2..5),
+    ) {
+        let a = with_config(256 * MIB, AllocatorConfig::parse(config).unwrap());
+        if let Err(e) = run_threads(&a, &programs) {
+            return Err(TestCaseError::fail(e));
+        }
+    }
+}
+
+// ---- the model catches a broken rule -------------------------------------------------------
+
+/// A use on another stream that the user forgot to declare with `record_stream` is exactly what
+/// the rule cannot protect: the cache reuses the block on its own stream while that work is
+/// queued. The device's model sees it (so a cache that broke the rule would be seen too).
+#[test]
+fn an_undeclared_use_on_another_stream_is_caught_at_the_hand_out() {
+    let a = with_config(256 * MIB, AllocatorConfig::pytorch());
+    let sim = a.backend();
+    let x = a.allocate(MIB, S0).unwrap();
+    let used = sim.use_range(S1, x.ptr, x.size);
+    a.free(x.ptr).unwrap();
+    let y = a.allocate(MIB, S0).unwrap();
+    assert_eq!(y.ptr, x.ptr, "the block is reused at once on its stream");
+    assert!(!sim.check_handout(y.stream, y.ptr, y.block_size));
+    let v = sim.violations();
+    assert_eq!(v.len(), 1);
+    assert_eq!(v[0].kind, SimViolationKind::Handout { stream: S0 });
+    assert_eq!(v[0].pending, used);
+    // Declared, the same program is clean: the block waits for S1's event.
+    let z = a.allocate(MIB, S0).unwrap();
+    sim.use_range(S1, z.ptr, z.size);
+    a.record_stream(z.ptr, S1).unwrap();
+    a.free(z.ptr).unwrap();
+    let w = a.allocate(MIB, S0).unwrap();
+    assert_ne!(w.ptr, z.ptr);
+    assert!(sim.check_handout(w.stream, w.ptr, w.block_size));
+    assert_eq!(sim.violations().len(), 1);
+}
+
+/// A device call that frees or unmaps used memory is logged by the device itself, whatever
+/// called it. `empty_cache` waits for the work queued on the segment's stream first (a device
+/// synchronize for fixed segments, a stream synchronize before unmapping pages), so it passes;
+/// a direct call that skips the wait is caught.
+#[test]
+fn freeing_or_unmapping_used_memory_is_caught_by_the_device() {
+    for config in [AllocatorConfig::pytorch(), AllocatorConfig::default()] {
+        let a = with_config(256 * MIB, config);
+        let sim = a.backend();
+        let x = a.allocate(4 * MIB, S0).unwrap();
+        let used = sim.use_range(S0, x.ptr, x.size);
+        a.free(x.ptr).unwrap();
+        // The cache synchronizes before releasing, so nothing is caught...
+        a.empty_cache().unwrap();
+        assert!(sim.violations().is_empty());
+        assert!(sim.pending_uses().is_empty(), "{used:?} completed");
+        // ...but a backend call that skips it is.
+        let x = a.allocate(4 * MIB, S0).unwrap();
+        sim.use_range(S2, x.ptr, 512);
+        let segs = sim.live_segments();
+        let maps = sim.live_mappings();
+        if let Some(&(p, n)) = segs.first() {
+            // SAFETY: the simulated device never touches memory; the allocator is not used
+            // again on this range (the test only checks the device's log).
+            let _ = unsafe { sim.free(p, n, S0) };
+            assert_eq!(sim.violations()[0].kind, SimViolationKind::Free);
+        } else {
+            let &(p, n) = maps.first().unwrap();
+            // SAFETY: as above.
+            let _ = unsafe { sim.unmap(p, n) };
+            assert_eq!(sim.violations()[0].kind, SimViolationKind::Unmap);
+        }
+        std::mem::forget(a);
+    }
+}
+
+// ---- each path obeys the rule --------------------------------------------------------------
+
+/// The fast path: a managed block used on another stream and declared goes through the core's
+/// events instead of the front cache, on the owner's free and on another thread's.
+#[test]
+fn fast_path_frees_of_declared_blocks_wait_for_their_streams() {
+    let a = with_config(256 * MIB, all_on());
+    let sim = a.backend();
+    for _ in 0..3 {
+        let x = a.allocate(MIB, S0).unwrap();
+        a.free(x.ptr).unwrap();
+    }
+    let x = a.allocate(MIB, S0).unwrap();
+    sim.use_range(S1, x.ptr, x.size);
+    a.record_stream(x.ptr, S1).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| a.free(x.ptr).unwrap());
+    });
+    for stream in [S0, S2] {
+        let y = a.allocate(MIB, stream).unwrap();
+        assert!(sim.check_handout(y.stream, y.ptr, y.block_size), "{y:?}");
+        a.free(y.ptr).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}
+
+/// Page reuse moves the free pages of one stream's segment to another's growth: only after the
+/// old stream's work is done (it synchronizes that stream), so a use there completes first.
+#[test]
+fn page_reuse_moves_pages_only_after_their_stream_finished() {
+    let a = with_config(64 * MIB, AllocatorConfig::default());
+    let sim = a.backend();
+    let x = a.allocate(40 * MIB, S0).unwrap();
+    let used = sim.use_range(S0, x.ptr, x.size);
+    a.free(x.ptr).unwrap();
+    let unmaps = sim.counters().unmap_calls;
+    let y = a.allocate(40 * MIB, S1).unwrap();
+    assert!(sim.counters().unmap_calls > unmaps, "pages moved to S1");
+    assert!(sim.check_handout(y.stream, y.ptr, y.block_size));
+    assert!(!sim.pending_uses().contains(&used));
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}
+
+// ---- regressions -----------------------------------------------------------------------------
+
+/// A free whose stream event cannot be recorded falls back to synchronizing the stream; when
+/// that fails too (and the device synchronize after it), the block must stay out of the cache
+/// until a later attempt succeeds, not go back to the pool while the other stream may still use
+/// it.
+#[test]
+fn a_free_whose_event_and_synchronizes_fail_keeps_the_block_out_of_the_cache() {
+    for config in [AllocatorConfig::pytorch(), all_on()] {
+        let a = with_config(256 * MIB, config);
+        let sim = a.backend();
+        let x = a.allocate(MIB, S0).unwrap();
+        sim.use_range(S1, x.ptr, x.size);
+        a.record_stream(x.ptr, S1).unwrap();
+        sim.fail_next_event_call(SimEventCall::Record);
+        sim.fail_next_synchronize();
+        sim.fail_next_synchronize();
+        assert!(a.free(x.ptr).is_err(), "the failure is reported");
+        assert!(a.free(x.ptr).is_err(), "the pointer is gone for the user");
+        a.check_invariants().unwrap();
+        assert_eq!(a.memory_stats().memory_allocated(), 0);
+        let y = a.allocate(MIB, S0).unwrap();
+        assert_ne!(y.ptr, x.ptr, "pending on S1");
+        assert!(sim.check_handout(y.stream, y.ptr, y.block_size));
+        a.check_invariants().unwrap();
+        // The next attempt records the event; once S1 finishes, the block is reused.
+        sim.complete_work(S1);
+        let z = a.allocate(MIB, S0).unwrap();
+        assert!(sim.check_handout(z.stream, z.ptr, z.block_size));
+        a.free(z.ptr).unwrap();
+        a.free(y.ptr).unwrap();
+        a.empty_cache().unwrap();
+        assert_eq!(a.memory_stats().memory_reserved(), 0);
+        assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+        a.check_invariants().unwrap();
+    }
+}
