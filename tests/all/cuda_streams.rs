@@ -69,6 +69,17 @@ fn grid() -> LaunchConfig {
     }
 }
 
+/// Two blocks for the spinning kernels: they must leave the GPU's other multiprocessors free,
+/// or a device-to-device copy (itself a kernel) cannot start before they end and the race
+/// cannot show (seen on an H100 with a full grid: the control arm of hazard (a) stayed correct).
+fn spin_grid() -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (2, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 fn under_sanitizer() -> bool {
     std::env::var_os("CCA_UNDER_SANITIZER").is_some()
 }
@@ -106,7 +117,7 @@ fn read_after_write(tracking: bool) -> usize {
         let mut launch = s1.launch_builder(&k.spin_fill);
         launch.arg(&mut x).arg(&n).arg(&v).arg(&SPIN);
         // SAFETY: spin_fill(unsigned*, u64, u32, i64) writes `N` values of an `N`-value buffer.
-        unsafe { launch.launch(grid()) }.unwrap();
+        unsafe { launch.launch(spin_grid()) }.unwrap();
         let mut y: CachedSlice<u32> = alloc.alloc_zeros(&s2, N).unwrap();
         s2.memcpy_dtod(&x, &mut y).unwrap();
         let got = y.to_vec().unwrap();
@@ -142,7 +153,7 @@ fn reuse_after_read(tracking: bool) -> (usize, usize) {
         copy.arg(&x).arg(&mut z).arg(&n).arg(&SPIN);
         // SAFETY: spin_copy(const unsigned*, unsigned*, u64, i64) reads and writes `N` values of
         // two `N`-value buffers.
-        unsafe { copy.launch(grid()) }.unwrap();
+        unsafe { copy.launch(spin_grid()) }.unwrap();
         let before = x.device_ptr_raw();
         drop(x);
         let mut x2: CachedSlice<u32> = unsafe_uninit(&alloc, &s1);
@@ -221,7 +232,7 @@ fn cudarc_own_buffers_agree() {
         let mut launch = s1.launch_builder(&k.spin_fill);
         launch.arg(&mut x).arg(&n).arg(&v).arg(&SPIN);
         // SAFETY: as above.
-        unsafe { launch.launch(grid()) }.unwrap();
+        unsafe { launch.launch(spin_grid()) }.unwrap();
         let mut y: CudaSlice<u32> = s2.alloc_zeros(N).unwrap();
         s2.memcpy_dtod(&x, &mut y).unwrap();
         assert_eq!(s2.clone_dtoh(&y).unwrap(), expected(v));
@@ -268,7 +279,7 @@ fn single_stream_programs_make_no_events_and_hits_reuse_them() {
         let mut launch = s1.launch_builder(&k.spin_fill);
         launch.arg(&mut tail).arg(&n).arg(&v).arg(&SPIN);
         // SAFETY: spin_fill writes `N / 2` values of an `N / 2`-value view.
-        unsafe { launch.launch(grid()) }.unwrap();
+        unsafe { launch.launch(spin_grid()) }.unwrap();
     }
     let mut e: CachedSlice<u32> = alloc.alloc_zeros(&s2, N / 2).unwrap();
     s2.memcpy_dtod(&d.get(N / 2..).unwrap(), &mut e).unwrap();
