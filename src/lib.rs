@@ -17,9 +17,12 @@ pub mod trace;
 
 pub use allocator::{
     Allocation, BlockSnapshot, BlockState, CachingAllocator, FragmentationReport, FreeBucket,
-    InvariantViolation, OwnedAllocation, SegmentSnapshot, memory_summary,
+    InvariantViolation, MemPoolId, OwnedAllocation, PoolFilter, SegmentSnapshot, memory_summary,
 };
-pub use backend::sim::{FaultKind, SimConfig, SimCounters, SimDevice, SimEventCall, SimStreamWait};
+pub use backend::sim::{
+    FaultKind, SimCaptureMode, SimCaptureViolation, SimConfig, SimCounters, SimDevice,
+    SimEventCall, SimStreamWait,
+};
 pub use backend::{
     BackendError, DeviceBackend, DevicePtr, EventHandle, MemInfo, PhysicalHandle, StreamId,
 };

@@ -125,7 +125,7 @@ pub(crate) fn take(st: &State) -> Vec<SegmentSnapshot> {
             expandable |= b.expandable;
             let state = if b.allocated {
                 BlockState::ActiveAllocated
-            } else if b.event_count > 0 {
+            } else if b.event_count > 0 || !b.stream_uses.is_empty() {
                 BlockState::ActivePendingFree
             } else {
                 BlockState::Inactive
