@@ -21,12 +21,14 @@
 //! the core (`CachingAllocator`), `backend::cuda`, `config`, `error`, `stats`.
 
 mod allocator;
+mod capture;
 pub mod raw;
 mod registry;
 mod slice;
 mod view;
 
 pub use allocator::CudaAllocator;
+pub use capture::{CapturedGraph, GraphPool};
 pub use registry::AllocatorRegistry;
 pub use slice::CachedSlice;
 pub use view::{CachedView, CachedViewMut};

@@ -10,6 +10,7 @@ mod concurrency;
 mod config_env;
 mod cross_stream;
 mod cuda;
+mod cuda_capture;
 mod expandable;
 mod expandable_fidelity;
 mod fast_path;
