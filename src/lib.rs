@@ -17,7 +17,8 @@ pub mod trace;
 
 pub use allocator::{
     Allocation, BlockSnapshot, BlockState, CachingAllocator, FragmentationReport, FreeBucket,
-    InvariantViolation, MemPoolId, OwnedAllocation, PoolFilter, SegmentSnapshot, memory_summary,
+    InvariantViolation, MemPoolId, OwnedAllocation, PoolFilter, SegmentSnapshot, capture_filter,
+    memory_summary,
 };
 pub use backend::sim::{
     FaultKind, SimCaptureMode, SimCaptureViolation, SimConfig, SimCounters, SimDevice,

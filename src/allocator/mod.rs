@@ -26,7 +26,7 @@ use parking_lot::Mutex;
 pub use fragmentation::{FragmentationReport, FreeBucket};
 pub use invariants::InvariantViolation;
 pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
-pub use state::{MemPoolId, PoolFilter};
+pub use state::{MemPoolId, PoolFilter, capture_filter};
 pub use summary::memory_summary;
 
 use crate::backend::{DeviceBackend, DevicePtr, StreamId};

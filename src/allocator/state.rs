@@ -28,7 +28,7 @@ use crate::stats::MemoryStats;
 
 pub(crate) use expandable::{SparePage, VmSegment};
 pub(crate) use private_pool::GraphPools;
-pub use private_pool::{MemPoolId, PoolFilter};
+pub use private_pool::{MemPoolId, PoolFilter, capture_filter};
 
 /// A multiply-shift hasher for device addresses (512-byte aligned, so low bits carry nothing).
 #[derive(Default, Clone, Copy, Debug)]

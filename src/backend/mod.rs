@@ -9,6 +9,8 @@
 //!   `record_stream` and cross-stream reuse;
 //! * **virtual memory** (reserve an address range; create, map, unmap and release physical pages),
 //!   used by expandable segments.
+//! * **capture status** ([`DeviceBackend::stream_capture_id`], default "no capture"), used to
+//!   route the allocations of a graph capture to a private pool.
 //!
 //! This module names no concrete device. [`sim::SimDevice`] is the deterministic host-only device;
 //! `cuda::CudaDevice` (behind the `cuda` feature) drives a real GPU through cudarc. May use:

@@ -496,6 +496,13 @@ fn streams_joined_into_a_capture_are_routed_too() {
         sim.stream_capture_id(S0).unwrap()
     );
     let forked = a.allocate(4096, S1).unwrap();
+    // The public helper builds the same filter from a backend handle.
+    let handle = std::sync::Arc::new(SimDevice::default());
+    let id = handle.begin_capture(S2, SimCaptureMode::Global).unwrap();
+    let f = capture_filter(std::sync::Arc::clone(&handle), id);
+    assert!(f(S2) && !f(S0));
+    handle.end_capture(S2).unwrap();
+    assert!(!f(S2));
     let outside = a.allocate(4096, S2).unwrap();
     end(&a, S0, pool);
     assert_eq!(sim.stream_capture_id(S1).unwrap(), None);

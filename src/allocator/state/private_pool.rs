@@ -80,6 +80,14 @@ impl fmt::Display for MemPoolId {
 /// call back into the allocator.
 pub type PoolFilter = Box<dyn Fn(StreamId) -> bool + Send + Sync>;
 
+/// A [`PoolFilter`] accepting the streams `backend` reports as capturing into `capture_id`
+/// ([`DeviceBackend::stream_capture_id`]; a failed query counts as "not capturing"). Pass a
+/// cheap handle (`Arc<CudaDevice>`, `&'static SimDevice`). `begin_allocate_to_capture` does the
+/// same without needing a handle of its own.
+pub fn capture_filter<D: DeviceBackend + 'static>(backend: D, capture_id: u64) -> PoolFilter {
+    Box::new(move |stream| backend.stream_capture_id(stream).ok().flatten() == Some(capture_id))
+}
+
 /// How a routing picks its streams.
 enum RouteFilter {
     /// A caller's filter.
