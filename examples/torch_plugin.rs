@@ -23,10 +23,13 @@
 
 use std::ffi::{CStr, c_char, c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use cuda_caching_allocator::interop::{AllocatorRegistry, raw};
-use cuda_caching_allocator::{DevicePtr, StreamId};
+use cuda_caching_allocator::{DeviceBackend, DevicePtr, MemPoolId, PoolFilter, StreamId};
+use parking_lot::Mutex;
 
 /// Runs `f`, turning a panic into `fallback` and a line on stderr.
 fn guarded<T>(what: &str, fallback: T, f: impl FnOnce() -> T) -> T {
@@ -154,6 +157,144 @@ pub extern "C" fn cca_check_config() -> c_int {
             }
         },
     )
+}
+
+// ---- CUDA graph private pools -------------------------------------------------------------------
+
+/// PyTorch's `MempoolId_t` (`std::pair<unsigned long long, unsigned long long>`), passed by value.
+/// The pair's copy and move constructors are defaulted and its destructor trivial, so the
+/// Itanium C++ ABI passes it as this C struct of two 64-bit integers.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct MempoolId {
+    /// `first`: a graph's own pool counter (`(n, 0)`).
+    pub first: u64,
+    /// `second`: a user pool counter (`(0, n)`, `graph_pool_handle()`).
+    pub second: u64,
+}
+
+/// Capture ids already bound to a pool by an active routing, per device: a routing whose filter
+/// meets the stream of another pool's capture must not claim it.
+static BOUND_CAPTURES: Mutex<Vec<(usize, u64)>> = Mutex::new(Vec::new());
+
+/// `void begin_allocate_to_pool(int device, MempoolId_t pool, std::function<bool(cudaStream_t)>)`,
+/// PyTorch's `set_begin_allocate_to_pool` hook, called by `CUDAGraph::capture_begin` just before
+/// `cudaStreamBeginCapture`. PyTorch's filter is a C++ `std::function`, passed by value and so (a
+/// type with a non-trivial destructor) by invisible reference: `filter` is its address, which a C
+/// ABI cannot call and which is not used. The routing instead asks the driver for each allocating
+/// stream's capture id and binds the first capture, not bound by another routing of the device,
+/// that allocates after this call: the capture PyTorch is about to begin.
+///
+/// # Safety
+/// Called by PyTorch with a device ordinal and a pool id; `filter` is never dereferenced.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cca_begin_allocate_to_pool(
+    device: c_int,
+    pool: MempoolId,
+    filter: *const c_void,
+) {
+    let _ = filter;
+    guarded("cca_begin_allocate_to_pool", (), || {
+        let Some(ordinal) = ordinal(device) else {
+            eprintln!("cuda_caching_allocator: begin_allocate_to_pool: bad device {device}");
+            return;
+        };
+        let alloc = match AllocatorRegistry::global().get(ordinal) {
+            Ok(a) => a,
+            Err(e) => {
+                eprintln!("cuda_caching_allocator: begin_allocate_to_pool(device {device}): {e}");
+                return;
+            }
+        };
+        let bound = Arc::new(AtomicU64::new(0));
+        let mine = Arc::clone(&bound);
+        let filter: PoolFilter = Box::new(move |stream| {
+            let Ok(Some(id)) = alloc.device().stream_capture_id(stream) else {
+                return false;
+            };
+            let have = mine.load(Ordering::Acquire);
+            if have != 0 {
+                return have == id;
+            }
+            let mut taken = BOUND_CAPTURES.lock();
+            if taken.iter().any(|&(d, c)| d == ordinal && c == id) {
+                return false;
+            }
+            taken.push((ordinal, id));
+            mine.store(id, Ordering::Release);
+            true
+        });
+        ROUTES
+            .lock()
+            .push((ordinal, pool.first, pool.second, bound));
+        if let Err(e) = alloc.begin_allocate_to_pool(MemPoolId(pool.first, pool.second), filter) {
+            ROUTES
+                .lock()
+                .retain(|r| !(r.0 == ordinal && r.1 == pool.first && r.2 == pool.second));
+            eprintln!(
+                "cuda_caching_allocator: begin_allocate_to_pool(device {device}, pool ({}, {})) failed: {e}",
+                pool.first, pool.second
+            );
+        }
+    })
+}
+
+/// An active routing of the hooks: device, pool id, and the capture id bound to it (0 until bound).
+type Route = (usize, u64, u64, Arc<AtomicU64>);
+
+/// The active routings of the hooks.
+static ROUTES: Mutex<Vec<Route>> = Mutex::new(Vec::new());
+
+/// `void end_allocate_to_pool(int device, MempoolId_t pool)`, PyTorch's
+/// `set_end_allocate_to_pool_fn` hook (`CUDAGraph::capture_end`): stops routing allocations into
+/// `pool`. Errors go to stderr.
+#[unsafe(no_mangle)]
+pub extern "C" fn cca_end_allocate_to_pool(device: c_int, pool: MempoolId) {
+    guarded("cca_end_allocate_to_pool", (), || {
+        let Some(ordinal) = ordinal(device) else {
+            return;
+        };
+        let mut routes = ROUTES.lock();
+        if let Some(i) = routes
+            .iter()
+            .position(|r| r.0 == ordinal && r.1 == pool.first && r.2 == pool.second)
+        {
+            let (_, _, _, bound) = routes.remove(i);
+            let id = bound.load(Ordering::Acquire);
+            BOUND_CAPTURES
+                .lock()
+                .retain(|&(d, c)| !(d == ordinal && c == id));
+        }
+        drop(routes);
+        if let Some(alloc) = AllocatorRegistry::global().get_if_created(ordinal) {
+            if let Err(e) = alloc.end_allocate_to_pool(MemPoolId(pool.first, pool.second)) {
+                eprintln!(
+                    "cuda_caching_allocator: end_allocate_to_pool(device {device}, pool ({}, {})) failed: {e}",
+                    pool.first, pool.second
+                );
+            }
+        }
+    })
+}
+
+/// `void release_pool(int device, MempoolId_t pool)`, PyTorch's `set_release_pool` hook
+/// (`CUDAGraph::reset` and the graph's destruction): gives back one use of `pool`; its memory
+/// returns to the device at the next `empty_cache` once unused. Errors go to stderr.
+#[unsafe(no_mangle)]
+pub extern "C" fn cca_release_pool(device: c_int, pool: MempoolId) {
+    guarded("cca_release_pool", (), || {
+        let Some(alloc) =
+            ordinal(device).and_then(|d| AllocatorRegistry::global().get_if_created(d))
+        else {
+            return;
+        };
+        if let Err(e) = alloc.release_pool(MemPoolId(pool.first, pool.second)) {
+            eprintln!(
+                "cuda_caching_allocator: release_pool(device {device}, pool ({}, {})) failed: {e}",
+                pool.first, pool.second
+            );
+        }
+    })
 }
 
 /// One statistic of `device`'s cache by its `torch.cuda.memory_stats()` key (for example

@@ -7,6 +7,7 @@
 
 use std::fmt;
 
+use crate::allocator::MemPoolId;
 use crate::backend::{BackendError, DevicePtr, StreamId};
 use crate::config::ConfigError;
 use crate::format::format_size;
@@ -179,6 +180,38 @@ pub enum AllocError {
         /// The missing capability.
         capability: &'static str,
     },
+    /// Out of memory while a graph capture was underway. During a capture the cache neither
+    /// synchronizes nor releases cached memory (that would invalidate the capture), so the
+    /// release-and-retry chain did not run. Make room before capturing: `empty_cache`, a smaller
+    /// working set, or a warm-up run of the captured work so that its memory is cached already.
+    #[error(
+        "out of memory during a graph capture (allocation routed to {}): the cache does not release cached memory or synchronize while a capture is underway; free memory or call empty_cache before the capture. {report}",
+        pool_name(*.pool)
+    )]
+    CaptureOutOfMemory {
+        /// The private pool the allocation was routed to (`MemPoolId::DEFAULT` when it was not
+        /// routed).
+        pool: MemPoolId,
+        /// What an ordinary out-of-memory error would report.
+        report: Box<OomReport>,
+    },
+    /// An operation that would synchronize or release memory was called while a graph capture
+    /// is underway. Call it after `end_allocate_to_pool` for every routing.
+    #[error(
+        "{operation} is not allowed while a graph capture is underway (a routing to a private pool is active)"
+    )]
+    CaptureUnderway {
+        /// What was attempted.
+        operation: &'static str,
+    },
+    /// A private-pool call named a pool it cannot act on. The message says which rule was broken.
+    #[error("memory pool {pool}: {reason}")]
+    InvalidPool {
+        /// The pool id.
+        pool: MemPoolId,
+        /// What was wrong.
+        reason: &'static str,
+    },
     /// A device call failed with something other than "out of memory". The allocator's state is
     /// unchanged by the failed call; the device itself may be unusable.
     #[error("device call {operation} failed: {source}")]
@@ -196,15 +229,27 @@ impl AllocError {
     pub fn is_out_of_memory(&self) -> bool {
         matches!(
             self,
-            AllocError::OutOfMemory(_) | AllocError::TooLarge { .. }
+            AllocError::OutOfMemory(_)
+                | AllocError::TooLarge { .. }
+                | AllocError::CaptureOutOfMemory { .. }
         )
     }
 
     /// The out-of-memory report, if this is one.
     pub fn oom_report(&self) -> Option<&OomReport> {
         match self {
-            AllocError::OutOfMemory(r) => Some(r),
+            AllocError::OutOfMemory(r) | AllocError::CaptureOutOfMemory { report: r, .. } => {
+                Some(r)
+            }
             _ => None,
         }
+    }
+}
+
+fn pool_name(pool: MemPoolId) -> String {
+    if pool.is_default() {
+        "the default pool".into()
+    } else {
+        format!("private pool {pool}")
     }
 }

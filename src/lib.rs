@@ -17,11 +17,12 @@ pub mod trace;
 
 pub use allocator::{
     Allocation, BlockSnapshot, BlockState, CachingAllocator, FragmentationReport, FreeBucket,
-    InvariantViolation, OwnedAllocation, SegmentSnapshot, memory_summary,
+    InvariantViolation, MemPoolId, OwnedAllocation, PoolFilter, SegmentSnapshot, capture_filter,
+    memory_summary,
 };
 pub use backend::sim::{
-    FaultKind, SimConfig, SimCounters, SimDevice, SimEventCall, SimStreamWait, SimUse,
-    SimViolation, SimViolationKind,
+    FaultKind, SimCaptureMode, SimCaptureViolation, SimConfig, SimCounters, SimDevice,
+    SimEventCall, SimStreamWait, SimUse, SimViolation, SimViolationKind,
 };
 pub use backend::{
     BackendError, DeviceBackend, DevicePtr, EventHandle, MemInfo, PhysicalHandle, StreamId,

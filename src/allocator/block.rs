@@ -42,6 +42,8 @@ pub(crate) struct Block {
     pub(crate) stream_uses: Vec<StreamId>,
     /// The pool's free-block search count when this block was last cached (for GC ages).
     pub(crate) gc_count_base: u64,
+    /// The private pool owning the block's segment (its slot), 0 for the default pools.
+    pub(crate) owner: u32,
 }
 
 impl Block {
@@ -60,6 +62,7 @@ impl Block {
             event_count: 0,
             stream_uses: Vec::new(),
             gc_count_base: 0,
+            owner: 0,
         }
     }
 

@@ -75,6 +75,14 @@ pub enum InvariantViolation {
         /// What was wrong.
         detail: String,
     },
+    /// The private pools (graph capture) disagree with the blocks: a private block in a default
+    /// free set or another pool's, a segment of an unknown pool, an expandable private segment,
+    /// a segment count that differs from a recount, a routing to a missing pool, or deferred frees
+    /// that do not name exactly the blocks freed with pending stream uses during a capture.
+    PrivatePoolMismatch {
+        /// What was wrong.
+        detail: String,
+    },
     /// Reserved bytes grew above the fraction cap.
     ReservedAboveCap {
         /// Bytes reserved.
@@ -121,6 +129,9 @@ impl fmt::Display for InvariantViolation {
                     "pending stream events disagree at block {block}: {detail}"
                 )
             }
+            Self::PrivatePoolMismatch { detail } => {
+                write!(f, "private pools do not match the blocks: {detail}")
+            }
             Self::ReservedAboveCap { reserved, cap } => write!(
                 f,
                 "reserved {reserved} bytes above the fraction cap of {cap}"
@@ -140,6 +151,7 @@ pub(crate) fn check(st: &State) -> Result<(), InvariantViolation> {
     check_pages(st)?;
     check_active_map(st)?;
     check_pending_events(st)?;
+    check_private_pools(st)?;
     check_stats(st)?;
     check_cap(st)
 }
@@ -175,9 +187,9 @@ fn check_segments_tiled(st: &State) -> Result<(), InvariantViolation> {
             if b.ptr != end {
                 return Err(tile(format!("gap or overlap at {}", DevicePtr(b.ptr))));
             }
-            if b.stream != rec.stream || b.pool != rec.pool {
+            if b.stream != rec.stream || b.pool != rec.pool || b.owner != rec.owner {
                 return Err(tile(format!(
-                    "block {} has another stream or pool",
+                    "block {} has another stream, pool or private pool",
                     DevicePtr(b.ptr)
                 )));
             }
@@ -245,14 +257,33 @@ fn check_no_adjacent_free(st: &State) -> Result<(), InvariantViolation> {
     Ok(())
 }
 
+/// Every free set (the default pools' and each private pool's) holds exactly the free mapped
+/// blocks of its owner.
 fn check_free_sets(st: &State) -> Result<(), InvariantViolation> {
     let bad = |detail: String| InvariantViolation::FreeSetMismatch { detail };
     let mut in_sets = BTreeSet::new();
-    for kind in [PoolKind::Small, PoolKind::Large] {
-        for k in &st.pool_ref(kind).blocks {
+    let sets = [PoolKind::Small, PoolKind::Large]
+        .into_iter()
+        .map(|kind| (0u32, kind, st.pool_ref(kind)))
+        .chain(st.graph.pools.iter().flat_map(|(&slot, p)| {
+            [PoolKind::Small, PoolKind::Large]
+                .into_iter()
+                .map(move |kind| (slot, kind, p.set_ref(kind)))
+        }));
+    for (owner, kind, set) in sets {
+        for k in &set.blocks {
             let Some(b) = st.arena.get(k.id) else {
                 return Err(bad(format!("key for a dead block at {}", DevicePtr(k.ptr))));
             };
+            if b.owner != owner {
+                return Err(InvariantViolation::PrivatePoolMismatch {
+                    detail: format!(
+                        "block {} of pool slot {} sits in the free set of pool slot {owner} (0: default)",
+                        DevicePtr(b.ptr),
+                        b.owner
+                    ),
+                });
+            }
             if (b.stream, b.size, b.ptr, b.pool) != (k.stream, k.size, k.ptr, kind) {
                 return Err(bad(format!("stale key for block {}", DevicePtr(b.ptr))));
             }
@@ -490,6 +521,87 @@ fn check_pending_events(st: &State) -> Result<(), InvariantViolation> {
     Ok(())
 }
 
+/// The private pools: each block's owner names a live pool; private segments are fixed
+/// segments and each pool's segment count equals a recount; every routing names a live pool
+/// with a use; deferred frees exist only during a capture and name exactly the blocks freed with
+/// pending stream uses (not allocated, no events recorded yet).
+fn check_private_pools(st: &State) -> Result<(), InvariantViolation> {
+    let bad = |detail: String| InvariantViolation::PrivatePoolMismatch { detail };
+    let mut segments: BTreeMap<u32, usize> = BTreeMap::new();
+    for (&base, rec) in &st.segments {
+        if rec.owner == 0 {
+            continue;
+        }
+        if !st.graph.pools.contains_key(&rec.owner) {
+            return Err(bad(format!(
+                "segment {} belongs to unknown pool slot {}",
+                DevicePtr(base),
+                rec.owner
+            )));
+        }
+        if rec.expandable {
+            return Err(bad(format!(
+                "private segment {} is expandable",
+                DevicePtr(base)
+            )));
+        }
+        *segments.entry(rec.owner).or_default() += 1;
+    }
+    for (&slot, p) in &st.graph.pools {
+        let n = segments.get(&slot).copied().unwrap_or(0);
+        if p.segments != n {
+            return Err(bad(format!(
+                "pool {} counts {} segments but holds {n}",
+                p.id, p.segments
+            )));
+        }
+        if p.id.is_default() || !st.graph.indexed(p.id, slot) {
+            return Err(bad(format!("pool {} is missing from the id index", p.id)));
+        }
+        if p.use_count == 0 && p.segments == 0 {
+            return Err(bad(format!("released empty pool {} was kept", p.id)));
+        }
+    }
+    for slot in st.graph.routed_slots() {
+        if st.graph.pools.get(&slot).is_none_or(|p| p.use_count == 0) {
+            return Err(bad(format!(
+                "a routing names pool slot {slot}, which is missing or released"
+            )));
+        }
+    }
+    if !st.capture_underway() && !st.graph.deferred.is_empty() {
+        return Err(bad(format!(
+            "{} deferred frees but no capture is underway",
+            st.graph.deferred.len()
+        )));
+    }
+    let deferred: BTreeSet<BlockId> = st.graph.deferred.iter().copied().collect();
+    if deferred.len() != st.graph.deferred.len() {
+        return Err(bad("a block is deferred twice".into()));
+    }
+    for (id, b) in st.arena.iter() {
+        let waiting = !b.allocated && !b.stream_uses.is_empty();
+        if waiting != deferred.contains(&id) || (waiting && b.event_count > 0) {
+            return Err(bad(format!(
+                "block {} is {}deferred but {}",
+                DevicePtr(b.ptr),
+                if deferred.contains(&id) { "" } else { "not " },
+                if waiting {
+                    "freed with pending stream uses"
+                } else {
+                    "allocated or without stream uses"
+                }
+            )));
+        }
+    }
+    for id in &deferred {
+        if st.arena.get(*id).is_none() {
+            return Err(bad("a deferred free names a dead block".into()));
+        }
+    }
+    Ok(())
+}
+
 fn check_stats(st: &State) -> Result<(), InvariantViolation> {
     let mut want = MemoryStats::default();
     let max_split = st.config.max_split_size;
@@ -504,6 +616,8 @@ fn check_stats(st: &State) -> Result<(), InvariantViolation> {
                 oversize_allocs += 1;
             }
         }
+        // Active: allocated, waiting for its stream events, or holding stream uses (a free
+        // deferred during a capture, or one whose event and synchronizes failed).
         if b.allocated || b.event_count > 0 || !b.stream_uses.is_empty() {
             want.active.increase(k, 1);
             want.active_bytes.increase(k, n);

@@ -26,6 +26,7 @@ use parking_lot::Mutex;
 pub use fragmentation::{FragmentationReport, FreeBucket};
 pub use invariants::InvariantViolation;
 pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
+pub use state::{MemPoolId, PoolFilter, capture_filter};
 pub use summary::memory_summary;
 
 use crate::backend::{DeviceBackend, DevicePtr, StreamId};
@@ -233,12 +234,19 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     }
 
     /// Releases every wholly free cached segment to the device, after waiting for pending stream
-    /// events. With the fast path on, every thread's front cache is flushed back first.
+    /// events, and the free segments of freeable private pools. With the fast path on, every
+    /// thread's front cache is flushed back first.
     ///
     /// # Errors
+    /// [`AllocError::CaptureUnderway`] while a graph capture is underway (nothing changes);
     /// [`AllocError::Backend`] if a device call failed; what was released before stays released.
     pub fn empty_cache(&self) -> Result<()> {
         let mut st = self.state.lock();
+        if st.capture_underway() {
+            return Err(AllocError::CaptureUnderway {
+                operation: "empty_cache",
+            });
+        }
         if let Some(h) = &mut st.history {
             h.op(TraceOp::EmptyCache);
         }
@@ -249,6 +257,104 @@ impl<B: DeviceBackend> CachingAllocator<B> {
         let r = st.release_cached_blocks(&self.backend);
         self.after_op(&st, "empty_cache");
         r
+    }
+
+    // ---- private pools (graph capture) -------------------------------------------------------
+
+    /// PyTorch's `createOrIncrefPool`: makes private pool `pool` with a use count of 1, or adds
+    /// one use to it. Give each use back with [`release_pool`](Self::release_pool).
+    ///
+    /// # Errors
+    /// [`AllocError::InvalidPool`] for the default pool `(0, 0)`, or for a pool that was released
+    /// and still holds memory (call [`empty_cache`](Self::empty_cache) first).
+    pub fn create_pool(&self, pool: MemPoolId) -> Result<()> {
+        self.state.lock().create_or_incref_pool(pool).map(|_| ())
+    }
+
+    /// PyTorch's `beginAllocateToPool`: adds one use to private pool `pool` (making it if new)
+    /// and routes every allocation on a stream `filter` accepts into it, until
+    /// [`end_allocate_to_pool`](Self::end_allocate_to_pool). Routings are searched newest first.
+    /// While any routing is active a capture is underway
+    /// ([`capture_underway`](Self::capture_underway)): the cache makes no event query,
+    /// synchronization or release, and the fast path is bypassed (`docs/algorithm.md`).
+    ///
+    /// The pool's blocks are served only to allocations routed to it; their frees (during the
+    /// routing or after) return them to it. The pool's memory goes back to the device only after
+    /// its last use was given back with [`release_pool`](Self::release_pool), at the next
+    /// [`empty_cache`](Self::empty_cache) (or out-of-memory release).
+    ///
+    /// # Errors
+    /// [`AllocError::InvalidPool`] for the default pool, a pool already being routed to, or a
+    /// released pool that still holds memory.
+    pub fn begin_allocate_to_pool(&self, pool: MemPoolId, filter: PoolFilter) -> Result<()> {
+        self.begin_route(pool, Some(filter), None)
+    }
+
+    /// [`begin_allocate_to_pool`](Self::begin_allocate_to_pool) with the filter "the streams
+    /// the backend reports as capturing into `capture_id`"
+    /// ([`DeviceBackend::stream_capture_id`]): the capture's origin stream and every stream
+    /// joined into it (forked through an event wait).
+    ///
+    /// # Errors
+    /// As [`begin_allocate_to_pool`](Self::begin_allocate_to_pool).
+    pub fn begin_allocate_to_capture(&self, pool: MemPoolId, capture_id: u64) -> Result<()> {
+        self.begin_route(pool, None, Some(capture_id))
+    }
+
+    fn begin_route(
+        &self,
+        pool: MemPoolId,
+        filter: Option<PoolFilter>,
+        capture: Option<u64>,
+    ) -> Result<()> {
+        let mut guard = self.state.lock();
+        guard.begin_allocate_to_pool(pool, filter, capture)?;
+        if let Some(front) = &self.front {
+            front.set_routing(true);
+        }
+        Ok(())
+    }
+
+    /// PyTorch's `endAllocateToPool`: stops routing allocations into `pool` (the pool and its
+    /// blocks stay). When no routing is left, the frees deferred during the capture record their
+    /// stream events.
+    ///
+    /// # Errors
+    /// [`AllocError::InvalidPool`] when allocations are not being routed to `pool`;
+    /// [`AllocError::Backend`] when recording a deferred stream event failed (the routing ended
+    /// all the same).
+    pub fn end_allocate_to_pool(&self, pool: MemPoolId) -> Result<()> {
+        let mut guard = self.state.lock();
+        let r = guard.end_allocate_to_pool(&self.backend, pool);
+        if let Some(front) = &self.front {
+            front.set_routing(guard.capture_underway());
+        }
+        self.after_op(&guard, "end_allocate_to_pool");
+        r
+    }
+
+    /// PyTorch's `releasePool`: gives back one use of `pool`. At 0 the pool is freeable: its
+    /// free segments go back to the device at the next [`empty_cache`](Self::empty_cache) (or
+    /// out-of-memory release), and blocks still allocated from it return to it when freed and
+    /// are released at a later one.
+    ///
+    /// # Errors
+    /// [`AllocError::InvalidPool`] for an unknown pool, one still being routed to, or one whose
+    /// uses were all given back already.
+    pub fn release_pool(&self, pool: MemPoolId) -> Result<()> {
+        self.state.lock().release_pool(pool)
+    }
+
+    /// The use count of private pool `pool` (`None` when there is no such pool: never made, or
+    /// released and emptied).
+    pub fn pool_use_count(&self, pool: MemPoolId) -> Option<u32> {
+        self.state.lock().graph.use_count(pool)
+    }
+
+    /// Whether a graph capture is underway: some routing to a private pool is active
+    /// (PyTorch: `captures_underway` is not empty).
+    pub fn capture_underway(&self) -> bool {
+        self.state.lock().capture_underway()
     }
 
     /// Caps the bytes this allocator reserves at `fraction × device total` (1.0 lifts the cap).
@@ -457,7 +563,7 @@ impl<B: DeviceBackend> Drop for CachingAllocator<B> {
         if live > 0 && !std::thread::panicking() {
             tracing::warn!(target: "cuda_caching_allocator", live, bytes = st.stats.memory_allocated(), "allocator dropped with live allocations; their segments are leaked");
         }
-        if live == 0 {
+        if live == 0 && !st.capture_underway() {
             let _ = st.release_cached_blocks(&self.backend);
         }
         st.destroy_events(&self.backend);

@@ -10,6 +10,7 @@
 
 mod expandable;
 mod handover;
+mod private_pool;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -26,6 +27,8 @@ use crate::size_class::{PoolKind, expandable_page_size, pool_kind, round_size, s
 use crate::stats::MemoryStats;
 
 pub(crate) use expandable::{SparePage, VmSegment};
+pub(crate) use private_pool::GraphPools;
+pub use private_pool::{MemPoolId, PoolFilter, capture_filter};
 
 /// A multiply-shift hasher for device addresses (512-byte aligned, so low bits carry nothing).
 #[derive(Default, Clone, Copy, Debug)]
@@ -58,6 +61,8 @@ pub(crate) struct SegmentRec {
     pub(crate) pool: PoolKind,
     /// An expandable segment (its pages are in `State::vm_segments`).
     pub(crate) expandable: bool,
+    /// The private pool owning it (its slot in `State::graph`), 0 for the default pools.
+    pub(crate) owner: u32,
 }
 
 /// All mutable state of one allocator.
@@ -105,6 +110,8 @@ pub(crate) struct State {
     pub(crate) cross_stream_handovers: u64,
     /// The backend answered `Unsupported` to an event call of a handover: do not try again.
     handover_events_unsupported: bool,
+    /// Private pools for graph capture, the routings into them and the deferred frees.
+    pub(crate) graph: GraphPools,
 }
 
 impl State {
@@ -120,6 +127,9 @@ impl State {
                         .iter()
                         .all(|&k| expandable_page_size(k, &config) % g == 0)
             });
+        if config.graph_capture_record_stream_reuse {
+            tracing::warn!(target: "cuda_caching_allocator", "graph_capture_record_stream_reuse:True is not implemented: blocks freed during a graph capture with recorded stream uses are reused only after the capture ends (PyTorch's behaviour with the key False)");
+        }
         if config.expandable_segments && !expandable {
             tracing::warn!(target: "cuda_caching_allocator", granularity = ?vm_granularity, "expandable segments need virtual memory with a granularity dividing the page sizes; using fixed segments");
         }
@@ -154,6 +164,7 @@ impl State {
             history: None,
             cross_stream_handovers: 0,
             handover_events_unsupported: false,
+            graph: GraphPools::default(),
         };
         s.apply_fraction(s.config.per_process_memory_fraction);
         s
@@ -197,15 +208,35 @@ impl State {
         }
     }
 
-    /// Inserts a free block into its pool's free set.
+    /// Inserts a free block into its pool's free set (a private pool's for a private block).
     fn cache_block(&mut self, id: BlockId) {
-        let kind = self.block(id).pool;
-        let pool = match kind {
-            PoolKind::Small => &mut self.small,
-            PoolKind::Large => &mut self.large,
+        let (kind, owner) = {
+            let b = self.block(id);
+            (b.pool, b.owner)
         };
-        if let Some(b) = self.arena.get_mut(id) {
+        let pool = match (owner, kind) {
+            (0, PoolKind::Small) => Some(&mut self.small),
+            (0, PoolKind::Large) => Some(&mut self.large),
+            _ => self.graph.pools.get_mut(&owner).map(|p| p.set(kind)),
+        };
+        if let (Some(pool), Some(b)) = (pool, self.arena.get_mut(id)) {
             pool.insert(id, b);
+        }
+    }
+
+    /// Removes a free block from its pool's free set (a private pool's for a private block).
+    fn uncache_free_block(&mut self, id: BlockId) {
+        let (kind, owner) = {
+            let b = self.block(id);
+            (b.pool, b.owner)
+        };
+        let pool = match (owner, kind) {
+            (0, PoolKind::Small) => Some(&mut self.small),
+            (0, PoolKind::Large) => Some(&mut self.large),
+            _ => self.graph.pools.get_mut(&owner).map(|p| p.set(kind)),
+        };
+        if let (Some(pool), Some(b)) = (pool, self.arena.get(id)) {
+            pool.remove(id, b);
         }
     }
 
@@ -249,41 +280,60 @@ impl State {
                 .map_err(|source| AllocError::InvalidStream { stream, source })?;
             self.known_streams.push(stream);
         }
-        if !self.pending_events.is_empty() || !self.unsynced.is_empty() {
-            self.process_events(dev)?;
-        }
+        // Note [Capture underway] (private_pool.rs): no event queries, synchronizations or
+        // releases while a routing is active; the allocation may go to a private pool.
+        let capture = self.capture_underway();
+        let owner = if capture {
+            self.route(dev, stream)
+        } else {
+            if !self.graph.deferred.is_empty() {
+                self.insert_deferred_events(dev)?;
+            }
+            if !self.pending_events.is_empty() || !self.unsynced.is_empty() {
+                self.process_events(dev)?;
+            }
+            0
+        };
         let size = round_size(orig_size, &self.config);
         let kind = pool_kind(size);
         let alloc_size = segment_size(size, &self.config);
 
-        let mut found = self.get_free_block(stream, size, kind);
+        let mut found = self.get_free_block(stream, size, kind, owner);
         if found.is_none() && before_growth(self) {
-            found = self.get_free_block(stream, size, kind);
+            found = self.get_free_block(stream, size, kind, owner);
         }
-        if found.is_none() && self.config.cross_stream_reuse {
+        if found.is_none() && !capture && self.config.cross_stream_reuse {
             found = self.cross_stream_handover(dev, stream, size, kind);
         }
         if found.is_none() {
-            if self.allowed_memory_maximum.is_some()
+            if !capture
+                && self.allowed_memory_maximum.is_some()
                 && self.config.garbage_collection_threshold > 0.0
             {
                 self.garbage_collect_cached_blocks(dev)?;
             }
-            found = self.alloc_block(dev, stream, kind, alloc_size, size, false)?;
-            let give_up = self.cap_rejected && self.config.throw_on_cudamalloc_oom;
+            found = self.alloc_block(dev, stream, kind, alloc_size, size, false, owner)?;
+            let give_up = capture || (self.cap_rejected && self.config.throw_on_cudamalloc_oom);
             if found.is_none()
                 && !give_up
                 && self.release_available_cached_blocks(dev, stream, size, kind)?
             {
-                found = self.alloc_block(dev, stream, kind, alloc_size, size, false)?;
+                found = self.alloc_block(dev, stream, kind, alloc_size, size, false, owner)?;
             }
             if found.is_none() && !give_up {
                 self.release_cached_blocks(dev)?;
-                found = self.alloc_block(dev, stream, kind, alloc_size, size, true)?;
+                found = self.alloc_block(dev, stream, kind, alloc_size, size, true, owner)?;
             }
         }
         let Some(id) = found else {
-            return Err(self.out_of_memory(dev, orig_size, size, alloc_size, stream, kind));
+            let oom = self.out_of_memory(dev, orig_size, size, alloc_size, stream, kind);
+            return Err(match oom {
+                AllocError::OutOfMemory(report) if capture => AllocError::CaptureOutOfMemory {
+                    pool: self.graph.id_of(owner),
+                    report,
+                },
+                e => e,
+            });
         };
         let split = self.should_split(id, size);
         Ok(self.alloc_found_block(id, size, orig_size, split))
@@ -292,12 +342,20 @@ impl State {
     /// Best fit: the smallest free block of `stream` in the pool with at least `size` bytes,
     /// lowest address first among equals; never an oversize block for a normal request, nor one
     /// more than `max_non_split_rounding` larger for an oversize request.
-    fn get_free_block(&mut self, stream: StreamId, size: usize, kind: PoolKind) -> Option<BlockId> {
+    /// `owner` picks the free sets: 0 the default pools, else a private pool's (whose blocks are
+    /// never expandable).
+    fn get_free_block(
+        &mut self,
+        stream: StreamId,
+        size: usize,
+        kind: PoolKind,
+        owner: u32,
+    ) -> Option<BlockId> {
         let gc_on =
             self.allowed_memory_maximum.is_some() && self.config.garbage_collection_threshold > 0.0;
         let max_split = self.config.max_split_size;
         let max_rounding = self.config.max_non_split_rounding;
-        let pool = self.pool(kind);
+        let pool = self.free_set(owner, kind)?;
         if gc_on {
             pool.get_free_blocks_call_count += 1;
         }
@@ -305,17 +363,16 @@ impl State {
         if key.stream != stream {
             return None;
         }
-        if self.expandable {
+        if self.expandable && owner == 0 {
             key = self.expandable_best_fit(key, kind);
         }
-        let pool = self.pool(kind);
         if size < max_split && key.size >= max_split {
             return None;
         }
         if size >= max_split && key.size >= size.saturating_add(max_rounding) {
             return None;
         }
-        pool.blocks.remove(&key);
+        self.free_set(owner, kind)?.blocks.remove(&key);
         Some(key.id)
     }
 
@@ -331,7 +388,9 @@ impl State {
     }
 
     /// Asks the device for a new segment (after the fraction-cap check). `Ok(None)` means "no
-    /// room" (cap or device out of memory); other device errors are returned.
+    /// room" (cap or device out of memory); other device errors are returned. A private pool
+    /// (`owner` > 0) always gets a fixed segment of its own.
+    #[allow(clippy::too_many_arguments)]
     fn alloc_block<B: DeviceBackend>(
         &mut self,
         dev: &B,
@@ -340,20 +399,25 @@ impl State {
         size: usize,
         rounded: usize,
         is_retry: bool,
+        owner: u32,
     ) -> Result<Option<BlockId>> {
         if is_retry {
             self.stats.num_alloc_retries += 1;
         }
         self.cap_rejected = false;
-        let precise_cap = self.expandable && self.config.precise_fraction_cap;
+        let expandable = self.expandable && owner == 0;
+        let precise_cap = expandable && self.config.precise_fraction_cap;
         if let Some(max) = self.allowed_memory_maximum {
             if !precise_cap && self.total_allocated_memory.saturating_add(size) > max {
                 self.cap_rejected = true;
                 return Ok(None);
             }
         }
-        if self.expandable {
+        if expandable {
             return self.try_allocate_expandable_block(dev, stream, kind, rounded);
+        }
+        if owner != 0 && !self.graph.pools.contains_key(&owner) {
+            return Ok(None);
         }
         let ptr = match dev.allocate(size, stream) {
             Ok(p) => p,
@@ -366,7 +430,12 @@ impl State {
             }
         };
         self.total_allocated_memory += size;
-        let id = self.arena.insert(Block::new(ptr.0, size, stream, kind));
+        let mut block = Block::new(ptr.0, size, stream, kind);
+        block.owner = owner;
+        let id = self.arena.insert(block);
+        if let Some(p) = self.graph.pools.get_mut(&owner) {
+            p.segments += 1;
+        }
         self.stats.segment.increase(kind, 1);
         self.stats.reserved_bytes.increase(kind, size as i64);
         if size >= self.config.max_split_size {
@@ -380,6 +449,7 @@ impl State {
                 stream,
                 pool: kind,
                 expandable: false,
+                owner,
             },
         );
         if let Some(h) = &mut self.history {
@@ -403,12 +473,13 @@ impl State {
         if split {
             // The front keeps the request; the old block becomes the remainder.
             let rem = id;
-            let (ptr, stream, prev) = {
+            let (ptr, stream, prev, owner) = {
                 let r = self.block(rem);
-                (r.ptr, r.stream, r.prev)
+                (r.ptr, r.stream, r.prev, r.owner)
             };
             let mut front = Block::new(ptr, size, stream, kind);
             front.expandable = expandable;
+            front.owner = owner;
             front.prev = prev;
             front.next = Some(rem);
             let fid = self.arena.insert(front);
@@ -478,7 +549,12 @@ impl State {
         if size >= max_split {
             self.stats.oversize_allocations.decrease(1);
         }
-        if has_uses {
+        if has_uses && self.capture_underway() {
+            // Events recorded now could not be queried until the capture ends: wait for that
+            // (PyTorch's deferred blocks). The block stays active until then.
+            self.graph.deferred.push(id);
+            Ok(())
+        } else if has_uses {
             self.insert_events(dev, id)
         } else {
             self.free_block(id);
@@ -561,13 +637,7 @@ impl State {
         let (s_ptr, s_size, s_prev, s_next, s_stream, s_pool, s_mapped) =
             (s.ptr, s.size, s.prev, s.next, s.stream, s.pool, s.mapped);
         if s_mapped {
-            let pool = match s_pool {
-                PoolKind::Small => &mut self.small,
-                PoolKind::Large => &mut self.large,
-            };
-            if let Some(b) = self.arena.get(src) {
-                pool.remove(src, b);
-            }
+            self.uncache_free_block(src);
         } else {
             self.pool(s_pool).unmapped.remove(&(s_stream, s_ptr, src));
         }
@@ -757,7 +827,10 @@ impl State {
         if b.size >= self.config.max_split_size {
             self.stats.oversize_segments.decrease(1);
         }
-        self.pool(b.pool).remove(id, &b);
+        self.uncache_free_block(id);
+        if let Some(p) = self.graph.pools.get_mut(&b.owner) {
+            p.segments -= 1;
+        }
         self.arena.remove(id);
         self.segments.remove(&b.ptr);
         if let Some(h) = &mut self.history {
@@ -799,6 +872,12 @@ impl State {
     /// free segment and unmap the free pages of expandable segments (dropping those left wholly
     /// unmapped); finally release spare physical pages.
     pub(crate) fn release_cached_blocks<B: DeviceBackend>(&mut self, dev: &B) -> Result<()> {
+        if self.capture_underway() {
+            return Err(AllocError::CaptureUnderway {
+                operation: "releasing cached memory (empty_cache)",
+            });
+        }
+        self.insert_deferred_events(dev)?;
         self.synchronize_and_free_events(dev)?;
         let mut released = 0usize;
         for kind in [PoolKind::Large, PoolKind::Small] {
@@ -808,6 +887,7 @@ impl State {
             self.release_expandable_blocks(dev, kind)?;
         }
         self.release_spare_pages(dev)?;
+        self.release_freeable_pools(dev)?;
         tracing::debug!(target: "cuda_caching_allocator", device = dev.device_index(), segments = released, "cache flushed");
         Ok(())
     }

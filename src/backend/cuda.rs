@@ -8,6 +8,18 @@
 //! that was current before (as PyTorch's `CUDAGuard` does), so a caller's current device is never
 //! changed behind its back.
 //!
+//! ## Graph capture
+//!
+//! [`DeviceBackend::stream_capture_id`] answers with the driver's `cuStreamGetCaptureInfo`
+//! (looked up at run time: the newest of `_v3`, `_v2` and the original the driver exports, so it
+//! works whatever CUDA version cudarc was built for), and every allocation call (`cuMemAlloc`,
+//! `cuMemAddressReserve`, `cuMemCreate`, `cuMemMap` with `cuMemSetAccess`) runs with the calling
+//! thread's capture mode exchanged to relaxed and restored afterwards
+//! (`cuThreadExchangeStreamCaptureMode`, PyTorch's `CUDAStreamCaptureModeGuard` around
+//! `cudaMalloc`): in the default global mode these "potentially unsafe" calls would invalidate a
+//! capture underway on any thread. The cache itself makes no synchronization, event query, free or
+//! unmap while a capture is underway.
+//!
 //! This file and `src/interop/` are the only places that name `cudarc`; its types never reach the
 //! core. May use: `backend` (the trait and its value types).
 //!
@@ -144,6 +156,97 @@ impl Drop for ContextGuard {
             tracing::error!(target: "cuda_caching_allocator", %e, "cuCtxSetCurrent could not restore the caller's context");
         }
     }
+}
+
+/// The calling thread's stream-capture mode exchanged to relaxed until the guard drops (PyTorch's
+/// `CUDAStreamCaptureModeGuard`), so that allocation calls made while some stream is capturing do
+/// not invalidate the capture.
+#[must_use = "the capture mode is restored when the guard drops"]
+struct RelaxedCaptureMode {
+    previous: sys::CUstreamCaptureMode,
+}
+
+impl RelaxedCaptureMode {
+    fn enter() -> Result<Self, BackendError> {
+        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: `mode` is a live local holding a valid mode; the driver writes the thread's
+        // previous mode into it.
+        unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) }
+            .result()
+            .map_err(|e| driver("cuThreadExchangeStreamCaptureMode", e))?;
+        Ok(RelaxedCaptureMode { previous: mode })
+    }
+}
+
+impl Drop for RelaxedCaptureMode {
+    fn drop(&mut self) {
+        let mut mode = self.previous;
+        // SAFETY: as in `enter`: a live local holding the mode the driver gave us back.
+        if let Err(e) = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) }.result() {
+            tracing::error!(target: "cuda_caching_allocator", %e, "cuThreadExchangeStreamCaptureMode could not restore the thread's capture mode");
+        }
+    }
+}
+
+/// `cuStreamGetCaptureInfo` in whichever version the driver exports (the later ones take
+/// optional out-parameters, passed as null).
+#[derive(Clone, Copy)]
+enum CaptureInfoFn {
+    /// `cuStreamGetCaptureInfo_v3(stream, status, id, graph, deps, edge_data, num_deps)`.
+    V3(
+        unsafe extern "C" fn(
+            sys::CUstream,
+            *mut sys::CUstreamCaptureStatus,
+            *mut u64,
+            *mut std::ffi::c_void,
+            *mut std::ffi::c_void,
+            *mut std::ffi::c_void,
+            *mut usize,
+        ) -> sys::CUresult,
+    ),
+    /// `cuStreamGetCaptureInfo_v2(stream, status, id, graph, deps, num_deps)`.
+    V2(
+        unsafe extern "C" fn(
+            sys::CUstream,
+            *mut sys::CUstreamCaptureStatus,
+            *mut u64,
+            *mut std::ffi::c_void,
+            *mut std::ffi::c_void,
+            *mut usize,
+        ) -> sys::CUresult,
+    ),
+    /// `cuStreamGetCaptureInfo(stream, status, id)` (CUDA 10.1).
+    V1(
+        unsafe extern "C" fn(
+            sys::CUstream,
+            *mut sys::CUstreamCaptureStatus,
+            *mut u64,
+        ) -> sys::CUresult,
+    ),
+}
+
+/// The driver's `cuStreamGetCaptureInfo`, looked up once (`None`: the driver exports none).
+fn capture_info_fn() -> Option<CaptureInfoFn> {
+    static FN: std::sync::OnceLock<Option<CaptureInfoFn>> = std::sync::OnceLock::new();
+    *FN.get_or_init(|| {
+        // SAFETY: `culib` opens the driver library cudarc already loaded to reach this point
+        // (every caller made a context first). Each symbol is looked up under its documented C
+        // signature, which the function-pointer types above spell with the same argument and
+        // return types (the optional out-parameters as untyped pointers, the same ABI).
+        unsafe {
+            let lib = sys::culib();
+            if let Ok(f) = lib.get(b"cuStreamGetCaptureInfo_v3") {
+                return Some(CaptureInfoFn::V3(*f));
+            }
+            if let Ok(f) = lib.get(b"cuStreamGetCaptureInfo_v2") {
+                return Some(CaptureInfoFn::V2(*f));
+            }
+            if let Ok(f) = lib.get(b"cuStreamGetCaptureInfo") {
+                return Some(CaptureInfoFn::V1(*f));
+            }
+            None
+        }
+    })
 }
 
 fn to_stream(stream: StreamId) -> sys::CUstream {
@@ -435,6 +538,7 @@ unsafe impl DeviceBackend for CudaDevice {
             });
         }
         let _bound = self.bind()?;
+        let _relaxed = RelaxedCaptureMode::enter()?;
         // SAFETY: the context is bound to this thread (above); `size` is non-zero. The returned
         // memory is owned by the caller until `free`.
         let ptr = unsafe { result::malloc_sync(size) }.map_err(|e| driver("cuMemAlloc", e))?;
@@ -467,6 +571,50 @@ unsafe impl DeviceBackend for CudaDevice {
 
     fn validate_stream(&self, stream: StreamId) -> Result<(), BackendError> {
         self.check_stream(stream)
+    }
+
+    fn stream_capture_id(&self, stream: StreamId) -> Result<Option<u64>, BackendError> {
+        self.check_stream(stream)?;
+        let Some(f) = capture_info_fn() else {
+            return Err(BackendError::Unsupported("cuStreamGetCaptureInfo"));
+        };
+        let _bound = self.bind()?;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let mut id: u64 = 0;
+        let null = std::ptr::null_mut();
+        // SAFETY: `stream` is admitted (a default stream or one kept alive by this device,
+        // checked above); `status` and `id` are live locals; the optional out-parameters are null,
+        // which every version documents as "not wanted".
+        let r = unsafe {
+            match f {
+                CaptureInfoFn::V3(f) => f(
+                    to_stream(stream),
+                    &mut status,
+                    &mut id,
+                    null,
+                    null,
+                    null,
+                    std::ptr::null_mut(),
+                ),
+                CaptureInfoFn::V2(f) => f(
+                    to_stream(stream),
+                    &mut status,
+                    &mut id,
+                    null,
+                    null,
+                    std::ptr::null_mut(),
+                ),
+                CaptureInfoFn::V1(f) => f(to_stream(stream), &mut status, &mut id),
+            }
+        };
+        r.result()
+            .map_err(|e| driver("cuStreamGetCaptureInfo", e))?;
+        Ok(match status {
+            sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE => None,
+            // An invalidated capture keeps its id until it ends; routing its allocations to its
+            // pool keeps them away from other work until then.
+            _ => Some(id),
+        })
     }
 
     fn synchronize_stream(&self, stream: StreamId) -> Result<(), BackendError> {
@@ -560,6 +708,7 @@ unsafe impl DeviceBackend for CudaDevice {
             });
         }
         let _bound = self.bind()?;
+        let _relaxed = RelaxedCaptureMode::enter()?;
         let mut base: sys::CUdeviceptr = 0;
         // SAFETY: `base` is a live local; alignment 0 (the default), no fixed address, no flags.
         let r = unsafe { sys::cuMemAddressReserve(&mut base, size, 0, 0, 0) };
@@ -591,6 +740,7 @@ unsafe impl DeviceBackend for CudaDevice {
             });
         }
         let _bound = self.bind()?;
+        let _relaxed = RelaxedCaptureMode::enter()?;
         let prop = device_alloc_prop(self.ordinal);
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: `handle` and `prop` are live locals; `prop` describes pinned memory on this
@@ -620,6 +770,7 @@ unsafe impl DeviceBackend for CudaDevice {
         handle: PhysicalHandle,
     ) -> Result<(), BackendError> {
         let _bound = self.bind()?;
+        let _relaxed = RelaxedCaptureMode::enter()?;
         // SAFETY: the caller's obligations: `[va, va + size)` lies in one reservation of this
         // device with nothing mapped, and `handle` is a live handle of exactly `size` bytes.
         unsafe { sys::cuMemMap(va.0, size, 0, handle.0, 0) }

@@ -9,6 +9,8 @@
 //!   `record_stream` and cross-stream reuse;
 //! * **virtual memory** (reserve an address range; create, map, unmap and release physical pages),
 //!   used by expandable segments.
+//! * **capture status** ([`DeviceBackend::stream_capture_id`], default "no capture"), used to
+//!   route the allocations of a graph capture to a private pool.
 //!
 //! This module names no concrete device. [`sim::SimDevice`] is the deterministic host-only device;
 //! `cuda::CudaDevice` (behind the `cuda` feature) drives a real GPU through cudarc. May use:
@@ -235,6 +237,28 @@ pub unsafe trait DeviceBackend: Send + Sync {
         self.synchronize()
     }
 
+    // ---- graph capture ------------------------------------------------------------------------
+
+    /// The id of the graph capture `stream` is taking part in (as `cuStreamGetCaptureInfo`
+    /// reports it: the origin stream's capture, also for streams joined into it), or `None` when
+    /// it is not capturing. Must be cheap and legal during a capture: the cache calls it under its
+    /// lock for each allocation while a capture routing is active. The default, `Ok(None)`, means
+    /// a backend without capture support.
+    ///
+    /// A backend with capture support also promises that its allocation calls
+    /// ([`allocate`](Self::allocate), [`reserve_address_range`](Self::reserve_address_range),
+    /// [`create_physical`](Self::create_physical), [`map`](Self::map)) are legal during a capture
+    /// in any capture mode (CUDA: made with the calling thread's capture mode exchanged to
+    /// relaxed), since the cache may have to grow while a capture is underway. The cache itself
+    /// makes no synchronization, event query, free, unmap or release while a capture is underway.
+    ///
+    /// # Errors
+    /// A driver error (the cache then treats the stream as not capturing).
+    fn stream_capture_id(&self, stream: StreamId) -> Result<Option<u64>, BackendError> {
+        let _ = stream;
+        Ok(None)
+    }
+
     // ---- events -------------------------------------------------------------------------------
 
     /// Creates an event (timing disabled). The cache pools events, so this is rare.
@@ -418,6 +442,9 @@ unsafe impl<D: DeviceBackend + ?Sized> DeviceBackend for &D {
     fn synchronize_stream(&self, stream: StreamId) -> Result<(), BackendError> {
         (**self).synchronize_stream(stream)
     }
+    fn stream_capture_id(&self, stream: StreamId) -> Result<Option<u64>, BackendError> {
+        (**self).stream_capture_id(stream)
+    }
     fn create_event(&self) -> Result<EventHandle, BackendError> {
         (**self).create_event()
     }
@@ -508,6 +535,9 @@ unsafe impl<D: DeviceBackend + ?Sized> DeviceBackend for std::sync::Arc<D> {
     }
     fn synchronize_stream(&self, stream: StreamId) -> Result<(), BackendError> {
         (**self).synchronize_stream(stream)
+    }
+    fn stream_capture_id(&self, stream: StreamId) -> Result<Option<u64>, BackendError> {
+        (**self).stream_capture_id(stream)
     }
     fn create_event(&self) -> Result<EventHandle, BackendError> {
         (**self).create_event()

@@ -24,6 +24,13 @@
 //! segment at a given address instead, which trace replay uses to put segments exactly where the
 //! recorded run had them (see Note [Address-faithful replay] in `replay.rs`).
 //!
+//! Graph capture is modelled too ([`SimDevice::begin_capture`] / [`SimDevice::end_capture`],
+//! [`DeviceBackend::stream_capture_id`]): a stream that waits on an event recorded in a capture
+//! joins it, and every call that CUDA would refuse, or that would invalidate the capture, while a
+//! capture in [`SimCaptureMode::Global`] is underway is logged as a [`SimCaptureViolation`]
+//! (synchronizations, event queries, frees, unmaps and releases; allocation and map calls unless
+//! made in relaxed mode, which this device does by default, as `CudaDevice` does).
+//!
 //! No clocks, no randomness, no hash-order: any run replays exactly. May use: `backend`.
 //!
 //! Note [Queued uses]: a use is (stream S, unit k, range). It is *complete* once S completed its
@@ -175,6 +182,39 @@ struct OpenWait {
     record_seq: u64,
 }
 
+/// The capture mode of a simulated capture (CUDA's `CUstreamCaptureMode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum SimCaptureMode {
+    /// Potentially unsafe calls are prohibited on every thread (cudarc's and PyTorch's default).
+    Global,
+    /// Potentially unsafe calls are prohibited on the capturing thread (the simulated device has
+    /// one thread of calls, so this is checked like `Global`).
+    ThreadLocal,
+    /// Only calls that conflict with the capture itself are prohibited.
+    Relaxed,
+}
+
+/// A call that the simulated device saw while a capture was underway and that CUDA would refuse
+/// or that would invalidate the capture (see [`SimDevice::capture_violations`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SimCaptureViolation {
+    /// The backend call.
+    pub operation: &'static str,
+    /// The id of the capture underway.
+    pub capture: u64,
+    /// The mode of that capture.
+    pub mode: SimCaptureMode,
+}
+
+/// How a call behaves under capture.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CaptureClass {
+    /// Synchronizes, queries or releases: illegal during any global or thread-local capture.
+    Unsafe,
+    /// Allocates or maps: legal when made in relaxed mode.
+    Allocation,
+}
+
 /// Static description of a simulated device.
 #[derive(Clone, Debug)]
 pub struct SimConfig {
@@ -287,6 +327,14 @@ struct Inner {
     uses: Vec<SimUse>,
     /// Every breach of the safety rule seen, in order.
     violations: Vec<SimViolation>,
+    /// Streams taking part in a capture: stream → (capture id, mode, origin stream).
+    captures: BTreeMap<StreamId, (u64, SimCaptureMode, StreamId)>,
+    /// Events recorded in a capture: event → capture id.
+    captured_events: BTreeMap<u64, u64>,
+    last_capture: u64,
+    /// Allocation and map calls are made in relaxed capture mode (as `CudaDevice` does).
+    relaxed_allocation_calls: bool,
+    capture_violations: Vec<SimCaptureViolation>,
 }
 
 /// A deterministic simulated device. See the module documentation.
@@ -490,6 +538,26 @@ impl Inner {
         frontier
     }
 
+    /// Logs `operation` as a violation if a global or thread-local capture is underway and the
+    /// call is illegal then.
+    fn capture_call(&mut self, operation: &'static str, class: CaptureClass) {
+        if class == CaptureClass::Allocation && self.relaxed_allocation_calls {
+            return;
+        }
+        let strict = self
+            .captures
+            .values()
+            .find(|(_, mode, _)| *mode != SimCaptureMode::Relaxed)
+            .copied();
+        if let Some((capture, mode, _)) = strict {
+            self.capture_violations.push(SimCaptureViolation {
+                operation,
+                capture,
+                mode,
+            });
+        }
+    }
+
     fn charge(&mut self, size: usize) -> bool {
         if self.used().saturating_add(size) > self.config.capacity {
             return false;
@@ -538,6 +606,11 @@ impl SimDevice {
                 fail_syncs: 0,
                 uses: Vec::new(),
                 violations: Vec::new(),
+                captures: BTreeMap::new(),
+                captured_events: BTreeMap::new(),
+                last_capture: 0,
+                relaxed_allocation_calls: true,
+                capture_violations: Vec::new(),
             }),
         }
     }
@@ -702,6 +775,66 @@ impl SimDevice {
             .is_some_and(|&(sub, done)| done < sub)
     }
 
+    /// Starts a capture on `stream` (cudarc's `CudaStream::begin_capture`); returns its id.
+    /// Streams that wait on an event recorded in the capture join it.
+    ///
+    /// # Errors
+    /// [`BackendError::InvalidArgument`] when `stream` is capturing already.
+    pub fn begin_capture(
+        &self,
+        stream: StreamId,
+        mode: SimCaptureMode,
+    ) -> Result<u64, BackendError> {
+        let mut g = self.inner.lock();
+        if g.captures.contains_key(&stream) {
+            return Err(BackendError::InvalidArgument {
+                operation: "begin_capture",
+                reason: format!("stream {stream} is capturing already"),
+            });
+        }
+        g.last_capture += 1;
+        let id = g.last_capture;
+        g.captures.insert(stream, (id, mode, stream));
+        Ok(id)
+    }
+
+    /// Ends the capture that `stream` started (cudarc's `CudaStream::end_capture`), for it and
+    /// every stream joined into it; returns the capture's id.
+    ///
+    /// # Errors
+    /// [`BackendError::InvalidArgument`] when `stream` did not start a capture that is underway.
+    pub fn end_capture(&self, stream: StreamId) -> Result<u64, BackendError> {
+        let mut g = self.inner.lock();
+        let Some(&(id, _, origin)) = g.captures.get(&stream) else {
+            return Err(BackendError::InvalidArgument {
+                operation: "end_capture",
+                reason: format!("stream {stream} is not capturing"),
+            });
+        };
+        if origin != stream {
+            return Err(BackendError::InvalidArgument {
+                operation: "end_capture",
+                reason: format!("stream {stream} joined a capture that {origin} started"),
+            });
+        }
+        g.captures.retain(|_, c| c.0 != id);
+        Ok(id)
+    }
+
+    /// Whether allocation and map calls are made in relaxed capture mode (on by default, as
+    /// `CudaDevice` makes them); tests switch it off to see the violations a backend without
+    /// the mode exchange would cause.
+    pub fn set_relaxed_allocation_calls(&self, relaxed: bool) {
+        self.inner.lock().relaxed_allocation_calls = relaxed;
+    }
+
+    /// Every call so far that was illegal under a global or thread-local capture underway at the
+    /// time (a synchronization, an event query, a free, unmap or release; an allocation or map
+    /// not made in relaxed mode), in order.
+    pub fn capture_violations(&self) -> Vec<SimCaptureViolation> {
+        self.inner.lock().capture_violations.clone()
+    }
+
     /// Live segments as `(address, size)`, in address order.
     pub fn live_segments(&self) -> Vec<(DevicePtr, usize)> {
         self.inner
@@ -759,6 +892,7 @@ unsafe impl DeviceBackend for SimDevice {
                 reason: "rejected by the simulated device".into(),
             });
         }
+        g.capture_call("allocate", CaptureClass::Allocation);
         if let Err(f) = g.next_call(Some(size)) {
             g.counters.failed_allocate_calls += 1;
             g.hint = None;
@@ -792,6 +926,7 @@ unsafe impl DeviceBackend for SimDevice {
                 });
             }
         }
+        g.capture_call("free", CaptureClass::Unsafe);
         if let Err(f) = g.next_call(None) {
             return Err(fault("free", f));
         }
@@ -805,6 +940,7 @@ unsafe impl DeviceBackend for SimDevice {
 
     fn synchronize(&self) -> Result<(), BackendError> {
         let mut g = self.inner.lock();
+        g.capture_call("synchronize", CaptureClass::Unsafe);
         g.counters.synchronize_calls += 1;
         g.sync_fault("synchronize")?;
         for s in g.streams.values_mut() {
@@ -827,6 +963,7 @@ unsafe impl DeviceBackend for SimDevice {
 
     fn synchronize_stream(&self, stream: StreamId) -> Result<(), BackendError> {
         let mut g = self.inner.lock();
+        g.capture_call("synchronize_stream", CaptureClass::Unsafe);
         g.counters.synchronize_calls += 1;
         g.sync_fault("synchronize_stream")?;
         let upto = g.streams.get(&stream).map_or(0, |s| s.0);
@@ -849,6 +986,10 @@ unsafe impl DeviceBackend for SimDevice {
         let mut g = self.inner.lock();
         let records = g.counters.event_records;
         g.event_fault(SimEventCall::Record, records)?;
+        match g.captures.get(&stream).map(|c| c.0) {
+            Some(capture) => g.captured_events.insert(event.0, capture),
+            None => g.captured_events.remove(&event.0),
+        };
         let submitted = g.streams.get(&stream).map_or(0, |s| s.0);
         g.seq += 1;
         let seq = g.seq;
@@ -867,6 +1008,7 @@ unsafe impl DeviceBackend for SimDevice {
 
     fn query_event(&self, event: EventHandle) -> Result<bool, BackendError> {
         let mut g = self.inner.lock();
+        g.capture_call("query_event", CaptureClass::Unsafe);
         g.counters.event_queries += 1;
         match g.events.get(&event.0) {
             Some(None) => Ok(true),
@@ -880,6 +1022,7 @@ unsafe impl DeviceBackend for SimDevice {
 
     fn synchronize_event(&self, event: EventHandle) -> Result<(), BackendError> {
         let mut g = self.inner.lock();
+        g.capture_call("synchronize_event", CaptureClass::Unsafe);
         match g.events.get(&event.0).copied() {
             Some(Some((stream, at, seq))) => {
                 g.finish(stream, at, seq);
@@ -903,6 +1046,15 @@ unsafe impl DeviceBackend for SimDevice {
         };
         let waits = g.counters.stream_waits;
         g.event_fault(SimEventCall::StreamWait, waits)?;
+        // Waiting on an event recorded in a capture joins the capture (a forked stream).
+        if let Some(&capture) = g.captured_events.get(&event.0) {
+            if !g.captures.contains_key(&stream) {
+                let joined = g.captures.values().find(|c| c.0 == capture).copied();
+                if let Some(c) = joined {
+                    g.captures.insert(stream, c);
+                }
+            }
+        }
         g.seq += 1;
         let wait = SimStreamWait {
             stream,
@@ -941,6 +1093,10 @@ unsafe impl DeviceBackend for SimDevice {
         }
     }
 
+    fn stream_capture_id(&self, stream: StreamId) -> Result<Option<u64>, BackendError> {
+        Ok(self.inner.lock().captures.get(&stream).map(|c| c.0))
+    }
+
     fn vm_granularity(&self) -> Option<usize> {
         self.inner.lock().config.vm_granularity
     }
@@ -956,6 +1112,7 @@ unsafe impl DeviceBackend for SimDevice {
                 reason: format!("size {size} is not a positive multiple of {gran}"),
             });
         }
+        g.capture_call("reserve_address_range", CaptureClass::Allocation);
         if let Err(f) = g.next_call(None) {
             return Err(fault("reserve_address_range", f));
         }
@@ -987,6 +1144,7 @@ unsafe impl DeviceBackend for SimDevice {
                 reason: format!("{base} still has mapped pages"),
             });
         }
+        g.capture_call("release_address_range", CaptureClass::Unsafe);
         if let Err(f) = g.next_call(None) {
             return Err(fault("release_address_range", f));
         }
@@ -1006,6 +1164,7 @@ unsafe impl DeviceBackend for SimDevice {
                 reason: format!("size {size} is not a positive multiple of {gran}"),
             });
         }
+        g.capture_call("create_physical", CaptureClass::Allocation);
         if let Err(f) = g.next_call(Some(size)) {
             return Err(fault("create_physical", f));
         }
@@ -1037,6 +1196,7 @@ unsafe impl DeviceBackend for SimDevice {
                 reason: format!("handle {} is still mapped", handle.0),
             });
         }
+        g.capture_call("release_physical", CaptureClass::Unsafe);
         if let Err(f) = g.next_call(None) {
             return Err(fault("release_physical", f));
         }
@@ -1082,6 +1242,7 @@ unsafe impl DeviceBackend for SimDevice {
         if clash {
             return Err(bad(format!("{va}+{size} overlaps a mapping")));
         }
+        g.capture_call("map", CaptureClass::Allocation);
         if let Err(f) = g.next_call(None) {
             return Err(fault("map", f));
         }
@@ -1101,6 +1262,7 @@ unsafe impl DeviceBackend for SimDevice {
                 });
             }
         }
+        g.capture_call("unmap", CaptureClass::Unsafe);
         if let Err(f) = g.next_call(None) {
             return Err(fault("unmap", f));
         }

@@ -135,7 +135,8 @@ pub struct AllocatorConfig {
     /// Fail at once (skipping the release-and-retry chain) when the fraction cap would be
     /// exceeded.
     pub throw_on_cudamalloc_oom: bool,
-    /// Accepted for compatibility (CUDA-graph capture is not modelled).
+    /// PyTorch's graph-topology reuse of blocks freed during a capture. Not implemented: `true`
+    /// logs a warning and behaves as `false` (such blocks wait for the capture's end).
     pub graph_capture_record_stream_reuse: bool,
     /// Page size of the large pool's expandable segments, in bytes (crate key
     /// `cca_large_page_size_mb`). `None` uses `large_segment_size`, as PyTorch does (20 MiB pages);

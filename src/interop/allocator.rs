@@ -18,8 +18,8 @@ use crate::allocator::{FragmentationReport, InvariantViolation, SegmentSnapshot}
 use crate::backend::cuda::CudaDevice;
 use crate::trace::Trace;
 use crate::{
-    AllocError, Allocation, AllocatorConfig, CachingAllocator, DevicePtr, MemoryStats, Result,
-    StreamId,
+    AllocError, Allocation, AllocatorConfig, CachingAllocator, DevicePtr, MemPoolId, MemoryStats,
+    PoolFilter, Result, StreamId,
 };
 
 /// A handle to the caching allocator of one CUDA device. Cloning it clones two `Arc`s; every
@@ -43,7 +43,7 @@ use crate::{
 /// ```
 #[derive(Clone)]
 pub struct CudaAllocator {
-    inner: Arc<CachingAllocator<CudaDevice>>,
+    pub(super) inner: Arc<CachingAllocator<CudaDevice>>,
     /// cudarc event shells kept by block address (see `interop::events`).
     shells: Arc<ShellPool>,
 }
@@ -246,6 +246,42 @@ impl CudaAllocator {
     /// Whether the fast path is on.
     pub fn fast_path(&self) -> bool {
         self.inner.fast_path()
+    }
+
+    /// Routes allocations on the streams `filter` accepts into private pool `pool`; see
+    /// [`CachingAllocator::begin_allocate_to_pool`]. For cudarc captures prefer
+    /// [`capture_pool`](Self::capture_pool).
+    ///
+    /// # Errors
+    /// As [`CachingAllocator::begin_allocate_to_pool`].
+    pub fn begin_allocate_to_pool(&self, pool: MemPoolId, filter: PoolFilter) -> Result<()> {
+        self.inner.begin_allocate_to_pool(pool, filter)
+    }
+
+    /// Stops routing allocations into `pool`; see [`CachingAllocator::end_allocate_to_pool`].
+    ///
+    /// # Errors
+    /// As [`CachingAllocator::end_allocate_to_pool`].
+    pub fn end_allocate_to_pool(&self, pool: MemPoolId) -> Result<()> {
+        self.inner.end_allocate_to_pool(pool)
+    }
+
+    /// Gives back one use of private pool `pool`; see [`CachingAllocator::release_pool`].
+    ///
+    /// # Errors
+    /// As [`CachingAllocator::release_pool`].
+    pub fn release_pool(&self, pool: MemPoolId) -> Result<()> {
+        self.inner.release_pool(pool)
+    }
+
+    /// The use count of private pool `pool`; see [`CachingAllocator::pool_use_count`].
+    pub fn pool_use_count(&self, pool: MemPoolId) -> Option<u32> {
+        self.inner.pool_use_count(pool)
+    }
+
+    /// Whether a graph capture is underway; see [`CachingAllocator::capture_underway`].
+    pub fn capture_underway(&self) -> bool {
+        self.inner.capture_underway()
     }
 
     /// Segments handed from one stream to another; see

@@ -24,6 +24,7 @@
 //! the core (`CachingAllocator`), `backend::cuda`, `config`, `error`, `stats`.
 
 mod allocator;
+mod capture;
 mod events;
 pub mod raw;
 mod registry;
@@ -31,6 +32,7 @@ mod slice;
 mod view;
 
 pub use allocator::CudaAllocator;
+pub use capture::{CapturedGraph, GraphPool};
 pub use registry::AllocatorRegistry;
 pub use slice::CachedSlice;
 pub use view::{CachedView, CachedViewMut};

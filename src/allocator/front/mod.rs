@@ -146,6 +146,9 @@ pub(crate) struct Front {
     exits: Arc<AtomicUsize>,
     /// The history recorder is on: every operation takes the core path so it is recorded.
     history_on: AtomicBool,
+    /// A routing to a private pool is active (graph capture): allocations take the core path,
+    /// which decides the pool, and no new block becomes managed.
+    routing_on: AtomicBool,
     /// No `roundup_power2_divisions` apply: `round_size` is a round-up to 512 bytes.
     plain_rounding: bool,
 }
@@ -172,6 +175,7 @@ impl Front {
             shards: Shards::default(),
             exits: Arc::new(AtomicUsize::new(0)),
             history_on: AtomicBool::new(false),
+            routing_on: AtomicBool::new(false),
             plain_rounding: config.roundup_power2_divisions.iter().all(|&d| d <= 1),
         }
     }
@@ -181,7 +185,11 @@ impl Front {
     /// A cache hit, or `None` (take the locked path).
     #[inline]
     pub(crate) fn try_alloc(&self, size: usize, stream: StreamId) -> Option<Allocation> {
-        if size == 0 || size > self.bounds.max_block || self.history_on.load(Ordering::Relaxed) {
+        if size == 0
+            || size > self.bounds.max_block
+            || self.history_on.load(Ordering::Relaxed)
+            || self.routing_on.load(Ordering::Relaxed)
+        {
             return None;
         }
         let rounded = if self.plain_rounding {
@@ -223,8 +231,11 @@ impl Front {
         stream: StreamId,
     ) -> Result<Allocation> {
         self.reclaim_exited(st, fl, dev);
-        let manage =
-            size > 0 && size <= self.bounds.max_block && !self.history_on.load(Ordering::Relaxed);
+        // While a routing is active the block may be a private pool's: never managed here.
+        let manage = size > 0
+            && size <= self.bounds.max_block
+            && !self.history_on.load(Ordering::Relaxed)
+            && !st.capture_underway();
         let rounded = if manage {
             round_size(size, &self.config)
         } else {
@@ -426,6 +437,12 @@ impl Front {
             self.sync_own(l, &st.stats, fl, false);
         });
         n
+    }
+
+    /// Switches the private-pool bypass (set under the allocator's lock when routings begin and
+    /// end; a thread ordered after that sees it, so a routed allocation never hits a front cache).
+    pub(crate) fn set_routing(&self, on: bool) {
+        self.routing_on.store(on, Ordering::Relaxed);
     }
 
     /// Switches the history recorder's bypass: while recording, every operation takes the core
@@ -785,6 +802,9 @@ impl Front {
                 let p = DevicePtr(v.ptr);
                 let core = st.active.get(&v.ptr).and_then(|&id| st.arena.get(id));
                 match core {
+                    Some(b) if b.owner != 0 => {
+                        problem = Some(format!("managed block {p} belongs to a private pool"))
+                    }
                     Some(b)
                         if (b.size, b.pool, b.requested_size)
                             == (v.block_size, v.kind, v.core_req) => {}

@@ -266,6 +266,7 @@ impl State {
                 stream,
                 pool: kind,
                 expandable: true,
+                owner: 0,
             },
         );
         self.vm_segments.insert(
@@ -466,7 +467,8 @@ impl State {
         } else {
             0
         };
-        let reuse = self.config.page_reuse != PageReuse::Off;
+        // No unmapping (nor the stream synchronization before it) while a capture is underway.
+        let reuse = self.config.page_reuse != PageReuse::Off && !self.capture_underway();
         let to_reclaim = need.saturating_sub(allowance);
         let (mut plan, mut reclaimed) = if to_reclaim > 0 && reuse {
             self.reclaim_plan(base, to_reclaim, growth)

@@ -1,0 +1,205 @@
+//! Graph capture for cudarc users: [`GraphPool`], a private pool that receives every allocation
+//! of one cudarc stream capture, and [`CapturedGraph`], the cudarc `CudaGraph` together with the
+//! pool whose memory it replays. May use: the core's private pools, `backend::cuda`,
+//! `interop::allocator`, cudarc.
+//!
+//! ```no_run
+//! use cuda_caching_allocator::interop::CudaAllocator;
+//! use cudarc::driver::{CudaContext, sys};
+//! let ctx = CudaContext::new(0)?;
+//! let stream = ctx.new_stream()?;
+//! let alloc = CudaAllocator::shared(0)?;
+//! stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)?;
+//! let pool = alloc.capture_pool(&stream)?; // every allocation of this capture goes to `pool`
+//! let tmp = alloc.alloc_zeros::<f32>(&stream, 1024)?; // captured work using cached memory
+//! drop(tmp); // back to the graph's pool, never to other work
+//! let graph = pool
+//!     .end_capture(&stream, sys::CUgraphInstantiate_flags(0))?
+//!     .expect("the capture recorded work");
+//! graph.launch()?; // replays on the graph's own memory
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+use std::fmt;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaGraph, CudaStream, sys};
+
+use super::allocator::CudaAllocator;
+use super::driver_error;
+use crate::backend::cuda::CudaDevice;
+use crate::{AllocError, CachingAllocator, DeviceBackend, MemPoolId, Result};
+
+/// A private pool receiving the allocations of one stream capture (its origin stream and every
+/// stream forked into it), from [`CudaAllocator::capture_pool`]. Its blocks are served only to
+/// allocations of captures routed to it, never to other work; dropping it gives its use back
+/// (`release_pool`), after which its memory returns to the device at the next `empty_cache`.
+///
+/// Keep it alive as long as any graph captured into it may be launched:
+/// [`end_capture`](Self::end_capture) returns a [`CapturedGraph`] that holds both.
+pub struct GraphPool {
+    alloc: Arc<CachingAllocator<CudaDevice>>,
+    id: MemPoolId,
+    /// The capture's routing is still active.
+    routing: bool,
+}
+
+impl fmt::Debug for GraphPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GraphPool")
+            .field("id", &self.id)
+            .field("routing", &self.routing)
+            .finish()
+    }
+}
+
+impl GraphPool {
+    /// The pool's id.
+    pub fn id(&self) -> MemPoolId {
+        self.id
+    }
+
+    /// Stops routing the capture's allocations into the pool (PyTorch's `endAllocateToPool`),
+    /// after the capture ended. [`end_capture`](Self::end_capture) does this for you; call it
+    /// when you end the capture with cudarc yourself. Idempotent.
+    ///
+    /// # Errors
+    /// [`AllocError::Backend`] when recording the events of frees deferred during the capture
+    /// failed (the routing ended all the same).
+    pub fn finish(&mut self) -> Result<()> {
+        if !self.routing {
+            return Ok(());
+        }
+        self.routing = false;
+        self.alloc.end_allocate_to_pool(self.id)
+    }
+
+    /// Ends the capture on `stream` (cudarc's `CudaStream::end_capture`, instantiating with
+    /// `flags`), stops routing into the pool, and returns the graph with this pool, or `None`
+    /// when the capture recorded no work (the pool is then dropped).
+    ///
+    /// # Errors
+    /// The driver's error from ending the capture or instantiating the graph (the routing ends
+    /// and the pool is dropped then too), or [`finish`](Self::finish)'s.
+    pub fn end_capture(
+        mut self,
+        stream: &Arc<CudaStream>,
+        flags: sys::CUgraphInstantiate_flags,
+    ) -> Result<Option<CapturedGraph>> {
+        let graph = stream.end_capture(flags);
+        let finished = self.finish();
+        let graph = graph.map_err(|e| driver_error("cuStreamEndCapture", e))?;
+        finished?;
+        Ok(graph.map(|graph| CapturedGraph { graph, pool: self }))
+    }
+}
+
+impl Drop for GraphPool {
+    fn drop(&mut self) {
+        if let Err(e) = self.finish() {
+            tracing::error!(target: "cuda_caching_allocator", pool = %self.id, error = %e, "ending a graph pool's routing failed");
+        }
+        if let Err(e) = self.alloc.release_pool(self.id) {
+            tracing::error!(target: "cuda_caching_allocator", pool = %self.id, error = %e, "releasing a graph pool failed");
+        }
+    }
+}
+
+/// A captured cudarc graph together with the private pool it replays: the graph drops first,
+/// then the pool gives its memory back to the cache (to the device at the next `empty_cache`).
+pub struct CapturedGraph {
+    // Field order is drop order: the graph goes before its memory.
+    graph: CudaGraph,
+    pool: GraphPool,
+}
+
+impl fmt::Debug for CapturedGraph {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CapturedGraph")
+            .field("pool", &self.pool)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CapturedGraph {
+    /// Launches the graph on the stream it was captured on (cudarc's `CudaGraph::launch`).
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn launch(&self) -> Result<()> {
+        self.graph
+            .launch()
+            .map_err(|e| driver_error("cuGraphLaunch", e))
+    }
+
+    /// The cudarc graph.
+    pub fn graph(&self) -> &CudaGraph {
+        &self.graph
+    }
+
+    /// The pool holding the graph's memory (pass it to
+    /// [`CudaAllocator::capture_pool_shared`] to capture another graph into it).
+    pub fn pool(&self) -> &GraphPool {
+        &self.pool
+    }
+}
+
+impl CudaAllocator {
+    /// Opens a new private pool for the capture running on `stream` (after cudarc's
+    /// `stream.begin_capture(..)`): until the returned pool's
+    /// [`end_capture`](GraphPool::end_capture) (or [`finish`](GraphPool::finish)), every
+    /// allocation on a stream of that capture (by the driver's capture id, so streams forked
+    /// into the capture count) is served from the pool, and their frees return there. While it
+    /// is open a capture is underway for the cache: see `CachingAllocator::begin_allocate_to_pool`.
+    ///
+    /// # Errors
+    /// [`AllocError::InvalidStream`] for a stream of another context or one that is not
+    /// capturing; [`AllocError::Backend`] when the capture status cannot be read.
+    pub fn capture_pool(&self, stream: &Arc<CudaStream>) -> Result<GraphPool> {
+        self.route_capture(stream, MemPoolId::new_graph())
+    }
+
+    /// Like [`capture_pool`](Self::capture_pool), but into the pool of an earlier capture
+    /// (PyTorch's `torch.cuda.graph(..., pool=other.pool())`): the graphs share memory, so
+    /// replay them in capture order and never at the same time. The returned handle holds one
+    /// more use of the pool.
+    ///
+    /// # Errors
+    /// As [`capture_pool`](Self::capture_pool); [`AllocError::InvalidPool`] when `pool` is still
+    /// routing another capture.
+    pub fn capture_pool_shared(
+        &self,
+        stream: &Arc<CudaStream>,
+        pool: &GraphPool,
+    ) -> Result<GraphPool> {
+        self.route_capture(stream, pool.id)
+    }
+
+    fn route_capture(&self, stream: &Arc<CudaStream>, id: MemPoolId) -> Result<GraphPool> {
+        let sid = self.admit(stream)?;
+        let capture =
+            self.device()
+                .stream_capture_id(sid)
+                .map_err(|source| AllocError::Backend {
+                    operation: "cuStreamGetCaptureInfo",
+                    source,
+                })?;
+        let Some(capture) = capture else {
+            return Err(AllocError::InvalidStream {
+                stream: sid,
+                source: crate::BackendError::InvalidStream {
+                    stream: sid,
+                    reason:
+                        "it is not capturing: call CudaStream::begin_capture before capture_pool"
+                            .into(),
+                },
+            });
+        };
+        self.inner.begin_allocate_to_capture(id, capture)?;
+        Ok(GraphPool {
+            alloc: Arc::clone(&self.inner),
+            id,
+            routing: true,
+        })
+    }
+}

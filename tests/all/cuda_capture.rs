@@ -1,0 +1,234 @@
+//! GPU tests of graph capture through the cudarc interop (`CudaAllocator::capture_pool`):
+//! a kernel sequence that allocates and frees inside a global-mode capture, replayed 100 times
+//! while other work allocates and frees between the replays. Opt-in like `cuda.rs`: they run
+//! only with `CCA_TEST_CUDA=1`, otherwise each prints that it was skipped and passes.
+#![cfg(feature = "cuda")]
+
+use std::sync::{Arc, OnceLock};
+
+use cuda_caching_allocator::interop::{CachedSlice, CudaAllocator};
+use cuda_caching_allocator::{AllocatorConfig, AllocatorConfigBuilder, DevicePtr};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, sys};
+
+const KERNELS: &str = r#"
+__device__ unsigned int mix(unsigned int x) {
+    x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;
+    return x;
+}
+extern "C" __global__ void fill_pattern(unsigned int* p, unsigned long long n, unsigned int seed) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x)
+        p[i] = mix((unsigned int)i * 0x9E3779B9u + seed);
+}
+extern "C" __global__ void add(const unsigned int* a, const unsigned int* b, unsigned int* c,
+                               unsigned long long n) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x)
+        c[i] = a[i] + b[i];
+}
+"#;
+
+/// The host twin of `fill_pattern`.
+fn pattern(i: u64, seed: u32) -> u32 {
+    let mut x = (i as u32).wrapping_mul(0x9E37_79B9).wrapping_add(seed);
+    x ^= x >> 16;
+    x = x.wrapping_mul(0x7feb_352d);
+    x ^= x >> 15;
+    x = x.wrapping_mul(0x846c_a68b);
+    x ^= x >> 16;
+    x
+}
+
+struct Gpu {
+    ctx: Arc<CudaContext>,
+    fill: CudaFunction,
+    add: CudaFunction,
+}
+
+fn gpu(test: &str) -> Option<&'static Gpu> {
+    if std::env::var("CCA_TEST_CUDA").as_deref() != Ok("1") {
+        println!("skipped {test}: set CCA_TEST_CUDA=1 to run the GPU tests");
+        return None;
+    }
+    static GPU: OnceLock<Gpu> = OnceLock::new();
+    Some(GPU.get_or_init(|| {
+        assert!(
+            cuda_caching_allocator::backend::cuda::cuda_available(),
+            "CCA_TEST_CUDA=1 but no CUDA device works"
+        );
+        let ctx = CudaContext::new(0).unwrap();
+        let ptx = cudarc::nvrtc::compile_ptx(KERNELS).unwrap();
+        let module = ctx.load_module(ptx).unwrap();
+        Gpu {
+            fill: module.load_function("fill_pattern").unwrap(),
+            add: module.load_function("add").unwrap(),
+            ctx,
+        }
+    }))
+}
+
+fn grid(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(256).clamp(1, 1024) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn uninit(alloc: &CudaAllocator, stream: &Arc<CudaStream>, len: usize) -> CachedSlice<u32> {
+    // SAFETY: `u32` is valid for every bit pattern, and every buffer is written before it is
+    // read.
+    unsafe { alloc.alloc::<u32>(stream, len) }.unwrap()
+}
+
+fn fill(g: &Gpu, stream: &Arc<CudaStream>, buf: &mut CachedSlice<u32>, seed: u32) {
+    let cfg = grid(buf.len());
+    let n = buf.len() as u64;
+    let mut b = stream.launch_builder(&g.fill);
+    b.arg(&mut *buf).arg(&n).arg(&seed);
+    // SAFETY: fill_pattern(unsigned*, u64, u32) writes the `n` values the buffer holds.
+    unsafe { b.launch(cfg) }.unwrap();
+}
+
+fn add(
+    g: &Gpu,
+    stream: &Arc<CudaStream>,
+    a: &CachedSlice<u32>,
+    b: &CachedSlice<u32>,
+    c: &mut CachedSlice<u32>,
+) {
+    assert!(a.len() == c.len() && b.len() == c.len());
+    let cfg = grid(c.len());
+    let n = c.len() as u64;
+    let mut l = stream.launch_builder(&g.add);
+    l.arg(a).arg(b).arg(&mut *c).arg(&n);
+    // SAFETY: add(const unsigned*, const unsigned*, unsigned*, u64) reads `n` values of `a` and
+    // `b` and writes `n` of `c`, all holding `n` (checked above).
+    unsafe { l.launch(cfg) }.unwrap();
+}
+
+/// `[start, end)` of a buffer.
+fn range(b: &CachedSlice<u32>) -> (u64, u64) {
+    let p: DevicePtr = b.device_ptr_raw();
+    (p.0, p.0 + (b.len() * 4) as u64)
+}
+
+fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
+    a.0 < b.1 && b.0 < a.1
+}
+
+/// Captures `out = 2 * (x + pattern(7))` with three temporaries allocated and freed inside the
+/// capture, replays it 100 times with a new `x` each time while other work (on the graph's
+/// stream and on another) allocates, writes and frees between the replays, and checks every
+/// replay's result and that no other allocation ever lands on the graph's memory.
+fn replay_while_other_work_allocates(test: &str, config: AllocatorConfig) {
+    let Some(g) = gpu(test) else {
+        return;
+    };
+    const N: usize = 1 << 20; // 4 MiB per buffer: the large pool
+    let alloc = CudaAllocator::new(Arc::clone(&g.ctx), config).unwrap();
+    let stream = g.ctx.new_stream().unwrap();
+    let other = g.ctx.new_stream().unwrap();
+    let mut x = uninit(&alloc, &stream, N);
+    let mut out = uninit(&alloc, &stream, N);
+    // Cached free blocks of the temporaries' sizes, outside the graph: the capture must not
+    // take them, and later work must not get the graph's.
+    drop((uninit(&alloc, &stream, N), uninit(&alloc, &stream, N / 4)));
+
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
+        .unwrap();
+    let pool = alloc.capture_pool(&stream).unwrap();
+    assert!(alloc.capture_underway());
+    let mut graph_ranges = Vec::new();
+    {
+        let mut t1 = uninit(&alloc, &stream, N);
+        fill(g, &stream, &mut t1, 7);
+        let mut t2 = uninit(&alloc, &stream, N);
+        add(g, &stream, &x, &t1, &mut t2);
+        graph_ranges.extend([range(&t1), range(&t2)]);
+        drop(t1); // freed inside the capture: back to the graph's pool
+        let mut t3 = uninit(&alloc, &stream, N);
+        graph_ranges.push(range(&t3));
+        add(g, &stream, &t2, &t2, &mut t3);
+        let mut small = uninit(&alloc, &stream, N / 4);
+        graph_ranges.push(range(&small));
+        fill(g, &stream, &mut small, 3); // work on a small temporary, result unused
+        add(g, &stream, &t3, &x, &mut out);
+        add(g, &stream, &out, &x, &mut t2);
+        // out = t3 again, through one more temporary round trip.
+        add(g, &stream, &t3, &t2, &mut out);
+        drop((t2, t3, small));
+    }
+    let graph = pool
+        .end_capture(&stream, sys::CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("the capture recorded kernels");
+    assert!(!alloc.capture_underway());
+    alloc.check_invariants().unwrap();
+
+    let sizes = [N, N / 4, N / 2, 3 * N, 1000, N];
+    for replay in 0..100u32 {
+        let seed = 1000 + replay;
+        fill(g, &stream, &mut x, seed);
+        graph.launch().unwrap();
+        // Other work while the replay may still be running: allocations on both streams that
+        // write garbage and are freed at once.
+        for (k, &len) in sizes.iter().enumerate() {
+            let s = if k % 2 == 0 { &stream } else { &other };
+            let mut junk = uninit(&alloc, s, len);
+            for r in &graph_ranges {
+                assert!(
+                    !overlaps(range(&junk), *r),
+                    "replay {replay}: an allocation of {len} u32 got the graph's memory"
+                );
+            }
+            fill(g, s, &mut junk, 0xdead_0000 + replay);
+            drop(junk);
+        }
+        let host = alloc.dtoh(&out).unwrap();
+        for (i, &v) in host.iter().enumerate().step_by(997) {
+            let i = i as u64;
+            let xi = pattern(i, seed);
+            let t3 = xi.wrapping_add(pattern(i, 7)).wrapping_mul(2);
+            let t2 = t3.wrapping_add(xi).wrapping_add(xi);
+            assert_eq!(v, t3.wrapping_add(t2), "replay {replay}, element {i}");
+        }
+    }
+    stream.synchronize().unwrap();
+    other.synchronize().unwrap();
+    alloc.check_invariants().unwrap();
+    let reserved = alloc.memory_stats().memory_reserved();
+    // Dropping the graph releases its pool; empty_cache then gives its memory back.
+    drop(graph);
+    alloc.empty_cache().unwrap();
+    let after = alloc.memory_stats().memory_reserved();
+    assert!(
+        after < reserved,
+        "the graph's pool was released: {after} < {reserved}"
+    );
+    drop((x, out));
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.memory_stats().memory_reserved(), 0);
+}
+
+#[test]
+fn cuda_capture_replays_with_private_pool_pytorch() {
+    replay_while_other_work_allocates(
+        "cuda_capture_replays_with_private_pool_pytorch",
+        AllocatorConfig::pytorch(),
+    );
+}
+
+#[test]
+fn cuda_capture_replays_with_private_pool_default_fast_path() {
+    replay_while_other_work_allocates(
+        "cuda_capture_replays_with_private_pool_default_fast_path",
+        AllocatorConfigBuilder::from_config(AllocatorConfig::default())
+            .fast_path(true)
+            .cross_stream_reuse(true)
+            .build()
+            .unwrap(),
+    );
+}
