@@ -771,7 +771,9 @@ impl Front {
         let mut managed = 0usize;
         let mut problem: Option<String> = None;
         let mut known = Five::default();
-        for reg in &fl.registry {
+        // Every managed block by address: (address, cache, descriptor, state).
+        let mut seen: Vec<(u64, usize, u32, u32)> = Vec::new();
+        for (k, reg) in fl.registry.iter().enumerate() {
             known.add(&reg.published);
             known.add(&reg.foreign.five());
             let mut recount = [0i64; 9];
@@ -782,6 +784,7 @@ impl Front {
                 }
                 managed += 1;
                 let v = d.view();
+                seen.push((v.ptr, k, i, state));
                 let p = DevicePtr(v.ptr);
                 let core = st.active.get(&v.ptr).and_then(|&id| st.arena.get(id));
                 match core {
@@ -827,6 +830,23 @@ impl Front {
                     });
                 }
             }
+        }
+        // One block, one descriptor: a block both live and cached (in one cache or two), or live
+        // twice, has two owners.
+        seen.sort_unstable();
+        if let Some(w) = seen.windows(2).find(|w| w[0].0 == w[1].0) {
+            let name = |s: u32| if s == LIVE { "live" } else { "cached" };
+            return Err(bad(format!(
+                "block {} is managed twice: {} in cache {} (descriptor {}) and {} in cache {} \
+                 (descriptor {})",
+                DevicePtr(w[0].0),
+                name(w[0].3),
+                w[0].1,
+                w[0].2,
+                name(w[1].3),
+                w[1].1,
+                w[1].2
+            )));
         }
         if owners.len() != if fl_shards_on { managed } else { 0 } {
             return Err(bad(format!(
