@@ -40,8 +40,13 @@
 //! of the shipped traces stay within 0.2% of PyTorch's peak reserved bytes (see
 //! `benches/README.md`); cached blocks smaller than the request stay.
 //!
-//! Note [Peaks with several threads]: `current`, `allocated` and `freed` are exact sums (a
-//! reader racing an operation in flight may see that one operation half-counted). The peaks of
+//! Note [Peaks with several threads]: `current`, `allocated` and `freed` are exact sums of the
+//! core's values and each cache's delta, each delta read whole at one instant of the read (Note
+//! [Consistent counter reads] in `shared.rs`); with other threads hitting their caches meanwhile,
+//! the caches' instants differ by at most the read's duration. So a `current` read while others
+//! run is a sum of per-cache values that each held at some instant: never negative, the counts
+//! and bytes never above the core's (a cached block only lowers them), and at most the largest
+//! value each cache reached during the read, summed. The peaks of
 //! the five statistics above are exact when one thread at a time uses the allocator. A thread's
 //! hits are folded into the peaks when that thread next takes the lock (any operation that is
 //! not a hit or a cached free, or a statistics read), relative to the other caches' contents as
