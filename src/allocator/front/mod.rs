@@ -63,6 +63,7 @@ mod delta;
 mod local;
 mod shards;
 mod shared;
+mod sync;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -75,7 +76,7 @@ use crate::backend::{DeviceBackend, DevicePtr, StreamId};
 use crate::config::{AllocatorConfig, MIB, MIN_BLOCK_SIZE};
 use crate::error::{AllocError, Result};
 use crate::size_class::{PoolKind, pool_kind, round_size};
-use crate::stats::{MemoryStats, StatType};
+use crate::stats::{MemoryStats, StatArray, StatType};
 use delta::{Delta, Five};
 use local::{Bounds, Evicted, Give, Local};
 use shards::Shards;
@@ -459,7 +460,7 @@ impl Front {
         now.add(&sum.five());
         fl.peaks.raise_to(&now);
         let mut stats = st.stats;
-        delta::apply(&mut stats, &sum, &fl.peaks);
+        apply(&mut stats, &sum, &fl.peaks);
         stats
     }
 
@@ -882,6 +883,28 @@ impl Front {
             }
         }
         Ok(())
+    }
+}
+
+/// Writes the user view into `stats` (the core's statistics): adds `sum` (every thread cache's
+/// delta) to `current`, `allocated` and `freed` of the five statistics and sets their peaks to
+/// `peaks`.
+pub(crate) fn apply(stats: &mut MemoryStats, sum: &Delta, peaks: &Five) {
+    let arrays: [(&mut StatArray, &delta::Triple); 5] = [
+        (&mut stats.allocation, &sum.count),
+        (&mut stats.active, &sum.count),
+        (&mut stats.allocated_bytes, &sum.bytes),
+        (&mut stats.active_bytes, &sum.bytes),
+        (&mut stats.requested_bytes, &sum.req),
+    ];
+    for (i, (arr, d)) in arrays.into_iter().enumerate() {
+        for (p, t) in StatType::ALL.into_iter().enumerate() {
+            let s = arr.get_mut(t);
+            s.current += d[p].current;
+            s.allocated += d[p].allocated;
+            s.freed += d[p].freed;
+            s.peak = peaks.0[3 * i + p];
+        }
     }
 }
 

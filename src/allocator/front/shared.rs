@@ -15,13 +15,11 @@
 #![forbid(unsafe_code)]
 
 use std::sync::Arc;
-use std::sync::atomic::{
-    AtomicBool, AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering, fence,
-};
-
-use parking_lot::Mutex;
 
 use super::delta::{Acc, Delta};
+use super::sync::{
+    AtomicBool, AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Mutex, Ordering, fence, wait,
+};
 use crate::size_class::PoolKind;
 
 /// Descriptors per chunk.
@@ -249,11 +247,7 @@ impl Counters {
             }
             // The owner is mid-update (a few instructions, unless it was preempted there).
             spins += 1;
-            if spins < 64 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
+            wait(spins);
         }
     }
 
