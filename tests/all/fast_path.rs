@@ -302,6 +302,33 @@ fn bogus_pointers_never_reach_a_managed_block() {
     other.check_invariants().unwrap();
 }
 
+/// Regression (#14, found by the `ops` fuzz target): an out-of-memory on stream `u64::MAX`
+/// panicked in the OOM report (the search for the stream's largest free block ran up to stream
+/// `u64::MAX + 1`, wrapped to 0), with the fast path and without.
+#[test]
+fn an_out_of_memory_on_the_last_stream_is_an_error() {
+    for fast_path in [false, true] {
+        let a = with_config(
+            64 * MIB,
+            AllocatorConfig {
+                fast_path,
+                ..AllocatorConfig::pytorch()
+            },
+        );
+        for s in [StreamId(u64::MAX), StreamId(u64::MAX - 1), S0] {
+            // A free block of the large pool on `s`, in a segment a live block keeps.
+            let x = a.allocate(4 * MIB, s).unwrap();
+            let y = a.allocate(4 * MIB, s).unwrap();
+            a.free(y.ptr).unwrap();
+            let e = a.allocate(256 * MIB, s).unwrap_err();
+            assert!(e.is_out_of_memory(), "{e}");
+            a.free(x.ptr).unwrap();
+            a.empty_cache().unwrap();
+        }
+        a.check_invariants().unwrap();
+    }
+}
+
 #[test]
 fn a_free_from_another_thread_returns_the_block() {
     let a = fast_on(1 << 30);
