@@ -999,15 +999,17 @@ impl State {
                 free_total += k.size;
             }
         }
-        let largest_on_stream = self
-            .pool_ref(kind)
-            .blocks
-            .range(
-                FreeKey::search(stream, 0)..FreeKey::search(StreamId(stream.0.wrapping_add(1)), 0),
-            )
-            .next_back()
-            .filter(|k| k.stream == stream)
-            .map_or(0, |k| k.size);
+        // The stream's free blocks, up to the next stream's (none after `u64::MAX`).
+        let blocks = &self.pool_ref(kind).blocks;
+        let lo = FreeKey::search(stream, 0);
+        let largest_on_stream = match stream.0.checked_add(1) {
+            Some(next) => blocks
+                .range(lo..FreeKey::search(StreamId(next), 0))
+                .next_back(),
+            None => blocks.range(lo..).next_back(),
+        }
+        .filter(|k| k.stream == stream)
+        .map_or(0, |k| k.size);
         let verdict = if free_total >= size {
             OomVerdict::Fragmented
         } else if self

@@ -174,3 +174,97 @@ fn many_threads_with_the_fast_path() {
 fn many_threads_without_the_fast_path() {
     stress(AllocatorConfig::pytorch(), 4, ops(1500));
 }
+
+/// Regression (#14): `memory_stats()` read while other threads hit their front caches paired an
+/// old `allocated` with a new `freed` of one cache (reported currents down to −509,193
+/// allocations). Each worker holds at most `HELD` blocks of at most `BIG` bytes, so any order of
+/// its operations keeps the user-view currents within `0..=THREADS * HELD` blocks and
+/// `0..=THREADS * HELD * BIG` bytes, and the peaks too; every read must stay inside, with
+/// `allocated − freed = current` and `current ≤ peak`. Two readers read for `STATS_READ_MS`
+/// milliseconds (default 3000; a torn read needs a reader preempted inside its read, which on
+/// a loaded 2-core machine happens within about a second).
+#[test]
+fn stats_read_during_fast_path_hits_stay_within_bounds() {
+    const THREADS: usize = 3;
+    const READERS: usize = 2;
+    const HELD: usize = 3;
+    const SIZES: [usize; 3] = [512, 4096, 65536];
+    const BIG: usize = 65536;
+    let millis = std::env::var("STATS_READ_MS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3000u64);
+    let a = with_config(
+        1 << 30,
+        AllocatorConfig {
+            fast_path: true,
+            ..AllocatorConfig::pytorch()
+        },
+    );
+    let stop = AtomicUsize::new(0);
+    let max_blocks = (THREADS * HELD) as i64;
+    let max_bytes = (THREADS * HELD * BIG) as i64;
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let (a, stop) = (&a, &stop);
+            s.spawn(move || {
+                let stream = StreamId(t as u64);
+                let mut live: Vec<Allocation> = Vec::new();
+                let mut i = 0usize;
+                while stop.load(Ordering::Relaxed) < READERS {
+                    let size = SIZES[(i * 7 + t) % SIZES.len()];
+                    if live.len() == HELD {
+                        a.free(live.remove(i % HELD).ptr).unwrap();
+                    }
+                    live.push(a.allocate(size, stream).unwrap());
+                    i += 1;
+                }
+                for x in live {
+                    a.free(x.ptr).unwrap();
+                }
+            });
+        }
+        for _ in 0..READERS {
+            let (a, stop) = (&a, &stop);
+            s.spawn(move || {
+                // Stops the workers on a failed assertion too.
+                struct Done<'a>(&'a AtomicUsize);
+                impl Drop for Done<'_> {
+                    fn drop(&mut self) {
+                        self.0.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                let _done = Done(stop);
+                let until = std::time::Instant::now() + std::time::Duration::from_millis(millis);
+                let mut reads = 0u64;
+                while std::time::Instant::now() < until {
+                    let st = a.memory_stats();
+                    reads += 1;
+                    for (name, arr, max) in [
+                        ("allocation", &st.allocation, max_blocks),
+                        ("active", &st.active, max_blocks),
+                        ("allocated_bytes", &st.allocated_bytes, max_bytes),
+                        ("active_bytes", &st.active_bytes, max_bytes),
+                        ("requested_bytes", &st.requested_bytes, max_bytes),
+                    ] {
+                        for t in StatType::ALL {
+                            let v = arr.get(t);
+                            assert!(
+                                (0..=max).contains(&v.current)
+                                    && v.current <= v.peak
+                                    && v.peak <= max,
+                                "read {reads}: {name}.{} = {v:?} outside 0..={max}",
+                                t.name()
+                            );
+                            assert_eq!(v.allocated - v.freed, v.current, "{name}.{}", t.name());
+                        }
+                    }
+                    assert!(st.memory_allocated() <= st.memory_reserved());
+                }
+            });
+        }
+    });
+    a.check_invariants().unwrap();
+    let st = a.memory_stats();
+    assert_eq!(st.allocation.get(StatType::All).current, 0);
+}

@@ -240,6 +240,95 @@ fn double_frees_are_errors_on_every_path() {
     assert_eq!(st.allocation.get(StatType::All).current, 0);
 }
 
+/// Regression (#14): with the fast path, `free(u64::MAX)` matched an empty entry of the
+/// recent-address cache (keyed by `u64::MAX`, naming descriptor 0), cached the block a user
+/// still held, and handed it out again to the next allocation of its size.
+#[test]
+fn bogus_pointers_never_reach_a_managed_block() {
+    let a = fast_on(1 << 30);
+    let other = fast_on(1 << 30);
+    admit(&a, 4096);
+    admit(&other, 8192);
+    // Managed by this thread's cache, descriptor 0, held by the user throughout.
+    let x = a.allocate(4096, S0).unwrap();
+    let foreign = other.allocate(8192, S0).unwrap();
+    let mut bogus = vec![
+        u64::MAX,
+        u64::MAX - 1,
+        u64::MAX - 511,
+        u64::MAX - 512,
+        u64::MAX - 4095,
+        1u64 << 63,
+        1,
+        512,
+        x.ptr.0 + 1,
+        x.ptr.0 + 512,
+        x.ptr.0 + 4095,
+        x.ptr.0.wrapping_sub(512),
+    ];
+    if foreign.ptr != x.ptr {
+        bogus.push(foreign.ptr.0);
+    }
+    for p in bogus {
+        let r = a.free(DevicePtr(p));
+        assert!(
+            matches!(
+                r,
+                Err(AllocError::UnknownPointer { .. } | AllocError::InteriorPointer { .. })
+            ),
+            "free({p:#x}) gave {r:?}"
+        );
+        a.check_invariants().unwrap();
+        let y = a.allocate(4096, S0).unwrap();
+        assert_ne!(y.ptr, x.ptr, "free({p:#x}) handed a live block out twice");
+        a.free(y.ptr).unwrap();
+        let st = a.memory_stats();
+        assert_eq!(
+            st.allocation.get(StatType::All).current,
+            1,
+            "after free({p:#x})"
+        );
+    }
+    // The null pointer is a no-op, and touches no managed block either.
+    a.free(DevicePtr(0)).unwrap();
+    let y = a.allocate(4096, S0).unwrap();
+    assert_ne!(y.ptr, x.ptr);
+    a.free(y.ptr).unwrap();
+    // The real free still works, once.
+    a.free(x.ptr).unwrap();
+    assert!(matches!(a.free(x.ptr), Err(AllocError::DoubleFree { .. })));
+    other.free(foreign.ptr).unwrap();
+    a.check_invariants().unwrap();
+    other.check_invariants().unwrap();
+}
+
+/// Regression (#14, found by the `ops` fuzz target): an out-of-memory on stream `u64::MAX`
+/// panicked in the OOM report (the search for the stream's largest free block ran up to stream
+/// `u64::MAX + 1`, wrapped to 0), with the fast path and without.
+#[test]
+fn an_out_of_memory_on_the_last_stream_is_an_error() {
+    for fast_path in [false, true] {
+        let a = with_config(
+            64 * MIB,
+            AllocatorConfig {
+                fast_path,
+                ..AllocatorConfig::pytorch()
+            },
+        );
+        for s in [StreamId(u64::MAX), StreamId(u64::MAX - 1), S0] {
+            // A free block of the large pool on `s`, in a segment a live block keeps.
+            let x = a.allocate(4 * MIB, s).unwrap();
+            let y = a.allocate(4 * MIB, s).unwrap();
+            a.free(y.ptr).unwrap();
+            let e = a.allocate(256 * MIB, s).unwrap_err();
+            assert!(e.is_out_of_memory(), "{e}");
+            a.free(x.ptr).unwrap();
+            a.empty_cache().unwrap();
+        }
+        a.check_invariants().unwrap();
+    }
+}
+
 #[test]
 fn a_free_from_another_thread_returns_the_block() {
     let a = fast_on(1 << 30);

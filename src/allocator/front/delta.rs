@@ -197,28 +197,6 @@ impl Five {
     }
 }
 
-/// Writes the user view into `stats` (the core's statistics): adds `sum` (every thread cache's
-/// delta) to `current`, `allocated` and `freed` of the five statistics and sets their peaks to
-/// `peaks`.
-pub(crate) fn apply(stats: &mut MemoryStats, sum: &Delta, peaks: &Five) {
-    let arrays: [(&mut StatArray, &Triple); 5] = [
-        (&mut stats.allocation, &sum.count),
-        (&mut stats.active, &sum.count),
-        (&mut stats.allocated_bytes, &sum.bytes),
-        (&mut stats.active_bytes, &sum.bytes),
-        (&mut stats.requested_bytes, &sum.req),
-    ];
-    for (i, (arr, d)) in arrays.into_iter().enumerate() {
-        for (p, t) in StatType::ALL.into_iter().enumerate() {
-            let s = arr.get_mut(t);
-            s.current += d[p].current;
-            s.allocated += d[p].allocated;
-            s.freed += d[p].freed;
-            s.peak = peaks.0[3 * i + p];
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

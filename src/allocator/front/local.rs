@@ -26,10 +26,8 @@ use crate::backend::StreamId;
 use crate::size_class::{PoolKind, pool_kind};
 
 /// Entries of the direct-mapped `address → descriptor` cache in front of the index (a power of
-/// two).
+/// two). An empty entry is `None`: no address, however odd (0, `u64::MAX`), matches it.
 pub(crate) const RECENT: usize = 64;
-/// An empty entry of that cache (no block starts at the last byte of the address space).
-const NO_ADDR: u64 = u64::MAX;
 
 #[inline(always)]
 fn recent_slot(ptr: u64) -> usize {
@@ -76,16 +74,6 @@ struct Meta {
     /// In a bin (the owner's view: it cached the block and has not taken it back).
     in_bin: bool,
 }
-
-const NO_META: Meta = Meta {
-    ptr: 0,
-    block_size: 0,
-    rounded: 0,
-    stream: StreamId(0),
-    kind: PoolKind::Small,
-    home: 0,
-    in_bin: false,
-};
 
 /// One bin: up to [`SLOT_CAP`] blocks of one `(stream, rounded size)` key (a cache line).
 #[derive(Clone, Copy, Debug)]
@@ -141,11 +129,13 @@ pub(crate) struct Evicted {
 pub(crate) struct Local {
     pub(crate) shared: Arc<Shared>,
     chunks: Vec<Arc<Chunk>>,
-    meta: Vec<Meta>,
+    /// By descriptor index: what the owner knows of a managed block, `None` for a vacant
+    /// descriptor.
+    meta: Vec<Option<Meta>>,
     vacant: Vec<u32>,
     index: AddrMap<u32>,
     /// A direct-mapped subset of `index` (the blocks registered or taken last), checked first.
-    recent: [(u64, u32); RECENT],
+    recent: [Option<(u64, u32)>; RECENT],
     slots: Box<[Slot]>,
     /// One bit per slot holding cached blocks.
     occupied: [u64; SLOTS / 64],
@@ -182,7 +172,7 @@ impl Local {
             meta: Vec::new(),
             vacant: Vec::new(),
             index: AddrMap::default(),
-            recent: [(NO_ADDR, 0); RECENT],
+            recent: [None; RECENT],
             slots: vec![EMPTY_SLOT; SLOTS].into_boxed_slice(),
             occupied: [0; SLOTS / 64],
             bounds,
@@ -200,6 +190,17 @@ impl Local {
             window_hits: 0,
             paused: 0,
         }
+    }
+
+    /// What the owner knows of descriptor `i`; `None` when it is vacant.
+    #[inline(always)]
+    fn meta_of(&self, i: u32) -> Option<&Meta> {
+        self.meta.get(i as usize).and_then(Option::as_ref)
+    }
+
+    #[inline(always)]
+    fn meta_mut(&mut self, i: u32) -> Option<&mut Meta> {
+        self.meta.get_mut(i as usize).and_then(Option::as_mut)
     }
 
     #[inline]
@@ -263,7 +264,7 @@ impl Local {
         if len == 0 {
             self.occupied[s / 64] &= !(1u64 << (s % 64));
         }
-        let m = self.meta.get_mut(i as usize)?;
+        let m = self.meta_mut(i)?;
         m.in_bin = false;
         let (ptr, bs, kind) = (m.ptr, m.block_size, m.kind);
         self.cached_bytes -= bs;
@@ -289,21 +290,24 @@ impl Local {
     #[inline]
     pub(crate) fn give(&mut self, ptr: u64, may_cache: bool) -> Give {
         let h = recent_slot(ptr);
-        let r = self.recent[h];
-        let i = if r.0 == ptr {
-            r.1
-        } else {
-            match self.index.get(&ptr) {
+        let i = match self.recent[h] {
+            Some((p, i)) if p == ptr => i,
+            _ => match self.index.get(&ptr) {
                 Some(&i) => {
-                    self.recent[h] = (ptr, i);
+                    self.recent[h] = Some((ptr, i));
                     i
                 }
                 None => return Give::Slow,
-            }
+            },
         };
-        let Some(m) = self.meta.get(i as usize) else {
+        // The descriptor must be the block at `ptr`: a vacant one, or one reused for another
+        // block, never takes the free.
+        let Some(m) = self.meta_of(i) else {
             return Give::Slow;
         };
+        if m.ptr != ptr {
+            return Give::Slow;
+        }
         let (bs, rounded, stream, kind, home) =
             (m.block_size, m.rounded, m.stream, m.kind, m.home as usize);
         let Some(d) = self
@@ -356,7 +360,7 @@ impl Local {
         if slot.len == 1 {
             self.occupied[s / 64] |= 1u64 << (s % 64);
         }
-        if let Some(m) = self.meta.get_mut(i as usize) {
+        if let Some(m) = self.meta_mut(i) {
             m.in_bin = true;
         }
         self.cached_bytes += bs;
@@ -475,7 +479,7 @@ impl Local {
         };
         self.mark(victim);
         for k in 0..n {
-            if let Some(m) = self.meta.get_mut(evicted.idx[k] as usize) {
+            if let Some(m) = self.meta_mut(evicted.idx[k]) {
                 m.in_bin = false;
             }
         }
@@ -522,7 +526,7 @@ impl Local {
                 self.slots[s].len = 0;
                 self.mark(s);
                 for &i in &slot.idx[..slot.len as usize] {
-                    if let Some(m) = self.meta.get_mut(i as usize) {
+                    if let Some(m) = self.meta_mut(i) {
                         m.in_bin = false;
                     }
                     if let Some(v) = self.evict(i) {
@@ -565,11 +569,11 @@ impl Local {
             self.index.remove(&ptr);
         }
         let r = &mut self.recent[recent_slot(ptr)];
-        if r.0 == ptr {
-            *r = (NO_ADDR, 0);
+        if *r == Some((ptr, i)) {
+            *r = None;
         }
         if let Some(m) = self.meta.get_mut(i as usize) {
-            *m = NO_META;
+            *m = None;
         }
         self.vacant.push(i);
     }
@@ -586,7 +590,7 @@ impl Local {
                     self.shared.chunks.lock().push(Arc::clone(&c));
                     self.chunks.push(c);
                 }
-                self.meta.push(NO_META);
+                self.meta.push(None);
                 n as u32
             }
         };
@@ -594,7 +598,7 @@ impl Local {
             d.fill(v);
         }
         if let Some(m) = self.meta.get_mut(i as usize) {
-            *m = Meta {
+            *m = Some(Meta {
                 ptr: v.ptr,
                 block_size: v.block_size,
                 rounded,
@@ -602,10 +606,10 @@ impl Local {
                 kind: v.kind,
                 home: home_slot(stream, rounded) as u16,
                 in_bin: false,
-            };
+            });
         }
         self.index.insert(v.ptr, i);
-        self.recent[recent_slot(v.ptr)] = (v.ptr, i);
+        self.recent[recent_slot(v.ptr)] = Some((v.ptr, i));
         self.live_count += 1;
         i
     }
@@ -628,7 +632,7 @@ impl Local {
         let taken = std::mem::take(&mut *self.shared.taken.lock());
         for t in &taken {
             let i = t.desc;
-            let Some(m) = self.meta.get(i as usize).copied() else {
+            let Some(m) = self.meta_of(i).copied() else {
                 continue;
             };
             if m.in_bin {
@@ -664,19 +668,25 @@ impl Local {
     }
 
     /// Checks the owner's structures against the descriptors: the bins hold exactly the
-    /// `CACHED` descriptors, each once, under its key; the index holds exactly the live and
-    /// cached ones; the counters match. Call after [`process_taken`](Self::process_taken).
+    /// `CACHED` descriptors, each once, under its key; a live block is in no bin; every managed
+    /// descriptor agrees with the owner's record of it (address), and only managed ones have a
+    /// record; the index and the recent-address cache hold exactly the managed blocks under their
+    /// own addresses; the counters match. Call after [`process_taken`](Self::process_taken).
     pub(crate) fn check(&self) -> Result<(), String> {
         let mut binned = vec![false; self.meta.len()];
         let (mut cached, mut cached_bytes) = (0usize, 0usize);
         for slot in self.slots.iter() {
             for &i in &slot.idx[..slot.len as usize] {
-                let m = self.meta.get(i as usize).ok_or("bin names no descriptor")?;
+                let m = self.meta_of(i).ok_or("a bin names a vacant descriptor")?;
                 let st = self
                     .desc(i)
                     .map(|d| d.state.load(std::sync::atomic::Ordering::Acquire));
                 if st != Some(CACHED) || !m.in_bin || binned[i as usize] {
-                    return Err(format!("bin entry {i} is not a cached block binned once"));
+                    return Err(format!(
+                        "bin entry {i} at {:#x} is not a cached block binned once (state {st:?}: \
+                         a live block must never sit in a bin)",
+                        m.ptr
+                    ));
                 }
                 if (m.rounded, m.stream) != (slot.size, slot.stream) {
                     return Err(format!("block {i} sits under another key"));
@@ -689,27 +699,42 @@ impl Local {
         let mut live = 0usize;
         let mut indexed = 0usize;
         for (i, m) in self.meta.iter().enumerate() {
-            let st = self
-                .desc(i as u32)
-                .map(|d| d.state.load(std::sync::atomic::Ordering::Acquire));
+            let d = self.desc(i as u32);
+            let st = d.map(|d| d.state.load(std::sync::atomic::Ordering::Acquire));
             match st {
                 Some(LIVE) => live += 1,
                 Some(CACHED) if !binned[i] => return Err(format!("cached block {i} is in no bin")),
                 Some(GONE) => return Err(format!("block {i} taken away but not cleaned up")),
                 _ => {}
             }
-            if matches!(st, Some(LIVE) | Some(CACHED)) {
-                indexed += 1;
-                if self.index.get(&m.ptr) != Some(&(i as u32)) {
-                    return Err(format!("managed block {i} is missing from the index"));
+            let managed = matches!(st, Some(LIVE) | Some(CACHED));
+            match (m, d) {
+                (Some(m), Some(d)) if managed => {
+                    indexed += 1;
+                    if d.view().ptr != m.ptr {
+                        return Err(format!("descriptor {i} and its record name other blocks"));
+                    }
+                    if st == Some(LIVE) && m.in_bin {
+                        return Err(format!("live block {i} at {:#x} is marked binned", m.ptr));
+                    }
+                    if self.index.get(&m.ptr) != Some(&(i as u32)) {
+                        return Err(format!("managed block {i} is missing from the index"));
+                    }
+                }
+                (None, _) if !managed => {}
+                _ => {
+                    return Err(format!(
+                        "descriptor {i} (state {st:?}) has a record: {}",
+                        m.is_some()
+                    ));
                 }
             }
         }
         if indexed != self.index.len() {
             return Err("the index holds blocks that are not managed".into());
         }
-        for &(ptr, i) in &self.recent {
-            if ptr != NO_ADDR && self.index.get(&ptr) != Some(&i) {
+        for &(ptr, i) in self.recent.iter().flatten() {
+            if self.index.get(&ptr) != Some(&i) || self.meta_of(i).map(|m| m.ptr) != Some(ptr) {
                 return Err(format!(
                     "the recent-address cache names block {i} at {ptr:#x} wrongly"
                 ));
@@ -777,4 +802,63 @@ pub(crate) fn with_local_or_make<R>(
         })
         .ok()
         .flatten()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::allocator::front::shared::DescView;
+    use std::sync::atomic::AtomicUsize;
+
+    fn local_with_block(ptr: u64) -> Local {
+        let shared = Arc::new(Shared::new(Arc::new(AtomicUsize::new(0))));
+        let mut l = Local::new(
+            shared,
+            Bounds {
+                max_block: 1 << 28,
+                max_bytes: 1 << 30,
+                max_split_size: usize::MAX,
+            },
+        );
+        let v = DescView {
+            ptr,
+            block_size: 4096,
+            kind: PoolKind::Small,
+            core_req: 4096,
+            user_req: 4096,
+        };
+        assert_eq!(l.register(&v, 4096, StreamId(0)), 0);
+        l
+    }
+
+    #[test]
+    fn sentinel_addresses_never_match_a_descriptor() {
+        let mut l = local_with_block(0x10_0000);
+        for p in [0, u64::MAX, u64::MAX - 511, 0x10_0000 + 512] {
+            assert_eq!(l.give(p, true), Give::Slow, "{p:#x}");
+        }
+        assert_eq!(l.cached_count, 0);
+        l.check().unwrap();
+        assert_eq!(l.give(0x10_0000, true), Give::Cached);
+        l.check().unwrap();
+        assert_eq!(l.give(0x10_0000, true), Give::DoubleFree);
+    }
+
+    /// The checker sees a recent-address entry that would hand a live block to a bogus free (the
+    /// #14 defect: an empty entry matched `u64::MAX`), and a live block marked binned.
+    #[test]
+    fn the_checker_sees_aliasing_entries() {
+        let mut l = local_with_block(0x10_0000);
+        l.check().unwrap();
+        l.recent[recent_slot(u64::MAX)] = Some((u64::MAX, 0));
+        assert!(l.check().unwrap_err().contains("recent-address"));
+        let mut l = local_with_block(0x10_0000);
+        l.recent[recent_slot(0x20_0000)] = Some((0x20_0000, 0));
+        assert!(l.check().is_err());
+        let mut l = local_with_block(0x10_0000);
+        if let Some(m) = l.meta_mut(0) {
+            m.in_bin = true;
+        }
+        assert!(l.check().unwrap_err().contains("live block 0"));
+    }
 }

@@ -40,8 +40,13 @@
 //! of the shipped traces stay within 0.2% of PyTorch's peak reserved bytes (see
 //! `benches/README.md`); cached blocks smaller than the request stay.
 //!
-//! Note [Peaks with several threads]: `current`, `allocated` and `freed` are exact sums (a
-//! reader racing an operation in flight may see that one operation half-counted). The peaks of
+//! Note [Peaks with several threads]: `current`, `allocated` and `freed` are exact sums of the
+//! core's values and each cache's delta, each delta read whole at one instant of the read (Note
+//! [Consistent counter reads] in `shared.rs`); with other threads hitting their caches meanwhile,
+//! the caches' instants differ by at most the read's duration. So a `current` read while others
+//! run is a sum of per-cache values that each held at some instant: never negative, the counts
+//! and bytes never above the core's (a cached block only lowers them), and at most the largest
+//! value each cache reached during the read, summed. The peaks of
 //! the five statistics above are exact when one thread at a time uses the allocator. A thread's
 //! hits are folded into the peaks when that thread next takes the lock (any operation that is
 //! not a hit or a cached free, or a statistics read), relative to the other caches' contents as
@@ -58,6 +63,7 @@ mod delta;
 mod local;
 mod shards;
 mod shared;
+mod sync;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -70,7 +76,7 @@ use crate::backend::{DeviceBackend, DevicePtr, StreamId};
 use crate::config::{AllocatorConfig, MIB, MIN_BLOCK_SIZE};
 use crate::error::{AllocError, Result};
 use crate::size_class::{PoolKind, pool_kind, round_size};
-use crate::stats::{MemoryStats, StatType};
+use crate::stats::{MemoryStats, StatArray, StatType};
 use delta::{Delta, Five};
 use local::{Bounds, Evicted, Give, Local};
 use shards::Shards;
@@ -471,7 +477,7 @@ impl Front {
         now.add(&sum.five());
         fl.peaks.raise_to(&now);
         let mut stats = st.stats;
-        delta::apply(&mut stats, &sum, &fl.peaks);
+        apply(&mut stats, &sum, &fl.peaks);
         stats
     }
 
@@ -788,7 +794,9 @@ impl Front {
         let mut managed = 0usize;
         let mut problem: Option<String> = None;
         let mut known = Five::default();
-        for reg in &fl.registry {
+        // Every managed block by address: (address, cache, descriptor, state).
+        let mut seen: Vec<(u64, usize, u32, u32)> = Vec::new();
+        for (k, reg) in fl.registry.iter().enumerate() {
             known.add(&reg.published);
             known.add(&reg.foreign.five());
             let mut recount = [0i64; 9];
@@ -799,6 +807,7 @@ impl Front {
                 }
                 managed += 1;
                 let v = d.view();
+                seen.push((v.ptr, k, i, state));
                 let p = DevicePtr(v.ptr);
                 let core = st.active.get(&v.ptr).and_then(|&id| st.arena.get(id));
                 match core {
@@ -848,6 +857,23 @@ impl Front {
                 }
             }
         }
+        // One block, one descriptor: a block both live and cached (in one cache or two), or live
+        // twice, has two owners.
+        seen.sort_unstable();
+        if let Some(w) = seen.windows(2).find(|w| w[0].0 == w[1].0) {
+            let name = |s: u32| if s == LIVE { "live" } else { "cached" };
+            return Err(bad(format!(
+                "block {} is managed twice: {} in cache {} (descriptor {}) and {} in cache {} \
+                 (descriptor {})",
+                DevicePtr(w[0].0),
+                name(w[0].3),
+                w[0].1,
+                w[0].2,
+                name(w[1].3),
+                w[1].1,
+                w[1].2
+            )));
+        }
         if owners.len() != if fl_shards_on { managed } else { 0 } {
             return Err(bad(format!(
                 "{} owner-map entries for {managed} managed blocks",
@@ -877,6 +903,28 @@ impl Front {
             }
         }
         Ok(())
+    }
+}
+
+/// Writes the user view into `stats` (the core's statistics): adds `sum` (every thread cache's
+/// delta) to `current`, `allocated` and `freed` of the five statistics and sets their peaks to
+/// `peaks`.
+pub(crate) fn apply(stats: &mut MemoryStats, sum: &Delta, peaks: &Five) {
+    let arrays: [(&mut StatArray, &delta::Triple); 5] = [
+        (&mut stats.allocation, &sum.count),
+        (&mut stats.active, &sum.count),
+        (&mut stats.allocated_bytes, &sum.bytes),
+        (&mut stats.active_bytes, &sum.bytes),
+        (&mut stats.requested_bytes, &sum.req),
+    ];
+    for (i, (arr, d)) in arrays.into_iter().enumerate() {
+        for (p, t) in StatType::ALL.into_iter().enumerate() {
+            let s = arr.get_mut(t);
+            s.current += d[p].current;
+            s.allocated += d[p].allocated;
+            s.freed += d[p].freed;
+            s.peak = peaks.0[3 * i + p];
+        }
     }
 }
 

@@ -9,16 +9,17 @@
 //! frees, never both win: one atomic operation per fast operation, and no lock.
 //!
 //! The counters are written by the owner only (plain loads and stores of atomics, no
-//! read-modify-write) and read by anyone summing statistics; the peak bookkeeping stays in the
-//! owner's half. May use: `delta`, `size_class`.
+//! read-modify-write) and read by anyone summing statistics, through a sequence lock so that a
+//! reader sees them as they were at one instant (see [`Counters`]); the peak bookkeeping stays
+//! in the owner's half. May use: `delta`, `size_class`.
 #![forbid(unsafe_code)]
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-
-use parking_lot::Mutex;
 
 use super::delta::{Acc, Delta};
+use super::sync::{
+    AtomicBool, AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Mutex, Ordering, fence, wait,
+};
 use crate::size_class::PoolKind;
 
 /// Descriptors per chunk.
@@ -153,9 +154,22 @@ fn slot(q: usize, p: usize, f: usize) -> usize {
 /// one of them (a hit allocates, a cached free or a retirement frees), so `current` is their
 /// difference and `all` the pools' sum, both formed on read. A hit or a cached free writes three
 /// counters.
+///
+/// Note [Consistent counter reads]: `current` is a difference of two counters that the owner
+/// moves while other threads read them, so reading them one by one could pair an old
+/// `allocated` with a new `freed` (a current far below zero, which raised or lowered the
+/// user-view peaks too). The owner wraps each update in a sequence lock: `seq` turns odd, the
+/// counters change, `seq` turns even again. A reader on another thread ([`Counters::delta`])
+/// copies the counters between two reads of `seq` and retries until both are the same even
+/// value, so it gets the counters as they were at one instant between two updates. The writer
+/// never waits (two extra stores of a word it alone writes, on its own cache line); a reader
+/// retries only while the owner is mid-update, which takes a few instructions and never
+/// blocks (the locked path's updates happen under the lock the reader holds).
 #[derive(Debug)]
 #[repr(align(64))]
 pub(crate) struct Counters {
+    /// The sequence word: odd while the owner updates the counters.
+    seq: AtomicU64,
     /// Quantity (count, bytes, requested) × pool (small, large) × (allocated, freed).
     d: [AtomicI64; 12],
 }
@@ -163,6 +177,7 @@ pub(crate) struct Counters {
 impl Default for Counters {
     fn default() -> Self {
         Counters {
+            seq: AtomicU64::new(0),
             d: std::array::from_fn(|_| AtomicI64::new(0)),
         }
     }
@@ -183,20 +198,30 @@ pub(crate) fn pool_index(kind: PoolKind) -> usize {
 }
 
 impl Counters {
+    /// Adds `v` to the three counters of field `f` (0 `allocated`, 1 `freed`) in pool `p`, as one
+    /// update of the sequence lock (owner only: see Note [Consistent counter reads]).
+    #[inline(always)]
+    fn update(&self, p: usize, f: usize, v: [i64; 3]) {
+        let s = self.seq.load(RELAXED);
+        self.seq.store(s.wrapping_add(1), RELAXED);
+        // Orders the odd `seq` before the counter stores for a reader that sees any of them.
+        fence(Ordering::Release);
+        bump(&self.d[slot(0, p, f)], v[0]);
+        bump(&self.d[slot(1, p, f)], v[1]);
+        bump(&self.d[slot(2, p, f)], v[2]);
+        self.seq.store(s.wrapping_add(2), Ordering::Release);
+    }
+
     /// A cache hit (owner only): `v = [1, bytes, requested]` allocated in pool `p` (1 or 2).
     #[inline(always)]
     pub(crate) fn hit(&self, p: usize, v: [i64; 3]) {
-        bump(&self.d[slot(0, p, 0)], v[0]);
-        bump(&self.d[slot(1, p, 0)], v[1]);
-        bump(&self.d[slot(2, p, 0)], v[2]);
+        self.update(p, 0, v);
     }
 
     /// A free into the owner's bin (owner only): `v = [1, bytes, requested]` freed in pool `p`.
     #[inline(always)]
     pub(crate) fn cache(&self, p: usize, v: [i64; 3]) {
-        bump(&self.d[slot(0, p, 1)], v[0]);
-        bump(&self.d[slot(1, p, 1)], v[1]);
-        bump(&self.d[slot(2, p, 1)], v[2]);
+        self.update(p, 1, v);
     }
 
     /// A block leaves the cache for the core (owner only): its contribution `c` moves from
@@ -205,11 +230,33 @@ impl Counters {
         self.cache(pool_index(kind), c);
     }
 
-    /// The delta now.
+    /// The twelve counters as they were at one instant between two updates (any thread: see
+    /// Note [Consistent counter reads]).
+    pub(crate) fn snapshot(&self) -> [i64; 12] {
+        let mut spins = 0u32;
+        loop {
+            let before = self.seq.load(Ordering::Acquire);
+            if before % 2 == 0 {
+                let v: [i64; 12] = std::array::from_fn(|k| self.d[k].load(RELAXED));
+                // Orders the counter loads before the second `seq` load: if any of them saw a
+                // store of a later update, that update's odd `seq` is visible below.
+                fence(Ordering::Acquire);
+                if self.seq.load(RELAXED) == before {
+                    return v;
+                }
+            }
+            // The owner is mid-update (a few instructions, unless it was preempted there).
+            spins += 1;
+            wait(spins);
+        }
+    }
+
+    /// The delta now, read consistently (any thread).
     pub(crate) fn delta(&self) -> Delta {
+        let d = self.snapshot();
         let acc = |q: usize, p: usize| {
-            let allocated = self.d[slot(q, p, 0)].load(RELAXED);
-            let freed = self.d[slot(q, p, 1)].load(RELAXED);
+            let allocated = d[slot(q, p, 0)];
+            let freed = d[slot(q, p, 1)];
             Acc {
                 current: allocated - freed,
                 allocated,
@@ -232,7 +279,9 @@ impl Counters {
         }
     }
 
-    /// The `current` values (`3 * quantity + pool`, pool 0 = `all`).
+    /// The `current` values (`3 * quantity + pool`, pool 0 = `all`), for the owner (the only
+    /// writer, so its plain loads see its own last update whole); other threads use
+    /// [`delta`](Self::delta).
     #[inline(always)]
     pub(crate) fn currents(&self) -> [i64; 9] {
         let mut c = [0; 9];
@@ -247,9 +296,9 @@ impl Counters {
     }
 
     /// The number of blocks in the owner's bins (minus the delta's `allocation.all.current`),
-    /// before other threads' flushes are cleaned up.
+    /// before other threads' flushes are cleaned up (any thread).
     pub(crate) fn count_current(&self) -> i64 {
-        self.currents()[0]
+        self.delta().count[0].current
     }
 }
 
