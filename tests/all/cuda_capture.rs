@@ -57,6 +57,13 @@ fn gpu(test: &str) -> Option<&'static Gpu> {
             "CCA_TEST_CUDA=1 but no CUDA device works"
         );
         let ctx = CudaContext::new(0).unwrap();
+        // As cudarc's own capture tests do: with event tracking on, every use of a buffer waits
+        // on its events, and the driver refuses waits on events recorded outside the capture
+        // (CUDA_ERROR_INVALID_VALUE at the first launch, seen on an H100). cudarc's `CudaSlice`
+        // and the cache's buffers behave alike there; a capturing program orders by hand.
+        // SAFETY: this context object's buffers are created after this call, and the tests
+        // order their streams themselves (the graph and the checks run on one stream).
+        unsafe { ctx.disable_event_tracking() };
         let ptx = cudarc::nvrtc::compile_ptx(KERNELS).unwrap();
         let module = ctx.load_module(ptx).unwrap();
         Gpu {
@@ -65,6 +72,17 @@ fn gpu(test: &str) -> Option<&'static Gpu> {
             ctx,
         }
     }))
+}
+
+/// Ends the stream's capture if the test panics while it is open.
+struct EndCaptureOnPanic<'a>(&'a Arc<CudaStream>);
+
+impl Drop for EndCaptureOnPanic<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let _ = self.0.end_capture(sys::CUgraphInstantiate_flags(0));
+        }
+    }
 }
 
 fn grid(n: usize) -> LaunchConfig {
@@ -139,6 +157,9 @@ fn replay_while_other_work_allocates(test: &str, config: AllocatorConfig) {
     stream
         .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
         .unwrap();
+    // A failed assertion inside the capture must not leave a global-mode capture open: that
+    // would fail every later driver call of the process (and so every later test).
+    let capturing = EndCaptureOnPanic(&stream);
     let pool = alloc.capture_pool(&stream).unwrap();
     assert!(alloc.capture_underway());
     let mut graph_ranges = Vec::new();
@@ -161,6 +182,7 @@ fn replay_while_other_work_allocates(test: &str, config: AllocatorConfig) {
         add(g, &stream, &t3, &t2, &mut out);
         drop((t2, t3, small));
     }
+    std::mem::forget(capturing);
     let graph = pool
         .end_capture(&stream, sys::CUgraphInstantiate_flags(0))
         .unwrap()
