@@ -886,11 +886,17 @@ impl State {
         let largest_on_stream = self
             .pool_ref(kind)
             .blocks
+            // Inclusive bounds within `stream`: no key of the next stream is built, so
+            // `StreamId(u64::MAX)` works too.
             .range(
-                FreeKey::search(stream, 0)..FreeKey::search(StreamId(stream.0.wrapping_add(1)), 0),
+                FreeKey::search(stream, 0)..=FreeKey {
+                    stream,
+                    size: usize::MAX,
+                    ptr: u64::MAX,
+                    id: BlockId(u32::MAX),
+                },
             )
             .next_back()
-            .filter(|k| k.stream == stream)
             .map_or(0, |k| k.size);
         let verdict = if free_total >= size {
             OomVerdict::Fragmented

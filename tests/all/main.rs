@@ -16,6 +16,7 @@ mod fast_path;
 mod faults;
 mod fidelity;
 mod fragmentation;
+mod limits;
 mod programs;
 mod props;
 mod trace_io;
