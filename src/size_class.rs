@@ -44,7 +44,7 @@ pub fn roundup_power2_next_division(size: usize, divisions: usize) -> usize {
     let step = floor2 >> divisions.max(1).trailing_zeros();
     if step == 0 {
         // Above 2^(BITS-1) there is no next power of two: saturate (no request is that large).
-        return floor2.checked_mul(2).unwrap_or(usize::MAX);
+        return floor2.saturating_mul(2);
     }
     let rounded_floor = size & !(step - 1);
     if rounded_floor == size {

@@ -184,3 +184,55 @@ fn cli_oom_on_the_last_stream_handle_does_not_panic() {
         assert_no_panic(&out, &args.join(" "));
     }
 }
+
+/// Regression (#14): `--reference` with a missing or non-JSON file was ignored (exit 0);
+/// `cca plot --width 70000 --height 70000` panicked inside plotters. Both are clear errors now.
+#[test]
+fn cli_bad_reference_and_plot_sizes_are_errors() {
+    let t = trace();
+    let t = t.to_str().unwrap();
+    let not_json = scratch_file("not_json.json", b"{ this is not json");
+    let missing = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli/no_such_reference.json");
+    for (reference, says) in [
+        (missing.to_str().unwrap(), "no_such_reference.json"),
+        (not_json.to_str().unwrap(), "not JSON"),
+    ] {
+        let out = cca(&["replay", t, "--reference", reference]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{reference}: {stderr}");
+        assert!(stderr.starts_with("cca: --reference"), "{stderr}");
+        assert!(stderr.contains(says), "{stderr}");
+        assert_no_panic(&out, reference);
+    }
+    let png = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli/big.png");
+    for (w, h) in [("70000", "70000"), ("0", "700"), ("1200", "100000")] {
+        let out = cca(&[
+            "plot",
+            t,
+            "-o",
+            png.to_str().unwrap(),
+            "--width",
+            w,
+            "--height",
+            h,
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{w}x{h}: {stderr}");
+        assert!(stderr.contains("is not in"), "{w}x{h}: {stderr}");
+        assert_no_panic(&out, "plot");
+    }
+}
+
+/// `--max-import-bytes` bounds the import: the shipped trace fails below its size with the
+/// limit named, and imports at the default.
+#[test]
+fn cli_max_import_bytes_is_the_import_limit() {
+    let t = trace();
+    let out = cca(&["replay", t.to_str().unwrap(), "--max-import-bytes", "64KiB"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("import limit of 65536 bytes") && stderr.contains("--max-import-bytes"),
+        "{stderr}"
+    );
+}

@@ -5,6 +5,7 @@
 #![allow(clippy::unwrap_used, unreachable_pub)]
 
 mod caching;
+mod chaos;
 mod cli;
 mod concurrency;
 mod config_env;
