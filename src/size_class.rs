@@ -43,13 +43,14 @@ pub fn roundup_power2_next_division(size: usize, divisions: usize) -> usize {
     let floor2 = 1usize << (usize::BITS - 1 - size.leading_zeros());
     let step = floor2 >> divisions.max(1).trailing_zeros();
     if step == 0 {
-        return floor2 << 1;
+        // Above 2^(BITS-1) there is no next power of two: saturate (no request is that large).
+        return floor2.saturating_mul(2);
     }
     let rounded_floor = size & !(step - 1);
     if rounded_floor == size {
         size
     } else {
-        rounded_floor + step
+        rounded_floor.saturating_add(step)
     }
 }
 
@@ -67,10 +68,16 @@ pub fn round_size(size: usize, config: &AllocatorConfig) -> usize {
         return MIN_BLOCK_SIZE;
     }
     let divisions = config.divisions_for(size);
-    if divisions > 1 && size > MIN_BLOCK_SIZE * divisions {
+    // `512 * divisions` beyond the address space exceeds every size: no division rounding
+    // (validation refuses such counts; checked here too, so a rounding never overflows).
+    if divisions > 1
+        && MIN_BLOCK_SIZE
+            .checked_mul(divisions)
+            .is_some_and(|limit| size > limit)
+    {
         roundup_power2_next_division(size, divisions)
     } else {
-        size.div_ceil(MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE
+        size.div_ceil(MIN_BLOCK_SIZE).saturating_mul(MIN_BLOCK_SIZE)
     }
 }
 
@@ -171,5 +178,25 @@ mod tests {
         let cfg = AllocatorConfig::parse("roundup_power2_divisions:[1:2,>:0]").unwrap();
         assert_eq!(round_size(MIB + 1, &cfg), MIB + MIB / 2);
         assert_eq!(round_size(3 * MIB + 1, &cfg), 3 * MIB + 512);
+    }
+
+    /// Regression (#14): with 2^55 divisions `512 * divisions` overflowed, so every rounding
+    /// overflowed (debug) or rounded to the next power of two (release). Validation refuses
+    /// such counts now; rounding with one set directly still never overflows.
+    #[test]
+    fn huge_division_counts_and_sizes_never_overflow() {
+        let cfg = AllocatorConfig {
+            roundup_power2_divisions: [1 << 55; 16],
+            ..c()
+        };
+        assert_eq!(round_size(1200, &cfg), 1536);
+        assert_eq!(round_size(3 * MIB + 1, &cfg), 3 * MIB + 512);
+        assert!(cfg.validate().is_err());
+        let four = AllocatorConfig::parse("roundup_power2_divisions:4").unwrap();
+        for size in [usize::MAX, usize::MAX - 511, (1 << 63) + 1] {
+            assert!(round_size(size, &four) >= size.min(usize::MAX - 511));
+            assert!(round_size(size, &c()) >= size.min(usize::MAX - 511));
+        }
+        assert_eq!(roundup_power2_next_division(usize::MAX, 4), usize::MAX);
     }
 }

@@ -11,6 +11,11 @@ use std::collections::BTreeMap;
 use crate::size_class::PoolKind;
 
 /// One counter: PyTorch's `Stat { current, peak, allocated, freed }`.
+///
+/// The cumulative `allocated` and `freed` **saturate** at `i64::MAX` (2^63 - 1, 8 EiB of bytes)
+/// instead of overflowing, where PyTorch's `int64_t` would wrap; `current` and `peak` never
+/// exceed what is live, so they stay far below it. Reset the accumulated values
+/// ([`Stat::reset_accumulated`]) to count again after saturation.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Stat {
     /// Value now.
@@ -27,17 +32,17 @@ impl Stat {
     /// Adds `n`.
     #[inline]
     pub fn increase(&mut self, n: i64) {
-        self.current += n;
+        self.current = self.current.saturating_add(n);
         self.peak = self.peak.max(self.current);
-        self.allocated += n;
+        self.allocated = self.allocated.saturating_add(n);
     }
 
     /// Subtracts `n`.
     #[inline]
     pub fn decrease(&mut self, n: i64) {
-        self.current -= n;
+        self.current = self.current.saturating_sub(n);
         debug_assert!(self.current >= 0, "stat went negative: {self:?}");
-        self.freed += n;
+        self.freed = self.freed.saturating_add(n);
     }
 
     /// `peak = current`.
@@ -337,6 +342,23 @@ impl MemoryStats {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Regression (#14): after 2^63 cumulative bytes the accumulators overflowed (a panic in
+    /// debug builds, negative totals in release); they saturate now.
+    #[test]
+    fn accumulated_values_saturate() {
+        let mut s = Stat::default();
+        let chunk = 1i64 << 62;
+        for _ in 0..4 {
+            s.increase(chunk);
+            s.decrease(chunk);
+        }
+        assert_eq!((s.current, s.peak), (0, chunk));
+        assert_eq!((s.allocated, s.freed), (i64::MAX, i64::MAX));
+        s.reset_accumulated();
+        s.increase(5);
+        assert_eq!((s.allocated, s.freed), (5, 0));
+    }
 
     #[test]
     fn stat_semantics() {

@@ -96,11 +96,17 @@ impl Rng {
         if hi <= lo {
             return lo;
         }
-        lo + self.next_u64() % (hi - lo + 1)
+        // `hi - lo + 1` is 2^64 for the whole range: every value is then uniform already.
+        match (hi - lo).checked_add(1) {
+            Some(span) => lo + self.next_u64() % span,
+            None => self.next_u64(),
+        }
     }
 
-    /// Log-uniform in `[lo, hi]`.
+    /// Log-uniform in `[lo, hi]`; `lo` when `hi <= lo` (an empty range, e.g. a size range
+    /// divided below its minimum, is normalised to its lower end, never a panic).
     fn log_range(&mut self, lo: u64, hi: u64) -> u64 {
+        let hi = hi.max(lo);
         let (a, b) = ((lo.max(1) as f64).ln(), (hi.max(1) as f64).ln());
         let u = (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
         ((a + (b - a) * u).exp() as u64).clamp(lo, hi)

@@ -375,21 +375,41 @@ impl Inner {
         }
     }
 
-    fn place(&mut self, size: usize, use_hint: bool) -> u64 {
+    /// An aligned free address range of `size` bytes: the hint if it fits, else the first gap
+    /// at or above the cursor, else (the address space above it used up) the first gap above
+    /// `base_address`. `None` when no gap is left; the cursor moves only on success.
+    fn place(&mut self, size: usize, use_hint: bool) -> Option<u64> {
         let align = self.config.alignment.max(1) as u64;
         if use_hint {
             if let Some(h) = self.hint.take() {
-                if h != 0 && h % align == 0 && self.overlaps(h, size).is_none() {
-                    return h;
+                if h != 0
+                    && h % align == 0
+                    && h.checked_add(size as u64).is_some()
+                    && self.overlaps(h, size).is_none()
+                {
+                    return Some(h);
                 }
             }
         }
-        let mut at = align_up(self.cursor.max(self.config.base_address), align);
-        while let Some(end) = self.overlaps(at, size) {
-            at = align_up(end, align);
+        let base = self.config.base_address.max(1);
+        let at = self
+            .first_gap(self.cursor.max(base), size, align)
+            .or_else(|| self.first_gap(base, size, align))?;
+        self.cursor = at.checked_add(size as u64)?;
+        Some(at)
+    }
+
+    /// The first aligned start at or above `from` where `size` bytes overlap no live range and
+    /// end below 2^64 (checked arithmetic throughout).
+    fn first_gap(&self, from: u64, size: usize, align: u64) -> Option<u64> {
+        let mut at = align_up(from, align);
+        loop {
+            at.checked_add(size as u64)?;
+            match self.overlaps(at, size) {
+                Some(end) => at = align_up(end, align),
+                None => return Some(at),
+            }
         }
-        self.cursor = at + size as u64;
-        at
     }
 
     fn next_call(&mut self, size: Option<usize>) -> Result<(), (u64, FaultKind)> {
@@ -558,8 +578,13 @@ impl Inner {
         }
     }
 
+    /// Whether `size` more bytes fit in the capacity.
+    fn fits(&self, size: usize) -> bool {
+        self.used().saturating_add(size) <= self.config.capacity
+    }
+
     fn charge(&mut self, size: usize) -> bool {
-        if self.used().saturating_add(size) > self.config.capacity {
+        if !self.fits(size) {
             return false;
         }
         self.counters.reserved_bytes += size;
@@ -898,12 +923,16 @@ unsafe impl DeviceBackend for SimDevice {
             g.hint = None;
             return Err(fault("allocate", f));
         }
-        if !g.charge(size) {
-            g.counters.failed_allocate_calls += 1;
-            g.hint = None;
-            return Err(BackendError::OutOfMemory);
-        }
-        let at = g.place(size, true);
+        // Out of memory, or (after 2^64 bytes of placements) out of address space: either way
+        // nothing is charged and the cursor stays.
+        let at = match g.fits(size).then(|| g.place(size, true)).flatten() {
+            Some(at) if g.charge(size) => at,
+            _ => {
+                g.counters.failed_allocate_calls += 1;
+                g.hint = None;
+                return Err(BackendError::OutOfMemory);
+            }
+        };
         g.ranges.insert(at, (size, RangeKind::Segment));
         g.counters.allocate_calls += 1;
         g.counters.live_segments += 1;
@@ -1116,7 +1145,9 @@ unsafe impl DeviceBackend for SimDevice {
         if let Err(f) = g.next_call(None) {
             return Err(fault("reserve_address_range", f));
         }
-        let at = g.place(size, true);
+        let Some(at) = g.place(size, true) else {
+            return Err(BackendError::OutOfMemory);
+        };
         g.ranges.insert(at, (size, RangeKind::Reservation));
         g.counters.reserve_calls += 1;
         Ok(DevicePtr(at))

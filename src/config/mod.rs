@@ -29,6 +29,12 @@ pub const LARGE_BUFFER: usize = 20 * MIB;
 pub const MAX_ALLOCATION_SIZE: u64 = 1 << 60;
 /// Number of `roundup_power2_divisions` buckets (1 MiB .. 64 GiB, one per power of two).
 pub const ROUNDUP_POWER2_BUCKETS: usize = 16;
+/// The most `roundup_power2_divisions` a bucket may have: the largest power of two whose
+/// product with [`MIN_BLOCK_SIZE`] is still a size (2^54 on 64-bit targets). Division rounding
+/// applies only to requests above `512 * divisions`, so a larger count could never apply;
+/// PyTorch checks only that the count is a power of two, and its `512 * divisions` overflows.
+const MAX_ROUNDUP_POWER2_DIVISIONS: usize =
+    1 << (usize::BITS - 1 - MIN_BLOCK_SIZE.trailing_zeros());
 
 /// A configuration string or value that cannot be used. The message names what was wrong, in
 /// PyTorch's words where PyTorch has them.
@@ -269,13 +275,25 @@ impl AllocatorConfig {
     /// unchanged when none is set.
     ///
     /// # Errors
-    /// A [`ConfigError`] naming the variable and what was wrong in it.
+    /// A [`ConfigError`] naming the variable and what was wrong in it, including a value that
+    /// is set but not valid UTF-8.
     pub fn from_env_or(base: AllocatorConfig) -> Result<Self, ConfigError> {
         for var in [ENV_VAR, "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"] {
-            if let Ok(value) = std::env::var(var) {
-                return base
-                    .with_settings(&value)
-                    .map_err(|e| ConfigError::new(format!("{var}: {}", e.message())));
+            match std::env::var(var) {
+                Ok(value) => {
+                    return base
+                        .with_settings(&value)
+                        .map_err(|e| ConfigError::new(format!("{var}: {}", e.message())));
+                }
+                // Set but unreadable is an error, not "unset": a later variable must not
+                // silently apply in its place.
+                Err(std::env::VarError::NotUnicode(raw)) => {
+                    return Err(ConfigError::new(format!(
+                        "{var}: the value is not valid UTF-8 ({})",
+                        raw.to_string_lossy()
+                    )));
+                }
+                Err(std::env::VarError::NotPresent) => {}
             }
         }
         Ok(base)
@@ -309,6 +327,14 @@ impl AllocatorConfig {
                 return Err(ConfigError::new(
                     "For roundups, the divisions has to be power of 2 or 0 to disable roundup ",
                 ));
+            }
+            if d > MAX_ROUNDUP_POWER2_DIVISIONS {
+                return Err(ConfigError::new(format!(
+                    "roundup_power2_divisions: {d} divisions is too many (at most \
+                     {MAX_ROUNDUP_POWER2_DIVISIONS} = 2^{}, so that 512 bytes times the count \
+                     is still a size; more could never apply)",
+                    MAX_ROUNDUP_POWER2_DIVISIONS.trailing_zeros()
+                )));
             }
         }
         let gc = self.garbage_collection_threshold;

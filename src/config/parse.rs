@@ -532,6 +532,19 @@ mod tests {
             "For roundups, the intervals have to be power of 2 3"
         );
         assert!(err("roundup_power2_divisions:[64:4").contains("']'"));
+        // Regression (#14): 2^55 divisions passed and overflowed every rounding.
+        for too_many in [
+            "roundup_power2_divisions:36028797018963968",
+            "roundup_power2_divisions:[64:36028797018963968]",
+            "roundup_power2_divisions:[64:4,>:9223372036854775808]",
+        ] {
+            let e = err(too_many);
+            assert!(
+                e.contains("too many") && e.contains("2^54"),
+                "{too_many}: {e}"
+            );
+        }
+        assert!(parse("roundup_power2_divisions:18014398509481984").is_ok());
         assert!(err("max_split_size_mb:abc").contains("'abc'"));
         assert!(err("max_split_size_mb").contains("ends too early"));
         assert!(

@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-use super::compress::{decompress_if_gzip, read_file};
+use super::compress::{decompress_if_gzip, read_file_limited};
 use super::event::Trace;
 use super::io_error::{Position, TraceIoError};
 use super::{rmm_csv, snapshot};
@@ -28,7 +28,13 @@ use super::{rmm_csv, snapshot};
 /// assert!(lenient.lenient);
 /// assert_eq!(lenient.device, Some(1));
 /// ```
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+///
+/// Memory is bounded by [`max_bytes`](Self::max_bytes) (default
+/// [`DEFAULT_MAX_IMPORT_BYTES`], 4 GiB): an input whose decompressed bytes, or whose imported
+/// trace, tags and values, would exceed it fails with [`TraceIoError::TooLarge`] instead of
+/// exhausting memory (a few KiB of gzip or of pickle memo references can otherwise ask for
+/// tens of GiB).
+#[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ImportOptions {
     /// Skip and count unmatched frees and re-bind live addresses instead of failing.
@@ -36,6 +42,26 @@ pub struct ImportOptions {
     /// The device whose trace a snapshot import reads; `None` (the default) picks the first
     /// device with a non-empty trace (device 0 when all are empty). CSV import ignores it.
     pub device: Option<usize>,
+    /// The most bytes an import may hold, counted twice over: the (decompressed) input, and
+    /// separately what is built from it: trace events, tags, and values, where a pickle's
+    /// shared (memoised) object counts once per reference. Default
+    /// [`DEFAULT_MAX_IMPORT_BYTES`].
+    pub max_bytes: u64,
+}
+
+/// The default [`ImportOptions::max_bytes`]: 4 GiB, several hundred times the largest real
+/// trace this crate ships or tests with (a 5.3 MB snapshot pickle, which imports into about
+/// 10 MB).
+pub const DEFAULT_MAX_IMPORT_BYTES: u64 = 4 << 30;
+
+impl Default for ImportOptions {
+    fn default() -> Self {
+        ImportOptions {
+            lenient: false,
+            device: None,
+            max_bytes: DEFAULT_MAX_IMPORT_BYTES,
+        }
+    }
 }
 
 impl ImportOptions {
@@ -50,6 +76,12 @@ impl ImportOptions {
             lenient: true,
             ..ImportOptions::default()
         }
+    }
+
+    /// Sets [`max_bytes`](Self::max_bytes), the import's memory bound.
+    pub fn with_max_bytes(mut self, max_bytes: u64) -> Self {
+        self.max_bytes = max_bytes;
+        self
     }
 
     /// Reads the trace of `device` from a snapshot.
@@ -77,11 +109,56 @@ pub struct ImportReport {
     /// Records that map to no trace operation, counted by action (`free_completed`,
     /// `snapshot`, and any action this importer does not know).
     pub skipped: BTreeMap<String, u64>,
+    /// Bytes the import built from the input and counted against
+    /// [`ImportOptions::max_bytes`]: trace events, tags and values (not the input itself).
+    pub materialised_bytes: u64,
 }
 
 impl ImportReport {
     pub(crate) fn skip(&mut self, action: &str) {
-        *self.skipped.entry(action.to_owned()).or_default() += 1;
+        // Copy the name only the first time: a shared name repeated in every record must not
+        // be copied once per record.
+        match self.skipped.get_mut(action) {
+            Some(n) => *n += 1,
+            None => {
+                self.skipped.insert(action.to_owned(), 1);
+            }
+        }
+    }
+}
+
+/// The bytes an import may still build ([`ImportOptions::max_bytes`]).
+#[derive(Debug)]
+pub(crate) struct ByteBudget {
+    left: u64,
+    limit: u64,
+}
+
+impl ByteBudget {
+    pub(crate) fn new(limit: u64) -> Self {
+        ByteBudget { left: limit, limit }
+    }
+
+    /// Takes `n` bytes for `what`.
+    ///
+    /// # Errors
+    /// [`TraceIoError::TooLarge`] when fewer than `n` are left.
+    pub(crate) fn charge(&mut self, n: usize, what: &'static str) -> Result<(), TraceIoError> {
+        match self.left.checked_sub(n as u64) {
+            Some(left) => {
+                self.left = left;
+                Ok(())
+            }
+            None => Err(TraceIoError::TooLarge {
+                what,
+                limit: self.limit,
+            }),
+        }
+    }
+
+    /// Bytes taken so far.
+    pub(crate) fn used(&self) -> u64 {
+        self.limit - self.left
     }
 }
 
@@ -221,7 +298,7 @@ pub struct Imported {
 /// input is neither format, and the errors of [`read_snapshot`](super::read_snapshot) or
 /// [`read_rmm_csv`](super::read_rmm_csv).
 pub fn read_trace(bytes: &[u8], options: &ImportOptions) -> Result<Imported, TraceIoError> {
-    let plain = decompress_if_gzip(bytes)?;
+    let plain = decompress_if_gzip(bytes, options.max_bytes)?;
     match detect_format(&plain) {
         Some(TraceFormat::PytorchSnapshot) => {
             let snap = snapshot::read_snapshot_plain(&plain, options)?;
@@ -254,7 +331,10 @@ pub fn read_trace_file(
     path: impl AsRef<Path>,
     options: &ImportOptions,
 ) -> Result<Imported, TraceIoError> {
-    read_trace(&read_file(path.as_ref())?, options)
+    read_trace(
+        &read_file_limited(path.as_ref(), options.max_bytes)?,
+        options,
+    )
 }
 
 #[cfg(test)]

@@ -55,6 +55,20 @@ pub enum TraceIoError {
         #[source]
         source: io::Error,
     },
+    /// The import would hold more bytes than [`ImportOptions::max_bytes`](super::ImportOptions)
+    /// allows: the decompressed input, or what is built from it (trace events, tags, values;
+    /// a pickle's shared references count once per use). Raise the limit with
+    /// `ImportOptions::with_max_bytes` or `cca --max-import-bytes` for a larger trace.
+    #[error(
+        "{what} exceed the import limit of {limit} bytes (raise it with \
+         ImportOptions::with_max_bytes, or cca --max-import-bytes)"
+    )]
+    TooLarge {
+        /// What grew past the limit: "the decompressed input", "the imported trace", ...
+        what: &'static str,
+        /// The limit in bytes.
+        limit: u64,
+    },
     /// The input is neither a pickle nor a CSV log with a header naming `Action` and `Pointer`
     /// (format detection in [`read_trace`](super::read_trace)).
     #[error(

@@ -40,8 +40,8 @@ mod snapshot_export;
 pub use compress::is_gzip;
 #[cfg(feature = "trace-io")]
 pub use import::{
-    AllocFailure, ImportOptions, ImportReport, Imported, TraceFormat, detect_format, read_trace,
-    read_trace_file,
+    AllocFailure, DEFAULT_MAX_IMPORT_BYTES, ImportOptions, ImportReport, Imported, TraceFormat,
+    detect_format, read_trace, read_trace_file,
 };
 #[cfg(feature = "trace-io")]
 pub use io_error::{Position, TraceIoError};

@@ -5,6 +5,7 @@
 //! tuples, dicts and sets. Class references (`GLOBAL`, `REDUCE`, ...) are refused.
 #![forbid(unsafe_code)]
 
+use super::import::ByteBudget;
 use super::io_error::TraceIoError;
 use super::pickle_read;
 
@@ -97,16 +98,20 @@ impl PickleValue {
 
 /// Decodes a pickle (protocol 2 to 5, plain data only) into a [`PickleValue`].
 ///
-/// Shared references are copied, so the result is a tree; nesting deeper than 64 levels, or a
-/// tree that would be more than 16 times larger than the pickle's opcode count (shared
-/// references expanding), is refused.
+/// Shared references are copied, so the result is a tree; nesting deeper than 64 levels, a
+/// tree that would be more than 16 times larger than the pickle's opcode count, or one of more
+/// than [`DEFAULT_MAX_IMPORT_BYTES`](super::DEFAULT_MAX_IMPORT_BYTES) (shared references
+/// expanding), is refused.
 ///
 /// # Errors
 /// [`TraceIoError::Pickle`] with the byte offset when the bytes are not a well-formed pickle of
-/// plain data.
+/// plain data; [`TraceIoError::TooLarge`] for a tree beyond the byte limit.
 pub fn parse_pickle(bytes: &[u8]) -> Result<PickleValue, TraceIoError> {
     let pickle = pickle_read::parse(bytes)?;
-    pickle.to_value(pickle.root())
+    pickle.to_value(
+        pickle.root(),
+        &mut ByteBudget::new(super::DEFAULT_MAX_IMPORT_BYTES),
+    )
 }
 
 /// Opcodes that PyTorch's memory_viz unpickler (`MemoryViz.js`) implements; LONG1 additionally

@@ -9,6 +9,7 @@
 
 use std::collections::HashMap;
 
+use super::import::ByteBudget;
 use super::io_error::TraceIoError;
 use super::pickle::{PickleValue, op};
 
@@ -148,38 +149,58 @@ impl Pickle {
             .map(|&(_, v)| v)
     }
 
-    /// Converts object `id` into an owned tree.
+    /// Converts object `id` into an owned tree, charging every value's bytes (its
+    /// `PickleValue` and its string or bytes payload, once per reference: shared objects are
+    /// copied) to `bytes`.
     ///
     /// # Errors
-    /// Too deep, too large (shared references expanding), or an integer wider than 128 bits.
-    pub(crate) fn to_value(&self, id: Id) -> Result<PickleValue, TraceIoError> {
+    /// Too deep, too many values (shared references expanding beyond 16 values per opcode),
+    /// more bytes than `bytes` has left ([`TraceIoError::TooLarge`]), or an integer wider than
+    /// 128 bits.
+    pub(crate) fn to_value(
+        &self,
+        id: Id,
+        bytes: &mut ByteBudget,
+    ) -> Result<PickleValue, TraceIoError> {
         let mut budget = self.ops.saturating_mul(16).saturating_add(64);
-        self.value_at(id, 0, &mut budget)
+        self.value_at(id, 0, &mut (&mut budget, bytes))
     }
 
     fn value_at(
         &self,
         id: Id,
         depth: usize,
-        budget: &mut usize,
+        budgets: &mut (&mut usize, &mut ByteBudget),
     ) -> Result<PickleValue, TraceIoError> {
+        let (budget, bytes) = budgets;
         if depth > MAX_DEPTH {
             return Err(TraceIoError::pickle(
                 0,
                 format!("data nested deeper than {MAX_DEPTH} levels"),
             ));
         }
-        if *budget == 0 {
+        if **budget == 0 {
             return Err(TraceIoError::pickle(
                 0,
                 "shared references expand the data beyond 16 values per opcode",
             ));
         }
-        *budget -= 1;
-        let seq = |items: &[Id], budget: &mut usize| -> Result<Vec<PickleValue>, TraceIoError> {
+        **budget -= 1;
+        let payload = match self.obj(id) {
+            Obj::Str(s) => s.len(),
+            Obj::Bytes(b) => b.len(),
+            _ => 0,
+        };
+        bytes.charge(
+            std::mem::size_of::<PickleValue>().saturating_add(payload),
+            "the values built from the pickle (shared references count once per use)",
+        )?;
+        let seq = |items: &[Id],
+                   budgets: &mut (&mut usize, &mut ByteBudget)|
+         -> Result<Vec<PickleValue>, TraceIoError> {
             items
                 .iter()
-                .map(|&item| self.value_at(item, depth + 1, budget))
+                .map(|&item| self.value_at(item, depth + 1, budgets))
                 .collect()
         };
         Ok(match self.obj(id) {
@@ -195,14 +216,14 @@ impl Pickle {
             Obj::Float(x) => PickleValue::Float(*x),
             Obj::Str(s) => PickleValue::Str(s.to_string()),
             Obj::Bytes(b) => PickleValue::Bytes(b.to_vec()),
-            Obj::List(items) => PickleValue::List(seq(items, budget)?),
-            Obj::Tuple(items) => PickleValue::Tuple(seq(items, budget)?),
-            Obj::Set(items) => PickleValue::Set(seq(items, budget)?),
+            Obj::List(items) => PickleValue::List(seq(items, budgets)?),
+            Obj::Tuple(items) => PickleValue::Tuple(seq(items, budgets)?),
+            Obj::Set(items) => PickleValue::Set(seq(items, budgets)?),
             Obj::Dict(items) => {
                 let mut out = Vec::with_capacity(items.len());
                 for &(k, v) in items {
-                    let key = self.value_at(k, depth + 1, budget)?;
-                    out.push((key, self.value_at(v, depth + 1, budget)?));
+                    let key = self.value_at(k, depth + 1, budgets)?;
+                    out.push((key, self.value_at(v, depth + 1, budgets)?));
                 }
                 PickleValue::Dict(out)
             }
@@ -514,7 +535,8 @@ mod tests {
 
     fn value(bytes: &[u8]) -> PickleValue {
         let p = parse(bytes).unwrap();
-        p.to_value(p.root()).unwrap()
+        p.to_value(p.root(), &mut ByteBudget::new(u64::MAX))
+            .unwrap()
     }
 
     #[test]
@@ -552,7 +574,10 @@ mod tests {
         huge.extend([1u8; 17]);
         huge.push(b'.');
         let p = parse(&huge).unwrap();
-        assert!(p.to_value(p.root()).is_err());
+        assert!(
+            p.to_value(p.root(), &mut ByteBudget::new(u64::MAX))
+                .is_err()
+        );
     }
 
     #[test]
@@ -580,7 +605,10 @@ mod tests {
         }
         b.push(b'.');
         let p = parse(&b).unwrap();
-        assert!(p.to_value(p.root()).is_err());
+        assert!(
+            p.to_value(p.root(), &mut ByteBudget::new(u64::MAX))
+                .is_err()
+        );
     }
 
     #[test]

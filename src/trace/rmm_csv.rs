@@ -6,10 +6,10 @@ use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::path::Path;
 
-use super::compress::{decompress_if_gzip, gzip, read_file, write_file};
+use super::compress::{decompress_if_gzip, gzip, read_file_limited, write_file};
 use super::event::{Trace, TraceEvent, TraceOp, TraceSource};
 use super::export::{AddressBook, LiveAlloc};
-use super::import::{AllocFailure, ImportOptions, ImportReport, Pairing};
+use super::import::{AllocFailure, ByteBudget, ImportOptions, ImportReport, Pairing};
 use super::io_error::{Position, TraceIoError};
 
 /// The header the exporter writes.
@@ -62,7 +62,7 @@ pub struct RmmLog {
 /// header or row, and in strict mode [`TraceIoError::UnmatchedFree`] /
 /// [`TraceIoError::AddressInUse`].
 pub fn read_rmm_csv(bytes: &[u8], options: &ImportOptions) -> Result<RmmLog, TraceIoError> {
-    read_rmm_csv_plain(&decompress_if_gzip(bytes)?, options)
+    read_rmm_csv_plain(&decompress_if_gzip(bytes, options.max_bytes)?, options)
 }
 
 /// [`read_rmm_csv`] on the contents of a file.
@@ -73,7 +73,10 @@ pub fn read_rmm_csv_file(
     path: impl AsRef<Path>,
     options: &ImportOptions,
 ) -> Result<RmmLog, TraceIoError> {
-    read_rmm_csv(&read_file(path.as_ref())?, options)
+    read_rmm_csv(
+        &read_file_limited(path.as_ref(), options.max_bytes)?,
+        options,
+    )
 }
 
 /// Column positions found in the header.
@@ -208,6 +211,8 @@ pub(crate) fn read_rmm_csv_plain(
     let mut columns: Option<Columns> = None;
     let mut day_offset = 0u64;
     let mut last_clock: Option<u64> = None;
+    let mut budget = ByteBudget::new(options.max_bytes);
+    let what = "the imported trace's events";
 
     let plain = plain.strip_prefix(b"\xef\xbb\xbf").unwrap_or(plain);
     for (index, raw) in plain.split(|&b| b == b'\n').enumerate() {
@@ -299,6 +304,7 @@ pub(crate) fn read_rmm_csv_plain(
                 None => continue,
             },
             "allocate failure" => {
+                budget.charge(std::mem::size_of::<AllocFailure>(), what)?;
                 report
                     .alloc_failures
                     .push(AllocFailure::new(at, size, stream, time_ns, None));
@@ -319,11 +325,13 @@ pub(crate) fn read_rmm_csv_plain(
             None => {
                 let t = u32::try_from(threads.len())
                     .map_err(|_| TraceIoError::csv(number, "more than 2^32 distinct threads"))?;
+                budget.charge(name.len().saturating_mul(2), what)?;
                 thread_ids.insert(name.to_owned(), t);
                 threads.push(name.to_owned());
                 t
             }
         };
+        budget.charge(std::mem::size_of::<TraceEvent>(), what)?;
         trace.events.push(TraceEvent {
             op,
             time_ns,
@@ -338,6 +346,7 @@ pub(crate) fn read_rmm_csv_plain(
         ));
     }
     report.live_at_end = pairing.live();
+    report.materialised_bytes = budget.used();
     Ok(RmmLog {
         trace,
         threads,

@@ -5,9 +5,9 @@
 
 use std::path::Path;
 
-use super::compress::{decompress_if_gzip, read_file};
+use super::compress::{decompress_if_gzip, read_file_limited};
 use super::event::{Trace, TraceEvent, TraceOp, TraceSource};
-use super::import::{AllocFailure, ImportOptions, ImportReport, Pairing};
+use super::import::{AllocFailure, ByteBudget, ImportOptions, ImportReport, Pairing};
 use super::io_error::{Position, TraceIoError};
 use super::pickle::PickleValue;
 use super::pickle_read::{self, Id, Obj, Pickle};
@@ -241,7 +241,7 @@ impl Snapshot {
 /// key), [`TraceIoError::NoSuchDevice`], and in strict mode [`TraceIoError::UnmatchedFree`] /
 /// [`TraceIoError::AddressInUse`].
 pub fn read_snapshot(bytes: &[u8], options: &ImportOptions) -> Result<Snapshot, TraceIoError> {
-    read_snapshot_plain(&decompress_if_gzip(bytes)?, options)
+    read_snapshot_plain(&decompress_if_gzip(bytes, options.max_bytes)?, options)
 }
 
 /// [`read_snapshot`] on the contents of a file.
@@ -252,7 +252,10 @@ pub fn read_snapshot_file(
     path: impl AsRef<Path>,
     options: &ImportOptions,
 ) -> Result<Snapshot, TraceIoError> {
-    read_snapshot(&read_file(path.as_ref())?, options)
+    read_snapshot(
+        &read_file_limited(path.as_ref(), options.max_bytes)?,
+        options,
+    )
 }
 
 /// A shape error at `path`.
@@ -354,28 +357,30 @@ pub(crate) fn read_snapshot_plain(
         None => per_device.iter().position(|l| !l.is_empty()).unwrap_or(0),
     };
     let entries = per_device.get(device).copied().unwrap_or_default();
-    let (trace, report) = read_entries(&p, device, entries, options)?;
+    let mut budget = ByteBudget::new(options.max_bytes);
+    let (trace, mut report) = read_entries(&p, device, entries, options, &mut budget)?;
     let segments = match p.dict_get(root, "segments") {
         Some(id) => read_segments(&p, id)?,
         None => Vec::new(),
     };
     let allocator_settings = match p.dict_get(root, "allocator_settings") {
         Some(id) => Some(
-            p.to_value(id)
-                .map_err(|e| shape(None, "allocator_settings", e.to_string()))?,
+            p.to_value(id, &mut budget)
+                .map_err(|e| settings_error("allocator_settings", e))?,
         ),
         None => None,
     };
     let external_annotations = match p.dict_get(root, "external_annotations") {
         Some(id) => match p
-            .to_value(id)
-            .map_err(|e| shape(None, "external_annotations", e.to_string()))?
+            .to_value(id, &mut budget)
+            .map_err(|e| settings_error("external_annotations", e))?
         {
             PickleValue::List(items) => items,
             other => vec![other],
         },
         None => Vec::new(),
     };
+    report.materialised_bytes = budget.used();
     Ok(Snapshot {
         trace,
         device,
@@ -387,12 +392,21 @@ pub(crate) fn read_snapshot_plain(
     })
 }
 
-/// Maps the entries of one device trace.
+/// A conversion error under `key`; the import limit stays its own error.
+fn settings_error(key: &str, e: TraceIoError) -> TraceIoError {
+    match e {
+        TraceIoError::TooLarge { .. } => e,
+        other => shape(None, key, other.to_string()),
+    }
+}
+
+/// Maps the entries of one device trace, charging each event and tag to `budget`.
 fn read_entries(
     p: &Pickle,
     device: usize,
     entries: &[Id],
     options: &ImportOptions,
+    budget: &mut ByteBudget,
 ) -> Result<(Trace, ImportReport), TraceIoError> {
     let mut trace = Trace::new(TraceSource::PytorchSnapshot);
     let mut report = ImportReport::default();
@@ -473,6 +487,10 @@ fn read_entries(
             "oom" => {
                 let size = optional(f.size, "size")?.unwrap_or(0);
                 let device_free = optional(f.device_free, "device_free")?;
+                budget.charge(
+                    std::mem::size_of::<AllocFailure>(),
+                    "the imported trace's events and tags",
+                )?;
                 report.alloc_failures.push(AllocFailure::new(
                     at,
                     size,
@@ -490,8 +508,14 @@ fn read_entries(
         let tag = f
             .user_metadata
             .and_then(|id| p.str_of(id))
-            .filter(|s| !s.is_empty())
-            .map(Box::from);
+            .filter(|s| !s.is_empty());
+        // Each event copies its tag: a tag shared by reference (a pickle memo) costs its bytes
+        // once per event.
+        budget.charge(
+            std::mem::size_of::<TraceEvent>().saturating_add(tag.map_or(0, str::len)),
+            "the imported trace's events and tags",
+        )?;
+        let tag = tag.map(Box::from);
         trace.events.push(TraceEvent {
             op,
             time_ns,

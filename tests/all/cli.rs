@@ -120,3 +120,119 @@ fn cli_replay_on_the_simulated_device_reports_wall_time() {
     assert!(text.contains("device         simulated"), "{text}");
     assert!(text.contains("wall ns per op"), "{text}");
 }
+
+/// Writes `contents` to a fresh file `name` under the tests' scratch folder.
+fn scratch_file(name: &str, contents: &[u8]) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, contents).unwrap();
+    path
+}
+
+/// Asserts that `out` ended without a panic (exit 101 or a panic message).
+fn assert_no_panic(out: &Output, what: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(101), "{what}: {stderr}");
+    assert!(!stderr.contains("panicked"), "{what}: {stderr}");
+}
+
+/// Regression (#14): the out-of-memory path built the next stream's key with a wrapping add,
+/// so a stream handle of `u64::MAX` with a free block in the pool made `BTreeSet::range`
+/// panic (exit 101) in `cca replay` and `cca convert --run`.
+#[test]
+fn cli_oom_on_the_last_stream_handle_does_not_panic() {
+    // Two 4 MiB blocks share one 20 MiB segment; freeing one leaves a free block that the
+    // OOM path cannot release (its segment is in use), so the pool is not empty there.
+    let csv = b"Thread,Time,Action,Pointer,Size,Stream\n\
+        0,1,allocate,0x1000,4194304,18446744073709551615\n\
+        0,2,allocate,0x2000,4194304,18446744073709551615\n\
+        0,3,free,0x1000,4194304,18446744073709551615\n\
+        0,4,allocate,0x3000,68719476736,0xffffffffffffffff\n";
+    let t = scratch_file("last_stream.csv", csv);
+    let t = t.to_str().unwrap();
+    let out_pickle = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli/last_stream.pickle");
+    for args in [
+        vec!["replay", t, "--device-memory", "16GiB"],
+        vec![
+            "replay",
+            t,
+            "--device-memory",
+            "16GiB",
+            "--preset",
+            "pytorch",
+        ],
+        vec![
+            "replay",
+            t,
+            "--device-memory",
+            "16GiB",
+            "--preset",
+            "pytorch-expandable",
+        ],
+        vec![
+            "convert",
+            t,
+            out_pickle.to_str().unwrap(),
+            "--run",
+            "pytorch",
+            "--device-memory",
+            "16GiB",
+        ],
+    ] {
+        let out = cca(&args);
+        assert_no_panic(&out, &args.join(" "));
+    }
+}
+
+/// Regression (#14): `--reference` with a missing or non-JSON file was ignored (exit 0);
+/// `cca plot --width 70000 --height 70000` panicked inside plotters. Both are clear errors now.
+#[test]
+fn cli_bad_reference_and_plot_sizes_are_errors() {
+    let t = trace();
+    let t = t.to_str().unwrap();
+    let not_json = scratch_file("not_json.json", b"{ this is not json");
+    let missing = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli/no_such_reference.json");
+    for (reference, says) in [
+        (missing.to_str().unwrap(), "no_such_reference.json"),
+        (not_json.to_str().unwrap(), "not JSON"),
+    ] {
+        let out = cca(&["replay", t, "--reference", reference]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{reference}: {stderr}");
+        assert!(stderr.starts_with("cca: --reference"), "{stderr}");
+        assert!(stderr.contains(says), "{stderr}");
+        assert_no_panic(&out, reference);
+    }
+    let png = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli/big.png");
+    for (w, h) in [("70000", "70000"), ("0", "700"), ("1200", "100000")] {
+        let out = cca(&[
+            "plot",
+            t,
+            "-o",
+            png.to_str().unwrap(),
+            "--width",
+            w,
+            "--height",
+            h,
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{w}x{h}: {stderr}");
+        assert!(stderr.contains("is not in"), "{w}x{h}: {stderr}");
+        assert_no_panic(&out, "plot");
+    }
+}
+
+/// `--max-import-bytes` bounds the import: the shipped trace fails below its size with the
+/// limit named, and imports at the default.
+#[test]
+fn cli_max_import_bytes_is_the_import_limit() {
+    let t = trace();
+    let out = cca(&["replay", t.to_str().unwrap(), "--max-import-bytes", "64KiB"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("import limit of 65536 bytes") && stderr.contains("--max-import-bytes"),
+        "{stderr}"
+    );
+}

@@ -26,6 +26,21 @@ fn environment_variables_in_order() {
             .starts_with("CUDA_CACHING_ALLOCATOR_CONF: Expected 'True' or 'False'"),
         "{e}"
     );
+    // Regression (#14): a value that is not UTF-8 read as unset, so PyTorch's variable (set
+    // above) silently applied instead. It is an error naming the variable now.
+    #[cfg(unix)]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let bad = std::ffi::OsStr::from_bytes(b"expandable_segments:\xff\xfe");
+        // SAFETY: as above.
+        unsafe { std::env::set_var("CUDA_CACHING_ALLOCATOR_CONF", bad) };
+        let e = AllocatorConfig::from_env_or(AllocatorConfig::pytorch()).unwrap_err();
+        assert!(
+            e.message()
+                .starts_with("CUDA_CACHING_ALLOCATOR_CONF: the value is not valid UTF-8"),
+            "{e}"
+        );
+    }
     // SAFETY: as above.
     unsafe {
         std::env::remove_var("CUDA_CACHING_ALLOCATOR_CONF");

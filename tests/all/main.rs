@@ -5,6 +5,7 @@
 #![allow(clippy::unwrap_used, unreachable_pub)]
 
 mod caching;
+mod chaos;
 mod cli;
 mod concurrency;
 mod config_env;
@@ -19,6 +20,7 @@ mod faults;
 mod fidelity;
 mod fragmentation;
 mod graph_capture;
+mod limits;
 mod programs;
 mod props;
 mod stream_safety;

@@ -294,6 +294,9 @@ impl State {
         kind: PoolKind,
         size: usize,
     ) -> Result<Option<BlockId>> {
+        if self.cannot_fit(dev, size) {
+            return Ok(None);
+        }
         let Some(mut cand) = self.find_expandable_block(dev, stream, kind, size)? else {
             return Ok(None);
         };
@@ -325,6 +328,19 @@ impl State {
         }
         self.uncache_block(cand);
         Ok(Some(cand))
+    }
+
+    /// Whether `size` bytes can certainly not be had, checked before anything is reserved,
+    /// created or mapped (so a request far beyond the device fails in a few calls instead of
+    /// creating pages until memory runs out), in the order the OOM report names the cause:
+    /// larger than the device, than the fraction cap, or than free device memory plus every
+    /// byte this allocator holds (all of which could at best be reused).
+    fn cannot_fit<B: DeviceBackend>(&self, dev: &B, size: usize) -> bool {
+        if size > self.device_total || self.allowed_memory_maximum.is_some_and(|max| size > max) {
+            return true;
+        }
+        let fresh = size.saturating_sub(self.total_allocated_memory);
+        fresh > 0 && dev.mem_info().is_ok_and(|info| fresh > info.free)
     }
 
     /// `map_block`: maps the pages covering the first `size` bytes of unmapped block

@@ -46,13 +46,15 @@ pub(crate) fn parse_bytes(s: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
-/// Reads a trace file in any supported format.
-pub(crate) fn load_trace(path: &Path, lenient: bool) -> CliResult<Trace> {
+/// Reads a trace file in any supported format, holding at most `max_bytes` (the
+/// `--max-import-bytes` flag).
+pub(crate) fn load_trace(path: &Path, lenient: bool, max_bytes: u64) -> CliResult<Trace> {
     let options = if lenient {
         ImportOptions::lenient()
     } else {
         ImportOptions::strict()
-    };
+    }
+    .with_max_bytes(max_bytes);
     let imported = read_trace_file(path, &options)?;
     Ok(imported.trace)
 }
@@ -248,7 +250,7 @@ pub(crate) fn replay_timed<B: DeviceBackend>(
 
 /// `cca convert`.
 pub(crate) fn convert(a: &ConvertArgs) -> CliResult<()> {
-    let trace = load_trace(&a.input, a.lenient)?;
+    let trace = load_trace(&a.input, a.lenient, a.max_import_bytes)?;
     let out = a.output.to_string_lossy().to_ascii_lowercase();
     let gzip = out.ends_with(".gz");
     let stem = out.trim_end_matches(".gz");

@@ -107,6 +107,10 @@ struct TraceArgs {
     /// PyTorch's figures for the trace (default: reference.json beside the trace, if any).
     #[arg(long)]
     reference: Option<PathBuf>,
+    /// The most bytes the trace import may hold: the decompressed input, and separately what is
+    /// built from it (raise it for a trace that really is larger).
+    #[arg(long, default_value = "4GiB", value_parser = load::parse_bytes)]
+    max_import_bytes: u64,
 }
 
 #[derive(Args, Debug)]
@@ -158,6 +162,10 @@ struct ConvertArgs {
     /// Skip frees of unknown allocations instead of failing.
     #[arg(long)]
     lenient: bool,
+    /// The most bytes the trace import may hold: the decompressed input, and separately what is
+    /// built from it (raise it for a trace that really is larger).
+    #[arg(long, default_value = "4GiB", value_parser = load::parse_bytes)]
+    max_import_bytes: u64,
 }
 
 #[derive(Args, Debug)]
@@ -173,11 +181,11 @@ struct PlotArgs {
     /// Configuration strings to plot (repeatable).
     #[arg(long = "config")]
     configs: Vec<String>,
-    /// Image width in pixels.
-    #[arg(long, default_value_t = 1200)]
+    /// Image width in pixels, 200 to 8192.
+    #[arg(long, default_value_t = 1200, value_parser = clap::value_parser!(u32).range(200..=8192))]
     width: u32,
-    /// Image height in pixels.
-    #[arg(long, default_value_t = 700)]
+    /// Image height in pixels, 150 to 8192.
+    #[arg(long, default_value_t = 700, value_parser = clap::value_parser!(u32).range(150..=8192))]
     height: u32,
 }
 

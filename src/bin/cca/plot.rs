@@ -27,7 +27,7 @@ pub(crate) fn plot(a: &PlotArgs) -> CliResult<()> {
     plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular())
         .map_err(|_| "the embedded font could not be loaded")?;
     let cols = load::columns(&a.presets, &a.configs, &["pytorch", "default"])?;
-    let trace = load::load_trace(&a.trace.trace, a.trace.lenient)?;
+    let trace = load::load_trace(&a.trace.trace, a.trace.lenient, a.trace.max_import_bytes)?;
     let points = (a.width as usize).max(100);
     let mut series = Vec::new();
     for c in &cols {

@@ -4,6 +4,8 @@
 use std::path::{Path, PathBuf};
 
 use cuda_caching_allocator::Preset;
+
+use crate::load::CliResult;
 use serde_json::Value;
 
 /// PyTorch's figures for one trace.
@@ -57,9 +59,14 @@ fn trace_key(path: &Path) -> String {
     key.to_string()
 }
 
-/// Finds and reads the reference figures for `trace`: `explicit` if given, else a
-/// `reference.json` in the trace's folder. `None` when there is none or it has no entry.
-pub(crate) fn find(trace: &Path, explicit: Option<&Path>) -> Option<Reference> {
+/// Finds and reads the reference figures for `trace`: `explicit` (`--reference`) if given, else
+/// a `reference.json` in the trace's folder. `Ok(None)` when there is no `reference.json` beside
+/// the trace or it has no entry for the trace.
+///
+/// # Errors
+/// An explicit file that cannot be read, is not JSON or has no entry for the trace; a
+/// `reference.json` beside the trace that exists but cannot be read or is not JSON.
+pub(crate) fn find(trace: &Path, explicit: Option<&Path>) -> CliResult<Option<Reference>> {
     let path: PathBuf = match explicit {
         Some(p) => p.to_path_buf(),
         None => trace
@@ -67,11 +74,28 @@ pub(crate) fn find(trace: &Path, explicit: Option<&Path>) -> Option<Reference> {
             .unwrap_or(Path::new("."))
             .join("reference.json"),
     };
-    let text = std::fs::read_to_string(&path).ok()?;
-    let root: Value = serde_json::from_str(&text).ok()?;
-    let t = root.get("traces")?.get(trace_key(trace))?;
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) if explicit.is_none() && e.kind() == std::io::ErrorKind::NotFound => {
+            return Ok(None);
+        }
+        Err(e) => return Err(format!("--reference {}: {e}", path.display()).into()),
+    };
+    let root: Value = serde_json::from_str(&text)
+        .map_err(|e| format!("--reference {}: not JSON: {e}", path.display()))?;
+    let key = trace_key(trace);
+    let Some(t) = root.get("traces").and_then(|t| t.get(&key)) else {
+        if explicit.is_some() {
+            return Err(format!(
+                "--reference {}: no entry \"traces\".\"{key}\" for this trace",
+                path.display()
+            )
+            .into());
+        }
+        return Ok(None);
+    };
     let u = |v: Option<&Value>| v.and_then(Value::as_u64);
-    Some(Reference {
+    Ok(Some(Reference {
         peak_live_bytes: u(t.get("peak_live_bytes")),
         default_reserved: u(t.pointer("/pytorch_default/peak_reserved_bytes")),
         default_allocated: u(t.pointer("/pytorch_default/peak_allocated_bytes")),
@@ -92,7 +116,7 @@ pub(crate) fn find(trace: &Path, explicit: Option<&Path>) -> Option<Reference> {
             .and_then(Value::as_str)
             .unwrap_or("?")
             .to_string(),
-    })
+    }))
 }
 
 #[cfg(test)]

@@ -81,10 +81,10 @@ fn reference_json(reference: &Reference) -> Value {
 /// `cca replay`.
 pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
     let label = load::resolve(a.preset.as_deref(), a.config.as_deref())?;
-    let trace = load::load_trace(&a.trace.trace, a.trace.lenient)?;
+    let trace = load::load_trace(&a.trace.trace, a.trace.lenient, a.trace.max_import_bytes)?;
     let run = load::run(&trace, &label.config, &a.trace, &label.label, 0)?;
     let r = &run.report;
-    let reference = reference::find(&a.trace.trace, a.trace.reference.as_deref());
+    let reference = reference::find(&a.trace.trace, a.trace.reference.as_deref())?;
     if a.json {
         let mut v = run_json(&label, &run, &a.trace);
         if let (Some(obj), Some(rf)) = (v.as_object_mut(), &reference) {
@@ -243,7 +243,7 @@ pub(crate) fn compare(a: &CompareArgs) -> CliResult<()> {
         &a.configs,
         &["pytorch", "pytorch-expandable", "default"],
     )?;
-    let trace = load::load_trace(&a.trace.trace, a.trace.lenient)?;
+    let trace = load::load_trace(&a.trace.trace, a.trace.lenient, a.trace.max_import_bytes)?;
     let mut runs = Vec::new();
     for c in &cols {
         runs.push(load::run(&trace, &c.config, &a.trace, &c.label, 0)?);
@@ -317,7 +317,7 @@ pub(crate) fn compare(a: &CompareArgs) -> CliResult<()> {
         print!("{:>w$}", format!("{:.0}", r.wall_ns_per_op()));
     }
     println!();
-    if let Some(rf) = reference::find(&a.trace.trace, a.trace.reference.as_deref()) {
+    if let Some(rf) = reference::find(&a.trace.trace, a.trace.reference.as_deref())? {
         println!();
         let live = rf.peak_live_bytes.unwrap_or(0);
         for (name, v) in [
