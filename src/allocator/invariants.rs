@@ -498,9 +498,11 @@ fn check_pending_events(st: &State) -> Result<(), InvariantViolation> {
         }
     }
     for (id, b) in st.arena.iter() {
-        // A freed block keeps stream uses only while it waits, listed in `unsynced`, for a
-        // stream it could neither fence nor wait for.
-        let unsynced = !b.allocated && !b.stream_uses.is_empty();
+        // A freed block keeps stream uses only while it waits: listed in `unsynced`, for a
+        // stream it could neither fence nor wait for, or deferred until a capture ends (checked
+        // with the private pools).
+        let unsynced =
+            !b.allocated && !b.stream_uses.is_empty() && !st.graph.deferred.contains(&id);
         if unsynced != st.unsynced.contains(&id) {
             return Err(InvariantViolation::PendingEventsMismatch {
                 block: DevicePtr(b.ptr),
@@ -580,7 +582,9 @@ fn check_private_pools(st: &State) -> Result<(), InvariantViolation> {
         return Err(bad("a block is deferred twice".into()));
     }
     for (id, b) in st.arena.iter() {
-        let waiting = !b.allocated && !b.stream_uses.is_empty();
+        // Freed with stream uses and not waiting for a failed synchronize (`unsynced`, checked
+        // with the pending events): deferred until the capture ends.
+        let waiting = !b.allocated && !b.stream_uses.is_empty() && !st.unsynced.contains(&id);
         if waiting != deferred.contains(&id) || (waiting && b.event_count > 0) {
             return Err(bad(format!(
                 "block {} is {}deferred but {}",

@@ -843,7 +843,35 @@ impl Front {
             }
             let mut have = reg.cell.counters.delta();
             have.add(&reg.foreign);
-            let have = have.currents();
+            let mut have = have.currents();
+            // The owner thread may be between a descriptor change and its counter update (a hit
+            // or a cached free takes no lock): a mismatch is retried until the owner's operation
+            // in flight has finished; one that stays is a violation. (Exact when no other thread
+            // runs; with others running, at most one operation per owner is ever in flight.)
+            let mut retries = 0;
+            while have != recount && retries < 1000 {
+                retries += 1;
+                std::thread::yield_now();
+                recount = [0i64; 9];
+                reg.cell.each_desc(|_, d| {
+                    let state = d.state.load(Ordering::Acquire);
+                    if !matches!(state, LIVE | CACHED) {
+                        return;
+                    }
+                    let v = d.view();
+                    let pool = match v.kind {
+                        PoolKind::Small => 1,
+                        PoolKind::Large => 2,
+                    };
+                    for (q, c) in v.contribution(state).into_iter().enumerate() {
+                        recount[3 * q] += c;
+                        recount[3 * q + pool] += c;
+                    }
+                });
+                let mut again = reg.cell.counters.delta();
+                again.add(&reg.foreign);
+                have = again.currents();
+            }
             for q in 0..3 {
                 if have[3 * q..3 * q + 3] != recount[3 * q..3 * q + 3] {
                     return Err(InvariantViolation::StatsMismatch {
