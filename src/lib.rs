@@ -20,7 +20,7 @@ pub use allocator::{
     InvariantViolation, OwnedAllocation, SegmentSnapshot, memory_summary,
 };
 pub use backend::sim::{
-    FaultKind, SimConfig, SimCounters, SimDevice, SimEventCall, SimStreamWait, SimUse,
+    FaultKind, SimConfig, SimCosts, SimCounters, SimDevice, SimEventCall, SimStreamWait, SimUse,
     SimViolation, SimViolationKind,
 };
 pub use backend::{
