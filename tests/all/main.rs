@@ -11,6 +11,7 @@ mod config_env;
 mod cross_stream;
 mod cuda;
 mod cuda_streams;
+mod device_cost;
 mod expandable;
 mod expandable_fidelity;
 mod fast_path;
