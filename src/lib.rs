@@ -21,7 +21,7 @@ pub use allocator::{
     memory_summary,
 };
 pub use backend::sim::{
-    FaultKind, SimCaptureMode, SimCaptureViolation, SimConfig, SimCounters, SimDevice,
+    FaultKind, SimCaptureMode, SimCaptureViolation, SimConfig, SimCosts, SimCounters, SimDevice,
     SimEventCall, SimStreamWait, SimUse, SimViolation, SimViolationKind,
 };
 pub use backend::{

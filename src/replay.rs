@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use crate::allocator::{CachingAllocator, FragmentationReport};
-use crate::backend::sim::SimDevice;
+use crate::backend::sim::{SimCounters, SimDevice};
 use crate::backend::{DeviceBackend, DevicePtr, StreamId};
 use crate::error::AllocError;
 use crate::stats::MemoryStats;
@@ -98,9 +98,41 @@ pub struct ReplayReport {
     pub fragmentation_at_peak: FragmentationReport,
     /// All statistics at the end.
     pub final_stats: MemoryStats,
+    /// Device calls of each kind during the replay, as [`SimCounters::call_counts`] names them;
+    /// empty unless the replay ran on a [`SimDevice`] (see [`ReplayReport::add_device_cost`]).
+    pub device_calls: Vec<(&'static str, u64)>,
+    /// The simulated device's modeled time for those calls, in nanoseconds (Note [Device-time
+    /// model] in `backend/sim.rs`); `None` unless the replay ran on a [`SimDevice`].
+    pub modeled_device_ns: Option<u64>,
 }
 
 impl ReplayReport {
+    /// Fills [`device_calls`](Self::device_calls) and
+    /// [`modeled_device_ns`](Self::modeled_device_ns) from a simulated device's counters taken
+    /// before and after the replay.
+    pub fn add_device_cost(&mut self, before: &SimCounters, after: &SimCounters) {
+        self.device_calls = after
+            .call_counts()
+            .iter()
+            .zip(before.call_counts())
+            .map(|(&(name, a), (_, b))| (name, a.saturating_sub(b)))
+            .collect();
+        self.modeled_device_ns = Some(
+            after
+                .modeled_device_ns
+                .saturating_sub(before.modeled_device_ns),
+        );
+    }
+
+    /// The count of device calls of kind `name` (a [`SimCounters::call_counts`] name); 0 when
+    /// unknown or not measured.
+    pub fn device_call(&self, name: &str) -> u64 {
+        self.device_calls
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map_or(0, |&(_, c)| c)
+    }
+
     /// Peak reserved ÷ peak live bytes (1.0 is the floor); 0 for an empty trace.
     pub fn reserved_over_live(&self) -> f64 {
         if self.peak_live_bytes == 0 {
@@ -317,7 +349,9 @@ pub fn replay_observed<B: DeviceBackend>(
     Ok(report)
 }
 
-/// Replays `trace` on an allocator over a [`SimDevice`], honouring `opts.placement`.
+/// Replays `trace` on an allocator over a [`SimDevice`], honouring `opts.placement`, and reports
+/// the device calls the replay made and their modeled time
+/// ([`ReplayReport::device_calls`], [`ReplayReport::modeled_device_ns`]).
 ///
 /// ```
 /// use cuda_caching_allocator::{replay, AllocatorConfig, CachingAllocator, ReplayOptions, SimDevice};
@@ -328,6 +362,8 @@ pub fn replay_observed<B: DeviceBackend>(
 /// let alloc = CachingAllocator::new(SimDevice::default(), AllocatorConfig::pytorch()).unwrap();
 /// let r = replay(&alloc, &t, &ReplayOptions::default()).unwrap();
 /// assert_eq!(r.peak_reserved_bytes, 20 << 20);
+/// assert_eq!(r.device_call("allocate"), 1);
+/// assert!(r.modeled_device_ns.is_some_and(|ns| ns > 0));
 /// ```
 ///
 /// # Errors
@@ -342,5 +378,8 @@ pub fn replay(
         Some(addr) => dev.place_next_at(addr),
         None => dev.clear_placement_hint(),
     };
-    replay_with(alloc, trace, opts, Some(&hint))
+    let before = dev.counters();
+    let mut report = replay_with(alloc, trace, opts, Some(&hint))?;
+    report.add_device_cost(&before, &dev.counters());
+    Ok(report)
 }

@@ -154,6 +154,17 @@ pub struct AllocatorConfig {
     /// Larger handles mean fewer create and map calls for a big growth; page reuse and
     /// `empty_cache` can only unmap a handle that lies wholly inside a free block.
     pub expandable_max_handle_size: Option<usize>,
+    /// The fewest bytes a growing expandable segment maps at once (crate key
+    /// `cca_min_growth_mb`; 0 = just what the request lacks, as PyTorch does). Growing ahead of
+    /// need merges the next small growths into this one: fewer create and map calls, at the cost
+    /// of up to this many free mapped bytes at the segment's end.
+    pub expandable_min_growth: usize,
+    /// Whether a growth creates its new memory as one physical handle (up to
+    /// `expandable_max_handle_size`) instead of splitting the last page off as a handle of its
+    /// own (crate key `cca_handle_per_growth`). One handle per growth halves the create and map
+    /// calls; the last page, which usually also holds the start of the next block, then cannot
+    /// be reused apart from the rest.
+    pub expandable_handle_per_growth: bool,
     /// Where an expandable segment finds physical pages when it grows (crate key
     /// `cca_page_reuse`). PyTorch always creates new ones ([`PageReuse::Off`]).
     pub page_reuse: PageReuse,
@@ -228,6 +239,8 @@ impl AllocatorConfig {
             graph_capture_record_stream_reuse: false,
             expandable_large_page_size: None,
             expandable_max_handle_size: None,
+            expandable_min_growth: 0,
+            expandable_handle_per_growth: false,
             page_reuse: PageReuse::Off,
             page_reuse_slack: 0.0,
             precise_fraction_cap: false,
@@ -494,6 +507,18 @@ impl AllocatorConfigBuilder {
     /// `cca_max_handle_size_mb`: the largest physical handle a growth creates.
     pub fn expandable_max_handle_size_mb(mut self, mb: usize) -> Self {
         self.config.expandable_max_handle_size = Some(mb.saturating_mul(MIB));
+        self
+    }
+
+    /// `cca_min_growth_mb`: the fewest bytes a growing expandable segment maps at once.
+    pub fn expandable_min_growth_mb(mut self, mb: usize) -> Self {
+        self.config.expandable_min_growth = mb.saturating_mul(MIB);
+        self
+    }
+
+    /// `cca_handle_per_growth`: one physical handle per growth.
+    pub fn expandable_handle_per_growth(mut self, on: bool) -> Self {
+        self.config.expandable_handle_per_growth = on;
         self
     }
 

@@ -242,6 +242,22 @@ pub(super) fn apply(
                 }
                 c.expandable_max_handle_size = Some(mb * MIB);
             }
+            "cca_min_growth_mb" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                let mb = t.size(i, &key)?;
+                if mb > (usize::MAX / MIB) {
+                    return Err(ConfigError::new(
+                        "cca_min_growth_mb must be a whole number of MiB",
+                    ));
+                }
+                c.expandable_min_growth = mb * MIB;
+            }
+            "cca_handle_per_growth" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                c.expandable_handle_per_growth = t.boolean(i)?;
+            }
             "cca_page_reuse" => {
                 t.expect(i + 1, ":")?;
                 i += 2;

@@ -13,6 +13,7 @@ mod cross_stream;
 mod cuda;
 mod cuda_capture;
 mod cuda_streams;
+mod device_cost;
 mod expandable;
 mod expandable_fidelity;
 mod fast_path;

@@ -309,7 +309,7 @@ impl State {
         };
         if !self.block(cand).mapped {
             let n = self.block(cand).size.min(size);
-            if !self.map_block(dev, n, growth)? {
+            if !self.map_growth(dev, n, growth)? {
                 return Ok(None);
             }
         }
@@ -321,7 +321,7 @@ impl State {
             };
             let n = remaining.min(self.block(next).size);
             growth.to_map = next;
-            if !self.map_block(dev, n, growth)? {
+            if !self.map_growth(dev, n, growth)? {
                 return Ok(None);
             }
             cand = next;
@@ -341,6 +341,27 @@ impl State {
         }
         let fresh = size.saturating_sub(self.total_allocated_memory);
         fresh > 0 && dev.mem_info().is_ok_and(|info| fresh > info.free)
+    }
+
+    /// `map_block` of `needed` bytes, or of `cca_min_growth_mb` when that is more (and the
+    /// unmapped block has room): growing ahead of need lets the next small growths find room
+    /// mapped already. When the larger growth does not fit (out of memory, or over the fraction
+    /// cap), maps just what is needed.
+    fn map_growth<B: DeviceBackend>(
+        &mut self,
+        dev: &B,
+        needed: usize,
+        growth: Growth,
+    ) -> Result<bool> {
+        let room = self.block(growth.to_map).size;
+        let ahead = needed.max(self.config.expandable_min_growth).min(room);
+        if ahead > needed {
+            if self.map_block(dev, ahead, growth)? {
+                return Ok(true);
+            }
+            self.cap_rejected = false;
+        }
+        self.map_block(dev, needed, growth)
     }
 
     /// `map_block`: maps the pages covering the first `size` bytes of unmapped block
@@ -516,7 +537,9 @@ impl State {
         while left > 0 {
             // The last page usually holds the end of the request and the start of whatever
             // comes next: a handle of its own there keeps the big handles reusable.
-            let pages = if left > 1 && left <= per_handle {
+            let pages = if self.config.expandable_handle_per_growth {
+                left.min(per_handle)
+            } else if left > 1 && left <= per_handle {
                 left - 1
             } else {
                 left.min(per_handle)

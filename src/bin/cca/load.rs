@@ -175,8 +175,10 @@ fn run_sim(
         Some(addr) => dev.place_next_at(addr),
         None => dev.clear_placement_hint(),
     };
-    let (report, timeline, wall) =
+    let before = dev.counters();
+    let (mut report, timeline, wall) =
         replay_timed(&alloc, trace, placement, Some(&hint), label, points)?;
+    report.add_device_cost(&before, &dev.counters());
     Ok(Run {
         report,
         timeline,

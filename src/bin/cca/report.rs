@@ -54,6 +54,8 @@ fn run_json(label: &Labelled, run: &Run, trace_args: &TraceArgs) -> Value {
         "num_ooms": r.num_ooms,
         "num_alloc_retries": r.num_alloc_retries,
         "cross_stream_handovers": r.cross_stream_handovers,
+        "device_calls": device_calls_json(r),
+        "modeled_device_ns": r.modeled_device_ns,
         "ns_per_op": lat.mean_ns,
         "ns_per_op_p50": lat.p50_ns,
         "ns_per_op_p99": lat.p99_ns,
@@ -62,6 +64,19 @@ fn run_json(label: &Labelled, run: &Run, trace_args: &TraceArgs) -> Value {
         "wall_ns_per_op": run.wall_ns_per_op(),
         "stats_at_peak": stats,
     })
+}
+
+/// The device calls of a simulated run by kind (`null` on a real device).
+fn device_calls_json(r: &ReplayReport) -> Value {
+    if r.modeled_device_ns.is_none() {
+        return Value::Null;
+    }
+    Value::Object(
+        r.device_calls
+            .iter()
+            .map(|&(k, v)| (k.to_string(), json!(v)))
+            .collect(),
+    )
 }
 
 fn reference_json(reference: &Reference) -> Value {
@@ -167,6 +182,20 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
         thousands(r.num_device_alloc)
     );
     println!("{:<26}{:>18}", "device frees", thousands(r.num_device_free));
+    if let Some(ns) = r.modeled_device_ns {
+        println!(
+            "{:<26}{:>18}",
+            "modeled device time",
+            format!("{:.3} ms", ns as f64 / 1e6)
+        );
+        let calls: Vec<String> = r
+            .device_calls
+            .iter()
+            .filter(|(_, c)| *c > 0)
+            .map(|(k, c)| format!("{k} {}", thousands(*c)))
+            .collect();
+        println!("{:<26}{:>18}  {}", "device calls", "", calls.join(", "));
+    }
     println!(
         "{:<26}{:>18}",
         "OOMs / retries",
@@ -280,7 +309,7 @@ pub(crate) fn compare(a: &CompareArgs) -> CliResult<()> {
     }
     println!();
     type Row = (&'static str, fn(&ReplayReport) -> String);
-    let rows: [Row; 11] = [
+    let rows: [Row; 13] = [
         ("peak live bytes", |r| thousands(r.peak_live_bytes)),
         ("peak allocated bytes", |r| {
             thousands(r.peak_allocated_bytes)
@@ -295,6 +324,13 @@ pub(crate) fn compare(a: &CompareArgs) -> CliResult<()> {
         ("segments at peak", |r| thousands(r.segment_count_peak)),
         ("device allocs", |r| thousands(r.num_device_alloc)),
         ("device frees", |r| thousands(r.num_device_free)),
+        ("modeled device ms", |r| {
+            r.modeled_device_ns
+                .map_or("-".to_string(), |ns| format!("{:.3}", ns as f64 / 1e6))
+        }),
+        ("synchronizations", |r| {
+            thousands(r.device_call("synchronize") + r.device_call("stream_synchronize"))
+        }),
         ("OOMs / retries", |r| {
             format!("{} / {}", r.num_ooms, r.num_alloc_retries)
         }),

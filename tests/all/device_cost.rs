@@ -1,0 +1,154 @@
+//! The device-time model on the shipped traces (#11): what each configuration's growth costs in
+//! modeled driver time (`ReplayReport::modeled_device_ns`, H100 call costs) and synchronizations,
+//! held under committed bounds so that a change that brings the cost back fails; plus the growth
+//! knobs that cut the cost (`cca_min_growth_mb`, `cca_handle_per_growth`).
+
+use cuda_caching_allocator::trace::{Trace, TraceOp, TraceSource};
+use cuda_caching_allocator::*;
+
+const MIB: usize = 1 << 20;
+
+fn run(trace: &Trace, config: AllocatorConfig) -> ReplayReport {
+    let alloc = CachingAllocator::new(SimDevice::default(), config).unwrap();
+    replay(&alloc, trace, &ReplayOptions::default()).unwrap()
+}
+
+fn syncs(r: &ReplayReport) -> u64 {
+    r.device_call("synchronize") + r.device_call("stream_synchronize")
+}
+
+/// Allocations of `sizes` MiB on stream 0, none freed.
+fn growing(sizes: &[usize]) -> Trace {
+    let mut t = Trace::new(TraceSource::Synthetic);
+    for (i, &mb) in sizes.iter().enumerate() {
+        t.push(TraceOp::Alloc {
+            id: i as u64,
+            size: (mb * MIB) as u64,
+            stream: 0,
+            addr: None,
+        });
+    }
+    t
+}
+
+fn page_reuse_config(extra: &str) -> AllocatorConfig {
+    AllocatorConfig::parse(&format!(
+        "expandable_segments:True,cca_large_page_size_mb:2,cca_page_reuse:device,\
+         cca_page_reuse_slack:0.01,cca_precise_cap:True,cca_max_handle_size_mb:64{extra}"
+    ))
+    .unwrap()
+}
+
+#[test]
+fn one_handle_per_growth_halves_the_creates() {
+    // Each 7 MiB request grows the segment by 4 pages (8 MiB; the first by 4, later ones by
+    // what the free tail lacks).
+    let t = growing(&[7, 7, 7]);
+    let split = run(&t, page_reuse_config(""));
+    let one = run(&t, page_reuse_config(",cca_handle_per_growth:True"));
+    assert_eq!(one.peak_reserved_bytes, split.peak_reserved_bytes);
+    assert_eq!(one.device_call("create"), one.device_call("map"));
+    assert_eq!(one.device_call("create"), 3, "{:?}", one.device_calls);
+    assert_eq!(split.device_call("create"), 6, "{:?}", split.device_calls);
+    assert!(one.modeled_device_ns < split.modeled_device_ns);
+}
+
+#[test]
+fn a_minimum_growth_maps_ahead_of_need() {
+    // With 20 MiB growths, five 4 MiB requests grow the segment once.
+    let t = growing(&[4, 4, 4, 4, 4]);
+    let exact = run(&t, page_reuse_config(",cca_handle_per_growth:True"));
+    let ahead = run(
+        &t,
+        page_reuse_config(",cca_handle_per_growth:True,cca_min_growth_mb:20"),
+    );
+    assert_eq!(exact.device_call("map"), 5, "{:?}", exact.device_calls);
+    assert_eq!(ahead.device_call("map"), 1, "{:?}", ahead.device_calls);
+    assert_eq!(ahead.peak_reserved_bytes, 20 * MIB as u64);
+    // A minimum growth larger than the device falls back to what the request needs.
+    let small = CachingAllocator::new(
+        SimDevice::with_capacity(64 * MIB),
+        page_reuse_config(",cca_min_growth_mb:1024"),
+    )
+    .unwrap();
+    let a = small.allocate(6 * MIB, StreamId(0)).unwrap();
+    assert_eq!(small.memory_stats().memory_reserved(), 6 * MIB as i64);
+    small.free(a.ptr).unwrap();
+}
+
+#[test]
+fn growth_knobs_parse_and_stay_off_in_the_pytorch_presets() {
+    let c = AllocatorConfig::parse("cca_min_growth_mb:20,cca_handle_per_growth:True").unwrap();
+    assert_eq!(c.expandable_min_growth, 20 * MIB);
+    assert!(c.expandable_handle_per_growth);
+    for p in [Preset::Pytorch, Preset::PytorchExpandable] {
+        let c = p.config();
+        assert_eq!(c.expandable_min_growth, 0);
+        assert!(!c.expandable_handle_per_growth);
+    }
+    assert!(AllocatorConfig::parse("cca_handle_per_growth:yes").is_err());
+}
+
+#[cfg(feature = "trace-io")]
+mod shipped {
+    use super::*;
+    use cuda_caching_allocator::trace::{ImportOptions, read_trace_file};
+
+    fn load(name: &str) -> Trace {
+        let path = format!(
+            "{}/examples/traces/{name}.csv.gz",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        read_trace_file(&path, &ImportOptions::strict())
+            .unwrap_or_else(|e| panic!("{path}: {e}"))
+            .trace
+    }
+
+    /// Per shipped trace: the default's modeled device time (ns) and synchronizations may not
+    /// exceed these (the figures of benches/README.md, "Device cost", rounded up).
+    const DEFAULT_BOUNDS: [(&str, u64, u64); 3] = [
+        ("gpt2_train", 389_000_000, 47),
+        ("resnet50_train", 73_500_000, 7),
+        ("bert_varlen", 195_500_000, 47),
+    ];
+
+    /// Per shipped trace, under the lean-and-fast growth (64 MiB handles, one per growth, 20 MiB
+    /// growths): modeled device time over the `pytorch` preset's, and synchronizations.
+    const LEAN_FAST_BOUNDS: [(&str, f64, u64); 3] = [
+        ("gpt2_train", 3.05, 3),
+        ("resnet50_train", 1.20, 0),
+        ("bert_varlen", 1.52, 2),
+    ];
+
+    #[test]
+    fn the_defaults_device_cost_stays_under_its_bound() {
+        for (name, max_ns, max_syncs) in DEFAULT_BOUNDS {
+            let r = run(&load(name), AllocatorConfig::default());
+            let ns = r.modeled_device_ns.unwrap();
+            assert!(ns <= max_ns, "{name}: modeled {ns} ns > {max_ns}");
+            assert!(syncs(&r) <= max_syncs, "{name}: {:?}", r.device_calls);
+            assert!(r.reserved_over_live() <= 1.02, "{name}");
+        }
+    }
+
+    #[test]
+    fn lean_fast_growth_costs_a_few_times_pytorch_and_stays_lean() {
+        for (name, max_ratio, max_syncs) in LEAN_FAST_BOUNDS {
+            let t = load(name);
+            let base = run(&t, AllocatorConfig::pytorch());
+            let r = run(
+                &t,
+                page_reuse_config(",cca_handle_per_growth:True,cca_min_growth_mb:20"),
+            );
+            let ratio =
+                r.modeled_device_ns.unwrap() as f64 / base.modeled_device_ns.unwrap() as f64;
+            assert!(ratio <= max_ratio, "{name}: {ratio:.3} x pytorch");
+            assert!(syncs(&r) <= max_syncs, "{name}: {:?}", r.device_calls);
+            assert!(
+                r.reserved_over_live() <= 1.02,
+                "{name}: {:.4}",
+                r.reserved_over_live()
+            );
+        }
+    }
+}
