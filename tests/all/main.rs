@@ -21,6 +21,7 @@ mod fidelity;
 mod fragmentation;
 mod graph_capture;
 mod limits;
+mod pinned;
 mod programs;
 mod props;
 mod stream_safety;
