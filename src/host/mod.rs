@@ -14,7 +14,7 @@
 //! Page-locking comes from a [`HostBackend`]; events come from its device
 //! ([`HostBackend::device`], the existing [`DeviceBackend`](crate::DeviceBackend) event calls).
 //! [`SimHost`] is the deterministic simulated host over a [`SimDevice`](crate::SimDevice); the
-//! CUDA host backend and the cudarc-facing `PinnedAllocator` live in
+//! CUDA host backend (`CudaHost`) lives in
 //! `host/cuda.rs` behind the `cuda` feature.
 //!
 //! Files: `backend.rs` (the trait and its values), `config.rs`, `error.rs`, `slab.rs` (one slab's
@@ -26,6 +26,8 @@ mod backend;
 mod cache;
 mod compare;
 mod config;
+#[cfg(feature = "cuda-unpinned")]
+mod cuda;
 mod error;
 mod invariants;
 mod sim;
@@ -36,6 +38,8 @@ pub use backend::{HostBackend, HostPtr, Pinned};
 pub use cache::{PinnedBlock, PinnedCache};
 pub use compare::{HostOp, PowerOfTwoModel, mixed_workload};
 pub use config::PinnedConfig;
+#[cfg(feature = "cuda-unpinned")]
+pub use cuda::CudaHost;
 pub use error::PinnedError;
 pub use invariants::PinnedInvariantViolation;
 pub use sim::{SimHost, SimHostConfig, SimHostCounters, SimHostFault};
