@@ -7,6 +7,7 @@ pub mod backend;
 pub mod config;
 mod error;
 mod format;
+pub mod host;
 #[cfg(feature = "cuda-unpinned")]
 pub mod interop;
 pub mod replay;
@@ -30,6 +31,10 @@ pub use backend::{
 pub use config::{AllocatorConfig, AllocatorConfigBuilder, ConfigError, PageReuse, Preset};
 pub use error::{AllocError, OomReport, OomVerdict, Result};
 pub use format::format_size;
+pub use host::{
+    HostBackend, HostPtr, PinnedBlock, PinnedCache, PinnedConfig, PinnedError, PinnedStats,
+    SimHost, SimHostConfig,
+};
 pub use replay::{
     Placement, ReplayError, ReplayOptions, ReplayReport, replay, replay_observed, replay_with,
 };

@@ -22,6 +22,7 @@ mod fidelity;
 mod fragmentation;
 mod graph_capture;
 mod limits;
+mod pinned;
 mod programs;
 mod props;
 mod stream_safety;

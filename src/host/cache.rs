@@ -1,0 +1,567 @@
+//! `PinnedCache`: exact-size sub-allocation from pinned slabs, with stream-ordered reuse.
+//!
+//! Algorithm (`docs/pinned.md`):
+//!
+//! 1. A request rounds up to the alignment only. If blocks wait for events, their events are
+//!    queried first (none is polled when none waits); completed ones return to the free ranges.
+//! 2. Best fit: the smallest free range, over all slabs, that holds the request (ties: lowest
+//!    slab, lowest offset); the rest of the range stays free (split).
+//! 3. Otherwise a new slab of `slab_size` bytes (or the request's size, if larger) is pinned.
+//!    If that would pass the cap, wholly free slabs are unpinned first; if it still would, a slab
+//!    of exactly the request's size is tried; if even that would, the error names the cap. If
+//!    pinning runs out of memory, wholly free slabs are unpinned and pinning is tried once more.
+//! 4. A free returns the block at once if no stream was declared for it; otherwise one event is
+//!    recorded per declared stream and the block waits until all completed, then merges with its
+//!    free neighbours.
+//!
+//! Note [Pinned unsafe]: the only `unsafe` here calls `HostBackend::unpin` (the slab came from
+//! `pin` on the same backend and is idle: no live block and no block waiting for events, so no
+//! queued work the cache was told of still uses it) and `DeviceBackend::destroy_event` (the event
+//! came from `create_event` on the backend's device and is destroyed once).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use parking_lot::Mutex;
+
+use crate::backend::{BackendError, DeviceBackend, EventHandle, StreamId};
+
+use super::slab::Slab;
+use super::{HostBackend, HostPtr, PinnedConfig, PinnedError, PinnedStats};
+
+/// A block handed out by [`PinnedCache::alloc`]: where it is and how many bytes were asked for.
+/// A plain value: freeing it is the caller's job ([`PinnedCache::free`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PinnedBlock {
+    /// Start of the block (aligned to the cache's alignment).
+    pub ptr: HostPtr,
+    /// Bytes asked for.
+    pub size: usize,
+}
+
+#[derive(Debug)]
+struct Live {
+    base: usize,
+    len: usize,
+    requested: usize,
+    streams: Vec<StreamId>,
+}
+
+#[derive(Debug)]
+struct Waiting {
+    addr: usize,
+    base: usize,
+    len: usize,
+    events: Vec<EventHandle>,
+    /// Streams whose work could be fenced neither by an event nor by a synchronization.
+    unfenced: Vec<StreamId>,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct State {
+    pub(super) slabs: BTreeMap<usize, Slab>,
+    /// Every free range of every slab: (length, slab base, offset).
+    pub(super) free_index: BTreeSet<(usize, usize, usize)>,
+    live: BTreeMap<usize, Live>,
+    waiting: Vec<Waiting>,
+    spare_events: Vec<EventHandle>,
+    pub(super) stats: PinnedStats,
+}
+
+impl State {
+    /// Every live and waiting block as (address, aligned length).
+    pub(super) fn owned_ranges(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.live
+            .iter()
+            .map(|(&a, l)| (a, l.len))
+            .chain(self.waiting.iter().map(|w| (w.addr, w.len)))
+    }
+
+    /// (allocated, requested, pending) bytes summed from the blocks.
+    pub(super) fn byte_totals(&self) -> (usize, usize, usize) {
+        let allocated = self.live.values().map(|l| l.len).sum();
+        let requested = self.live.values().map(|l| l.requested).sum();
+        let pending = self.waiting.iter().map(|w| w.len).sum();
+        (allocated, requested, pending)
+    }
+}
+
+/// A caching allocator for pinned host memory over a [`HostBackend`]. All methods take `&self`;
+/// one mutex guards the state.
+#[derive(Debug)]
+pub struct PinnedCache<H: HostBackend> {
+    host: H,
+    config: PinnedConfig,
+    state: Mutex<State>,
+}
+
+fn round_up(n: usize, align: usize) -> Option<usize> {
+    n.checked_add(align - 1).map(|v| v & !(align - 1))
+}
+
+impl<H: HostBackend> PinnedCache<H> {
+    /// A cache over `host` with `config`.
+    ///
+    /// # Errors
+    ///
+    /// [`PinnedError::InvalidConfig`] if the alignment is not a power of two or exceeds the
+    /// backend's, or the slab size is zero.
+    pub fn new(host: H, config: PinnedConfig) -> Result<Self, PinnedError> {
+        if !config.alignment.is_power_of_two() {
+            return Err(PinnedError::InvalidConfig(format!(
+                "alignment {} is not a power of two",
+                config.alignment
+            )));
+        }
+        if config.alignment > host.alignment() {
+            return Err(PinnedError::InvalidConfig(format!(
+                "alignment {} exceeds the host backend's alignment {}",
+                config.alignment,
+                host.alignment()
+            )));
+        }
+        if config.slab_size == 0 {
+            return Err(PinnedError::InvalidConfig("slab_size is zero".into()));
+        }
+        let config = PinnedConfig {
+            slab_size: round_up(config.slab_size, config.alignment).ok_or_else(|| {
+                PinnedError::InvalidConfig(format!("slab_size {} overflows", config.slab_size))
+            })?,
+            ..config
+        };
+        Ok(PinnedCache {
+            host,
+            config,
+            state: Mutex::new(State::default()),
+        })
+    }
+
+    /// The host backend.
+    pub fn host(&self) -> &H {
+        &self.host
+    }
+
+    /// The configuration in force (slab size rounded up to the alignment).
+    pub fn config(&self) -> PinnedConfig {
+        self.config
+    }
+
+    /// A copy of the statistics.
+    pub fn stats(&self) -> PinnedStats {
+        self.state.lock().stats.clone()
+    }
+
+    /// The statistics as one line ([`PinnedStats::summary`]).
+    pub fn summary(&self) -> String {
+        self.state.lock().stats.summary()
+    }
+
+    /// Resets every peak to the current value.
+    pub fn reset_peak_stats(&self) {
+        let mut g = self.state.lock();
+        let s = &mut g.stats;
+        for st in [
+            &mut s.allocated_bytes,
+            &mut s.requested_bytes,
+            &mut s.reserved_bytes,
+            &mut s.pending_bytes,
+            &mut s.slabs,
+        ] {
+            st.reset_peak();
+        }
+    }
+
+    /// Hands out a block of at least `size` bytes (exactly `size` rounded up to the alignment).
+    ///
+    /// # Errors
+    ///
+    /// [`PinnedError::InvalidRequest`] for a zero or overflowing size;
+    /// [`PinnedError::CapExceeded`] when a new slab would pass `max_pinned`;
+    /// [`PinnedError::Backend`] when pinning fails.
+    pub fn alloc(&self, size: usize) -> Result<PinnedBlock, PinnedError> {
+        if size == 0 {
+            return Err(PinnedError::InvalidRequest(
+                "size 0: a pinned block must hold at least one byte".into(),
+            ));
+        }
+        let len = round_up(size, self.config.alignment).ok_or_else(|| {
+            PinnedError::InvalidRequest(format!("size {size} overflows when aligned"))
+        })?;
+        let mut g = self.state.lock();
+        if !g.waiting.is_empty() {
+            self.poll_waiting(&mut g);
+        }
+        let hit = g.free_index.range((len, 0, 0)..).next().copied();
+        let (base, offset) = match hit {
+            Some((_, base, offset)) => {
+                g.stats.num_cache_hits += 1;
+                (base, offset)
+            }
+            None => (self.grow(&mut g, len, size)?, 0),
+        };
+        self.carve(&mut g, base, offset, len);
+        let addr = base + offset;
+        g.live.insert(
+            addr,
+            Live {
+                base,
+                len,
+                requested: size,
+                streams: Vec::new(),
+            },
+        );
+        g.stats.allocated_bytes.increase(len as i64);
+        g.stats.requested_bytes.increase(size as i64);
+        g.stats.num_allocs += 1;
+        self.after_op(&g, "alloc");
+        Ok(PinnedBlock {
+            ptr: HostPtr(addr),
+            size,
+        })
+    }
+
+    /// Declares that queued work on `stream` uses the live block at `ptr` (as PyTorch's
+    /// `record_stream`): its free will record an event on `stream` and its reuse will wait for it.
+    ///
+    /// # Errors
+    ///
+    /// [`PinnedError::UnknownBlock`] if `ptr` is not live; [`PinnedError::Backend`] if the
+    /// device rejects the stream. Nothing changes on error.
+    pub fn record_stream(&self, ptr: HostPtr, stream: StreamId) -> Result<(), PinnedError> {
+        self.host.device().validate_stream(stream)?;
+        let mut g = self.state.lock();
+        let live = g
+            .live
+            .get_mut(&ptr.0)
+            .ok_or(PinnedError::UnknownBlock { ptr })?;
+        if !live.streams.contains(&stream) {
+            live.streams.push(stream);
+        }
+        Ok(())
+    }
+
+    /// The streams declared for the live block at `ptr`, in declaration order.
+    ///
+    /// # Errors
+    ///
+    /// [`PinnedError::UnknownBlock`] if `ptr` is not live.
+    pub fn streams_of(&self, ptr: HostPtr) -> Result<Vec<StreamId>, PinnedError> {
+        let g = self.state.lock();
+        g.live
+            .get(&ptr.0)
+            .map(|l| l.streams.clone())
+            .ok_or(PinnedError::UnknownBlock { ptr })
+    }
+
+    /// Frees the live block at `ptr`. With no stream declared, the bytes are reusable at once;
+    /// otherwise an event is recorded on each declared stream and reuse waits for all of them.
+    /// If recording an event fails, the stream is synchronized instead.
+    ///
+    /// # Errors
+    ///
+    /// [`PinnedError::UnknownBlock`] if `ptr` is not live (nothing changes);
+    /// [`PinnedError::Fence`] if a stream could be fenced neither by an event nor by a
+    /// synchronization: the block is freed but stays out of reuse until
+    /// [`empty_cache`](Self::empty_cache) manages to synchronize that stream.
+    pub fn free(&self, ptr: HostPtr) -> Result<(), PinnedError> {
+        let mut g = self.state.lock();
+        let live = g
+            .live
+            .remove(&ptr.0)
+            .ok_or(PinnedError::UnknownBlock { ptr })?;
+        g.stats.allocated_bytes.decrease(live.len as i64);
+        g.stats.requested_bytes.decrease(live.requested as i64);
+        g.stats.num_frees += 1;
+        let mut events = Vec::new();
+        let mut unfenced = Vec::new();
+        let mut first_err = None;
+        for &stream in &live.streams {
+            match self.fence(&mut g, stream) {
+                Ok(Some(ev)) => events.push(ev),
+                Ok(None) => {}
+                Err(e) => {
+                    unfenced.push(stream);
+                    if first_err.is_none() {
+                        first_err = Some(PinnedError::Fence { stream, source: e });
+                    }
+                }
+            }
+        }
+        if events.is_empty() && unfenced.is_empty() {
+            self.release_block(&mut g, live.base, ptr.0);
+        } else {
+            g.stats.pending_bytes.increase(live.len as i64);
+            g.waiting.push(Waiting {
+                addr: ptr.0,
+                base: live.base,
+                len: live.len,
+                events,
+                unfenced,
+            });
+        }
+        self.after_op(&g, "free");
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Unpins every wholly free slab (after collecting blocks whose events completed, and
+    /// synchronizing streams that could not be fenced at their free) and destroys cached
+    /// events. Returns the bytes unpinned.
+    ///
+    /// # Errors
+    ///
+    /// [`PinnedError::Backend`] if unpinning a slab failed: that slab stays pinned and cached;
+    /// the others are released.
+    pub fn empty_cache(&self) -> Result<usize, PinnedError> {
+        let mut g = self.state.lock();
+        for i in 0..g.waiting.len() {
+            let streams = match g.waiting.get(i) {
+                Some(w) => w.unfenced.clone(),
+                None => break,
+            };
+            for stream in streams {
+                g.stats.num_stream_syncs += 1;
+                if self.host.device().synchronize_stream(stream).is_ok() {
+                    if let Some(w) = g.waiting.get_mut(i) {
+                        w.unfenced.retain(|&s| s != stream);
+                    }
+                }
+            }
+        }
+        if !g.waiting.is_empty() {
+            self.poll_waiting(&mut g);
+        }
+        for ev in std::mem::take(&mut g.spare_events) {
+            // SAFETY: Note [Pinned unsafe]: spare events came from `create_event` on this
+            // device and leave the spare list here, so each is destroyed once.
+            let _ = unsafe { self.host.device().destroy_event(ev) };
+        }
+        let result = self.release_idle(&mut g);
+        self.after_op(&g, "empty_cache");
+        result
+    }
+
+    /// Checks every invariant of the cache's state (`invariants.rs`).
+    ///
+    /// # Errors
+    ///
+    /// The first violated invariant.
+    pub fn check_invariants(&self) -> Result<(), super::PinnedInvariantViolation> {
+        super::invariants::check(&self.state.lock(), &self.config)
+    }
+
+    /// Number of freed blocks still waiting for stream events.
+    pub fn waiting_blocks(&self) -> usize {
+        self.state.lock().waiting.len()
+    }
+
+    fn after_op(&self, st: &State, op: &str) {
+        #[cfg(feature = "invariant-checks")]
+        if let Err(v) = super::invariants::check(st, &self.config) {
+            // The `invariant-checks` feature exists to stop tests at the first corrupted state;
+            // it is never on in production builds.
+            panic!("pinned cache invariant violated after {op}: {v}");
+        }
+        let _ = (st, op);
+    }
+
+    /// Records an event on `stream`, or synchronizes it if that fails. `Ok(None)`: synchronized.
+    fn fence(&self, g: &mut State, stream: StreamId) -> Result<Option<EventHandle>, BackendError> {
+        let dev = self.host.device();
+        let ev = match g.spare_events.pop() {
+            Some(ev) => Ok(ev),
+            None => dev.create_event(),
+        };
+        let recorded: Result<(), BackendError> = match ev {
+            Ok(ev) => match dev.record_event(ev, stream) {
+                Ok(()) => {
+                    g.stats.num_event_records += 1;
+                    return Ok(Some(ev));
+                }
+                Err(e) => {
+                    g.spare_events.push(ev);
+                    Err(e)
+                }
+            },
+            Err(e) => Err(e),
+        };
+        tracing::debug!(?stream, error = ?recorded.err(), "pinned free: event failed, synchronizing the stream");
+        g.stats.num_stream_syncs += 1;
+        dev.synchronize_stream(stream).map(|()| None)
+    }
+
+    /// Queries the events of waiting blocks; returns completed blocks to the free ranges.
+    fn poll_waiting(&self, g: &mut State) {
+        let dev = self.host.device();
+        let mut i = 0;
+        while i < g.waiting.len() {
+            let mut done = Vec::new();
+            let mut queries = 0;
+            if let Some(w) = g.waiting.get_mut(i) {
+                w.events.retain(|&ev| {
+                    queries += 1;
+                    let complete = matches!(dev.query_event(ev), Ok(true));
+                    if complete {
+                        done.push(ev);
+                    }
+                    !complete
+                });
+            }
+            g.stats.num_event_queries += queries;
+            g.spare_events.extend(done);
+            let finished = g
+                .waiting
+                .get(i)
+                .is_some_and(|w| w.events.is_empty() && w.unfenced.is_empty());
+            if finished {
+                let w = g.waiting.swap_remove(i);
+                g.stats.pending_bytes.decrease(w.len as i64);
+                self.release_block(g, w.base, w.addr);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Returns the used range at `addr` of slab `base` to the free ranges.
+    fn release_block(&self, g: &mut State, base: usize, addr: usize) {
+        let Some(slab) = g.slabs.get_mut(&base) else {
+            return;
+        };
+        if let Some(m) = slab.give_back(addr - base) {
+            for (off, len) in m.absorbed.into_iter().flatten() {
+                g.free_index.remove(&(len, base, off));
+            }
+            g.free_index.insert((m.merged.1, base, m.merged.0));
+        }
+    }
+
+    /// Marks `len` bytes at `offset` of slab `base` used; the rest of the range stays free.
+    fn carve(&self, g: &mut State, base: usize, offset: usize, len: usize) {
+        let Some(slab) = g.slabs.get_mut(&base) else {
+            return;
+        };
+        if let Some(&have) = slab.free.get(&offset) {
+            g.free_index.remove(&(have, base, offset));
+        }
+        if let Some((rest_off, rest_len)) = slab.take(offset, len) {
+            g.free_index.insert((rest_len, base, rest_off));
+        }
+    }
+
+    /// Pins a new slab for a request of `len` aligned bytes; returns its base.
+    fn grow(&self, g: &mut State, len: usize, requested: usize) -> Result<usize, PinnedError> {
+        let mut slab_len = len.max(self.config.slab_size);
+        if let Some(cap) = self.config.max_pinned {
+            let pinned = |g: &State| g.stats.reserved_bytes.current.max(0) as usize;
+            if pinned(g).saturating_add(slab_len) > cap {
+                let _ = self.release_idle(g);
+            }
+            if pinned(g).saturating_add(slab_len) > cap {
+                slab_len = len;
+            }
+            if pinned(g).saturating_add(slab_len) > cap {
+                return Err(PinnedError::CapExceeded {
+                    cap,
+                    pinned: pinned(g),
+                    would_pin: slab_len,
+                    requested,
+                });
+            }
+        }
+        let pinned = match self.host.pin(slab_len) {
+            Ok(p) => p,
+            Err(e) if e.is_out_of_memory() => {
+                let freed = self.release_idle(g).unwrap_or(0);
+                if freed == 0 {
+                    return Err(e.into());
+                }
+                self.host.pin(slab_len)?
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let base = pinned.ptr.0;
+        g.stats.pin_nanos = g.stats.pin_nanos.saturating_add(pinned.nanos);
+        g.stats.num_pins += 1;
+        g.stats.reserved_bytes.increase(slab_len as i64);
+        g.stats.slabs.increase(1);
+        g.slabs.insert(base, Slab::new(slab_len));
+        g.free_index.insert((slab_len, base, 0));
+        Ok(base)
+    }
+
+    /// Unpins every idle slab; returns the bytes unpinned, or the first unpin error (after
+    /// trying every slab).
+    fn release_idle(&self, g: &mut State) -> Result<usize, PinnedError> {
+        let idle: Vec<(usize, usize)> = g
+            .slabs
+            .iter()
+            .filter(|(_, s)| s.is_idle())
+            .map(|(&b, s)| (b, s.size))
+            .collect();
+        let mut freed = 0;
+        let mut first_err = None;
+        for (base, size) in idle {
+            // SAFETY: Note [Pinned unsafe]: `base`/`size` are one slab from `pin` on this
+            // backend, still pinned (it is in `slabs`), and idle: no live block and no block
+            // waiting for events lies in it.
+            match unsafe { self.host.unpin(HostPtr(base), size) } {
+                Ok(nanos) => {
+                    g.slabs.remove(&base);
+                    g.free_index.remove(&(size, base, 0));
+                    g.stats.unpin_nanos = g.stats.unpin_nanos.saturating_add(nanos);
+                    g.stats.num_unpins += 1;
+                    g.stats.reserved_bytes.decrease(size as i64);
+                    g.stats.slabs.decrease(1);
+                    freed += size;
+                }
+                Err(e) => {
+                    if first_err.is_none() {
+                        first_err = Some(PinnedError::Backend(e));
+                    }
+                }
+            }
+        }
+        first_err.map_or(Ok(freed), Err)
+    }
+}
+
+impl<H: HostBackend> Drop for PinnedCache<H> {
+    /// Waits for blocks still waiting on events, destroys every event, and unpins the slabs
+    /// that hold no live block and no unfenced block; slabs still holding those are left pinned
+    /// (leaked), since work may still use them.
+    fn drop(&mut self) {
+        let dev = self.host.device();
+        let g = self.state.get_mut();
+        for w in &mut g.waiting {
+            let mut synced = true;
+            for &ev in &w.events {
+                synced &= dev.synchronize_event(ev).is_ok();
+            }
+            if !synced {
+                // Keep the block out of the slab so the slab stays pinned.
+                w.unfenced.push(StreamId::DEFAULT);
+            }
+            let events = std::mem::take(&mut w.events);
+            g.spare_events.extend(events);
+        }
+        for ev in std::mem::take(&mut g.spare_events) {
+            // SAFETY: Note [Pinned unsafe]: every event came from `create_event` on this device
+            // and sits in exactly one list, which is emptied here.
+            let _ = unsafe { dev.destroy_event(ev) };
+        }
+        let waiting = std::mem::take(&mut g.waiting);
+        for w in waiting {
+            if w.unfenced.is_empty() {
+                if let Some(slab) = g.slabs.get_mut(&w.base) {
+                    slab.give_back(w.addr - w.base);
+                }
+            }
+        }
+        for (&base, slab) in &g.slabs {
+            if slab.is_idle() {
+                // SAFETY: Note [Pinned unsafe]: the slab came from `pin` on this backend and is
+                // idle (no live block; every waiting block's events were synchronized above).
+                let _ = unsafe { self.host.unpin(HostPtr(base), slab.size) };
+            }
+        }
+    }
+}

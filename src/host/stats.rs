@@ -1,0 +1,70 @@
+//! `PinnedStats`: the pinned host cache's statistics and its one-line summary.
+//! May use: `stats`, `format`.
+
+#![forbid(unsafe_code)]
+
+use crate::format::format_size;
+use crate::stats::Stat;
+
+/// Statistics of a [`PinnedCache`](super::PinnedCache), in the core's vocabulary: *allocated*
+/// bytes are live blocks at their aligned size, *requested* bytes the sizes asked for,
+/// *reserved* bytes the pinned slabs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PinnedStats {
+    /// Bytes of live blocks (aligned sizes).
+    pub allocated_bytes: Stat,
+    /// Bytes asked for by live blocks.
+    pub requested_bytes: Stat,
+    /// Bytes pinned (all slabs).
+    pub reserved_bytes: Stat,
+    /// Bytes of blocks freed by the user but waiting for stream events before reuse.
+    pub pending_bytes: Stat,
+    /// Number of slabs.
+    pub slabs: Stat,
+    /// Successful allocations.
+    pub num_allocs: u64,
+    /// Allocations served from cached slabs without pinning.
+    pub num_cache_hits: u64,
+    /// Frees.
+    pub num_frees: u64,
+    /// Slabs pinned.
+    pub num_pins: u64,
+    /// Slabs unpinned.
+    pub num_unpins: u64,
+    /// Nanoseconds spent pinning, as the host backend measured (or modelled) them.
+    pub pin_nanos: u64,
+    /// Nanoseconds spent unpinning, as the host backend measured (or modelled) them.
+    pub unpin_nanos: u64,
+    /// Events recorded at frees.
+    pub num_event_records: u64,
+    /// Event queries made to find reusable blocks.
+    pub num_event_queries: u64,
+    /// Stream synchronizations made because recording an event failed, or at `empty_cache`.
+    pub num_stream_syncs: u64,
+}
+
+impl PinnedStats {
+    /// One line: allocated, reserved, slabs, requested, pending, pins and their time.
+    pub fn summary(&self) -> String {
+        let sz = |v: i64| format_size(u64::try_from(v).unwrap_or(0));
+        format!(
+            "pinned host: allocated {} (peak {}), requested {} (peak {}), reserved {} (peak {}) in {} slabs (peak {}), pending {}; {} allocs ({} cached), {} frees; {} pins ({:.3} ms), {} unpins ({:.3} ms)",
+            sz(self.allocated_bytes.current),
+            sz(self.allocated_bytes.peak),
+            sz(self.requested_bytes.current),
+            sz(self.requested_bytes.peak),
+            sz(self.reserved_bytes.current),
+            sz(self.reserved_bytes.peak),
+            self.slabs.current,
+            self.slabs.peak,
+            sz(self.pending_bytes.current),
+            self.num_allocs,
+            self.num_cache_hits,
+            self.num_frees,
+            self.num_pins,
+            self.pin_nanos as f64 / 1e6,
+            self.num_unpins,
+            self.unpin_nanos as f64 / 1e6,
+        )
+    }
+}
