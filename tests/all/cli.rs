@@ -407,3 +407,41 @@ fn cli_config_string_means_what_parse_reads() {
         "{help}"
     );
 }
+
+/// Regression (#15): error texts a user can act on. An empty file said `starts with ""`; an
+/// unmatched free said "import leniently" without naming the flag; a CSV with the wrong columns
+/// names the expected header.
+#[test]
+fn cli_trace_errors_say_what_to_do() {
+    let empty = scratch_file("empty_file.csv", b"");
+    let out = cca(&["replay", empty.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("empty file"), "{stderr}");
+    assert!(!stderr.contains("starts with \"\""), "{stderr}");
+    let unmatched = scratch_file(
+        "unmatched_free.csv",
+        b"Thread,Time,Action,Pointer,Size,Stream\n0,1,free,0x1000,512,0\n",
+    );
+    let out = cca(&["replay", unmatched.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--lenient"), "{stderr}");
+    let other = scratch_file("other.csv", b"when,what,where\n1,2,3\n");
+    let out = cca(&["replay", other.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("Thread,Time,Action,Pointer,Size,Stream"),
+        "{stderr}"
+    );
+    let out = cca(&[
+        "replay",
+        trace().to_str().unwrap(),
+        "--config",
+        "expandable_segments:yes",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("key 'expandable_segments' takes True or False"),
+        "{stderr}"
+    );
+}
