@@ -140,7 +140,8 @@ pub extern "C" fn cca_init(device_count: c_int) {
 }
 
 /// Checks the configuration the devices' caches will use (`CUDA_CACHING_ALLOCATOR_CONF`, else
-/// PyTorch's variables, over the crate's default): 0 when it is good, -1 otherwise, with the
+/// PyTorch's variables, read as `AllocatorConfig::parse` reads them; the crate's default when
+/// none is set): 0 when it is good, -1 otherwise, with the
 /// reason on stderr. The Python loader calls it before installing the allocator.
 #[unsafe(no_mangle)]
 pub extern "C" fn cca_check_config() -> c_int {

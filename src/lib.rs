@@ -1,4 +1,5 @@
 #![doc = include_str!("../docs/overview.md")]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_debug_implementations)]
 
@@ -9,6 +10,7 @@ mod error;
 mod format;
 pub mod host;
 #[cfg(feature = "cuda-unpinned")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda-unpinned")))]
 pub mod interop;
 pub mod replay;
 pub mod size_class;

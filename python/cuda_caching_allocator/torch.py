@@ -69,8 +69,10 @@ def enable(config=None, library=None, graphs=True):
 
     Args:
         config: an allocator configuration string (PyTorch's ``PYTORCH_CUDA_ALLOC_CONF`` syntax plus
-            the crate's ``cca_*`` keys); ``None`` keeps ``CUDA_CACHING_ALLOCATOR_CONF`` or PyTorch's
-            variables, over the crate's default.
+            the crate's ``cca_*`` keys), read as PyTorch reads it (on top of PyTorch's defaults;
+            ``cca_preset:default,...`` builds on the crate's default); ``None`` keeps
+            ``CUDA_CACHING_ALLOCATOR_CONF`` or PyTorch's variables, and the crate's default when
+            none is set.
         library: path of the allocator library; default: ``CCA_TORCH_LIBRARY`` or the library
             installed beside this module.
         graphs: register the CUDA-graph private-pool hooks when the library has them.

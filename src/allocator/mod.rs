@@ -587,8 +587,24 @@ impl<B: DeviceBackend> OwnedAllocation<B> {
         self.allocation.ptr
     }
 
-    /// Requested size in bytes.
+    /// Requested size in bytes (the same as [`OwnedAllocation::size`]).
     pub fn len(&self) -> usize {
+        self.allocation.size
+    }
+
+    /// Requested size in bytes: [`Allocation::size`]'s name for it.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use cuda_caching_allocator::{AllocatorConfig, CachingAllocator, SimDevice, StreamId};
+    /// let alloc = Arc::new(CachingAllocator::new(SimDevice::with_capacity(1 << 30), AllocatorConfig::pytorch())?);
+    /// let owned = alloc.allocate_owned(1000, StreamId::DEFAULT)?;
+    /// assert_eq!(owned.size(), 1000);
+    /// assert_eq!(owned.size(), owned.allocation().size);
+    /// assert_eq!(owned.size(), owned.len());
+    /// # Ok::<(), cuda_caching_allocator::AllocError>(())
+    /// ```
+    pub fn size(&self) -> usize {
         self.allocation.size
     }
 

@@ -19,6 +19,7 @@
 use std::fmt;
 
 #[cfg(feature = "cuda-unpinned")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda-unpinned")))]
 pub mod cuda;
 pub mod sim;
 

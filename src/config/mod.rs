@@ -250,7 +250,9 @@ impl AllocatorConfig {
         }
     }
 
-    /// A builder starting from PyTorch's defaults.
+    /// A builder starting from PyTorch's defaults, as [`AllocatorConfig::parse`] does (start
+    /// from another configuration, such as the crate's default, with
+    /// [`AllocatorConfigBuilder::from_config`]).
     pub fn builder() -> AllocatorConfigBuilder {
         AllocatorConfigBuilder {
             config: AllocatorConfig::pytorch(),
@@ -259,6 +261,11 @@ impl AllocatorConfig {
 
     /// Parses PyTorch's `PYTORCH_CUDA_ALLOC_CONF` syntax (`key:value,key:[k:v,...]`) on top of
     /// PyTorch's defaults, with PyTorch's keys, values and error messages.
+    ///
+    /// This is the one meaning of a configuration string throughout the crate: the environment
+    /// variables ([`AllocatorConfig::from_env_or`]) and `cca --config` without `--preset` read
+    /// a string the same way. The crate's key `cca_preset:NAME` starts over from a preset, so
+    /// `cca_preset:default,max_split_size_mb:256` builds on the crate's default instead.
     ///
     /// ```
     /// use cuda_caching_allocator::AllocatorConfig;
@@ -284,8 +291,10 @@ impl AllocatorConfig {
     }
 
     /// The configuration from the environment: `CUDA_CACHING_ALLOCATOR_CONF` if set, else
-    /// `PYTORCH_CUDA_ALLOC_CONF`, else `PYTORCH_ALLOC_CONF`, parsed on top of `base`; `base`
-    /// unchanged when none is set.
+    /// `PYTORCH_CUDA_ALLOC_CONF`, else `PYTORCH_ALLOC_CONF`, read as [`AllocatorConfig::parse`]
+    /// reads it (on top of PyTorch's defaults, so a string means what it means to PyTorch, on the
+    /// command line and in [`AllocatorConfig::parse`]); `base` when none is set. A string that
+    /// should build on the crate's default starts with `cca_preset:default`.
     ///
     /// # Errors
     /// A [`ConfigError`] naming the variable and what was wrong in it, including a value that
@@ -294,8 +303,7 @@ impl AllocatorConfig {
         for var in [ENV_VAR, "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"] {
             match std::env::var(var) {
                 Ok(value) => {
-                    return base
-                        .with_settings(&value)
+                    return AllocatorConfig::parse(&value)
                         .map_err(|e| ConfigError::new(format!("{var}: {}", e.message())));
                 }
                 // Set but unreadable is an error, not "unset": a later variable must not
@@ -310,6 +318,141 @@ impl AllocatorConfig {
             }
         }
         Ok(base)
+    }
+
+    /// The configuration as a string in PyTorch's syntax that [`AllocatorConfig::parse`] reads
+    /// back to this configuration: the keys whose values differ from PyTorch's defaults, in a
+    /// stable order (empty for PyTorch's defaults). Sizes are written in whole MiB, as the keys
+    /// take them (a size set directly in a field that is not a whole number of MiB is written
+    /// rounded down). Reports print it as the resolved configuration.
+    ///
+    /// ```
+    /// use cuda_caching_allocator::AllocatorConfig;
+    /// let s = AllocatorConfig::default().to_settings();
+    /// assert!(s.starts_with("expandable_segments:True"));
+    /// let back = AllocatorConfig::parse(&s).unwrap();
+    /// assert_eq!(back.to_settings(), s);
+    /// ```
+    pub fn to_settings(&self) -> String {
+        let d = AllocatorConfig::pytorch();
+        let mut out: Vec<String> = Vec::new();
+        let flag = |b: bool| if b { "True" } else { "False" };
+        if self.expandable_segments != d.expandable_segments {
+            out.push(format!(
+                "expandable_segments:{}",
+                flag(self.expandable_segments)
+            ));
+        }
+        if self.max_split_size != d.max_split_size {
+            out.push(format!("max_split_size_mb:{}", self.max_split_size / MIB));
+        }
+        if self.max_non_split_rounding != d.max_non_split_rounding {
+            out.push(format!(
+                "max_non_split_rounding_mb:{}",
+                self.max_non_split_rounding / MIB
+            ));
+        }
+        if self.large_segment_size != d.large_segment_size {
+            out.push(format!(
+                "large_segment_size_mb:{}",
+                self.large_segment_size / MIB
+            ));
+        }
+        let div = &self.roundup_power2_divisions;
+        if div != &d.roundup_power2_divisions {
+            if div.iter().all(|&v| v == div[0]) && div[0].is_power_of_two() {
+                out.push(format!("roundup_power2_divisions:{}", div[0]));
+            } else {
+                // Bucket `i` starts at 2^i MiB; the last bucket is everything above.
+                let mut items: Vec<String> = div
+                    .iter()
+                    .take(ROUNDUP_POWER2_BUCKETS - 1)
+                    .enumerate()
+                    .map(|(i, v)| format!("{}:{v}", 1usize << i))
+                    .collect();
+                items.push(format!(">:{}", div[ROUNDUP_POWER2_BUCKETS - 1]));
+                out.push(format!("roundup_power2_divisions:[{}]", items.join(",")));
+            }
+        }
+        if self.garbage_collection_threshold != d.garbage_collection_threshold {
+            out.push(format!(
+                "garbage_collection_threshold:{}",
+                self.garbage_collection_threshold
+            ));
+        }
+        if self.per_process_memory_fraction != d.per_process_memory_fraction {
+            out.push(format!(
+                "per_process_memory_fraction:{}",
+                self.per_process_memory_fraction
+            ));
+        }
+        if self.release_lock_on_cudamalloc != d.release_lock_on_cudamalloc {
+            out.push(format!(
+                "release_lock_on_cudamalloc:{}",
+                flag(self.release_lock_on_cudamalloc)
+            ));
+        }
+        if self.throw_on_cudamalloc_oom != d.throw_on_cudamalloc_oom {
+            out.push(format!(
+                "throw_on_cudamalloc_oom:{}",
+                flag(self.throw_on_cudamalloc_oom)
+            ));
+        }
+        if self.graph_capture_record_stream_reuse != d.graph_capture_record_stream_reuse {
+            out.push(format!(
+                "graph_capture_record_stream_reuse:{}",
+                flag(self.graph_capture_record_stream_reuse)
+            ));
+        }
+        if let Some(p) = self.expandable_large_page_size {
+            out.push(format!("cca_large_page_size_mb:{}", p / MIB));
+        }
+        if let Some(p) = self.expandable_max_handle_size {
+            out.push(format!("cca_max_handle_size_mb:{}", p / MIB));
+        }
+        if self.expandable_min_growth != d.expandable_min_growth {
+            out.push(format!(
+                "cca_min_growth_mb:{}",
+                self.expandable_min_growth / MIB
+            ));
+        }
+        if self.expandable_handle_per_growth != d.expandable_handle_per_growth {
+            out.push(format!(
+                "cca_handle_per_growth:{}",
+                flag(self.expandable_handle_per_growth)
+            ));
+        }
+        if self.page_reuse != d.page_reuse {
+            out.push(format!("cca_page_reuse:{}", self.page_reuse.name()));
+        }
+        if self.page_reuse_slack != d.page_reuse_slack {
+            out.push(format!("cca_page_reuse_slack:{}", self.page_reuse_slack));
+        }
+        if self.precise_fraction_cap != d.precise_fraction_cap {
+            out.push(format!(
+                "cca_precise_cap:{}",
+                flag(self.precise_fraction_cap)
+            ));
+        }
+        if self.fast_path != d.fast_path {
+            out.push(format!("cca_fast_path:{}", flag(self.fast_path)));
+        }
+        if self.cross_stream_reuse != d.cross_stream_reuse {
+            out.push(format!(
+                "cca_cross_stream_reuse:{}",
+                flag(self.cross_stream_reuse)
+            ));
+        }
+        out.join(",")
+    }
+
+    /// The preset this configuration equals (ignoring [`settings`](Self::settings)), if any.
+    pub fn matching_preset(&self) -> Option<Preset> {
+        Preset::ALL.into_iter().find(|p| {
+            let mut c = p.config();
+            c.settings.clone_from(&self.settings);
+            c == *self
+        })
     }
 
     /// Checks every value's range.

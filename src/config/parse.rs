@@ -76,12 +76,15 @@ impl Tokens {
             .ok_or_else(|| ConfigError::new(format!("Expected a number for '{key}' but got '{t}'")))
     }
 
-    fn boolean(&self, i: usize) -> Result<bool, ConfigError> {
+    /// A boolean value of `key`; the error keeps PyTorch's words and adds the key and the values
+    /// it takes.
+    fn boolean(&self, i: usize, key: &str) -> Result<bool, ConfigError> {
         match self.get(i)? {
             "True" => Ok(true),
             "False" => Ok(false),
             other => Err(ConfigError::new(format!(
-                "Expected 'True' or 'False' at index {i} in ConfigTokenizer but got '{other}'"
+                "Expected 'True' or 'False' at index {i} in ConfigTokenizer but got '{other}' \
+                 (key '{key}' takes True or False, with capitals)"
             ))),
         }
     }
@@ -202,22 +205,22 @@ pub(super) fn apply(
             "expandable_segments" => {
                 t.expect(i + 1, ":")?;
                 i += 2;
-                c.expandable_segments = t.boolean(i)?;
+                c.expandable_segments = t.boolean(i, &key)?;
             }
             "release_lock_on_cudamalloc" | "release_lock_on_hipmalloc" => {
                 t.expect(i + 1, ":")?;
                 i += 2;
-                c.release_lock_on_cudamalloc = t.boolean(i)?;
+                c.release_lock_on_cudamalloc = t.boolean(i, &key)?;
             }
             "throw_on_cudamalloc_oom" => {
                 t.expect(i + 1, ":")?;
                 i += 2;
-                c.throw_on_cudamalloc_oom = t.boolean(i)?;
+                c.throw_on_cudamalloc_oom = t.boolean(i, &key)?;
             }
             "graph_capture_record_stream_reuse" => {
                 t.expect(i + 1, ":")?;
                 i += 2;
-                c.graph_capture_record_stream_reuse = t.boolean(i)?;
+                c.graph_capture_record_stream_reuse = t.boolean(i, &key)?;
             }
             // Crate-specific keys (prefix `cca_`); PyTorch does not know them.
             "cca_large_page_size_mb" => {
@@ -256,7 +259,7 @@ pub(super) fn apply(
             "cca_handle_per_growth" => {
                 t.expect(i + 1, ":")?;
                 i += 2;
-                c.expandable_handle_per_growth = t.boolean(i)?;
+                c.expandable_handle_per_growth = t.boolean(i, &key)?;
             }
             "cca_page_reuse" => {
                 t.expect(i + 1, ":")?;
@@ -286,17 +289,17 @@ pub(super) fn apply(
             "cca_precise_cap" => {
                 t.expect(i + 1, ":")?;
                 i += 2;
-                c.precise_fraction_cap = t.boolean(i)?;
+                c.precise_fraction_cap = t.boolean(i, &key)?;
             }
             "cca_fast_path" => {
                 t.expect(i + 1, ":")?;
                 i += 2;
-                c.fast_path = t.boolean(i)?;
+                c.fast_path = t.boolean(i, &key)?;
             }
             "cca_cross_stream_reuse" => {
                 t.expect(i + 1, ":")?;
                 i += 2;
-                c.cross_stream_reuse = t.boolean(i)?;
+                c.cross_stream_reuse = t.boolean(i, &key)?;
             }
             "cca_preset" => {
                 // This crate's key: start over from a named preset; keys after it apply on top.
@@ -487,11 +490,13 @@ mod tests {
         assert!(c.cross_stream_reuse && c.expandable_segments);
         assert_eq!(
             err("cca_cross_stream_reuse:yes"),
-            "Expected 'True' or 'False' at index 2 in ConfigTokenizer but got 'yes'"
+            "Expected 'True' or 'False' at index 2 in ConfigTokenizer but got 'yes' \
+             (key 'cca_cross_stream_reuse' takes True or False, with capitals)"
         );
         assert_eq!(
             err("cca_cross_stream_reuse:1"),
-            "Expected 'True' or 'False' at index 2 in ConfigTokenizer but got '1'"
+            "Expected 'True' or 'False' at index 2 in ConfigTokenizer but got '1' \
+             (key 'cca_cross_stream_reuse' takes True or False, with capitals)"
         );
         assert!(err("cca_cross_stream_reuse").contains("ends too early"));
         // A preset named after the key starts over (off again).
@@ -533,7 +538,8 @@ mod tests {
         );
         assert_eq!(
             err("expandable_segments:true"),
-            "Expected 'True' or 'False' at index 2 in ConfigTokenizer but got 'true'"
+            "Expected 'True' or 'False' at index 2 in ConfigTokenizer but got 'true' \
+             (key 'expandable_segments' takes True or False, with capitals)"
         );
         assert_eq!(
             err("max_split_size_mb=20"),
@@ -569,7 +575,8 @@ mod tests {
         );
         assert_eq!(
             err("expandable_segments:True max_split_size_mb:20"),
-            "Expected 'True' or 'False' at index 2 in ConfigTokenizer but got 'Truemax_split_size_mb'"
+            "Expected 'True' or 'False' at index 2 in ConfigTokenizer but got 'Truemax_split_size_mb' \
+             (key 'expandable_segments' takes True or False, with capitals)"
         );
         assert!(err("per_process_memory_fraction:1.5").contains("[0.0, 1.0]"));
         assert!(err("large_segment_size_mb:10").contains("> 10"));

@@ -47,8 +47,9 @@ impl AllocatorRegistry {
     }
 
     /// The process-wide registry. Its configuration is read once from the environment
-    /// (`CUDA_CACHING_ALLOCATOR_CONF`, else `PYTORCH_CUDA_ALLOC_CONF` / `PYTORCH_ALLOC_CONF`) over
-    /// the crate's default; a bad setting is reported by every [`get`](Self::get).
+    /// (`CUDA_CACHING_ALLOCATOR_CONF`, else `PYTORCH_CUDA_ALLOC_CONF` / `PYTORCH_ALLOC_CONF`), read
+    /// as [`AllocatorConfig::parse`] reads it; the crate's default when none is set. A bad setting
+    /// is reported by every [`get`](Self::get).
     pub fn global() -> &'static AllocatorRegistry {
         static GLOBAL: OnceLock<AllocatorRegistry> = OnceLock::new();
         GLOBAL.get_or_init(|| AllocatorRegistry {

@@ -71,9 +71,7 @@ pub enum TraceIoError {
     },
     /// The input is neither a pickle nor a CSV log with a header naming `Action` and `Pointer`
     /// (format detection in [`read_trace`](super::read_trace)).
-    #[error(
-        "neither a PyTorch snapshot pickle nor an RMM CSV log (the input starts with {start:?})"
-    )]
+    #[error("{}", unknown_format(start))]
     UnknownFormat {
         /// The first bytes of the (decompressed) input, lossily as text.
         start: String,
@@ -119,7 +117,8 @@ pub enum TraceIoError {
     /// such frees.
     #[error(
         "{at}: free of address {addr:#x}, which no live allocation holds (if the history is \
-         truncated, import leniently to skip such frees)"
+         truncated, import leniently to skip such frees: cca --lenient, or \
+         ImportOptions::lenient)"
     )]
     UnmatchedFree {
         /// The offending line or entry.
@@ -184,5 +183,23 @@ impl TraceIoError {
         TraceIoError::MemoryViz {
             detail: detail.into(),
         }
+    }
+}
+
+/// The message of [`TraceIoError::UnknownFormat`]: "empty file" for an empty input, else the
+/// input's first bytes, and what each format starts with.
+fn unknown_format(start: &str) -> String {
+    let expected = format!(
+        "a PyTorch snapshot pickle starts with byte 0x80, an RMM CSV log with the header \
+         {}",
+        super::rmm_csv::RMM_CSV_HEADER
+    );
+    if start.is_empty() {
+        format!("empty file: neither a PyTorch snapshot pickle nor an RMM CSV log ({expected})")
+    } else {
+        format!(
+            "neither a PyTorch snapshot pickle nor an RMM CSV log (the input starts with \
+             {start:?}; {expected})"
+        )
     }
 }

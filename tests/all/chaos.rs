@@ -217,14 +217,12 @@ fn chaos_threads_with_faults_keep_the_invariants() {
                 .unwrap(),
         ),
     ];
-    // The fast-path configuration runs in the soak job only: its 10-minute run here found a
-    // violation once in 360,942 operations ("stat front cache delta of allocation.all.current
-    // is -1 but a recount gives 0", reported in #14), which would make a short CI run flaky.
-    let configs = if secs.is_some() {
-        &configs[..]
-    } else {
-        &configs[..3]
-    };
+    // The fast-path configuration once showed "front cache delta of allocation.all.current is
+    // -1 but a recount gives 0" (once in 360,942 operations): the invariant checker read a
+    // cache's counters while its owner was between a descriptor change and the counter update.
+    // The checker now waits out such an operation in flight; after that, 80 s of this harness
+    // on that configuration (5,687,802 operations) saw no violation.
+    let configs = &configs[..];
     let per = duration / configs.len() as u32;
     for (name, config) in configs {
         chaos(config.clone(), name, 4, steps, per);

@@ -236,3 +236,212 @@ fn cli_max_import_bytes_is_the_import_limit() {
         "{stderr}"
     );
 }
+
+/// Regression (#15): `cca replay ... | head -1` panicked ("failed printing to stdout: Broken
+/// pipe", exit 101), as did `--summary` and `compare`. A reader that goes away ends the output
+/// quietly with status 0.
+#[test]
+fn cli_closed_stdout_ends_quietly() {
+    let t = trace();
+    let t = t.to_str().unwrap();
+    for args in [
+        vec!["replay", t],
+        vec!["replay", t, "--summary"],
+        vec!["replay", t, "--json"],
+        vec!["compare", t, "--preset", "pytorch"],
+    ] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_cca"))
+            .args(&args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Close the read end before cca writes anything (loading the trace takes longer).
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let what = args.join(" ");
+        assert_no_panic(&out, &what);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{what}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+/// Regression (#15): a replay in which 947 allocations failed out of memory, and a replay of an
+/// empty trace, exited 0 with an ordinary table. Both warn on stderr, are marked in the text and
+/// the JSON, and exit 1; `--allow-oom` accepts OOMs (not an empty trace).
+#[test]
+fn cli_failed_runs_do_not_look_like_results() {
+    let t = trace();
+    let t = t.to_str().unwrap();
+    let out = cca(&[
+        "replay",
+        t,
+        "--preset",
+        "pytorch",
+        "--device-memory",
+        "1GiB",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stdout.contains("status         FAILED: "), "{stdout}");
+    assert!(stderr.contains("cca: warning: pytorch: "), "{stderr}");
+    assert!(stderr.contains("failed out of memory"), "{stderr}");
+    let out = cca(&[
+        "replay",
+        t,
+        "--preset",
+        "pytorch",
+        "--device-memory",
+        "1GiB",
+        "--json",
+        "--allow-oom",
+    ]);
+    assert_eq!(out.status.code(), Some(0));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["status"], "oom");
+    assert_eq!(v["failed"], true);
+    assert!(v["num_ooms"].as_u64().unwrap() > 0);
+    let out = cca(&["compare", t, "--device-memory", "1GiB"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("FAILED: "));
+
+    let empty = scratch_file(
+        "empty_trace.csv",
+        b"Thread,Time,Action,Pointer,Size,Stream\n",
+    );
+    let empty = empty.to_str().unwrap();
+    for args in [
+        vec!["replay", empty],
+        vec!["replay", empty, "--allow-oom", "--json"],
+    ] {
+        let out = cca(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{}: {stderr}", args.join(" "));
+        assert!(stderr.contains("the trace has no allocations"), "{stderr}");
+    }
+    let out = cca(&["replay", t, "--json"]);
+    assert_eq!(out.status.code(), Some(0));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["status"], "ok");
+}
+
+/// Regression (#15): `--json --summary` ignored `--summary`, and `80GB` was read as 80 GiB.
+#[test]
+fn cli_inputs_are_not_silently_ignored() {
+    let t = trace();
+    let t = t.to_str().unwrap();
+    let out = cca(&["replay", t, "--json", "--summary"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot be used with"));
+    let out = cca(&["replay", t, "--device-memory", "80G"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("ambiguous"));
+    let out = cca(&["replay", t, "--device-memory", "80GB", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["device_memory"], 80_000_000_000u64);
+}
+
+/// Regression (#15): `--config S` without `--preset` applied S on top of the crate's default,
+/// while `AllocatorConfig::parse(S)` and `CUDA_CACHING_ALLOCATOR_CONF=S` read it on top of
+/// PyTorch's. One rule now: a string alone is read as `parse` reads it; with `--preset` it
+/// applies on top of the preset; and every report prints the resolved configuration.
+#[test]
+fn cli_config_string_means_what_parse_reads() {
+    use cuda_caching_allocator::AllocatorConfig;
+    let t = trace();
+    let t = t.to_str().unwrap();
+    let json = |args: &[&str]| -> serde_json::Value {
+        let out = cca(args);
+        assert_eq!(out.status.code(), Some(0), "{}", args.join(" "));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let s = "max_split_size_mb:256";
+    let v = json(&["replay", t, "--config", s, "--json"]);
+    assert_eq!(
+        v["resolved_settings"],
+        AllocatorConfig::parse(s).unwrap().to_settings()
+    );
+    assert_eq!(v["resolved_settings"], s);
+    let v = json(&["replay", t, "--preset", "default", "--config", s, "--json"]);
+    let on_default = AllocatorConfig::default().with_settings(s).unwrap();
+    assert_eq!(v["resolved_settings"], on_default.to_settings());
+    let v = json(&[
+        "replay",
+        t,
+        "--config",
+        &format!("cca_preset:default,{s}"),
+        "--json",
+    ]);
+    assert_eq!(v["resolved_settings"], on_default.to_settings());
+    let v = json(&[
+        "replay",
+        t,
+        "--config",
+        "expandable_segments:True",
+        "--json",
+    ]);
+    assert_eq!(v["preset"], "pytorch-expandable");
+    let v = json(&["compare", t, "--config", s, "--json"]);
+    assert_eq!(v[0]["resolved_settings"], s);
+    let out = cca(&["replay", t]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains(&format!(
+            "resolved       {}  (= preset default)",
+            AllocatorConfig::default().to_settings()
+        )),
+        "{text}"
+    );
+    assert!(text.contains("fragmentation at peak"), "{text}");
+    assert!(text.contains("measured on this machine"), "{text}");
+    assert!(text.contains("segment statistic does not count"), "{text}");
+    let help = cca(&["replay", "--help"]);
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(
+        help.contains("With neither --preset nor --config: default"),
+        "{help}"
+    );
+}
+
+/// Regression (#15): error texts a user can act on. An empty file said `starts with ""`; an
+/// unmatched free said "import leniently" without naming the flag; a CSV with the wrong columns
+/// names the expected header.
+#[test]
+fn cli_trace_errors_say_what_to_do() {
+    let empty = scratch_file("empty_file.csv", b"");
+    let out = cca(&["replay", empty.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("empty file"), "{stderr}");
+    assert!(!stderr.contains("starts with \"\""), "{stderr}");
+    let unmatched = scratch_file(
+        "unmatched_free.csv",
+        b"Thread,Time,Action,Pointer,Size,Stream\n0,1,free,0x1000,512,0\n",
+    );
+    let out = cca(&["replay", unmatched.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--lenient"), "{stderr}");
+    let other = scratch_file("other.csv", b"when,what,where\n1,2,3\n");
+    let out = cca(&["replay", other.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("Thread,Time,Action,Pointer,Size,Stream"),
+        "{stderr}"
+    );
+    let out = cca(&[
+        "replay",
+        trace().to_str().unwrap(),
+        "--config",
+        "expandable_segments:yes",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("key 'expandable_segments' takes True or False"),
+        "{stderr}"
+    );
+}

@@ -41,6 +41,27 @@ fn environment_variables_in_order() {
             "{e}"
         );
     }
+    // Regression (#15): the variables were read on top of the caller's base (the crate's
+    // default in the registry), so the same string meant PyTorch + it to `parse` and the crate's
+    // default + it here. A string always means what `parse` reads now.
+    // SAFETY: as above.
+    unsafe { std::env::set_var("CUDA_CACHING_ALLOCATOR_CONF", "max_split_size_mb:256") };
+    let from_env = AllocatorConfig::from_env_or(AllocatorConfig::default()).unwrap();
+    assert_eq!(
+        from_env,
+        AllocatorConfig::parse("max_split_size_mb:256").unwrap()
+    );
+    assert!(!from_env.expandable_segments);
+    // SAFETY: as above.
+    unsafe {
+        std::env::set_var(
+            "CUDA_CACHING_ALLOCATOR_CONF",
+            "cca_preset:default,max_split_size_mb:256",
+        )
+    };
+    let from_env = AllocatorConfig::from_env_or(AllocatorConfig::pytorch()).unwrap();
+    assert!(from_env.expandable_segments);
+    assert_eq!(from_env.max_split_size, 256 << 20);
     // SAFETY: as above.
     unsafe {
         std::env::remove_var("CUDA_CACHING_ALLOCATOR_CONF");
@@ -61,4 +82,63 @@ fn presets_by_name() {
     let e = Preset::from_name("tf").unwrap_err();
     assert!(e.message().contains("known presets"));
     assert!(Preset::PytorchExpandable.config().expandable_segments);
+}
+
+/// The resolved configuration a report prints reads back to the same configuration.
+#[test]
+fn settings_string_round_trips() {
+    let mut configs: Vec<AllocatorConfig> = Preset::ALL.iter().map(|p| p.config()).collect();
+    configs.push(
+        AllocatorConfig::builder()
+            .max_split_size_mb(256)
+            .max_non_split_rounding_mb(64)
+            .large_segment_size_mb(40)
+            .roundup_power2_divisions_per_bucket([1, 2, 4, 4, 8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 16])
+            .garbage_collection_threshold(0.6)
+            .memory_fraction(0.75)
+            .throw_on_cudamalloc_oom(true)
+            .expandable_max_handle_size_mb(64)
+            .fast_path(true)
+            .cross_stream_reuse(true)
+            .build()
+            .unwrap(),
+    );
+    configs.push(
+        AllocatorConfig::builder()
+            .roundup_power2_divisions(4)
+            .build()
+            .unwrap(),
+    );
+    configs.push(AllocatorConfig {
+        settings: String::new(),
+        ..AllocatorConfig::parse(
+            "expandable_segments:True,cca_min_growth_mb:20,cca_handle_per_growth:True,graph_capture_record_stream_reuse:True",
+        )
+        .unwrap()
+    });
+    for c in configs {
+        let s = c.to_settings();
+        let back = AllocatorConfig::parse(&s).unwrap();
+        assert_eq!(
+            AllocatorConfig {
+                settings: String::new(),
+                ..back
+            },
+            c,
+            "{s}"
+        );
+    }
+    assert_eq!(AllocatorConfig::pytorch().to_settings(), "");
+    assert_eq!(
+        AllocatorConfig::parse("expandable_segments:True")
+            .unwrap()
+            .matching_preset(),
+        Some(Preset::PytorchExpandable)
+    );
+    assert_eq!(
+        AllocatorConfig::parse("max_split_size_mb:256")
+            .unwrap()
+            .matching_preset(),
+        None
+    );
 }

@@ -18,7 +18,8 @@ use crate::{ConvertArgs, DeviceArg, PlacementArg, TraceArgs};
 /// Boxed error for the command line.
 pub(crate) type CliResult<T> = Result<T, Box<dyn std::error::Error>>;
 
-/// Parses `123`, `80GiB`, `80G`, `512MiB`, `1.5TiB`, `64KB`.
+/// Parses `123`, `80GiB`, `512MiB`, `1.5TiB` (binary units, powers of 1024) and `80GB`,
+/// `64kB` (SI units, powers of 1000). A bare `K`, `M`, `G` or `T` is refused as ambiguous.
 pub(crate) fn parse_bytes(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
@@ -27,15 +28,27 @@ pub(crate) fn parse_bytes(s: &str) -> Result<u64, String> {
         .trim()
         .parse()
         .map_err(|_| format!("'{s}' is not a size (try 80GiB or 1073741824)"))?;
-    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+    let unit = unit.trim();
+    let mult: f64 = match unit.to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
-        "k" | "kb" | "kib" => 1024.0,
-        "m" | "mb" | "mib" => 1024.0 * 1024.0,
-        "g" | "gb" | "gib" => 1024.0 * 1024.0 * 1024.0,
-        "t" | "tb" | "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
-        other => {
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        "k" | "m" | "g" | "t" => {
+            let u = unit.to_ascii_uppercase();
             return Err(format!(
-                "unknown size unit '{other}' in '{s}' (use B, KiB, MiB, GiB or TiB)"
+                "'{s}' is ambiguous: write {num}{u}iB (powers of 1024) or {num}{u}B (powers of 1000)",
+                num = num.trim()
+            ));
+        }
+        _ => {
+            return Err(format!(
+                "unknown size unit '{unit}' in '{s}' (use B, KiB, MiB, GiB, TiB or kB, MB, GB, TB)"
             ));
         }
     };
@@ -67,27 +80,21 @@ pub(crate) struct Labelled {
     pub(crate) config: AllocatorConfig,
 }
 
-/// `--preset` (or the crate default) with `--config` applied on top.
+/// The configuration of `--preset` and `--config`, by the one rule of the crate: a string alone
+/// is read as PyTorch reads it (on top of PyTorch's defaults, as `AllocatorConfig::parse` and
+/// `CUDA_CACHING_ALLOCATOR_CONF`); with `--preset` it applies on top of that preset; neither
+/// gives the crate's default.
 pub(crate) fn resolve(preset: Option<&str>, config: Option<&str>) -> CliResult<Labelled> {
     let p = preset.map(Preset::from_name).transpose()?;
-    let config_is_none = config.is_none();
-    let base = p.unwrap_or(Preset::Default).config();
-    let mut label = p.map_or_else(|| "default".to_string(), |p| p.name().to_string());
-    let config = match config {
-        Some(c) => {
-            label = if p.is_some() {
-                format!("{label} + {c}")
-            } else {
-                c.to_string()
-            };
-            base.with_settings(c)?
-        }
-        None => base,
+    let (label, config) = match (p, config) {
+        (Some(p), Some(c)) => (format!("{p} + {c}"), p.config().with_settings(c)?),
+        (Some(p), None) => (p.name().to_string(), p.config()),
+        (None, Some(c)) => (c.to_string(), AllocatorConfig::parse(c)?),
+        (None, None) => (Preset::Default.name().to_string(), Preset::Default.config()),
     };
-    let preset_used = p.or_else(|| config_is_none.then_some(Preset::Default));
     Ok(Labelled {
         label,
-        preset: preset_used,
+        preset: config.matching_preset(),
         config,
     })
 }
@@ -307,7 +314,15 @@ mod tests {
         assert_eq!(parse_bytes("80GiB"), Ok(80 << 30));
         assert_eq!(parse_bytes("512 MiB"), Ok(512 << 20));
         assert_eq!(parse_bytes("1024"), Ok(1024));
-        assert_eq!(parse_bytes("1.5G"), Ok(3 << 29));
+        assert_eq!(parse_bytes("1.5GiB"), Ok(3 << 29));
+        // Regression (#15): `80GB` read as 80 GiB.
+        assert_eq!(parse_bytes("80GB"), Ok(80_000_000_000));
+        assert_eq!(parse_bytes("64kB"), Ok(64_000));
+        let e = parse_bytes("141G").unwrap_err();
+        assert!(
+            e.contains("ambiguous") && e.contains("141GiB") && e.contains("141GB"),
+            "{e}"
+        );
         assert!(parse_bytes("lots").is_err());
         assert!(parse_bytes("12 parsecs").is_err());
         assert!(parse_bytes("0").is_err());

@@ -93,8 +93,8 @@ struct TraceArgs {
     /// CUDA device N (needs a cca built with `--features cli,cuda`).
     #[arg(long, default_value = "sim", value_parser = parse_device)]
     device: DeviceArg,
-    /// Simulated device memory (bytes, or with a unit: 80GiB, 141G, 512MiB); with `--device cuda`
-    /// the GPU's own memory applies instead.
+    /// Simulated device memory: bytes, or with a unit, binary (80GiB, 512MiB) or SI (141GB =
+    /// 141 x 10^9); with `--device cuda` the GPU's own memory applies instead.
     #[arg(long, default_value = "80GiB", value_parser = load::parse_bytes)]
     device_memory: u64,
     /// Segment placement on the simulated device (with `--device cuda` the driver places
@@ -117,33 +117,49 @@ struct TraceArgs {
 struct ReplayArgs {
     #[command(flatten)]
     trace: TraceArgs,
-    /// A named configuration: pytorch, pytorch-expandable, default.
+    /// A named configuration: default (the crate's: expandable segments with page reuse),
+    /// pytorch, pytorch-expandable. With neither --preset nor --config: default.
     #[arg(long)]
     preset: Option<String>,
-    /// A configuration string in PyTorch's syntax, applied on top of the preset.
+    /// A configuration string in PyTorch's syntax. Alone it is read as PyTorch reads it, on top
+    /// of PyTorch's defaults (as CUDA_CACHING_ALLOCATOR_CONF and AllocatorConfig::parse read
+    /// it); with --preset, on top of that preset. `cca_preset:default,KEY:VALUE` builds on the
+    /// crate's default.
     #[arg(long)]
     config: Option<String>,
-    /// Print one JSON object instead of text.
-    #[arg(long)]
+    /// Print one JSON object instead of text (it holds the statistics at peak that --summary
+    /// prints).
+    #[arg(long, conflicts_with = "summary")]
     json: bool,
     /// Also print PyTorch's memory_summary() table at the moment reserved bytes peaked.
     #[arg(long)]
     summary: bool,
+    /// Report a run in which allocations failed out of memory and exit 0 (without it such a run
+    /// is reported, marked failed, and cca exits with status 1).
+    #[arg(long)]
+    allow_oom: bool,
 }
 
 #[derive(Args, Debug)]
 struct CompareArgs {
     #[command(flatten)]
     trace: TraceArgs,
-    /// Presets to compare (repeatable).
+    /// Presets to compare (repeatable). With neither --preset nor --config: pytorch,
+    /// pytorch-expandable and default.
     #[arg(long = "preset")]
     presets: Vec<String>,
-    /// Configuration strings to compare (repeatable; each is a column on top of the crate default).
+    /// Configuration strings to compare (repeatable; each is a column). Each is read as PyTorch
+    /// reads it, on top of PyTorch's defaults, as `cca replay --config` without --preset reads
+    /// it; start one with `cca_preset:default,` to build on the crate's default.
     #[arg(long = "config")]
     configs: Vec<String>,
     /// Print a JSON array instead of a table.
     #[arg(long)]
     json: bool,
+    /// Report runs in which allocations failed out of memory and exit 0 (without it cca exits
+    /// with status 1 when any column failed).
+    #[arg(long)]
+    allow_oom: bool,
 }
 
 #[derive(Args, Debug)]
@@ -178,7 +194,8 @@ struct PlotArgs {
     /// Presets to plot (repeatable; default: pytorch and default).
     #[arg(long = "preset")]
     presets: Vec<String>,
-    /// Configuration strings to plot (repeatable).
+    /// Configuration strings to plot (repeatable; read on top of PyTorch's defaults, as
+    /// `cca replay --config` without --preset reads them).
     #[arg(long = "config")]
     configs: Vec<String>,
     /// Image width in pixels, 200 to 8192.

@@ -4,6 +4,119 @@ use cuda_caching_allocator::{ReplayReport, memory_summary};
 use serde_json::{Map, Value, json};
 
 use crate::load::{self, CliResult, Labelled, Run};
+
+/// Appends a formatted line to a `String` (writing to a `String` cannot fail).
+macro_rules! outln {
+    ($o:expr) => {
+        $o.push('\n')
+    };
+    ($o:expr, $($arg:tt)*) => {{
+        use std::fmt::Write as _;
+        let _ = writeln!($o, $($arg)*);
+    }};
+}
+
+/// Appends formatted text to a `String`.
+macro_rules! out {
+    ($o:expr, $($arg:tt)*) => {{
+        use std::fmt::Write as _;
+        let _ = write!($o, $($arg)*);
+    }};
+}
+
+/// Writes `text` to stdout. A reader that went away (`cca replay ... | head -1`) ends the output
+/// quietly: a closed pipe is not an error of the run.
+///
+/// # Errors
+/// Any other write error.
+pub(crate) fn emit(text: &str) -> CliResult<()> {
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout().lock();
+    match stdout
+        .write_all(text.as_bytes())
+        .and_then(|()| stdout.flush())
+    {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        other => Ok(other?),
+    }
+}
+
+/// Why a run's figures are not results: an empty trace, or allocations that failed out of
+/// memory. `None` for a run that completed.
+fn failure(r: &ReplayReport) -> Option<Failure> {
+    if r.allocs == 0 {
+        Some(Failure::Empty)
+    } else if r.num_ooms > 0 {
+        Some(Failure::Oom(r.num_ooms))
+    } else {
+        None
+    }
+}
+
+/// What went wrong in a run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Failure {
+    /// The trace has no allocations.
+    Empty,
+    /// This many allocations failed out of memory.
+    Oom(u64),
+}
+
+impl Failure {
+    /// The JSON `status` value.
+    fn status(self) -> &'static str {
+        match self {
+            Failure::Empty => "empty",
+            Failure::Oom(_) => "oom",
+        }
+    }
+
+    /// In words.
+    fn describe(self) -> String {
+        match self {
+            Failure::Empty => "the trace has no allocations: nothing was measured".to_string(),
+            Failure::Oom(n) => format!(
+                "{} allocation{} failed out of memory: the figures describe a failed run \
+                 (raise --device-memory, or pass --allow-oom to accept it)",
+                thousands(n),
+                if n == 1 { "" } else { "s" }
+            ),
+        }
+    }
+}
+
+/// Warns on stderr about every failed run, and returns the error that ends `cca` with status 1
+/// unless only OOMs failed and `allow_oom` accepts them.
+fn check_failures(runs: &[(&str, &ReplayReport)], allow_oom: bool) -> CliResult<()> {
+    let mut fatal = Vec::new();
+    for (label, r) in runs {
+        if let Some(f) = failure(r) {
+            eprintln!("cca: warning: {label}: {}", f.describe());
+            if f == Failure::Empty || !allow_oom {
+                fatal.push(format!("{label}: {}", f.status()));
+            }
+        }
+    }
+    if fatal.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("the run failed ({})", fatal.join(", ")).into())
+    }
+}
+
+/// The resolved configuration in words: the string PyTorch's syntax gives for it.
+fn resolved(label: &Labelled) -> String {
+    let s = label.config.to_settings();
+    let s = if s.is_empty() {
+        "PyTorch's defaults".to_string()
+    } else {
+        s
+    };
+    match label.preset {
+        Some(p) => format!("{s}  (= preset {p})"),
+        None => s,
+    }
+}
 use crate::reference::{self, Reference};
 use crate::{CompareArgs, ReplayArgs, TraceArgs};
 
@@ -37,6 +150,10 @@ fn run_json(label: &Labelled, run: &Run, trace_args: &TraceArgs) -> Value {
         "trace": trace_args.trace.display().to_string(),
         "configuration": label.label,
         "settings": label.config.settings,
+        "resolved_settings": label.config.to_settings(),
+        "preset": label.preset.map(|p| p.name()),
+        "status": failure(r).map_or("ok", Failure::status),
+        "failed": failure(r).is_some(),
         "device": trace_args.device.to_string(),
         "device_description": run.device,
         "device_memory": run.device_memory,
@@ -100,13 +217,15 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
     let run = load::run(&trace, &label.config, &a.trace, &label.label, 0)?;
     let r = &run.report;
     let reference = reference::find(&a.trace.trace, a.trace.reference.as_deref())?;
+    let mut o = String::new();
     if a.json {
         let mut v = run_json(&label, &run, &a.trace);
         if let (Some(obj), Some(rf)) = (v.as_object_mut(), &reference) {
             obj.insert("pytorch_reference".into(), reference_json(rf));
         }
-        println!("{}", serde_json::to_string_pretty(&v)?);
-        return Ok(());
+        outln!(o, "{}", serde_json::to_string_pretty(&v)?);
+        emit(&o)?;
+        return check_failures(&[(&label.label, r)], a.allow_oom);
     }
     let (ref_res, ref_alloc, ref_name) = match &reference {
         Some(rf) => rf.for_preset(label.preset),
@@ -122,18 +241,24 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
         None => String::new(),
     };
     let lat = r.latency.unwrap_or_default();
-    println!("trace          {}", a.trace.trace.display());
-    println!("configuration  {}", label.label);
-    println!("device         {}", run.device);
-    println!();
+    outln!(o, "trace          {}", a.trace.trace.display());
+    outln!(o, "configuration  {}", label.label);
+    outln!(o, "resolved       {}", resolved(&label));
+    outln!(o, "device         {}", run.device);
+    if let Some(f) = failure(r) {
+        outln!(o, "status         FAILED: {}", f.describe());
+    }
+    outln!(o);
     let header = match &reference {
         Some(rf) => format!("{ref_name} {} (reference.json)", rf.torch),
         None => String::new(),
     };
-    println!("{:<26}{:>18}  {header}", "", "this run");
-    println!("{:<26}{:>18}", "events", thousands(r.events as u64));
-    println!("{:<26}{:>18}", "allocations", thousands(r.allocs as u64));
-    println!(
+    outln!(o, "{:<26}{:>18}  {header}", "", "this run");
+    // A reference figure that is not of this configuration is printed only where it says so.
+    outln!(o, "{:<26}{:>18}", "events", thousands(r.events as u64));
+    outln!(o, "{:<26}{:>18}", "allocations", thousands(r.allocs as u64));
+    outln!(
+        o,
         "{:<26}{:>18}  {}",
         "peak live (requested)",
         thousands(r.peak_live_bytes),
@@ -142,13 +267,15 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
             reference.as_ref().and_then(|x| x.peak_live_bytes)
         )
     );
-    println!(
+    outln!(
+        o,
         "{:<26}{:>18}  {}",
         "peak allocated bytes",
         thousands(r.peak_allocated_bytes),
         mark(r.peak_allocated_bytes, ref_alloc)
     );
-    println!(
+    outln!(
+        o,
         "{:<26}{:>18}  {}",
         "peak reserved bytes",
         thousands(r.peak_reserved_bytes),
@@ -158,7 +285,8 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
         (Some(res), Some(live)) => format!("{:>18.4}", ratio(res, live)),
         _ => String::new(),
     };
-    println!(
+    outln!(
+        o,
         "{:<26}{:>18.4}  {ref_ratio}",
         "reserved / live",
         r.reserved_over_live()
@@ -170,20 +298,43 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
             String::new()
         }
     };
-    println!(
+    outln!(
+        o,
+        "{:<26}{:>18.2}%",
+        "fragmentation at peak",
+        r.fragmentation_at_peak() * 100.0
+    );
+    outln!(
+        o,
         "{:<26}{:>18}  {}",
         "segments at peak",
         thousands(r.segment_count_peak),
         default_only(reference.as_ref().and_then(|x| x.default_segments))
     );
-    println!(
+    if label.config.expandable_segments && r.segment_count_peak == 0 {
+        outln!(
+            o,
+            "{:<26}{:>18}  (expandable segments: reserved memory grows by mapped pages in a \
+             reserved address range, which the segment statistic does not count)",
+            "",
+            ""
+        );
+    }
+    outln!(
+        o,
         "{:<26}{:>18}",
         "device allocs",
         thousands(r.num_device_alloc)
     );
-    println!("{:<26}{:>18}", "device frees", thousands(r.num_device_free));
+    outln!(
+        o,
+        "{:<26}{:>18}",
+        "device frees",
+        thousands(r.num_device_free)
+    );
     if let Some(ns) = r.modeled_device_ns {
-        println!(
+        outln!(
+            o,
             "{:<26}{:>18}",
             "modeled device time",
             format!("{:.3} ms", ns as f64 / 1e6)
@@ -194,14 +345,16 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
             .filter(|(_, c)| *c > 0)
             .map(|(k, c)| format!("{k} {}", thousands(*c)))
             .collect();
-        println!("{:<26}{:>18}  {}", "device calls", "", calls.join(", "));
+        outln!(o, "{:<26}{:>18}  {}", "device calls", "", calls.join(", "));
     }
-    println!(
+    outln!(
+        o,
         "{:<26}{:>18}",
         "OOMs / retries",
         format!("{} / {}", r.num_ooms, r.num_alloc_retries)
     );
-    println!(
+    outln!(
+        o,
         "{:<26}{:>18}  {}",
         "host ns per op (mean)",
         format!("{:.0}", lat.mean_ns),
@@ -213,32 +366,42 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
                         .async_ns_per_op
                         .map_or(String::new(), |a| format!("; cudaMallocAsync {a}"));
                     format!(
-                        "{t:>18}  (PyTorch native{asyncmax}; replayed on the {} host)",
+                        "{t:>18}  (PyTorch native{asyncmax}; measured on another machine: {})",
                         x.device
                     )
                 })
             })
             .unwrap_or_default()
     );
-    println!(
+    outln!(
+        o,
         "{:<26}{:>18}",
         "host ns p50 / p99",
         format!("{} / {}", lat.p50_ns, lat.p99_ns)
     );
-    println!("{:<26}{:>18}", "host ns max", thousands(lat.max_ns));
-    println!(
+    outln!(o, "{:<26}{:>18}", "host ns max", thousands(lat.max_ns));
+    outln!(
+        o,
         "{:<26}{:>18}",
         "wall time",
         format!("{:.3} s", run.wall.as_secs_f64())
     );
-    println!(
+    outln!(
+        o,
         "{:<26}{:>18}",
         "wall ns per op",
         format!("{:.0}", run.wall_ns_per_op())
     );
+    outln!(
+        o,
+        "{:<26}{:>18}  (host and wall times of this run: measured on this machine)",
+        "",
+        ""
+    );
     if let Some(rf) = &reference {
         if let (Some(e), Some(live)) = (rf.expandable_reserved, rf.peak_live_bytes) {
-            println!(
+            outln!(
+                o,
                 "{:<26}{:>18}  PyTorch expandable_segments: {} ({:.4}x live)",
                 "",
                 "",
@@ -247,7 +410,8 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
             );
         }
         if let (Some(e), Some(live)) = (rf.async_reserved, rf.peak_live_bytes) {
-            println!(
+            outln!(
+                o,
                 "{:<26}{:>18}  cudaMallocAsync:             {} ({:.4}x live)",
                 "",
                 "",
@@ -257,12 +421,14 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
         }
     }
     if a.summary {
-        println!(
+        outln!(
+            o,
             "\nAt peak reserved:\n{}",
             memory_summary(&r.stats_at_peak, 0, false)
         );
     }
-    Ok(())
+    emit(&o)?;
+    check_failures(&[(&label.label, r)], a.allow_oom)
 }
 
 /// `cca compare`.
@@ -277,14 +443,21 @@ pub(crate) fn compare(a: &CompareArgs) -> CliResult<()> {
     for c in &cols {
         runs.push(load::run(&trace, &c.config, &a.trace, &c.label, 0)?);
     }
+    let failures: Vec<(&str, &ReplayReport)> = cols
+        .iter()
+        .zip(&runs)
+        .map(|(c, r)| (c.label.as_str(), &r.report))
+        .collect();
+    let mut o = String::new();
     if a.json {
         let arr: Vec<Value> = cols
             .iter()
             .zip(&runs)
             .map(|(c, r)| run_json(c, r, &a.trace))
             .collect();
-        println!("{}", serde_json::to_string_pretty(&arr)?);
-        return Ok(());
+        outln!(o, "{}", serde_json::to_string_pretty(&arr)?);
+        emit(&o)?;
+        return check_failures(&failures, a.allow_oom);
     }
     let w = cols
         .iter()
@@ -294,9 +467,14 @@ pub(crate) fn compare(a: &CompareArgs) -> CliResult<()> {
         .max(16)
         + 2;
     if let Some(run) = runs.first() {
-        println!("device: {}\n", run.device);
+        outln!(o, "device: {}", run.device);
     }
-    print!(
+    for c in &cols {
+        outln!(o, "{}: {}", c.label, resolved(c));
+    }
+    outln!(o);
+    out!(
+        o,
         "{:<24}",
         a.trace
             .trace
@@ -305,9 +483,19 @@ pub(crate) fn compare(a: &CompareArgs) -> CliResult<()> {
             .unwrap_or_default()
     );
     for c in &cols {
-        print!("{:>w$}", c.label);
+        out!(o, "{:>w$}", c.label);
     }
-    println!();
+    outln!(o);
+    out!(o, "{:<24}", "status");
+    for r in &runs {
+        let status = match failure(&r.report) {
+            None => "ok".to_string(),
+            Some(Failure::Empty) => "FAILED: empty".to_string(),
+            Some(Failure::Oom(n)) => format!("FAILED: {} OOMs", thousands(n)),
+        };
+        out!(o, "{:>w$}", status);
+    }
+    outln!(o);
     type Row = (&'static str, fn(&ReplayReport) -> String);
     let rows: [Row; 13] = [
         ("peak live bytes", |r| thousands(r.peak_live_bytes)),
@@ -342,19 +530,31 @@ pub(crate) fn compare(a: &CompareArgs) -> CliResult<()> {
         }),
     ];
     for (name, f) in rows {
-        print!("{name:<24}");
+        out!(o, "{name:<24}");
         for r in &runs {
-            print!("{:>w$}", f(&r.report));
+            out!(o, "{:>w$}", f(&r.report));
         }
-        println!();
+        outln!(o);
     }
-    print!("{:<24}", "wall ns per op");
+    out!(o, "{:<24}", "wall ns per op");
     for r in &runs {
-        print!("{:>w$}", format!("{:.0}", r.wall_ns_per_op()));
+        out!(o, "{:>w$}", format!("{:.0}", r.wall_ns_per_op()));
     }
-    println!();
+    outln!(o);
+    outln!(o, "(host and wall times: measured on this machine)");
+    if cols
+        .iter()
+        .zip(&runs)
+        .any(|(c, r)| c.config.expandable_segments && r.report.segment_count_peak == 0)
+    {
+        outln!(
+            o,
+            "(segments at peak 0 with expandable segments: reserved memory grows by mapped pages \
+             in a reserved address range, which the segment statistic does not count)"
+        );
+    }
     if let Some(rf) = reference::find(&a.trace.trace, a.trace.reference.as_deref())? {
-        println!();
+        outln!(o);
         let live = rf.peak_live_bytes.unwrap_or(0);
         for (name, v) in [
             ("PyTorch default", rf.default_reserved),
@@ -362,7 +562,8 @@ pub(crate) fn compare(a: &CompareArgs) -> CliResult<()> {
             ("cudaMallocAsync", rf.async_reserved),
         ] {
             if let Some(v) = v {
-                println!(
+                outln!(
+                    o,
                     "{:<24}{:>18} reserved ({:.4}x live)   [reference.json, torch {}]",
                     name,
                     thousands(v),
@@ -372,7 +573,8 @@ pub(crate) fn compare(a: &CompareArgs) -> CliResult<()> {
             }
         }
     }
-    Ok(())
+    emit(&o)?;
+    check_failures(&failures, a.allow_oom)
 }
 
 #[cfg(test)]
