@@ -404,6 +404,65 @@ impl CudaAllocator {
         Ok(buf)
     }
 
+    /// Copies `src` (a slice, a `Vec`, an array or cudarc's `PinnedHostSlice`) to a new buffer on
+    /// `stream` (cudarc's `CudaStream::clone_htod`). The copy goes through cudarc's
+    /// `memcpy_htod`, so a pinned source keeps cudarc's semantics: the copy is asynchronous, waits
+    /// for the pinned buffer's last use and records its event, and writing the pinned memory
+    /// through cudarc afterwards waits for the copy.
+    ///
+    /// # Errors
+    /// As [`alloc`](Self::alloc), or a driver error from the copy.
+    pub fn clone_htod<T: DeviceRepr, Src: cu::HostSlice<T> + ?Sized>(
+        &self,
+        stream: &Arc<CudaStream>,
+        src: &Src,
+    ) -> Result<CachedSlice<T>> {
+        // SAFETY: every element is written by the copy below before anyone can read it.
+        let mut buf = unsafe { self.alloc::<T>(stream, src.len()) }?;
+        if src.len() > 0 {
+            stream
+                .memcpy_htod(src, &mut buf)
+                .map_err(|e| driver_error("cuMemcpyHtoDAsync", e))?;
+        }
+        Ok(buf)
+    }
+
+    /// Copies a device buffer or view (ours or cudarc's) to a new buffer on `stream` (cudarc's
+    /// `CudaStream::clone_dtod`, which allocates through the driver instead).
+    ///
+    /// # Errors
+    /// As [`alloc`](Self::alloc), or a driver error from the copy.
+    pub fn clone_dtod<T: DeviceRepr, Src: cu::DevicePtr<T>>(
+        &self,
+        stream: &Arc<CudaStream>,
+        src: &Src,
+    ) -> Result<CachedSlice<T>> {
+        // SAFETY: every element is written by the copy below before anyone can read it.
+        let mut buf = unsafe { self.alloc::<T>(stream, src.len()) }?;
+        if !src.is_empty() {
+            stream
+                .memcpy_dtod(src, &mut buf)
+                .map_err(|e| driver_error("cuMemcpyDtoDAsync", e))?;
+        }
+        Ok(buf)
+    }
+
+    /// An empty buffer on `stream` (cudarc's `CudaStream::null`): the null address, no memory,
+    /// no driver call.
+    ///
+    /// # Errors
+    /// A stream of another device.
+    pub fn null<T>(&self, stream: &Arc<CudaStream>) -> Result<CachedSlice<T>> {
+        self.admit(stream)?;
+        Ok(CachedSlice::from_parts(
+            DevicePtr(0),
+            0,
+            Arc::clone(stream),
+            self.clone(),
+            None,
+        ))
+    }
+
     /// Copies a device buffer or view (ours or cudarc's) to a new `Vec` on the buffer's stream;
     /// returns once the copy is done.
     ///

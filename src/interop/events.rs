@@ -23,7 +23,7 @@ use std::ops::{Deref, DerefMut};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaSlice, sys};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, sys};
 use parking_lot::Mutex;
 
 use crate::{AllocError, BackendError};
@@ -93,14 +93,82 @@ impl EventShell {
         }));
         match made {
             Ok(slice) => Ok(EventShell(ManuallyDrop::new(slice))),
-            Err(_) => Err(AllocError::Backend {
-                operation: "cuEventCreate",
-                source: BackendError::Driver {
-                    operation: "cuEventCreate",
-                    source: "cudarc could not create the read/write events of a buffer".into(),
-                },
-            }),
+            Err(_) => Err(no_events()),
         }
+    }
+}
+
+/// A cudarc `CudaSlice<T>` over a cached buffer's memory, made on the buffer's own stream when a
+/// program asks for cudarc's concrete type (`CachedSlice::as_cuda_slice`). Like [`EventShell`],
+/// it never frees: its drop calls `CudaSlice::leak`. Its events are the buffer's from the moment
+/// it exists (see `interop::slice`), so it is never pooled: it is made at most once per buffer.
+pub(super) struct TypedShell<T>(ManuallyDrop<CudaSlice<T>>);
+
+impl<T> fmt::Debug for TypedShell<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TypedShell")
+            .field("len", &self.0.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T> Deref for TypedShell<T> {
+    type Target = CudaSlice<T>;
+
+    fn deref(&self) -> &CudaSlice<T> {
+        &self.0
+    }
+}
+
+impl<T> DerefMut for TypedShell<T> {
+    fn deref_mut(&mut self) -> &mut CudaSlice<T> {
+        &mut self.0
+    }
+}
+
+impl<T> Drop for TypedShell<T> {
+    fn drop(&mut self) {
+        // SAFETY: the field is never used again: this is the shell's drop.
+        let slice = unsafe { ManuallyDrop::take(&mut self.0) };
+        // As for `EventShell`: waits on the events, destroys them, frees nothing.
+        let _ = slice.leak();
+    }
+}
+
+impl<T> TypedShell<T> {
+    /// A new typed shell of `len` values at `ptr` on `stream` (cudarc's `upgrade_device_ptr`).
+    ///
+    /// # Errors
+    /// A backend error when cudarc could not create the events.
+    ///
+    /// # Safety
+    /// 1. `[ptr, ptr + len * size_of::<T>())` is device memory of `stream`'s device that the cache
+    ///    has handed to the caller and that stays allocated while the shell is used for it, and
+    ///    holds values of `T` as far as anyone reading it through the shell can tell.
+    pub(super) unsafe fn new(
+        stream: &Arc<CudaStream>,
+        ptr: sys::CUdeviceptr,
+        len: usize,
+    ) -> Result<Self, AllocError> {
+        // SAFETY: obligation 1 is the caller's; the slice is never dropped as a `CudaSlice`.
+        let made = catch_unwind(AssertUnwindSafe(|| unsafe {
+            stream.upgrade_device_ptr::<T>(ptr, len)
+        }));
+        match made {
+            Ok(slice) => Ok(TypedShell(ManuallyDrop::new(slice))),
+            Err(_) => Err(no_events()),
+        }
+    }
+}
+
+/// The error of a failed event creation inside cudarc.
+fn no_events() -> AllocError {
+    AllocError::Backend {
+        operation: "cuEventCreate",
+        source: BackendError::Driver {
+            operation: "cuEventCreate",
+            source: "cudarc could not create the read/write events of a buffer".into(),
+        },
     }
 }
 

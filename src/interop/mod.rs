@@ -51,3 +51,55 @@ fn driver_error(operation: &'static str, e: cudarc::driver::DriverError) -> Allo
     };
     AllocError::Backend { operation, source }
 }
+
+/// An allocator error as cudarc's `DriverError`, so that `?` on the allocator's calls works in
+/// functions that return `Result<_, DriverError>` (as cudarc programs' `main` often does). The
+/// `CUresult` is the driver's own code when the error came from the driver, and otherwise the
+/// closest one:
+///
+/// | `AllocError` | `CUresult` |
+/// | --- | --- |
+/// | `OutOfMemory`, `TooLarge`, `CaptureOutOfMemory`, a backend out-of-memory | `CUDA_ERROR_OUT_OF_MEMORY` |
+/// | `Backend` carrying a driver error | that error's code |
+/// | `InvalidStream` | `CUDA_ERROR_INVALID_HANDLE` |
+/// | `DoubleFree`, `InteriorPointer`, `UnknownPointer`, `InvalidFraction`, `Config`, `InvalidPool`, `Backend` with an invalid argument | `CUDA_ERROR_INVALID_VALUE` |
+/// | `Unsupported`, `Backend` with an unsupported capability | `CUDA_ERROR_NOT_SUPPORTED` |
+/// | `CaptureUnderway` | `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` |
+/// | anything else (an injected fault, a backend error without a code) | `CUDA_ERROR_UNKNOWN` |
+///
+/// The conversion keeps only the code: the out-of-memory report and the message are lost, so log
+/// or inspect the `AllocError` first where they matter.
+impl From<AllocError> for cudarc::driver::DriverError {
+    fn from(e: AllocError) -> Self {
+        cudarc::driver::DriverError(result_code(&e))
+    }
+}
+
+/// The `CUresult` that stands for `e` (see `From<AllocError> for DriverError`).
+fn result_code(e: &AllocError) -> cudarc::driver::sys::CUresult {
+    use cudarc::driver::sys::CUresult as R;
+    match e {
+        AllocError::OutOfMemory(_)
+        | AllocError::TooLarge { .. }
+        | AllocError::CaptureOutOfMemory { .. } => R::CUDA_ERROR_OUT_OF_MEMORY,
+        AllocError::InvalidStream { .. } => R::CUDA_ERROR_INVALID_HANDLE,
+        AllocError::DoubleFree { .. }
+        | AllocError::InteriorPointer { .. }
+        | AllocError::UnknownPointer { .. }
+        | AllocError::InvalidFraction(_)
+        | AllocError::Config(_)
+        | AllocError::InvalidPool { .. } => R::CUDA_ERROR_INVALID_VALUE,
+        AllocError::Unsupported { .. } => R::CUDA_ERROR_NOT_SUPPORTED,
+        AllocError::CaptureUnderway { .. } => R::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+        AllocError::Backend { source, .. } => match source {
+            BackendError::OutOfMemory => R::CUDA_ERROR_OUT_OF_MEMORY,
+            BackendError::InvalidStream { .. } => R::CUDA_ERROR_INVALID_HANDLE,
+            BackendError::InvalidArgument { .. } => R::CUDA_ERROR_INVALID_VALUE,
+            BackendError::Unsupported(_) => R::CUDA_ERROR_NOT_SUPPORTED,
+            BackendError::Driver { source, .. } => source
+                .downcast_ref::<cudarc::driver::DriverError>()
+                .map_or(R::CUDA_ERROR_UNKNOWN, |d| d.0),
+            _ => R::CUDA_ERROR_UNKNOWN,
+        },
+    }
+}

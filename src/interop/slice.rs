@@ -12,8 +12,8 @@ use cudarc::driver::{
 };
 
 use super::allocator::CudaAllocator;
-use super::events::EventShell;
-use super::view::{CachedView, CachedViewMut};
+use super::events::{EventShell, TypedShell};
+use super::view::{CachedView, CachedViewMut, ViewEvents};
 use crate::backend::cuda::stream_id;
 use crate::{DevicePtr, Result, StreamId};
 
@@ -50,6 +50,10 @@ pub struct CachedSlice<T> {
     /// cudarc's read/write events for this buffer, made (or taken back from the allocator's
     /// pool) once the context manages stream synchronization.
     shell: OnceLock<EventShell>,
+    /// cudarc's own `CudaSlice<T>` over the same memory, made on request
+    /// ([`as_cuda_slice`](Self::as_cuda_slice)); once it exists, every new use goes through its
+    /// events.
+    typed: OnceLock<TypedShell<T>>,
     marker: PhantomData<*const T>,
 }
 
@@ -68,7 +72,7 @@ impl<T> fmt::Debug for CachedSlice<T> {
             .field("len", &self.len)
             .field("stream", &self.stream_id())
             .field("device", &self.alloc.ordinal())
-            .field("events", &self.shell.get().is_some())
+            .field("events", &self.has_events())
             .finish()
     }
 }
@@ -78,16 +82,10 @@ impl<T> Drop for CachedSlice<T> {
         if self.ptr == 0 {
             return;
         }
-        if let Some(mut shell) = self.shell.take() {
-            if managing(&self.stream) {
-                // cudarc's free rule: the freeing stream (the allocation stream, in whose order
-                // the cache reuses the block) waits for the buffer's last read and last write on
-                // every stream. A write use on it does exactly those two waits; its record is
-                // not needed (the block is free from here on), so the guard is forgotten (it
-                // holds only references).
-                let (_, record) = cu::DevicePtrMut::<u8>::device_ptr_mut(&mut *shell, &self.stream);
-                std::mem::forget(record);
-            }
+        self.wait_last_uses();
+        // The typed shell (if any) is destroyed: its events were made for this buffer only.
+        drop(self.typed.take());
+        if let Some(shell) = self.shell.take() {
             self.alloc.shells().put(self.ptr, shell);
         }
         // SAFETY: the buffer owns the block at `self.ptr` (it came from this allocator and no
@@ -99,6 +97,27 @@ impl<T> Drop for CachedSlice<T> {
             }
         }
     }
+}
+
+/// The cudarc buffer whose events a use goes through: the typed shell once it exists (it is then
+/// the buffer's only event pair for new uses), else the byte shell, else none.
+pub(super) enum Events<'a, T> {
+    /// The typed shell (`as_cuda_slice` was called).
+    Typed(&'a cu::CudaSlice<T>),
+    /// The pooled byte shell.
+    Bytes(&'a cu::CudaSlice<u8>),
+    /// No events: cudarc orders nothing, or they could not be made.
+    None,
+}
+
+/// [`Events`] for a mutable use.
+pub(super) enum EventsMut<'a, T> {
+    /// The typed shell.
+    Typed(&'a mut cu::CudaSlice<T>),
+    /// The pooled byte shell.
+    Bytes(&'a mut cu::CudaSlice<u8>),
+    /// No events.
+    None,
 }
 
 /// Whether cudarc manages stream synchronization for buffers of `stream`'s context.
@@ -152,13 +171,14 @@ impl<T> CachedSlice<T> {
             stream,
             alloc,
             shell: cell,
+            typed: OnceLock::new(),
             marker: PhantomData,
         }
     }
 
-    /// The event shell, made now when the context manages stream synchronization and the buffer
-    /// has none yet (the context gained a second stream after the allocation). `None` when
-    /// cudarc orders nothing, or when the events could not be made (logged; uses then
+    /// The byte event shell, made now when the context manages stream synchronization and the
+    /// buffer has none yet (the context gained a second stream after the allocation). `None`
+    /// when cudarc orders nothing, or when the events could not be made (logged; uses then
     /// synchronize instead, see [`untracked`]).
     pub(super) fn shell(&self) -> Option<&EventShell> {
         if let Some(shell) = self.shell.get() {
@@ -191,6 +211,174 @@ impl<T> CachedSlice<T> {
         }
     }
 
+    /// The events a shared use goes through (see [`Events`]).
+    pub(super) fn events(&self) -> Events<'_, T> {
+        if let Some(typed) = self.typed.get() {
+            return Events::Typed(typed);
+        }
+        match self.shell() {
+            Some(shell) => Events::Bytes(shell),
+            None => Events::None,
+        }
+    }
+
+    /// Prepares a mutable use: makes the byte shell if cudarc now orders streams and no typed
+    /// shell exists, and, when both exist, folds the byte shell's last uses into the typed
+    /// shell's events (uses through views made before the typed shell existed recorded only the
+    /// byte shell's events; with `&mut self` no such view is alive any more).
+    fn prepare_mut(&mut self) {
+        if self.typed.get().is_none() {
+            let _ = self.shell();
+            return;
+        }
+        if !managing(&self.stream) {
+            return;
+        }
+        if let (Some(typed), Some(bytes)) = (self.typed.get_mut(), self.shell.get_mut()) {
+            // The allocation stream waits for the byte shell's last reads and write, then records
+            // the typed shell's write: whoever waits on the typed events from now on also waits
+            // for every use recorded on the byte shell.
+            let (_, g) = cu::DevicePtrMut::<u8>::device_ptr_mut(&mut **bytes, &self.stream);
+            drop(g);
+            let (_, g) = cu::DevicePtrMut::<T>::device_ptr_mut(&mut **typed, &self.stream);
+            drop(g);
+        }
+    }
+
+    /// The fields a mutable view needs, after [`prepare_mut`](Self::prepare_mut).
+    pub(super) fn parts_mut(
+        &mut self,
+    ) -> (
+        sys::CUdeviceptr,
+        &Arc<CudaStream>,
+        &CudaAllocator,
+        EventsMut<'_, T>,
+    ) {
+        self.prepare_mut();
+        let CachedSlice {
+            ptr,
+            stream,
+            alloc,
+            shell,
+            typed,
+            ..
+        } = self;
+        let events = match (typed.get_mut(), shell.get_mut()) {
+            (Some(t), _) => EventsMut::Typed(&mut **t),
+            (None, Some(b)) => EventsMut::Bytes(b),
+            (None, None) => EventsMut::None,
+        };
+        (*ptr, &*stream, &*alloc, events)
+    }
+
+    /// cudarc's free rule: the allocation stream (in whose order the cache reuses the block)
+    /// waits for the buffer's last reads and writes on every stream, through every event pair it
+    /// has. A write use on it does exactly those waits; its record is not needed (the block is
+    /// free from here on, or leaked), so the guard is forgotten (it holds only references).
+    fn wait_last_uses(&mut self) {
+        if !managing(&self.stream) {
+            return;
+        }
+        let stream = &self.stream;
+        if let Some(typed) = self.typed.get_mut() {
+            let (_, record) = cu::DevicePtrMut::<T>::device_ptr_mut(&mut **typed, stream);
+            std::mem::forget(record);
+        }
+        if let Some(shell) = self.shell.get_mut() {
+            let (_, record) = cu::DevicePtrMut::<u8>::device_ptr_mut(&mut **shell, stream);
+            std::mem::forget(record);
+        }
+    }
+
+    /// The buffer as cudarc's own `CudaSlice<T>`, for APIs that name that type (cuFile's
+    /// `buf_register`, cuBLASLt `matmul`, a framework's storage accessor). The first call makes
+    /// a cudarc buffer over the same memory on the buffer's stream (two CUDA events while event
+    /// tracking is on); from then on every use of the buffer, through either type, records and
+    /// waits on that buffer's events, so cudarc's stream ordering holds across both paths. Only a
+    /// shared reference is handed out: a `CudaSlice` frees its memory through the driver when
+    /// dropped, so none may be moved out (mutable access goes through
+    /// [`as_cuda_view_mut`](Self::as_cuda_view_mut)). Programs that never call it pay nothing.
+    ///
+    /// # Errors
+    /// A backend error when cudarc could not create the events.
+    pub fn try_as_cuda_slice(&self) -> Result<&cu::CudaSlice<T>> {
+        if let Some(typed) = self.typed.get() {
+            return Ok(typed);
+        }
+        // SAFETY: the buffer owns `[ptr, ptr + num_bytes)` holding its values of `T` until it is
+        // dropped; the typed shell lives inside it and is destroyed (never freeing) in its drop.
+        let mut typed = unsafe { TypedShell::<T>::new(&self.stream, self.ptr, self.len) }?;
+        if let (true, Some(bytes)) = (managing(&self.stream), self.shell.get()) {
+            // The typed shell inherits the last write recorded on the byte shell: the allocation
+            // stream waits for it, then records the typed shell's write. (Readers only ever wait
+            // for writes; writers fold the byte shell in, see `prepare_mut`.)
+            let (_, g) = cu::DevicePtr::<u8>::device_ptr(&**bytes, &self.stream);
+            drop(g);
+            let (_, g) = cu::DevicePtrMut::<T>::device_ptr_mut(&mut *typed, &self.stream);
+            drop(g);
+        }
+        // Another thread may have made one meanwhile: then ours is destroyed and theirs is used.
+        let _ = self.typed.set(typed);
+        match self.typed.get() {
+            Some(typed) => Ok(typed),
+            None => Err(crate::AllocError::Unsupported {
+                operation: "CachedSlice::as_cuda_slice",
+                capability: "a typed cudarc buffer",
+            }),
+        }
+    }
+
+    /// The buffer as cudarc's own `CudaSlice<T>`; see
+    /// [`try_as_cuda_slice`](Self::try_as_cuda_slice).
+    ///
+    /// # Panics
+    /// When cudarc cannot create the buffer's events (as cudarc's own `upgrade_device_ptr`
+    /// panics then); use `try_as_cuda_slice` to get an error instead.
+    pub fn as_cuda_slice(&self) -> &cu::CudaSlice<T> {
+        match self.try_as_cuda_slice() {
+            Ok(s) => s,
+            Err(e) => panic!("CachedSlice::as_cuda_slice: {e}"),
+        }
+    }
+
+    /// The whole buffer as cudarc's `CudaView<'_, T>` (through
+    /// [`as_cuda_slice`](Self::as_cuda_slice)).
+    ///
+    /// # Panics
+    /// As [`as_cuda_slice`](Self::as_cuda_slice).
+    pub fn as_cuda_view(&self) -> cu::CudaView<'_, T> {
+        self.as_cuda_slice().as_view()
+    }
+
+    /// The whole buffer as cudarc's `CudaViewMut<'_, T>`, with the events of
+    /// [`as_cuda_slice`](Self::as_cuda_slice).
+    ///
+    /// # Errors
+    /// A backend error when cudarc could not create the events.
+    pub fn try_as_cuda_view_mut(&mut self) -> Result<cu::CudaViewMut<'_, T>> {
+        self.try_as_cuda_slice()?;
+        self.prepare_mut();
+        match self.typed.get_mut() {
+            Some(typed) => Ok(typed.as_view_mut()),
+            None => Err(crate::AllocError::Unsupported {
+                operation: "CachedSlice::as_cuda_view_mut",
+                capability: "a typed cudarc buffer",
+            }),
+        }
+    }
+
+    /// The whole buffer as cudarc's `CudaViewMut<'_, T>`; see
+    /// [`try_as_cuda_view_mut`](Self::try_as_cuda_view_mut).
+    ///
+    /// # Panics
+    /// As [`as_cuda_slice`](Self::as_cuda_slice).
+    pub fn as_cuda_view_mut(&mut self) -> cu::CudaViewMut<'_, T> {
+        match self.try_as_cuda_view_mut() {
+            Ok(v) => v,
+            Err(e) => panic!("CachedSlice::as_cuda_view_mut: {e}"),
+        }
+    }
+
     /// The number of values.
     pub fn len(&self) -> usize {
         self.len
@@ -216,6 +404,22 @@ impl<T> CachedSlice<T> {
         &self.stream
     }
 
+    /// The stream the buffer was allocated on and is returned to the cache on (cudarc's
+    /// `CudaSlice::stream`; the same as [`alloc_stream`](Self::alloc_stream)).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The device ordinal (cudarc's `CudaSlice::ordinal`).
+    pub fn ordinal(&self) -> usize {
+        self.stream.context().ordinal()
+    }
+
+    /// The cudarc context of the buffer's device (cudarc's `CudaSlice::context`).
+    pub fn context(&self) -> &Arc<cu::CudaContext> {
+        self.stream.context()
+    }
+
     /// The [`StreamId`] of [`alloc_stream`](Self::alloc_stream).
     pub fn stream_id(&self) -> StreamId {
         stream_id(&self.stream)
@@ -227,9 +431,23 @@ impl<T> CachedSlice<T> {
     }
 
     /// Whether the buffer carries cudarc's read/write events (the context manages stream
-    /// synchronization); see the type's docs.
+    /// synchronization, or [`as_cuda_slice`](Self::as_cuda_slice) was called); see the type's
+    /// docs.
     pub fn has_events(&self) -> bool {
-        self.shell.get().is_some()
+        self.shell.get().is_some() || self.typed.get().is_some()
+    }
+
+    /// Gives up ownership of the memory without returning it to the cache, and returns its
+    /// address (cudarc's `CudaSlice::leak`). The allocation stream first waits for the buffer's
+    /// last uses, as when it is dropped. The block stays allocated in the cache (the statistics
+    /// count it) until it is freed with the `unsafe` [`CudaAllocator::free`].
+    pub fn leak(mut self) -> sys::CUdeviceptr {
+        self.wait_last_uses();
+        let ptr = self.ptr;
+        // With a null address the drop frees nothing; the shells are destroyed (never pooled:
+        // the address stays owned).
+        self.ptr = 0;
+        ptr
     }
 
     /// Marks the buffer as used on `stream` (PyTorch's `Tensor.record_stream`): when it is
@@ -251,18 +469,17 @@ impl<T> CachedSlice<T> {
         self.alloc.record_stream(DevicePtr(self.ptr), id)
     }
 
-    /// Byte range of elements `[start, end)`.
-    fn byte_range(start: usize, end: usize) -> std::ops::Range<usize> {
-        let size = std::mem::size_of::<T>();
-        start * size..end * size
-    }
-
-    /// A view of `range`, or `None` when it is out of bounds.
+    /// A view of `range`, or `None` when it is out of bounds (cudarc's `try_slice`).
     pub fn get(&self, range: impl RangeBounds<usize>) -> Option<CachedView<'_, T>> {
         let (start, end) = resolve(range, self.len)?;
-        let cu = self
-            .shell()
-            .and_then(|s| s.try_slice(Self::byte_range(start, end)));
+        let cu = match self.events() {
+            Events::Typed(t) => t.try_slice(start..end),
+            // SAFETY: the bytes are this buffer's values of `T`.
+            Events::Bytes(b) => b
+                .try_slice(byte_range::<T>(start, end))
+                .and_then(|v| unsafe { v.transmute::<T>(end - start) }),
+            Events::None => None,
+        };
         Some(CachedView::new(
             self.offset(start),
             end - start,
@@ -273,50 +490,52 @@ impl<T> CachedSlice<T> {
         ))
     }
 
-    /// A mutable view of `range`, or `None` when it is out of bounds.
+    /// A mutable view of `range`, or `None` when it is out of bounds (cudarc's
+    /// `try_slice_mut`).
     pub fn get_mut(&mut self, range: impl RangeBounds<usize>) -> Option<CachedViewMut<'_, T>> {
         let (start, end) = resolve(range, self.len)?;
         let ptr = self.offset(start);
-        let _ = self.shell();
-        let CachedSlice {
-            ptr: base,
-            stream,
-            alloc,
-            shell,
-            ..
-        } = self;
-        let cu = shell
-            .get_mut()
-            .and_then(|s| s.try_slice_mut(Self::byte_range(start, end)));
+        let (base, stream, alloc, events) = self.parts_mut();
+        let cu = match events {
+            EventsMut::Typed(t) => t.try_slice_mut(start..end).map(ViewEvents::Typed),
+            EventsMut::Bytes(b) => b
+                .try_slice_mut(byte_range::<T>(start, end))
+                .map(ViewEvents::Bytes),
+            EventsMut::None => None,
+        };
         Some(CachedViewMut::new(
             ptr,
             end - start,
-            *base,
+            base,
             stream,
             alloc,
-            cu,
+            cu.unwrap_or(ViewEvents::None),
         ))
     }
 
     /// The whole buffer as a view.
     pub fn as_view(&self) -> CachedView<'_, T> {
-        let cu = self.shell().and_then(|s| s.try_slice(..self.num_bytes()));
-        CachedView::new(self.ptr, self.len, self.ptr, &self.stream, &self.alloc, cu)
+        let len = self.len;
+        let cu = match self.events() {
+            Events::Typed(t) => Some(t.as_view()),
+            // SAFETY: the bytes are this buffer's values of `T`.
+            Events::Bytes(b) => unsafe { b.transmute::<T>(len) },
+            Events::None => None,
+        };
+        CachedView::new(self.ptr, len, self.ptr, &self.stream, &self.alloc, cu)
     }
 
     /// The whole buffer as a mutable view.
     pub fn as_view_mut(&mut self) -> CachedViewMut<'_, T> {
         let len = self.len;
-        let ptr = self.ptr;
-        let bytes = self.num_bytes();
-        let _ = self.shell();
-        let CachedSlice {
-            stream,
-            alloc,
-            shell,
-            ..
-        } = self;
-        let cu = shell.get_mut().and_then(|s| s.try_slice_mut(..bytes));
+        let (ptr, stream, alloc, events) = self.parts_mut();
+        let cu = match events {
+            EventsMut::Typed(t) => ViewEvents::Typed(t.as_view_mut()),
+            EventsMut::Bytes(b) => b
+                .try_slice_mut(byte_range::<T>(0, len))
+                .map_or(ViewEvents::None, ViewEvents::Bytes),
+            EventsMut::None => ViewEvents::None,
+        };
         CachedViewMut::new(ptr, len, ptr, stream, alloc, cu)
     }
 
@@ -333,26 +552,158 @@ impl<T> CachedSlice<T> {
         if mid > self.len {
             return None;
         }
-        let (a, b) = (self.ptr, self.offset(mid));
-        let (len, mid_bytes) = (self.len, mid * std::mem::size_of::<T>());
-        let _ = self.shell();
-        let CachedSlice {
-            ptr: base,
-            stream,
-            alloc,
-            shell,
-            ..
-        } = self;
-        // The shell may be longer than the buffer (it covers the block); the second part's length
-        // is never used, only its address and events.
-        let (cu_a, cu_b) = match shell.get_mut().and_then(|s| s.try_split_at_mut(mid_bytes)) {
-            Some((x, y)) => (Some(x), Some(y)),
-            None => (None, None),
+        let second = self.offset(mid);
+        let len = self.len;
+        let (base, stream, alloc, events) = self.parts_mut();
+        let (cu_a, cu_b) = match events {
+            EventsMut::Typed(t) => match t.try_split_at_mut(mid) {
+                Some((x, y)) => (ViewEvents::Typed(x), ViewEvents::Typed(y)),
+                None => (ViewEvents::None, ViewEvents::None),
+            },
+            // The byte shell may be longer than the buffer (it covers the block); the second
+            // part's length is never used, only its address and events.
+            EventsMut::Bytes(b) => match b.try_split_at_mut(mid * std::mem::size_of::<T>()) {
+                Some((x, y)) => (ViewEvents::Bytes(x), ViewEvents::Bytes(y)),
+                None => (ViewEvents::None, ViewEvents::None),
+            },
+            EventsMut::None => (ViewEvents::None, ViewEvents::None),
         };
         // Both views borrow `self` mutably for their lifetime and cover disjoint ranges.
         Some((
-            CachedViewMut::new(a, mid, *base, stream, alloc, cu_a),
-            CachedViewMut::new(b, len - mid, *base, stream, alloc, cu_b),
+            CachedViewMut::new(base, mid, base, stream, alloc, cu_a),
+            CachedViewMut::new(second, len - mid, base, stream, alloc, cu_b),
+        ))
+    }
+
+    /// cudarc's `try_slice`: the same as [`get`](Self::get).
+    pub fn try_slice(&self, bounds: impl RangeBounds<usize>) -> Option<CachedView<'_, T>> {
+        self.get(bounds)
+    }
+
+    /// cudarc's `slice`: a view of `bounds`.
+    ///
+    /// # Panics
+    /// When `bounds` is out of range, as cudarc's `slice` does; [`get`](Self::get) returns
+    /// `None` instead.
+    pub fn slice(&self, bounds: impl RangeBounds<usize>) -> CachedView<'_, T> {
+        let len = self.len;
+        match self.get(bounds) {
+            Some(v) => v,
+            None => panic!("CachedSlice::slice: range out of bounds for a buffer of {len}"),
+        }
+    }
+
+    /// cudarc's `try_slice_mut`: the same as [`get_mut`](Self::get_mut).
+    pub fn try_slice_mut(
+        &mut self,
+        bounds: impl RangeBounds<usize>,
+    ) -> Option<CachedViewMut<'_, T>> {
+        self.get_mut(bounds)
+    }
+
+    /// cudarc's `slice_mut`: a mutable view of `bounds`.
+    ///
+    /// # Panics
+    /// When `bounds` is out of range, as cudarc's `slice_mut` does; [`get_mut`](Self::get_mut)
+    /// returns `None` instead.
+    pub fn slice_mut(&mut self, bounds: impl RangeBounds<usize>) -> CachedViewMut<'_, T> {
+        let len = self.len;
+        match self.get_mut(bounds) {
+            Some(v) => v,
+            None => panic!("CachedSlice::slice_mut: range out of bounds for a buffer of {len}"),
+        }
+    }
+
+    /// cudarc's `try_split_at`: the same as [`split_at_checked`](Self::split_at_checked).
+    pub fn try_split_at(&self, mid: usize) -> Option<(CachedView<'_, T>, CachedView<'_, T>)> {
+        self.split_at_checked(mid)
+    }
+
+    /// cudarc's `split_at`.
+    ///
+    /// # Panics
+    /// When `mid > len`, as cudarc's `split_at` does.
+    pub fn split_at(&self, mid: usize) -> (CachedView<'_, T>, CachedView<'_, T>) {
+        let len = self.len;
+        match self.split_at_checked(mid) {
+            Some(v) => v,
+            None => panic!("CachedSlice::split_at: {mid} is past the end ({len})"),
+        }
+    }
+
+    /// cudarc's `try_split_at_mut`: the same as
+    /// [`split_at_mut_checked`](Self::split_at_mut_checked).
+    pub fn try_split_at_mut(
+        &mut self,
+        mid: usize,
+    ) -> Option<(CachedViewMut<'_, T>, CachedViewMut<'_, T>)> {
+        self.split_at_mut_checked(mid)
+    }
+
+    /// cudarc's `split_at_mut`.
+    ///
+    /// # Panics
+    /// When `mid > len`, as cudarc's `split_at_mut` does.
+    pub fn split_at_mut(&mut self, mid: usize) -> (CachedViewMut<'_, T>, CachedViewMut<'_, T>) {
+        let len = self.len;
+        match self.split_at_mut_checked(mid) {
+            Some(v) => v,
+            None => panic!("CachedSlice::split_at_mut: {mid} is past the end ({len})"),
+        }
+    }
+
+    /// A view of the first `len` values of `S` in the buffer's memory (cudarc's `transmute`), or
+    /// `None` when they do not fit.
+    ///
+    /// # Safety
+    /// 1. The bytes read through the view are valid values of `S`.
+    pub unsafe fn transmute<S>(&self, len: usize) -> Option<CachedView<'_, S>> {
+        let bytes = len.checked_mul(std::mem::size_of::<S>())?;
+        if bytes > self.num_bytes() {
+            return None;
+        }
+        let cu = match self.events() {
+            // SAFETY: `len` values of `S` fit (checked above); validity is obligation 1.
+            Events::Typed(t) => unsafe { t.transmute::<S>(len) },
+            // SAFETY: as above (the byte shell is at least as long as the buffer).
+            Events::Bytes(b) => unsafe { b.transmute::<S>(len) },
+            Events::None => None,
+        };
+        Some(CachedView::new(
+            self.ptr,
+            len,
+            self.ptr,
+            &self.stream,
+            &self.alloc,
+            cu,
+        ))
+    }
+
+    /// A mutable view of the first `len` values of `S` in the buffer's memory (cudarc's
+    /// `transmute_mut`), or `None` when they do not fit.
+    ///
+    /// # Safety
+    /// 1. The bytes read through the view are valid values of `S`, and the values of `S` written
+    ///    through it leave valid values of `T` wherever the buffer is read as `T` afterwards.
+    pub unsafe fn transmute_mut<S>(&mut self, len: usize) -> Option<CachedViewMut<'_, S>> {
+        let bytes = len.checked_mul(std::mem::size_of::<S>())?;
+        if bytes > self.num_bytes() {
+            return None;
+        }
+        let (ptr, stream, alloc, events) = self.parts_mut();
+        let cu = match events {
+            // SAFETY: `len` values of `S` fit (checked above); validity is obligation 1.
+            EventsMut::Typed(t) => unsafe { t.transmute_mut::<S>(len) }.map(ViewEvents::Typed),
+            EventsMut::Bytes(b) => b.try_slice_mut(..bytes).map(ViewEvents::Bytes),
+            EventsMut::None => None,
+        };
+        Some(CachedViewMut::new(
+            ptr,
+            len,
+            ptr,
+            stream,
+            alloc,
+            cu.unwrap_or(ViewEvents::None),
         ))
     }
 
@@ -364,6 +715,12 @@ impl<T> CachedSlice<T> {
     }
 }
 
+/// Byte range of elements `[start, end)` of `T`.
+pub(super) fn byte_range<T>(start: usize, end: usize) -> std::ops::Range<usize> {
+    let size = std::mem::size_of::<T>();
+    start * size..end * size
+}
+
 impl<T: DeviceRepr> CachedSlice<T> {
     /// Copies the buffer to a new `Vec` on its stream; returns once the copy is done.
     ///
@@ -371,6 +728,45 @@ impl<T: DeviceRepr> CachedSlice<T> {
     /// A driver error from the copy.
     pub fn to_vec(&self) -> Result<Vec<T>> {
         self.alloc.dtoh(self)
+    }
+
+    /// A copy of the buffer in a new buffer from the same cache, on the same stream (cudarc's
+    /// `CudaSlice::try_clone`, which allocates through the driver instead).
+    ///
+    /// # Errors
+    /// Out of memory (as `CUDA_ERROR_OUT_OF_MEMORY`) or a driver error from the copy.
+    pub fn try_clone(&self) -> std::result::Result<Self, cu::DriverError> {
+        // SAFETY: every value is written by the copy below before anyone can read it.
+        let mut dst = unsafe { self.alloc.alloc::<T>(&self.stream, self.len) }?;
+        if self.len > 0 {
+            self.stream.memcpy_dtod(self, &mut dst)?;
+        }
+        Ok(dst)
+    }
+}
+
+/// cudarc's `Clone` for `CudaSlice`: a copy from the same cache (see
+/// [`try_clone`](CachedSlice::try_clone)). Like cudarc's, it panics when the copy cannot be
+/// made; call `try_clone` to get the error instead.
+impl<T: DeviceRepr> Clone for CachedSlice<T> {
+    fn clone(&self) -> Self {
+        match self.try_clone() {
+            Ok(c) => c,
+            Err(e) => panic!("CachedSlice::clone: {e}"),
+        }
+    }
+}
+
+/// cudarc's `TryFrom<CudaSlice<T>> for Vec<T>`: copies the buffer to the host on its stream,
+/// then returns the buffer to the cache.
+impl<T: Clone + Default + DeviceRepr> TryFrom<CachedSlice<T>> for Vec<T> {
+    type Error = cu::DriverError;
+
+    fn try_from(value: CachedSlice<T>) -> std::result::Result<Self, Self::Error> {
+        if value.is_empty() {
+            return Ok(Vec::new());
+        }
+        value.stream.clone_dtoh(&value)
     }
 }
 
@@ -387,13 +783,14 @@ impl<T> cu::DevicePtr<T> for CachedSlice<T> {
     /// The address; `stream` first waits for the buffer's last write and the guard records the
     /// read, as for cudarc's `CudaSlice`.
     fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
-        match self.shell() {
-            Some(shell) => {
-                let (_, sync) = cu::DevicePtr::<u8>::device_ptr(&**shell, stream);
+        match self.events() {
+            Events::Typed(t) => cu::DevicePtr::<T>::device_ptr(t, stream),
+            Events::Bytes(b) => {
+                let (_, sync) = cu::DevicePtr::<u8>::device_ptr(b, stream);
                 (self.ptr, sync)
             }
-            None if self.ptr == 0 => (0, SyncOnDrop::Record(None)),
-            None => (self.ptr, untracked(&self.stream, stream)),
+            Events::None if self.ptr == 0 => (0, SyncOnDrop::Record(None)),
+            Events::None => (self.ptr, untracked(&self.stream, stream)),
         }
     }
 }
@@ -405,48 +802,52 @@ impl<T> cu::DevicePtrMut<T> for CachedSlice<T> {
         &'a mut self,
         stream: &'a CudaStream,
     ) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
-        let _ = self.shell();
-        let ptr = self.ptr;
-        match self.shell.get_mut() {
-            Some(shell) => {
-                let (_, sync) = cu::DevicePtrMut::<u8>::device_ptr_mut(&mut **shell, stream);
+        let (ptr, own, _, events) = self.parts_mut();
+        match events {
+            EventsMut::Typed(t) => cu::DevicePtrMut::<T>::device_ptr_mut(t, stream),
+            EventsMut::Bytes(b) => {
+                let (_, sync) = cu::DevicePtrMut::<u8>::device_ptr_mut(b, stream);
                 (ptr, sync)
             }
-            None if ptr == 0 => (0, SyncOnDrop::Record(None)),
-            None => (ptr, untracked(&self.stream, stream)),
+            EventsMut::None if ptr == 0 => (0, SyncOnDrop::Record(None)),
+            EventsMut::None => (ptr, untracked(own, stream)),
         }
     }
 }
 
 // SAFETY: with an event shell, the argument is pushed by cudarc's own implementation for
-// `&CudaSlice<u8>`, which points at the shell's `CUdeviceptr` (equal to the buffer's address)
-// inside `*arg`, borrowed for `'b` (longer than the builder's `'a`), and waits for the last write
-// and records the read on the launch stream. Without one, it points at `arg.ptr`, a `CUdeviceptr`
-// (`u64`, a `DeviceRepr`) inside `*arg`, equally borrowed. Either way the kernel receives the
-// buffer's device address by value, exactly as for a `CudaSlice`.
+// `&CudaSlice<T>` or `&CudaSlice<u8>`, which points at the shell's `CUdeviceptr` (equal to the
+// buffer's address) inside `*arg`, borrowed for `'b` (longer than the builder's `'a`), and waits
+// for the last write and records the read on the launch stream. Without one, it points at
+// `arg.ptr`, a `CUdeviceptr` (`u64`, a `DeviceRepr`) inside `*arg`, equally borrowed. Either way
+// the kernel receives the buffer's device address by value, exactly as for a `CudaSlice`.
 unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b CachedSlice<T>> for LaunchArgs<'a> {
     #[inline(always)]
     fn arg(&mut self, arg: &'b CachedSlice<T>) -> &mut Self {
-        match arg.shell() {
-            Some(shell) => <Self as PushKernelArg<&'b cu::CudaSlice<u8>>>::arg(self, &**shell),
-            None => <Self as PushKernelArg<&'b sys::CUdeviceptr>>::arg(self, &arg.ptr),
+        match arg.events() {
+            Events::Typed(t) => <Self as PushKernelArg<&'b cu::CudaSlice<T>>>::arg(self, t),
+            Events::Bytes(b) => <Self as PushKernelArg<&'b cu::CudaSlice<u8>>>::arg(self, b),
+            Events::None => <Self as PushKernelArg<&'b sys::CUdeviceptr>>::arg(self, &arg.ptr),
         }
     }
 }
 
-// SAFETY: as for `&CachedSlice<T>`, through cudarc's implementation for `&mut CudaSlice<u8>`
-// (waits for the last reads and write, records the write); the exclusive borrow only adds that no
-// one else uses the buffer from the host meanwhile.
+// SAFETY: as for `&CachedSlice<T>`, through cudarc's implementations for `&mut CudaSlice<T>` and
+// `&mut CudaSlice<u8>` (waits for the last reads and write, records the write); the exclusive
+// borrow only adds that no one else uses the buffer from the host meanwhile.
 unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b mut CachedSlice<T>> for LaunchArgs<'a> {
     #[inline(always)]
     fn arg(&mut self, arg: &'b mut CachedSlice<T>) -> &mut Self {
-        let _ = arg.shell();
-        let CachedSlice { ptr, shell, .. } = arg;
-        match shell.get_mut() {
-            Some(shell) => {
-                <Self as PushKernelArg<&'b mut cu::CudaSlice<u8>>>::arg(self, &mut **shell)
+        arg.prepare_mut();
+        let CachedSlice {
+            ptr, shell, typed, ..
+        } = arg;
+        match (typed.get_mut(), shell.get_mut()) {
+            (Some(t), _) => <Self as PushKernelArg<&'b mut cu::CudaSlice<T>>>::arg(self, &mut **t),
+            (None, Some(b)) => {
+                <Self as PushKernelArg<&'b mut cu::CudaSlice<u8>>>::arg(self, &mut **b)
             }
-            None => <Self as PushKernelArg<&'b sys::CUdeviceptr>>::arg(self, &*ptr),
+            (None, None) => <Self as PushKernelArg<&'b sys::CUdeviceptr>>::arg(self, &*ptr),
         }
     }
 }

@@ -13,6 +13,7 @@ fn run(trace: &Trace, config: AllocatorConfig) -> ReplayReport {
     replay(&alloc, trace, &ReplayOptions::default()).unwrap()
 }
 
+#[cfg(feature = "trace-io")]
 fn syncs(r: &ReplayReport) -> u64 {
     r.device_call("synchronize") + r.device_call("stream_synchronize")
 }

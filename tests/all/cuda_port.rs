@@ -1,0 +1,268 @@
+//! Porting cudarc code: cudarc's names on the cached types, `From<AllocError> for DriverError`,
+//! and the bridges to cudarc's concrete types (`as_cuda_slice`, view conversions). The error
+//! mapping runs everywhere; the rest are GPU tests, opt-in with `CCA_TEST_CUDA=1` like
+//! `cuda.rs` (they print that they were skipped otherwise), and every port below is also a
+//! compile-time check of the signatures: a cudarc name with the wrong argument or return type
+//! fails the build of this file.
+#![cfg(feature = "cuda")]
+
+use std::sync::{Arc, OnceLock};
+
+use cuda_caching_allocator::interop::{CachedSlice, CachedView, CachedViewMut, CudaAllocator};
+use cuda_caching_allocator::{AllocError, AllocatorConfig, BackendError};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DriverError,
+    LaunchConfig, PushKernelArg, sys::CUresult,
+};
+
+const KERNELS: &str = r#"
+extern "C" __global__ void spin_fill(float* p, unsigned int n, float v, long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) { }
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) p[i] = v;
+}
+"#;
+
+struct Gpu {
+    ctx: Arc<CudaContext>,
+    spin_fill: CudaFunction,
+}
+
+fn gpu(test: &str) -> Option<&'static Gpu> {
+    if std::env::var("CCA_TEST_CUDA").as_deref() != Ok("1") {
+        println!("skipped {test}: set CCA_TEST_CUDA=1 to run the GPU tests");
+        return None;
+    }
+    static GPU: OnceLock<Gpu> = OnceLock::new();
+    Some(GPU.get_or_init(|| {
+        let ctx = CudaContext::new(0).unwrap();
+        let ptx = cudarc::nvrtc::compile_ptx(KERNELS).unwrap();
+        let module = ctx.load_module(ptx).unwrap();
+        Gpu {
+            spin_fill: module.load_function("spin_fill").unwrap(),
+            ctx,
+        }
+    }))
+}
+
+/// About 20 ms of spinning on current GPUs: long enough that a missing wait shows.
+const SPIN: i64 = 40_000_000;
+
+/// Fills `dst` (any kernel argument) with `v` on `stream` after spinning.
+macro_rules! spin_fill {
+    ($g:expr, $stream:expr, $dst:expr, $n:expr, $v:expr) => {{
+        let n32 = $n as u32;
+        let v: f32 = $v;
+        let mut launch = $stream.launch_builder(&$g.spin_fill);
+        launch.arg($dst).arg(&n32).arg(&v).arg(&SPIN);
+        // SAFETY: the kernel's signature matches the four arguments; it writes `n` floats.
+        unsafe { launch.launch(LaunchConfig::for_num_elems(n32)) }.unwrap();
+    }};
+}
+
+#[test]
+fn alloc_errors_become_driver_errors_with_the_closest_code() {
+    let code = |e: AllocError| DriverError::from(e).0;
+    assert_eq!(
+        code(AllocError::TooLarge {
+            requested: u64::MAX
+        }),
+        CUresult::CUDA_ERROR_OUT_OF_MEMORY
+    );
+    assert_eq!(
+        code(AllocError::Backend {
+            operation: "cuMemAlloc",
+            source: BackendError::OutOfMemory
+        }),
+        CUresult::CUDA_ERROR_OUT_OF_MEMORY
+    );
+    // A driver error keeps its own code.
+    assert_eq!(
+        code(AllocError::Backend {
+            operation: "cuMemcpyDtoHAsync",
+            source: BackendError::Driver {
+                operation: "cuMemcpyDtoHAsync",
+                source: Box::new(DriverError(CUresult::CUDA_ERROR_LAUNCH_FAILED)),
+            }
+        }),
+        CUresult::CUDA_ERROR_LAUNCH_FAILED
+    );
+    assert_eq!(
+        code(AllocError::Backend {
+            operation: "x",
+            source: BackendError::Driver {
+                operation: "x",
+                source: "no code".into(),
+            }
+        }),
+        CUresult::CUDA_ERROR_UNKNOWN
+    );
+    assert_eq!(
+        code(AllocError::InvalidFraction(2.0)),
+        CUresult::CUDA_ERROR_INVALID_VALUE
+    );
+    assert_eq!(
+        code(AllocError::UnknownPointer {
+            ptr: cuda_caching_allocator::DevicePtr(0x1000)
+        }),
+        CUresult::CUDA_ERROR_INVALID_VALUE
+    );
+    assert_eq!(
+        code(AllocError::CaptureUnderway {
+            operation: "empty_cache"
+        }),
+        CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+    );
+    assert_eq!(
+        code(AllocError::Unsupported {
+            operation: "x",
+            capability: "events"
+        }),
+        CUresult::CUDA_ERROR_NOT_SUPPORTED
+    );
+    // The configuration error of a bad allocator config, through `?`.
+    fn port() -> Result<(), DriverError> {
+        let parsed: Result<AllocatorConfig, AllocError> =
+            AllocatorConfig::parse("max_split_size_mb:banana").map_err(AllocError::from);
+        let config = parsed?;
+        drop(config);
+        Ok(())
+    }
+    assert_eq!(port().unwrap_err().0, CUresult::CUDA_ERROR_INVALID_VALUE);
+}
+
+/// A cudarc program's allocation layer, ported: every line is cudarc's name with cudarc's
+/// argument and return types (`Cached*` for `Cuda*`), in a function returning `DriverError`.
+fn ported(alloc: &CudaAllocator, stream: &Arc<CudaStream>) -> Result<(), DriverError> {
+    let host: Vec<f32> = (0..8).map(|i| i as f32).collect();
+    let a: CachedSlice<f32> = alloc.clone_htod(stream, &host)?;
+    let pinned = {
+        // SAFETY: every value is written below before it is read.
+        let mut p = unsafe { stream.context().alloc_pinned::<f32>(8) }?;
+        p.as_mut_slice()?.copy_from_slice(&host);
+        p
+    };
+    let from_pinned: CachedSlice<f32> = alloc.clone_htod(stream, &pinned)?;
+    let mut b: CachedSlice<f32> = alloc.clone_dtod(stream, &a)?;
+    let empty: CachedSlice<f32> = alloc.null(stream)?;
+    assert!(empty.is_empty());
+
+    let v: CachedView<'_, f32> = a.slice(2..6);
+    let (lo, hi): (CachedView<'_, f32>, CachedView<'_, f32>) = v.split_at(2);
+    assert_eq!((lo.len(), hi.len()), (2, 2));
+    assert_eq!(stream.clone_dtoh(&hi)?, [4.0, 5.0]);
+    let chunks: Vec<Vec<f32>> = a
+        .as_view()
+        .chunks_exact(4)
+        .map(|c| stream.clone_dtoh(&c))
+        .collect::<Result<_, _>>()?;
+    assert_eq!(chunks, [host[..4].to_vec(), host[4..].to_vec()]);
+    assert!(a.try_slice(..9).is_none());
+    assert!(a.try_split_at(9).is_none());
+    // SAFETY: every bit pattern is a valid `u32`.
+    let bits: Option<CachedView<'_, u32>> = unsafe { a.transmute::<u32>(8) };
+    assert_eq!(stream.clone_dtoh(&bits.unwrap())?[1], 1.0f32.to_bits());
+
+    {
+        let (mut x, mut y): (CachedViewMut<'_, f32>, CachedViewMut<'_, f32>) = b.split_at_mut(4);
+        stream.memset_zeros(&mut x)?;
+        let mut tail = y.slice_mut(2..);
+        stream.memcpy_htod(&[9.0f32, 9.0], &mut tail)?;
+        let _shared: CachedView<'_, f32> = y.into_view();
+    }
+    assert_eq!(
+        Vec::<f32>::try_from(b.try_clone()?)?,
+        [0.0, 0.0, 0.0, 0.0, 4.0, 5.0, 9.0, 9.0]
+    );
+    let c = b.clone();
+    assert_eq!(c.stream().cu_stream(), stream.cu_stream());
+    assert_eq!(c.ordinal(), stream.context().ordinal());
+    assert_eq!(c.context().cu_ctx(), stream.context().cu_ctx());
+    assert_eq!(stream.clone_dtoh(&from_pinned)?, host);
+
+    // `leak` keeps the block allocated until it is freed by pointer.
+    let allocated = alloc.memory_stats().memory_allocated();
+    let ptr = c.leak();
+    assert_eq!(alloc.memory_stats().memory_allocated(), allocated);
+    stream.synchronize()?;
+    // SAFETY: the leaked buffer owned the block and nothing uses it any more.
+    unsafe { alloc.free(cuda_caching_allocator::DevicePtr(ptr)) }?;
+    Ok(())
+}
+
+#[test]
+fn cudarc_names_port_with_cudarcs_signatures() {
+    let Some(g) = gpu("cudarc_names_port_with_cudarcs_signatures") else {
+        return;
+    };
+    let alloc = CudaAllocator::new(g.ctx.clone(), AllocatorConfig::pytorch()).unwrap();
+    ported(&alloc, &g.ctx.default_stream()).unwrap();
+    // Again with two streams in the context (cudarc orders them: views carry events).
+    let other = g.ctx.new_stream().unwrap();
+    ported(&alloc, &other).unwrap();
+}
+
+/// An op written against cudarc's concrete types, as frameworks and cuFile/NCCL wrappers are.
+fn read_cuda_slice(x: &CudaSlice<f32>, stream: &Arc<CudaStream>) -> Vec<f32> {
+    stream.clone_dtoh(x).unwrap()
+}
+
+fn read_cuda_view(x: CudaView<'_, f32>, stream: &Arc<CudaStream>) -> Vec<f32> {
+    stream.clone_dtoh(&x).unwrap()
+}
+
+fn zero_cuda_view(mut x: CudaViewMut<'_, f32>, stream: &Arc<CudaStream>) {
+    stream.memset_zeros(&mut x).unwrap();
+}
+
+#[test]
+fn as_cuda_slice_shares_the_buffers_stream_ordering() {
+    let Some(g) = gpu("as_cuda_slice_shares_the_buffers_stream_ordering") else {
+        return;
+    };
+    let a_stream = g.ctx.new_stream().unwrap();
+    let b_stream = g.ctx.new_stream().unwrap();
+    let alloc = CudaAllocator::new(g.ctx.clone(), AllocatorConfig::pytorch()).unwrap();
+    const N: usize = 1 << 16;
+    let mut buf = alloc.alloc_zeros::<f32>(&a_stream, N).unwrap();
+
+    // A slow write through the cached path on A, then a read through cudarc's type on B: B must
+    // wait for it (the typed shell inherits the byte shell's last write).
+    spin_fill!(g, &a_stream, &mut buf, N, 1.0);
+    let seen = read_cuda_slice(buf.as_cuda_slice(), &b_stream);
+    assert!(seen.iter().all(|&x| x == 1.0), "B read before A's write");
+
+    // A slow write through cudarc's view on B, then a read through the cached path on A.
+    {
+        let mut view = buf.as_cuda_view_mut();
+        spin_fill!(g, &b_stream, &mut view, N, 2.0);
+    }
+    assert!(a_stream.clone_dtoh(&buf).unwrap().iter().all(|&x| x == 2.0));
+
+    // A cached view converts into cudarc's view with the same events.
+    spin_fill!(g, &a_stream, &mut buf, N, 3.0);
+    let v = buf.slice(..N / 2).into_cuda_view().unwrap();
+    assert!(read_cuda_view(v, &b_stream).iter().all(|&x| x == 3.0));
+    let half = buf.slice_mut(N / 2..).into_cuda_view_mut().unwrap();
+    zero_cuda_view(half, &b_stream);
+    let all = a_stream.clone_dtoh(&buf).unwrap();
+    assert!(all[..N / 2].iter().all(|&x| x == 3.0) && all[N / 2..].iter().all(|&x| x == 0.0));
+
+    // Dropped on A: the block is reused only after B's last use.
+    let ptr = buf.device_ptr_raw();
+    {
+        let mut view = buf.as_cuda_view_mut();
+        spin_fill!(g, &b_stream, &mut view, N, 4.0);
+    }
+    drop(buf);
+    let again = alloc.alloc_zeros::<f32>(&a_stream, N).unwrap();
+    assert_eq!(again.device_ptr_raw(), ptr, "the block was not reused");
+    assert!(
+        a_stream
+            .clone_dtoh(&again)
+            .unwrap()
+            .iter()
+            .all(|&x| x == 0.0)
+    );
+}
