@@ -29,7 +29,7 @@ step() { # name, command...
 }
 
 PHASES=${*:-tests example torch safety sanitizer}
-GPU_TESTS=${CCA_GPU_TESTS:-"cuda:: cuda_streams:: cuda_capture::"}
+GPU_TESTS=${CCA_GPU_TESTS:-"cuda:: cuda_streams:: cuda_capture:: cuda_port::"}
 BUDGET=${CCA_GPU_BUDGET_S:-570}   # stay inside the device tool's 600 s per command
 left() { echo $(( BUDGET - SECONDS > 30 ? BUDGET - SECONDS : 30 )); }
 
@@ -40,7 +40,9 @@ for phase in $PHASES; do
     grep -E '^test result|FAILED|panicked' "$OUT/tests.log" | tee -a "$S" ;;
   example) # The migration example (cached vs uncached results, cuBLAS).
     step example timeout 60 "$HERE/cudarc_migration"
-    grep -E 'axpy|cuBLAS' "$OUT/example.log" | tee -a "$S" ;;
+    grep -E 'axpy|cuBLAS' "$OUT/example.log" | tee -a "$S"
+    step example_framework timeout 60 "$HERE/framework_storage"
+    tail -5 "$OUT/example_framework.log" | tee -a "$S" ;;
   torch) # PyTorch: GPT-2 training with the native allocator and with ours, compared.
     step torch timeout 300 python3 "$HERE/torch_client.py" --so "$HERE/libtorch_plugin.so" --json "$OUT/torch.json"
     sed -n '/== PyTorch comparison ==/,$p' "$OUT/torch.log" | tee -a "$S" ;;
