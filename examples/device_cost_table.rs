@@ -2,7 +2,9 @@
 //! synthetic stress trace replayed on the simulated device under the presets `pytorch` and
 //! `default`, with reserved ÷ live bytes, the device-time model's figure (`modeled_device_ns`,
 //! H100 call costs), the default's cost over `pytorch`'s, synchronizations, and the driver calls
-//! behind the figure.
+//! behind the figure. The default is also replayed with the device answering event queries
+//! late (`SimDevice::set_event_query_lag`, rows `query lag N`), which prices the memory that
+//! event-fenced page reuse holds back while its fences are pending.
 //!
 //! ```text
 //! cargo run --release --example device_cost_table --features trace-io
@@ -20,8 +22,18 @@ use cuda_caching_allocator::{
 /// The synthetic traces' seed.
 const SEED: u64 = 1;
 
+/// The event-query lags of the extra `default` rows (`SimDevice::set_event_query_lag`): a
+/// device running behind the host, so that page fences are seen complete later.
+const LAGS: [u32; 2] = [1, 4];
+
 fn run(trace: &Trace, config: AllocatorConfig) -> ReplayReport {
-    let alloc = CachingAllocator::new(SimDevice::default(), config).unwrap();
+    run_lagged(trace, config, 0)
+}
+
+fn run_lagged(trace: &Trace, config: AllocatorConfig, lag: u32) -> ReplayReport {
+    let dev = SimDevice::default();
+    dev.set_event_query_lag(lag);
+    let alloc = CachingAllocator::new(dev, config).unwrap();
     replay(&alloc, trace, &ReplayOptions::default()).unwrap()
 }
 
@@ -64,8 +76,23 @@ fn main() {
     for (name, trace) in &traces {
         let base = run(trace, Preset::Pytorch.config());
         let ours = run(trace, default.clone());
+        let lagged: Vec<(String, ReplayReport)> = LAGS
+            .iter()
+            .map(|&lag| {
+                (
+                    format!("default, query lag {lag}"),
+                    run_lagged(trace, default.clone(), lag),
+                )
+            })
+            .collect();
         let base_ns = base.modeled_device_ns.unwrap_or(0).max(1) as f64;
-        for (label, r) in [("pytorch", &base), ("default", &ours)] {
+        let rows = [
+            ("pytorch".to_string(), &base),
+            ("default".to_string(), &ours),
+        ]
+        .into_iter()
+        .chain(lagged.iter().map(|(l, r)| (l.clone(), r)));
+        for (label, r) in rows {
             let ns = r.modeled_device_ns.unwrap_or(0) as f64;
             let c = |k: &str| r.device_call(k);
             println!(

@@ -44,6 +44,11 @@ pub(crate) struct Block {
     pub(crate) gc_count_base: u64,
     /// The private pool owning the block's segment (its slot), 0 for the default pools.
     pub(crate) owner: u32,
+    /// The page-fence clock when this block, or a block merged into it, last became free (or
+    /// moved to another stream); 0 for memory no work has used. Page reuse unmaps the block's
+    /// pages only once an event recorded on its stream at this clock or later has completed
+    /// (Note [Page fences]).
+    pub(crate) free_stamp: u64,
 }
 
 impl Block {
@@ -63,6 +68,7 @@ impl Block {
             stream_uses: Vec::new(),
             gc_count_base: 0,
             owner: 0,
+            free_stamp: 0,
         }
     }
 

@@ -10,6 +10,7 @@
 
 mod expandable;
 mod handover;
+mod page_fence;
 mod private_pool;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -112,6 +113,8 @@ pub(crate) struct State {
     handover_events_unsupported: bool,
     /// Private pools for graph capture, the routings into them and the deferred frees.
     pub(crate) graph: GraphPools,
+    /// Page reuse's event fences and free-stamp clock (Note [Page fences]).
+    pub(crate) fences: page_fence::PageFences,
 }
 
 impl State {
@@ -165,6 +168,7 @@ impl State {
             cross_stream_handovers: 0,
             handover_events_unsupported: false,
             graph: GraphPools::default(),
+            fences: page_fence::PageFences::default(),
         };
         s.apply_fraction(s.config.per_process_memory_fraction);
         s
@@ -600,6 +604,7 @@ impl State {
                 net_bytes -= subsumed as i64;
             }
         }
+        self.stamp_free(id);
         self.cache_block(id);
         let b = self.block(id);
         let (split, expandable, size) = (b.is_split(), b.expandable, b.size);
@@ -634,8 +639,16 @@ impl State {
         if s.allocated || s.event_count > 0 || !s.stream_uses.is_empty() || s.mapped != dst_mapped {
             return 0;
         }
-        let (s_ptr, s_size, s_prev, s_next, s_stream, s_pool, s_mapped) =
-            (s.ptr, s.size, s.prev, s.next, s.stream, s.pool, s.mapped);
+        let (s_ptr, s_size, s_prev, s_next, s_stream, s_pool, s_mapped, s_stamp) = (
+            s.ptr,
+            s.size,
+            s.prev,
+            s.next,
+            s.stream,
+            s.pool,
+            s.mapped,
+            s.free_stamp,
+        );
         if s_mapped {
             self.uncache_free_block(src);
         } else {
@@ -654,7 +667,9 @@ impl State {
                 self.block_mut(n).prev = Some(dst);
             }
         }
-        self.block_mut(dst).size += s_size;
+        let d = self.block_mut(dst);
+        d.size += s_size;
+        d.free_stamp = d.free_stamp.max(s_stamp);
         self.arena.remove(src);
         s_size
     }
@@ -1048,6 +1063,7 @@ impl State {
 
     /// Destroys pooled events (allocator drop).
     pub(crate) fn destroy_events<B: DeviceBackend>(&mut self, dev: &B) {
+        self.destroy_fence_events(dev);
         for ev in self.event_pool.drain(..) {
             let _ = device_calls::destroy_event(dev, ev);
         }

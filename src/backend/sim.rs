@@ -478,6 +478,11 @@ struct Inner {
     /// Allocation and map calls are made in relaxed capture mode (as `CudaDevice` does).
     relaxed_allocation_calls: bool,
     capture_violations: Vec<SimCaptureViolation>,
+    /// Queries an event recorded from now on answers "not complete" first
+    /// ([`SimDevice::set_event_query_lag`]).
+    query_lag: u32,
+    /// Per event: lagging queries left.
+    lag_left: BTreeMap<u64, u32>,
 }
 
 /// A deterministic simulated device. See the module documentation.
@@ -785,6 +790,8 @@ impl SimDevice {
                 last_capture: 0,
                 relaxed_allocation_calls: true,
                 capture_violations: Vec::new(),
+                query_lag: 0,
+                lag_left: BTreeMap::new(),
             }),
         }
     }
@@ -867,6 +874,16 @@ impl SimDevice {
     /// Makes the device reject `stream` (as a destroyed or foreign stream).
     pub fn reject_stream(&self, stream: StreamId) {
         self.inner.lock().rejected_streams.insert(stream);
+    }
+
+    /// Makes every event recorded from now on answer "not complete" to its first `queries`
+    /// [`query_event`](DeviceBackend::query_event) calls, whatever work it waits for: a coarse
+    /// model of a device running behind the host (its launch-ahead), under which a fence or
+    /// `record_stream` event is seen complete only some queries after it was recorded. 0 (the
+    /// default) turns it off. Only what the host observes changes: work completes as before, so
+    /// the queued-uses checks are unaffected (a late answer is a conservative one).
+    pub fn set_event_query_lag(&self, queries: u32) {
+        self.inner.lock().query_lag = queries;
     }
 
     /// Queues one unit of simulated work on `stream`; events recorded after it stay pending until
@@ -1186,6 +1203,12 @@ unsafe impl DeviceBackend for SimDevice {
                 });
             }
         }
+        let lag = g.query_lag;
+        if lag > 0 {
+            g.lag_left.insert(event.0, lag);
+        } else {
+            g.lag_left.remove(&event.0);
+        }
         g.counters.event_records += 1;
         g.bill(|c| c.event_record_ns);
         Ok(())
@@ -1198,7 +1221,16 @@ unsafe impl DeviceBackend for SimDevice {
         g.bill(|c| c.event_query_ns);
         match g.events.get(&event.0) {
             Some(None) => Ok(true),
-            Some(&Some((stream, at, seq))) => Ok(g.done(stream, at, seq)),
+            Some(&Some((stream, at, seq))) => {
+                if let Some(left) = g.lag_left.get_mut(&event.0) {
+                    *left -= 1;
+                    if *left == 0 {
+                        g.lag_left.remove(&event.0);
+                    }
+                    return Ok(false);
+                }
+                Ok(g.done(stream, at, seq))
+            }
             None => Err(BackendError::InvalidArgument {
                 operation: "query_event",
                 reason: format!("unknown event {}", event.0),

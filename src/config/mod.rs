@@ -170,10 +170,18 @@ pub struct AllocatorConfig {
     pub page_reuse: PageReuse,
     /// How far reserved bytes may exceed the allocated bytes (after the request) before a
     /// growing expandable segment reuses free pages instead of creating new ones, as a fraction
-    /// (crate key `cca_page_reuse_slack`; 0 = always reuse first). Reuse costs a stream
-    /// synchronization and an unmap and a map per range; the slack trades a bounded amount of
-    /// memory (peak reserved stays near `(1 + slack) × peak allocated`) for fewer device calls.
+    /// (crate key `cca_page_reuse_slack`; 0 = always reuse first). Reuse costs an unmap and
+    /// a map per range (and a fence event or a stream synchronization, `page_reuse_fence`); the
+    /// slack trades a bounded amount of memory (peak reserved stays near `(1 + slack) × peak
+    /// allocated`) for fewer device calls.
     pub page_reuse_slack: f64,
+    /// How page reuse makes sure a free page's queued work is done before it unmaps the page
+    /// (crate key `cca_page_reuse_fence`). `true`: by events — an event recorded on the page's
+    /// stream after the free is queried, never waited for, and pages whose event has not
+    /// completed stay where they are (the growth creates new memory instead and reuses them
+    /// later). `false`: by synchronizing the page's stream first, as PyTorch does before it
+    /// unmaps. Without page reuse it changes nothing.
+    pub page_reuse_fence: bool,
     /// Whether the fraction cap counts only the physical bytes a growth really creates (crate key
     /// `cca_precise_cap`). PyTorch counts the whole segment size `get_allocation_size` gives,
     /// even when expandable segments map less or reuse pages.
@@ -196,8 +204,8 @@ pub struct AllocatorConfig {
 
 /// Where an expandable segment finds physical pages when it grows.
 ///
-/// Reusing a page means unmapping a whole free page from a free cached block (after
-/// synchronizing that block's stream) and mapping the same physical memory where the growth
+/// Reusing a page means unmapping a whole free page from a free cached block (once its queued
+/// work is known complete, see `page_reuse_fence`) and mapping the same physical memory where the growth
 /// needs it, instead of creating new memory: GMLake's "stitching" on top of PyTorch's expandable
 /// segments. It trades device calls (one unmap and one map per reused range) for reserved bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
@@ -243,6 +251,7 @@ impl AllocatorConfig {
             expandable_handle_per_growth: false,
             page_reuse: PageReuse::Off,
             page_reuse_slack: 0.0,
+            page_reuse_fence: false,
             precise_fraction_cap: false,
             fast_path: false,
             cross_stream_reuse: false,
@@ -428,6 +437,12 @@ impl AllocatorConfig {
         if self.page_reuse_slack != d.page_reuse_slack {
             out.push(format!("cca_page_reuse_slack:{}", self.page_reuse_slack));
         }
+        if self.page_reuse_fence != d.page_reuse_fence {
+            out.push(format!(
+                "cca_page_reuse_fence:{}",
+                flag(self.page_reuse_fence)
+            ));
+        }
         if self.precise_fraction_cap != d.precise_fraction_cap {
             out.push(format!(
                 "cca_precise_cap:{}",
@@ -546,7 +561,9 @@ impl Default for AllocatorConfig {
     /// traces it reserves at most about 1.015 × the peak live bytes (PyTorch: 1.12–2.21×; PyTorch
     /// with expandable segments: 1.01–1.58×). As a configuration string:
     /// `expandable_segments:True,cca_large_page_size_mb:2,cca_page_reuse:device,`
-    /// `cca_page_reuse_slack:0.01,cca_precise_cap:True`.
+    /// `cca_page_reuse_slack:0.01,cca_page_reuse_fence:True,cca_precise_cap:True`. Page reuse is
+    /// fenced by events, so the default never synchronizes a stream or the device outside
+    /// `empty_cache` and the out-of-memory path.
     ///
     /// The per-thread fast path (`cca_fast_path:True`) is opt-in: per-thread front caches serve
     /// cache hits without the lock (see `benches/README.md` for its figures).
@@ -564,6 +581,7 @@ impl Default for AllocatorConfig {
             expandable_large_page_size: Some(SMALL_BUFFER),
             page_reuse: PageReuse::Device,
             page_reuse_slack: 0.01,
+            page_reuse_fence: true,
             precise_fraction_cap: true,
             fast_path: false,
             ..AllocatorConfig::pytorch()
@@ -674,6 +692,13 @@ impl AllocatorConfigBuilder {
     /// `cca_page_reuse_slack`.
     pub fn page_reuse_slack(mut self, slack: f64) -> Self {
         self.config.page_reuse_slack = slack;
+        self
+    }
+
+    /// `cca_page_reuse_fence` (crate-specific): fence page reuse by events instead of stream
+    /// synchronizations.
+    pub fn page_reuse_fence(mut self, on: bool) -> Self {
+        self.config.page_reuse_fence = on;
         self
     }
 

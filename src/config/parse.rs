@@ -286,6 +286,11 @@ pub(super) fn apply(
                 }
                 c.page_reuse_slack = v;
             }
+            "cca_page_reuse_fence" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                c.page_reuse_fence = t.boolean(i, &key)?;
+            }
             "cca_precise_cap" => {
                 t.expect(i + 1, ":")?;
                 i += 2;

@@ -112,7 +112,7 @@ fn settings_string_round_trips() {
     configs.push(AllocatorConfig {
         settings: String::new(),
         ..AllocatorConfig::parse(
-            "expandable_segments:True,cca_min_growth_mb:20,cca_handle_per_growth:True,graph_capture_record_stream_reuse:True",
+            "expandable_segments:True,cca_min_growth_mb:20,cca_handle_per_growth:True,graph_capture_record_stream_reuse:True,cca_page_reuse:device,cca_page_reuse_fence:True",
         )
         .unwrap()
     });

@@ -492,9 +492,14 @@ fn many_streams_reserve_less_with_the_option() {
 
 #[test]
 fn the_default_with_the_option_keeps_its_waste_goal_and_syncs_less() {
+    // Page reuse synchronizing (the default fences with events instead, below).
+    let synced = AllocatorConfig {
+        page_reuse_fence: false,
+        ..AllocatorConfig::default()
+    };
     for seed in [1, 2] {
-        let (off, c_off) = replay_many_streams(AllocatorConfig::default(), seed);
-        let (with, c_with) = replay_many_streams(on(AllocatorConfig::default()), seed);
+        let (off, c_off) = replay_many_streams(synced.clone(), seed);
+        let (with, c_with) = replay_many_streams(on(synced.clone()), seed);
         println!(
             "synth_many_streams seed {seed}, default: {:.4} -> {:.4} x live, range ops {} -> {}, stream syncs {} -> {}",
             off.reserved_over_live(),
@@ -506,6 +511,11 @@ fn the_default_with_the_option_keeps_its_waste_goal_and_syncs_less() {
         );
         assert!(with.reserved_over_live() <= 1.03);
         assert!(c_with.synchronize_calls < c_off.synchronize_calls);
+        // The default fences page reuse with events: no synchronization with or without.
+        let (off, c_off) = replay_many_streams(AllocatorConfig::default(), seed);
+        let (with, c_with) = replay_many_streams(on(AllocatorConfig::default()), seed);
+        assert!(off.reserved_over_live() <= 1.03 && with.reserved_over_live() <= 1.03);
+        assert_eq!((c_off.synchronize_calls, c_with.synchronize_calls), (0, 0));
     }
     // A single-stream workload never hands over, so nothing changes there.
     let trace = Workload::TransformerVarlen.trace(1);

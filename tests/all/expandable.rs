@@ -278,16 +278,103 @@ fn pages_move_between_pools_and_streams_with_their_reserved_bytes() {
         st.memory_reserved()
     );
     assert!(st.reserved_bytes.get(StatType::SmallPool).current >= 16 * MIB as i64);
-    assert!(
-        c.synchronize_calls > 0,
-        "reuse waits for the page's old stream"
+    assert_eq!(
+        c.synchronize_calls, 0,
+        "reuse fences the page's old stream with an event, never a synchronize"
     );
+    assert!(c.event_records > 0, "{c:?}");
     for s in small {
         a.free(s.ptr).unwrap();
     }
     a.check_invariants().unwrap();
     a.empty_cache().unwrap();
     assert_eq!(a.backend().counters().reserved_bytes, 0);
+}
+
+/// A 32 MiB block of stream 1 still used by queued work on stream 1 is freed; stream 2 grows
+/// twice by 16 MiB. Returns the counters and reserved MiB after each growth, and the violations.
+fn fenced_growths(conf: &str, lag: u32, fail_record: bool) -> [(SimCounters, usize); 2] {
+    let a = with_config(1 << 30, AllocatorConfig::parse(conf).unwrap());
+    let (s, t) = (StreamId(1), StreamId(2));
+    let dev = a.backend();
+    dev.set_event_query_lag(lag);
+    let x = a.allocate(32 * MIB, s).unwrap();
+    dev.use_range(s, x.ptr, 32 * MIB);
+    a.free(x.ptr).unwrap();
+    if fail_record {
+        dev.fail_next_event_call(SimEventCall::Record);
+    }
+    let y = a.allocate(16 * MIB, t).unwrap();
+    let first = (
+        dev.counters(),
+        a.memory_stats().memory_reserved() as usize / MIB,
+    );
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    dev.complete_work(s);
+    let z = a.allocate(16 * MIB, t).unwrap();
+    let second = (
+        dev.counters(),
+        a.memory_stats().memory_reserved() as usize / MIB,
+    );
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    a.check_invariants().unwrap();
+    for p in [y, z] {
+        a.free(p.ptr).unwrap();
+    }
+    [first, second]
+}
+
+#[test]
+fn page_reuse_fences_with_events_and_never_synchronizes() {
+    // The default: the fence recorded on stream 1 has not completed, so the pages stay mapped
+    // (unmapping them under the queued work would fault it) and 16 MiB are created; once the
+    // work completes the next growth reuses them. No synchronization anywhere.
+    let [(c1, r1), (c2, r2)] = fenced_growths("cca_preset:default", 0, false);
+    assert_eq!((c1.synchronize_calls, c1.unmap_calls), (0, 0), "{c1:?}");
+    assert_eq!(c1.event_records, 1, "one fence on stream 1: {c1:?}");
+    assert_eq!(r1, 48);
+    assert_eq!(c2.synchronize_calls, 0, "{c2:?}");
+    assert_eq!(c2.unmap_calls, 8, "eight 2 MiB pages reused: {c2:?}");
+    assert_eq!(c2.create_physical_calls, c1.create_physical_calls);
+    assert_eq!(c2.event_records, 1, "the pending fence served: {c2:?}");
+    assert_eq!(r2, 48);
+    // The PyTorch-like setting synchronizes stream 1 and reuses at once.
+    let [(c1, r1), _] = fenced_growths("cca_preset:default,cca_page_reuse_fence:False", 0, false);
+    assert_eq!(c1.stream_synchronize_calls, 1, "{c1:?}");
+    assert_eq!((c1.unmap_calls, c1.event_records), (8, 0), "{c1:?}");
+    assert_eq!(r1, 32);
+}
+
+#[test]
+fn a_late_fence_delays_reuse_and_a_failed_one_costs_memory_only() {
+    // The device answers the first two queries of each event late: the second growth still
+    // sees the fence pending and creates its pages too.
+    let [(c1, r1), (c2, r2)] = fenced_growths("cca_preset:default", 2, false);
+    assert_eq!((c1.unmap_calls, r1), (0, 48), "{c1:?}");
+    assert_eq!(
+        (c2.synchronize_calls, c2.unmap_calls, r2),
+        (0, 0, 64),
+        "{c2:?}"
+    );
+    // One late query only: the fence recorded at the first growth is seen complete at the next.
+    let [_, (c2, r2)] = fenced_growths("cca_preset:default", 1, false);
+    assert_eq!(
+        (c2.synchronize_calls, c2.unmap_calls, r2),
+        (0, 8, 48),
+        "{c2:?}"
+    );
+    // The fence cannot be recorded: no reuse then, no synchronize; the next growth fences.
+    let [(c1, r1), (c2, r2)] = fenced_growths("cca_preset:default", 0, true);
+    assert_eq!(
+        (c1.synchronize_calls, c1.unmap_calls, r1),
+        (0, 0, 48),
+        "{c1:?}"
+    );
+    assert_eq!(
+        (c2.synchronize_calls, c2.unmap_calls, r2),
+        (0, 8, 48),
+        "{c2:?}"
+    );
 }
 
 #[test]

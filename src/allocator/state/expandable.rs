@@ -14,8 +14,9 @@
 //! unmap operations (one per mapped or unmapped range), `inactive_split` skips expandable blocks.
 //!
 //! Note [Page reuse]: with `page_reuse` on (not PyTorch), a growth first takes pages from
-//! `spare_pages`, then unmaps whole free pages of free cached blocks elsewhere (after
-//! synchronizing their stream) and maps the same physical pages where the growth needs them;
+//! `spare_pages`, then unmaps whole free pages of free cached blocks elsewhere (once their
+//! queued work is known complete: a completed event fence, Note [Page fences] in `page_fence.rs`,
+//! or with `page_reuse_fence` off a stream synchronization) and maps the same physical pages where the growth needs them;
 //! only the rest is created new. A growth therefore creates memory only when no free whole page
 //! is left, so reserved memory stays within the live bytes plus the partial pages around free
 //! blocks. Pages moved between pools move their `reserved_bytes` with them (`StatArray::transfer`).
@@ -440,7 +441,12 @@ impl State {
             (b.ptr, b.size, b.stream, b.pool, b.next)
         };
         self.pool(kind).unmapped.remove(&(stream, ptr, to_map));
-        self.block_mut(to_map).mapped = true;
+        {
+            // Freshly mapped: no work has used these bytes at this address.
+            let b = self.block_mut(to_map);
+            b.mapped = true;
+            b.free_stamp = 0;
+        }
         if bytes < size {
             let mut rest = Block::new(ptr + bytes as u64, size - bytes, stream, kind);
             rest.mapped = false;
@@ -508,7 +514,7 @@ impl State {
         let reuse = self.config.page_reuse != PageReuse::Off && !self.capture_underway();
         let to_reclaim = need.saturating_sub(allowance);
         let (mut plan, mut reclaimed) = if to_reclaim > 0 && reuse {
-            self.reclaim_plan(base, to_reclaim, growth)
+            self.plan_reuse(dev, base, to_reclaim, growth)
         } else {
             (Vec::new(), 0)
         };
@@ -520,7 +526,7 @@ impl State {
         };
         if reuse && to_reclaim < need && over_cap(self, need - reclaimed) {
             // No slack under the cap: reuse all that can be reused.
-            (plan, reclaimed) = self.reclaim_plan(base, need, growth);
+            (plan, reclaimed) = self.plan_reuse(dev, base, need, growth);
         }
         let fresh = need - reclaimed;
         if fresh > 0 && over_cap(self, fresh) {
@@ -579,7 +585,10 @@ impl State {
         let mut synced: Vec<StreamId> = Vec::new();
         for r in plan {
             let stream = self.block(r.id).stream;
-            if !synced.contains(&stream) {
+            // Note [Page fences]: a block a completed fence covers is idle; anything else waits
+            // for its stream (the PyTorch-like setting, or a backend without events).
+            let idle = self.fenced_reuse() && self.known_idle(r.id);
+            if !idle && !synced.contains(&stream) {
                 if let Err(source) = dev.synchronize_stream(stream) {
                     self.spare_pages.extend(got);
                     return Err(backend("synchronize_stream")(source));
@@ -603,15 +612,49 @@ impl State {
         Ok(Some(got))
     }
 
+    /// `reclaim_plan`, fenced (Note [Page fences]): polls the fences first; when the plan
+    /// comes up short because some free pages' fences have not completed, records fences on
+    /// those streams, polls once more and plans again.
+    fn plan_reuse<B: DeviceBackend>(
+        &mut self,
+        dev: &B,
+        base: u64,
+        need: usize,
+        growth: Growth,
+    ) -> (Vec<Reclaim>, usize) {
+        if !self.fenced_reuse() {
+            let (plan, got, _) = self.reclaim_plan(base, need, growth);
+            return (plan, got);
+        }
+        self.poll_fences(dev);
+        let (plan, got, unfenced) = self.reclaim_plan(base, need, growth);
+        if got < need && !unfenced.is_empty() && self.record_fences(dev, &unfenced) {
+            self.poll_fences(dev);
+            let (plan, got, _) = self.reclaim_plan(base, need, growth);
+            return (plan, got);
+        }
+        (plan, got)
+    }
+
     /// Which mapped handles to reuse for `need` pages of segment `base`, and how many pages they
     /// give: handles lying wholly inside free blocks the policy allows (same segment, or any
     /// segment whose handles are whole multiples of this page size), largest first, never more
     /// than needed; never from blocks in `growth.keep` in `base` (the run being assembled), nor
     /// the pages of `growth.to_map`'s neighbours that touch it (unmapped, they would merge with
     /// it).
-    fn reclaim_plan(&self, base: u64, need: usize, growth: Growth) -> (Vec<Reclaim>, usize) {
+    ///
+    /// With fenced reuse, only blocks a completed fence covers are taken; the third value names
+    /// the streams of the others that hold reusable pages, each with its blocks' highest free
+    /// stamp (where a fence would help).
+    fn reclaim_plan(
+        &self,
+        base: u64,
+        need: usize,
+        growth: Growth,
+    ) -> (Vec<Reclaim>, usize, Vec<(StreamId, u64)>) {
+        let mut unfenced: Vec<(StreamId, u64)> = Vec::new();
         let Some((page, kind)) = self.vm_segments.get(&base).map(|s| (s.page_size, s.pool)) else {
-            return (Vec::new(), 0);
+            return (Vec::new(), 0, unfenced);
         };
         let same_segment_only = self.config.page_reuse == PageReuse::Segment;
         let (lo, hi) = growth.keep;
@@ -652,9 +695,17 @@ impl State {
                     .map(|(start, count)| (count * bytes_per / page, start, count))
                     .collect();
                 let total: usize = handles.iter().map(|h| h.0).sum();
-                if total > 0 {
-                    cands.push((total, b.ptr, k.id, handles));
+                if total == 0 {
+                    continue;
                 }
+                if !self.fence_allows(k.id) {
+                    match unfenced.iter_mut().find(|(s, _)| *s == b.stream) {
+                        Some(u) => u.1 = u.1.max(b.free_stamp),
+                        None => unfenced.push((b.stream, b.free_stamp)),
+                    }
+                    continue;
+                }
+                cands.push((total, b.ptr, k.id, handles));
             }
         }
         // Fewest blocks touched: the blocks with most reusable pages first; within a block its
@@ -690,11 +741,11 @@ impl State {
         }
         // Deterministic order: by block address.
         plan.sort_unstable_by_key(|r| self.block(r.id).ptr);
-        (plan, need - left)
+        (plan, need - left, unfenced)
     }
 
     /// Unmaps the handles tiling pages `[first, first + count)` of free mapped block `id` (the
-    /// caller synchronized its stream) and does `unmap_block`'s surgery for what was unmapped.
+    /// caller made sure its queued work is complete: a fence or a synchronize) and does `unmap_block`'s surgery for what was unmapped.
     /// Returns the handles (still counted as reserved in the block's pool), the free block left
     /// below the run (if any), and the first error.
     fn unmap_run<B: DeviceBackend>(
@@ -757,15 +808,24 @@ impl State {
     /// mapped parts before and after become free blocks of their own. Returns the part before.
     fn mark_unmapped(&mut self, id: BlockId, start: u64, bytes: usize) -> Option<BlockId> {
         self.uncache_block(id);
-        let (ptr, size, stream, kind, prev, next) = {
+        let (ptr, size, stream, kind, prev, next, stamp) = {
             let b = self.block(id);
-            (b.ptr, b.size, b.stream, b.pool, b.prev, b.next)
+            (
+                b.ptr,
+                b.size,
+                b.stream,
+                b.pool,
+                b.prev,
+                b.next,
+                b.free_stamp,
+            )
         };
         let before = (start - ptr) as usize;
         let mut below = None;
         if before > 0 {
             let mut bf = Block::new(ptr, before, stream, kind);
             bf.expandable = true;
+            bf.free_stamp = stamp;
             bf.prev = prev;
             bf.next = Some(id);
             let bid = self.arena.insert(bf);
@@ -780,6 +840,7 @@ impl State {
         if after > 0 {
             let mut af = Block::new(start + bytes as u64, after, stream, kind);
             af.expandable = true;
+            af.free_stamp = stamp;
             af.prev = Some(id);
             af.next = next;
             let aid = self.arena.insert(af);

@@ -206,6 +206,9 @@ impl State {
                 pool.unmapped.insert((stream, ptr, id));
             }
             self.block_mut(id).stream = stream;
+            // Its old stream's work is ordered before the new stream's only from here on: a
+            // page fence on the new stream must be recorded after this (Note [Page fences]).
+            self.stamp_free(id);
         }
     }
 }
