@@ -156,8 +156,12 @@ impl CudaAllocator {
     /// # Errors
     /// As [`CachingAllocator::empty_cache`].
     pub fn empty_cache(&self) -> Result<()> {
+        // The core first: it refuses while a graph capture is underway, and then the kept shells
+        // must stay too (destroying them waits on their events on the legacy default stream,
+        // which a global-mode capture forbids).
+        self.inner.empty_cache()?;
         self.shells.clear();
-        self.inner.empty_cache()
+        Ok(())
     }
 
     /// Caps the cache at `fraction` of the device's memory; see
