@@ -212,35 +212,28 @@ impl State {
         }
     }
 
+    /// The free set of `id`'s pool (a private pool's for a private block), and the block.
+    fn free_set_of(&mut self, id: BlockId) -> Option<(&mut BlockPool, &mut Block)> {
+        let b = self.arena.get_mut(id)?;
+        let set = match (b.owner, b.pool) {
+            (0, PoolKind::Small) => &mut self.small,
+            (0, PoolKind::Large) => &mut self.large,
+            (owner, kind) => self.graph.pools.get_mut(&owner)?.set(kind),
+        };
+        Some((set, b))
+    }
+
     /// Inserts a free block into its pool's free set (a private pool's for a private block).
     fn cache_block(&mut self, id: BlockId) {
-        let (kind, owner) = {
-            let b = self.block(id);
-            (b.pool, b.owner)
-        };
-        let pool = match (owner, kind) {
-            (0, PoolKind::Small) => Some(&mut self.small),
-            (0, PoolKind::Large) => Some(&mut self.large),
-            _ => self.graph.pools.get_mut(&owner).map(|p| p.set(kind)),
-        };
-        if let (Some(pool), Some(b)) = (pool, self.arena.get_mut(id)) {
-            pool.insert(id, b);
+        if let Some((set, b)) = self.free_set_of(id) {
+            set.insert(id, b);
         }
     }
 
     /// Removes a free block from its pool's free set (a private pool's for a private block).
     fn uncache_free_block(&mut self, id: BlockId) {
-        let (kind, owner) = {
-            let b = self.block(id);
-            (b.pool, b.owner)
-        };
-        let pool = match (owner, kind) {
-            (0, PoolKind::Small) => Some(&mut self.small),
-            (0, PoolKind::Large) => Some(&mut self.large),
-            _ => self.graph.pools.get_mut(&owner).map(|p| p.set(kind)),
-        };
-        if let (Some(pool), Some(b)) = (pool, self.arena.get(id)) {
-            pool.remove(id, b);
+        if let Some((set, b)) = self.free_set_of(id) {
+            set.remove(id, b);
         }
     }
 

@@ -86,7 +86,9 @@ pub fn device_count() -> Result<usize, BackendError> {
     Ok(usize::try_from(n).unwrap_or(0))
 }
 
-fn driver(operation: &'static str, e: DriverError) -> BackendError {
+/// A driver error as a [`BackendError`] (out of memory stays out of memory, so the cache
+/// releases and retries).
+pub(crate) fn driver(operation: &'static str, e: DriverError) -> BackendError {
     if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
         BackendError::OutOfMemory
     } else {

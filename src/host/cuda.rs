@@ -12,27 +12,16 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::result::{self, DriverError};
+use cudarc::driver::result;
 use cudarc::driver::sys;
 
 use crate::backend::BackendError;
-use crate::backend::cuda::CudaDevice;
+use crate::backend::cuda::{CudaDevice, driver};
 
 use super::{HostBackend, HostPtr, Pinned};
 
 /// `cuMemHostAlloc` returns page-aligned memory.
 const HOST_PAGE: usize = 4096;
-
-fn driver(operation: &'static str, e: DriverError) -> BackendError {
-    if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-        BackendError::OutOfMemory
-    } else {
-        BackendError::Driver {
-            operation,
-            source: Box::new(e),
-        }
-    }
-}
 
 fn nanos_since(t: Instant) -> u64 {
     u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX)

@@ -41,15 +41,10 @@ use crate::{AllocError, BackendError};
 
 /// A cudarc driver error as an [`AllocError`] (out of memory stays out of memory).
 fn driver_error(operation: &'static str, e: cudarc::driver::DriverError) -> AllocError {
-    let source = if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-        BackendError::OutOfMemory
-    } else {
-        BackendError::Driver {
-            operation,
-            source: Box::new(e),
-        }
-    };
-    AllocError::Backend { operation, source }
+    AllocError::Backend {
+        operation,
+        source: crate::backend::cuda::driver(operation, e),
+    }
 }
 
 /// An allocator error as cudarc's `DriverError`, so that `?` on the allocator's calls works in

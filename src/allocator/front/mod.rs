@@ -829,14 +829,7 @@ impl Front {
                 {
                     problem = Some(format!("managed block {p} is missing from the owner map"));
                 }
-                let pool = match v.kind {
-                    PoolKind::Small => 1,
-                    PoolKind::Large => 2,
-                };
-                for (q, c) in v.contribution(state).into_iter().enumerate() {
-                    recount[3 * q] += c;
-                    recount[3 * q + pool] += c;
-                }
+                count_into(&mut recount, &v, state);
             });
             if let Some(p) = problem {
                 return Err(bad(p));
@@ -858,15 +851,7 @@ impl Front {
                     if !matches!(state, LIVE | CACHED) {
                         return;
                     }
-                    let v = d.view();
-                    let pool = match v.kind {
-                        PoolKind::Small => 1,
-                        PoolKind::Large => 2,
-                    };
-                    for (q, c) in v.contribution(state).into_iter().enumerate() {
-                        recount[3 * q] += c;
-                        recount[3 * q + pool] += c;
-                    }
+                    count_into(&mut recount, &d.view(), state);
                 });
                 let mut again = reg.cell.counters.delta();
                 again.add(&reg.foreign);
@@ -965,4 +950,17 @@ fn accumulators(d: &Delta) -> Delta {
         }
     }
     a
+}
+
+/// Adds a managed block's contribution (count, allocated and requested bytes, each to `all` and
+/// to its pool) to a recount of a cache's currents.
+fn count_into(recount: &mut [i64; 9], v: &DescView, state: u32) {
+    let pool = match v.kind {
+        PoolKind::Small => 1,
+        PoolKind::Large => 2,
+    };
+    for (q, c) in v.contribution(state).into_iter().enumerate() {
+        recount[3 * q] += c;
+        recount[3 * q + pool] += c;
+    }
 }
