@@ -75,19 +75,13 @@ struct Gpu {
 
 /// The shared GPU fixture, or `None` (after printing why) when GPU tests are not enabled.
 fn gpu(test: &str) -> Option<&'static Gpu> {
-    if std::env::var("CCA_TEST_CUDA").as_deref() != Ok("1") {
-        println!("skipped {test}: set CCA_TEST_CUDA=1 to run the GPU tests");
+    if !crate::util::gpu_tests_enabled(test) {
         return None;
     }
     static GPU: OnceLock<Gpu> = OnceLock::new();
     Some(GPU.get_or_init(|| {
-        assert!(
-            cuda_caching_allocator::backend::cuda::cuda_available(),
-            "CCA_TEST_CUDA=1 but no CUDA device works"
-        );
         let ctx = CudaContext::new(0).unwrap();
-        let ptx = cudarc::nvrtc::compile_ptx(KERNELS).unwrap();
-        let module = ctx.load_module(ptx).unwrap();
+        let module = crate::util::load_module(&ctx, KERNELS);
         Gpu {
             fill: module.load_function("fill_pattern").unwrap(),
             check: module.load_function("check_pattern").unwrap(),

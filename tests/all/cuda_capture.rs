@@ -46,16 +46,11 @@ struct Gpu {
 }
 
 fn gpu(test: &str) -> Option<&'static Gpu> {
-    if std::env::var("CCA_TEST_CUDA").as_deref() != Ok("1") {
-        println!("skipped {test}: set CCA_TEST_CUDA=1 to run the GPU tests");
+    if !crate::util::gpu_tests_enabled(test) {
         return None;
     }
     static GPU: OnceLock<Gpu> = OnceLock::new();
     Some(GPU.get_or_init(|| {
-        assert!(
-            cuda_caching_allocator::backend::cuda::cuda_available(),
-            "CCA_TEST_CUDA=1 but no CUDA device works"
-        );
         let ctx = CudaContext::new(0).unwrap();
         // As cudarc's own capture tests do: with event tracking on, every use of a buffer waits
         // on its events, and the driver refuses waits on events recorded outside the capture
@@ -64,8 +59,7 @@ fn gpu(test: &str) -> Option<&'static Gpu> {
         // SAFETY: this context object's buffers are created after this call, and the tests
         // order their streams themselves (the graph and the checks run on one stream).
         unsafe { ctx.disable_event_tracking() };
-        let ptx = cudarc::nvrtc::compile_ptx(KERNELS).unwrap();
-        let module = ctx.load_module(ptx).unwrap();
+        let module = crate::util::load_module(&ctx, KERNELS);
         Gpu {
             fill: module.load_function("fill_pattern").unwrap(),
             add: module.load_function("add").unwrap(),

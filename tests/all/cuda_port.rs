@@ -30,15 +30,13 @@ struct Gpu {
 }
 
 fn gpu(test: &str) -> Option<&'static Gpu> {
-    if std::env::var("CCA_TEST_CUDA").as_deref() != Ok("1") {
-        println!("skipped {test}: set CCA_TEST_CUDA=1 to run the GPU tests");
+    if !crate::util::gpu_tests_enabled(test) {
         return None;
     }
     static GPU: OnceLock<Gpu> = OnceLock::new();
     Some(GPU.get_or_init(|| {
         let ctx = CudaContext::new(0).unwrap();
-        let ptx = cudarc::nvrtc::compile_ptx(KERNELS).unwrap();
-        let module = ctx.load_module(ptx).unwrap();
+        let module = crate::util::load_module(&ctx, KERNELS);
         Gpu {
             spin_fill: module.load_function("spin_fill").unwrap(),
             ctx,

@@ -44,17 +44,10 @@ struct Kernels {
     spin_copy: CudaFunction,
 }
 
-fn enabled(test: &str) -> bool {
-    if std::env::var("CCA_TEST_CUDA").as_deref() != Ok("1") {
-        println!("skipped {test}: set CCA_TEST_CUDA=1 to run the GPU tests");
-        return false;
-    }
-    true
-}
+use crate::util::gpu_tests_enabled as enabled;
 
 fn kernels(ctx: &Arc<CudaContext>) -> Kernels {
-    let ptx = cudarc::nvrtc::compile_ptx(KERNELS).unwrap();
-    let module = ctx.load_module(ptx).unwrap();
+    let module = crate::util::load_module(ctx, KERNELS);
     Kernels {
         spin_fill: module.load_function("spin_fill").unwrap(),
         spin_copy: module.load_function("spin_copy").unwrap(),
