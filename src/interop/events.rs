@@ -32,87 +32,29 @@ use crate::{AllocError, BackendError};
 /// CUDA events and nothing else.
 pub(super) const POOL_CAP: usize = 8192;
 
-/// cudarc's buffer type over cached memory, kept for its read and write events only. Dropping it
-/// never frees the memory (see the module docs).
-pub(super) struct EventShell(ManuallyDrop<CudaSlice<u8>>);
+/// cudarc's buffer type over cached memory, kept for its read and write events (and, typed, to
+/// lend `&CudaSlice<T>`). Dropping it never frees the memory: its drop calls `CudaSlice::leak`,
+/// which waits on the events on the shell's stream, destroys them and hands back the address.
+pub(super) struct Shell<T>(ManuallyDrop<CudaSlice<T>>);
 
-impl fmt::Debug for EventShell {
+/// The pooled byte shell of a block (see the module docs).
+pub(super) type EventShell = Shell<u8>;
+
+/// A `CudaSlice<T>` over a cached buffer's memory, made on the buffer's own stream when a program
+/// asks for cudarc's concrete type (`CachedSlice::as_cuda_slice`). Its events are the buffer's
+/// from the moment it exists (see `interop::slice`), so it is never pooled: it is made at most
+/// once per buffer.
+pub(super) type TypedShell<T> = Shell<T>;
+
+impl<T> fmt::Debug for Shell<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("EventShell")
+        f.debug_struct("Shell")
             .field("len", &self.0.len())
             .finish_non_exhaustive()
     }
 }
 
-impl Deref for EventShell {
-    type Target = CudaSlice<u8>;
-
-    fn deref(&self) -> &CudaSlice<u8> {
-        &self.0
-    }
-}
-
-impl DerefMut for EventShell {
-    fn deref_mut(&mut self) -> &mut CudaSlice<u8> {
-        &mut self.0
-    }
-}
-
-impl Drop for EventShell {
-    fn drop(&mut self) {
-        // SAFETY: the field is never used again: this is the shell's drop.
-        let slice = unsafe { ManuallyDrop::take(&mut self.0) };
-        // `leak` waits on the events (on the shell's stream), destroys them and hands back the
-        // address without freeing it: the memory belongs to the cache.
-        let _ = slice.leak();
-    }
-}
-
-impl EventShell {
-    /// A new shell of `len` bytes at `ptr`, with two new events (cudarc's
-    /// `CudaStream::upgrade_device_ptr` on the context's default stream).
-    ///
-    /// # Errors
-    /// A backend error when cudarc could not create the events.
-    ///
-    /// # Safety
-    /// 1. `[ptr, ptr + len)` is device memory of `ctx`'s device that the cache has handed to the
-    ///    caller and that stays allocated while the shell is used for it.
-    pub(super) unsafe fn new(
-        ctx: &Arc<CudaContext>,
-        ptr: sys::CUdeviceptr,
-        len: usize,
-    ) -> Result<Self, AllocError> {
-        let stream = ctx.default_stream();
-        // cudarc unwraps the event creation inside `upgrade_device_ptr`; a failure there must not
-        // unwind through the caller, so it is caught and reported as an error.
-        // SAFETY: obligation 1 is the caller's; the shell is never dropped as a `CudaSlice` (see
-        // `Drop for EventShell`), so cudarc never frees the memory.
-        let made = catch_unwind(AssertUnwindSafe(|| unsafe {
-            stream.upgrade_device_ptr::<u8>(ptr, len)
-        }));
-        match made {
-            Ok(slice) => Ok(EventShell(ManuallyDrop::new(slice))),
-            Err(_) => Err(no_events()),
-        }
-    }
-}
-
-/// A cudarc `CudaSlice<T>` over a cached buffer's memory, made on the buffer's own stream when a
-/// program asks for cudarc's concrete type (`CachedSlice::as_cuda_slice`). Like [`EventShell`],
-/// it never frees: its drop calls `CudaSlice::leak`. Its events are the buffer's from the moment
-/// it exists (see `interop::slice`), so it is never pooled: it is made at most once per buffer.
-pub(super) struct TypedShell<T>(ManuallyDrop<CudaSlice<T>>);
-
-impl<T> fmt::Debug for TypedShell<T> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("TypedShell")
-            .field("len", &self.0.len())
-            .finish_non_exhaustive()
-    }
-}
-
-impl<T> Deref for TypedShell<T> {
+impl<T> Deref for Shell<T> {
     type Target = CudaSlice<T>;
 
     fn deref(&self) -> &CudaSlice<T> {
@@ -120,23 +62,24 @@ impl<T> Deref for TypedShell<T> {
     }
 }
 
-impl<T> DerefMut for TypedShell<T> {
+impl<T> DerefMut for Shell<T> {
     fn deref_mut(&mut self) -> &mut CudaSlice<T> {
         &mut self.0
     }
 }
 
-impl<T> Drop for TypedShell<T> {
+impl<T> Drop for Shell<T> {
     fn drop(&mut self) {
         // SAFETY: the field is never used again: this is the shell's drop.
         let slice = unsafe { ManuallyDrop::take(&mut self.0) };
-        // As for `EventShell`: waits on the events, destroys them, frees nothing.
+        // Waits on the events, destroys them, frees nothing: the memory belongs to the cache.
         let _ = slice.leak();
     }
 }
 
-impl<T> TypedShell<T> {
-    /// A new typed shell of `len` values at `ptr` on `stream` (cudarc's `upgrade_device_ptr`).
+impl<T> Shell<T> {
+    /// A new shell of `len` values at `ptr` on `stream`, with two new events (cudarc's
+    /// `CudaStream::upgrade_device_ptr`).
     ///
     /// # Errors
     /// A backend error when cudarc could not create the events.
@@ -145,19 +88,41 @@ impl<T> TypedShell<T> {
     /// 1. `[ptr, ptr + len * size_of::<T>())` is device memory of `stream`'s device that the cache
     ///    has handed to the caller and that stays allocated while the shell is used for it, and
     ///    holds values of `T` as far as anyone reading it through the shell can tell.
-    pub(super) unsafe fn new(
+    pub(super) unsafe fn on_stream(
         stream: &Arc<CudaStream>,
         ptr: sys::CUdeviceptr,
         len: usize,
     ) -> Result<Self, AllocError> {
-        // SAFETY: obligation 1 is the caller's; the slice is never dropped as a `CudaSlice`.
+        // cudarc unwraps the event creation inside `upgrade_device_ptr`; a failure there must not
+        // unwind through the caller, so it is caught and reported as an error.
+        // SAFETY: obligation 1 is the caller's; the slice is never dropped as a `CudaSlice` (see
+        // `Drop for Shell`), so cudarc never frees the memory.
         let made = catch_unwind(AssertUnwindSafe(|| unsafe {
             stream.upgrade_device_ptr::<T>(ptr, len)
         }));
         match made {
-            Ok(slice) => Ok(TypedShell(ManuallyDrop::new(slice))),
+            Ok(slice) => Ok(Shell(ManuallyDrop::new(slice))),
             Err(_) => Err(no_events()),
         }
+    }
+}
+
+impl Shell<u8> {
+    /// A new byte shell of `len` bytes at `ptr` on the context's default stream (pooled shells
+    /// outlive the buffers, so they hold no user stream).
+    ///
+    /// # Errors
+    /// As [`Shell::on_stream`].
+    ///
+    /// # Safety
+    /// As [`Shell::on_stream`], for `ctx`'s device.
+    pub(super) unsafe fn new(
+        ctx: &Arc<CudaContext>,
+        ptr: sys::CUdeviceptr,
+        len: usize,
+    ) -> Result<Self, AllocError> {
+        // SAFETY: the caller's obligations; bytes are valid for every bit pattern.
+        unsafe { Self::on_stream(&ctx.default_stream(), ptr, len) }
     }
 }
 
@@ -191,10 +156,10 @@ impl ShellPool {
     /// (`make >= need`: the whole block, so that a later, larger buffer there can take it too).
     ///
     /// # Errors
-    /// As [`EventShell::new`].
+    /// As [`Shell::new`].
     ///
     /// # Safety
-    /// As [`EventShell::new`], for `[ptr, ptr + make)`.
+    /// As [`Shell::new`], for `[ptr, ptr + make)`.
     pub(super) unsafe fn take(
         &self,
         ctx: &Arc<CudaContext>,

@@ -280,10 +280,8 @@ impl<T> CachedSlice<T> {
             return;
         }
         let stream = &self.stream;
-        if let Some(typed) = self.typed.get_mut() {
-            let (_, record) = cu::DevicePtrMut::<T>::device_ptr_mut(&mut **typed, stream);
-            std::mem::forget(record);
-        }
+        // The typed shell, if any, needs no wait here: it lives on this same stream, and the drop
+        // that follows (`CudaSlice::leak`) makes the stream wait for its last read and write.
         if let Some(shell) = self.shell.get_mut() {
             let (_, record) = cu::DevicePtrMut::<u8>::device_ptr_mut(&mut **shell, stream);
             std::mem::forget(record);
@@ -307,7 +305,7 @@ impl<T> CachedSlice<T> {
         }
         // SAFETY: the buffer owns `[ptr, ptr + num_bytes)` holding its values of `T` until it is
         // dropped; the typed shell lives inside it and is destroyed (never freeing) in its drop.
-        let mut typed = unsafe { TypedShell::<T>::new(&self.stream, self.ptr, self.len) }?;
+        let mut typed = unsafe { TypedShell::<T>::on_stream(&self.stream, self.ptr, self.len) }?;
         if let (true, Some(bytes)) = (managing(&self.stream), self.shell.get()) {
             // The typed shell inherits the last write recorded on the byte shell: the allocation
             // stream waits for it, then records the typed shell's write. (Readers only ever wait
