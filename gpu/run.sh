@@ -5,7 +5,8 @@
 #   bash gpu-bin/run.sh [PHASE...]    # phases: tests example torch safety sanitizer (the default:
 #                                     # all five), and on request: multigpu (only the multi-GPU and
 #                                     # context tests), replay (cca replay --device cuda on the
-#                                     # shipped traces; CCA_REPLAY_DEVICE=N picks the GPU, default 0)
+#                                     # shipped traces; CCA_REPLAY_DEVICE=N picks the GPU, default 0),
+#                                     # cold (cold replays beside PyTorch's own allocator)
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/cca-gpu-out}
@@ -96,6 +97,12 @@ for phase in $PHASES; do
     echo "replay compare gpt2_train: rc=$rc ($((SECONDS - t0)) s)" | tee -a "$S"
     sed 's/^/    /' "$tmp" | tee -a "$S"
     rm -f "$tmp" ;;
-  *) echo "unknown phase $phase (tests example torch sanitizer multigpu replay)" | tee -a "$S" ;;
+  cold) # Cold replays side by side (#11): PyTorch's own allocator (native, native expandable,
+    # through native_replay.py) against cca replay --device cuda under several configurations,
+    # fresh process each, interleaved, CCA_COLD_REPS repeats (default 3).
+    step cold timeout "$(left)" python3 "$HERE/cold_replay.py" --cca "$HERE/cca" --traces "$HERE/traces" \
+      --reps "${CCA_COLD_REPS:-3}" --jsonl "$OUT/cold.jsonl"
+    grep -E '^\|' "$OUT/cold.log" | tee -a "$S" ;;
+  *) echo "unknown phase $phase (tests example torch safety sanitizer multigpu replay cold)" | tee -a "$S" ;;
   esac
 done
