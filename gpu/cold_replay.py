@@ -2,7 +2,10 @@
 """Cold replays side by side (#11): each shipped trace through PyTorch's own allocator (native and
 native expandable, `native_replay.py`) and through `cca replay --device cuda` under several
 configurations, each run in a fresh process, repeated and interleaved so that drift hits every
-configuration alike. Prints a table of median wall ns per operation (min–max over the repeats),
+configuration alike. Prints a table of median wall ns per operation of the replay loop (min–max over the repeats; cca's
+loop also does the replay's bookkeeping: statistics after every event, fragmentation at each new
+peak), the median of the allocator calls alone (cca: time inside allocate/free; native: its loop,
+which does nothing else),
 peak reserved bytes over peak live, and device calls; writes every run as JSON lines.
 
     python3 cold_replay.py --cca gpu-bin/cca --traces gpu-bin/traces --reps 3 --jsonl OUT.jsonl
@@ -41,7 +44,8 @@ def run_one(kind, how, trace, cca):
         if p.returncode != 0:
             return {"error": p.stderr[-500:]}
         d = json.loads(p.stdout.strip().splitlines()[-1])
-        return {"ns": d["wall_ns_per_op"], "reserved": d["peak_reserved_bytes"],
+        return {"ns": d["wall_ns_per_op"], "call_ns": d["wall_ns_per_op"],
+                "reserved": d["peak_reserved_bytes"],
                 "allocated": d["peak_allocated_bytes"],
                 "calls": f"cudaMalloc {d['num_device_alloc']}, free {d['num_device_free']}"}
     p = subprocess.run([cca, "replay", trace, "--device", "cuda", "--json", *how],
@@ -53,7 +57,8 @@ def run_one(kind, how, trace, cca):
     calls = {k: v for k, v in (d.get("device_calls") or {}).items() if v}
     text = ", ".join(f"{k} {v}" for k, v in calls.items()) or (
         f"device allocs/maps {d.get('num_device_alloc')}, frees/unmaps {d.get('num_device_free')}")
-    return {"ns": d["wall_ns_per_op"], "reserved": d["peak_reserved_bytes"],
+    return {"ns": d["wall_ns_per_op"], "call_ns": d.get("ns_per_op"),
+            "reserved": d["peak_reserved_bytes"],
             "allocated": d["peak_allocated_bytes"], "live": d.get("peak_live_bytes"),
             "calls": text}
 
@@ -79,24 +84,29 @@ def main():
                     log.write(json.dumps(r) + "\n")
                     log.flush()
                 print(f"rep {rep} {name} {label}: {r.get('ns', r.get('error'))}", file=sys.stderr)
-    print("| trace | allocator | wall ns/op, median (min–max) | × native | peak reserved GB | reserved / peak allocated | device calls (last run) |")
-    print("|---|---|---:|---:|---:|---:|---|")
+    print("| trace | allocator | wall ns/op, median (min–max) | × native | allocator calls only, ns/op median | × native | peak reserved GB | reserved / peak allocated | device calls (last run) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     for trace in traces:
         name = os.path.basename(trace).replace(".csv.gz", "")
         base = None
+        base_calls = None
         for label, _ in CONFIGS:
             rs = [r for r in results.get((name, label), []) if "ns" in r]
             if not rs:
                 errs = [r.get("error", "") for r in results.get((name, label), [])]
-                print(f"| {name} | {label} | failed: {errs[:1]} | | | | |")
+                print(f"| {name} | {label} | failed: {errs[:1]} | | | | | | |")
                 continue
             ns = [r["ns"] for r in rs]
             med = statistics.median(ns)
+            calls_ns = statistics.median(r["call_ns"] for r in rs)
             if label == "native":
                 base = med
+                base_calls = calls_ns
             last = rs[-1]
             ratio = f"{med / base:.2f}" if base else ""
+            cratio = f"{calls_ns / base_calls:.2f}" if base_calls else ""
             print(f"| {name} | {label} | {med:,.0f} ({min(ns):,.0f}–{max(ns):,.0f}) | {ratio} | "
+                  f"{calls_ns:,.0f} | {cratio} | "
                   f"{last['reserved'] / 1e9:.3f} | {last['reserved'] / max(last['allocated'], 1):.4f} | {last['calls']} |")
 
 
