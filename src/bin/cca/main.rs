@@ -51,6 +51,17 @@ enum PlacementArg {
     Fresh,
 }
 
+/// The x axis of `cca plot`.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+enum XAxisArg {
+    /// Time where the trace has timestamps, else the event index.
+    Auto,
+    /// Seconds since the first event (an error for a trace without timestamps).
+    Time,
+    /// The event index.
+    Event,
+}
+
 /// The device a replay runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum DeviceArg {
@@ -204,6 +215,10 @@ struct PlotArgs {
     /// Image height in pixels, 150 to 8192.
     #[arg(long, default_value_t = 700, value_parser = clap::value_parser!(u32).range(150..=8192))]
     height: u32,
+    /// The x axis: `time` (seconds since the first event, from the trace's timestamps), `event`
+    /// (the event index), or `auto`: time where the trace has timestamps, else the event index.
+    #[arg(long, value_enum, default_value_t = XAxisArg::Auto)]
+    x_axis: XAxisArg,
 }
 
 fn main() -> ExitCode {
