@@ -544,3 +544,57 @@ fn cli_plot_to_a_bad_path_names_the_path() {
         assert!(!path.exists());
     }
 }
+
+/// Regression (#15): loading and converting a large trace printed nothing for seconds. Where
+/// stderr is not a terminal, each step that took longer than `CCA_PROGRESS_AFTER_MS` (2 s by
+/// default; 0 here, so that the small trace qualifies) gets one line; `--quiet` prints none.
+#[test]
+fn cli_long_steps_report_progress_unless_quiet() {
+    let t = trace();
+    let out_path = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli/progress.csv");
+    std::fs::create_dir_all(out_path.parent().unwrap()).unwrap();
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "convert",
+            t.to_str().unwrap(),
+            out_path.to_str().unwrap(),
+            "--run",
+            "pytorch",
+        ];
+        args.extend_from_slice(extra);
+        let out = Command::new(env!("CARGO_BIN_EXE_cca"))
+            .args(&args)
+            .env("CCA_PROGRESS_AFTER_MS", "0")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "{out:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let stderr = run(&[]);
+    for step in [
+        "cca: loading ",
+        "cca: replaying through pytorch: ",
+        "cca: writing ",
+    ] {
+        assert!(stderr.contains(step), "{step} not in {stderr}");
+    }
+    assert!(stderr.contains("events in "), "{stderr}");
+    for quiet in ["--quiet", "-q"] {
+        let stderr = run(&[quiet]);
+        assert!(!stderr.contains("cca: "), "{quiet}: {stderr}");
+        assert!(stderr.starts_with("wrote "), "{quiet}: {stderr}");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_cca"))
+        .args(["replay", t.to_str().unwrap(), "--quiet"])
+        .env("CCA_PROGRESS_AFTER_MS", "0")
+        .output()
+        .unwrap();
+    assert!(out.stderr.is_empty(), "{out:?}");
+    let out = Command::new(env!("CARGO_BIN_EXE_cca"))
+        .args(["replay", t.to_str().unwrap()])
+        .env("CCA_PROGRESS_AFTER_MS", "0")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("cca: loading "), "{stderr}");
+}

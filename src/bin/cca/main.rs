@@ -122,6 +122,10 @@ struct TraceArgs {
     /// built from it (raise it for a trace that really is larger).
     #[arg(long, default_value = "4GiB", value_parser = load::parse_bytes)]
     max_import_bytes: u64,
+    /// No progress on stderr (by default a terminal shows spinners and bars for long steps, and
+    /// other stderrs get one line for each step that took more than 2 seconds).
+    #[arg(short, long)]
+    quiet: bool,
 }
 
 #[derive(Args, Debug)]
@@ -193,6 +197,10 @@ struct ConvertArgs {
     /// built from it (raise it for a trace that really is larger).
     #[arg(long, default_value = "4GiB", value_parser = load::parse_bytes)]
     max_import_bytes: u64,
+    /// No progress on stderr (by default a terminal shows a spinner for each step, and other
+    /// stderrs get one line for each step that took more than 2 seconds).
+    #[arg(short, long)]
+    quiet: bool,
 }
 
 #[derive(Args, Debug)]
@@ -223,6 +231,12 @@ struct PlotArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    load::set_quiet(match &cli.command {
+        Command::Replay(a) => a.trace.quiet,
+        Command::Compare(a) => a.trace.quiet,
+        Command::Convert(a) => a.quiet,
+        Command::Plot(a) => a.trace.quiet,
+    });
     let result = match cli.command {
         Command::Replay(a) => report::replay(&a),
         Command::Compare(a) => report::compare(&a),
