@@ -43,6 +43,18 @@ pub use replay::{
 pub use size_class::{PoolKind, round_size};
 pub use stats::{MemoryStats, Stat, StatArray, StatType};
 
-#[cfg(doctest)]
-#[doc = include_str!("../README.md")]
-struct ReadmeDoctests;
+/// The Rust blocks of the README and of the guides in `docs/` (the crate docs above are
+/// `docs/overview.md`), compiled as doc tests. Some need the CUDA bindings (`no_run` there: no GPU
+/// in CI), so they are compiled with the `cuda` feature, as CI's test command has it;
+/// `tests/all/docs.rs` checks that every file with a Rust block is listed here.
+#[cfg(all(doctest, feature = "cuda"))]
+mod guide_doctests {
+    #[doc = include_str!("../README.md")]
+    struct Readme;
+    #[doc = include_str!("../docs/cuda.md")]
+    struct Cuda;
+    #[doc = include_str!("../docs/migrating-from-cudarc.md")]
+    struct MigratingFromCudarc;
+    #[doc = include_str!("../docs/streams-and-graphs.md")]
+    struct StreamsAndGraphs;
+}

@@ -445,3 +445,156 @@ fn cli_trace_errors_say_what_to_do() {
         "{stderr}"
     );
 }
+
+/// The texts of an SVG's `<text>` elements.
+fn svg_texts(svg: &str) -> Vec<String> {
+    svg.split("<text")
+        .skip(1)
+        .filter_map(|t| t.split_once('>'))
+        .filter_map(|(_, rest)| rest.split_once("</text>"))
+        .map(|(text, _)| text.trim().to_owned())
+        .collect()
+}
+
+/// Regression (#15): the plot's legend did not say which line style is which quantity, no peak
+/// was marked, and the x axis was the event index even where the trace has timestamps.
+#[test]
+fn cli_plot_has_a_line_style_key_peak_labels_and_a_time_axis() {
+    let t = trace();
+    let t = t.to_str().unwrap();
+    let svg = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli/plot.svg");
+    std::fs::create_dir_all(svg.parent().unwrap()).unwrap();
+    let svg_arg = svg.to_str().unwrap();
+    let plot = |extra: &[&str]| {
+        let mut args = vec![
+            "plot", t, "-o", svg_arg, "--preset", "pytorch", "--preset", "default",
+        ];
+        args.extend_from_slice(extra);
+        let out = cca(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{stderr}");
+        svg_texts(&std::fs::read_to_string(&svg).unwrap())
+    };
+    let texts = plot(&[]);
+    for want in [
+        "solid line: reserved",
+        "dashed line: allocated",
+        "pytorch",
+        "default",
+        "time since the first event (s)",
+    ] {
+        assert!(texts.iter().any(|t| t == want), "{want} not in {texts:?}");
+    }
+    // One peak label per configuration, with the peak reserved bytes (the pytorch figure is
+    // PyTorch's own peak for this trace, 3.35 GiB).
+    let peaks: Vec<&String> = texts.iter().filter(|t| t.starts_with("peak ")).collect();
+    assert_eq!(peaks.len(), 2, "{texts:?}");
+    assert!(
+        peaks.iter().any(|p| *p == "peak 3.35 GiB (pytorch)"),
+        "{peaks:?}"
+    );
+    assert!(peaks.iter().any(|p| p.ends_with("(default)")), "{peaks:?}");
+    let texts = plot(&["--x-axis", "event"]);
+    assert!(texts.iter().any(|t| t == "event"), "{texts:?}");
+
+    // A trace without timestamps: `auto` falls back to the event index, `time` is an error.
+    let untimed = scratch_file(
+        "untimed.csv",
+        b"Thread,Time,Action,Pointer,Size,Stream\n\
+          0,0,allocate,0x1000,4194304,0\n\
+          0,0,free,0x1000,4194304,0\n",
+    );
+    let out = cca(&["plot", untimed.to_str().unwrap(), "-o", svg_arg]);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let texts = svg_texts(&std::fs::read_to_string(&svg).unwrap());
+    assert!(texts.iter().any(|t| t == "event"), "{texts:?}");
+    let out = cca(&[
+        "plot",
+        untimed.to_str().unwrap(),
+        "-o",
+        svg_arg,
+        "--x-axis",
+        "time",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("no timestamps"), "{stderr}");
+}
+
+/// Regression (#15): a plot to a path that cannot be written printed the backend's Debug dump
+/// without the path, after all the replays.
+#[test]
+fn cli_plot_to_a_bad_path_names_the_path() {
+    let t = trace();
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli/no_such_dir");
+    for name in ["memory.png", "memory.svg"] {
+        let path = dir.join(name);
+        let out = cca(&["plot", t.to_str().unwrap(), "-o", path.to_str().unwrap()]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(
+            stderr.starts_with(&format!(
+                "cca: cannot write the plot to '{}': ",
+                path.display()
+            )),
+            "{stderr}"
+        );
+        assert!(!stderr.contains("Os {"), "a Debug dump: {stderr}");
+        assert_no_panic(&out, name);
+        assert!(!path.exists());
+    }
+}
+
+/// Regression (#15): loading and converting a large trace printed nothing for seconds. Where
+/// stderr is not a terminal, each step that took longer than `CCA_PROGRESS_AFTER_MS` (2 s by
+/// default; 0 here, so that the small trace qualifies) gets one line; `--quiet` prints none.
+#[test]
+fn cli_long_steps_report_progress_unless_quiet() {
+    let t = trace();
+    let out_path = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli/progress.csv");
+    std::fs::create_dir_all(out_path.parent().unwrap()).unwrap();
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "convert",
+            t.to_str().unwrap(),
+            out_path.to_str().unwrap(),
+            "--run",
+            "pytorch",
+        ];
+        args.extend_from_slice(extra);
+        let out = Command::new(env!("CARGO_BIN_EXE_cca"))
+            .args(&args)
+            .env("CCA_PROGRESS_AFTER_MS", "0")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "{out:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let stderr = run(&[]);
+    for step in [
+        "cca: loading ",
+        "cca: replaying through pytorch: ",
+        "cca: writing ",
+    ] {
+        assert!(stderr.contains(step), "{step} not in {stderr}");
+    }
+    assert!(stderr.contains("events in "), "{stderr}");
+    for quiet in ["--quiet", "-q"] {
+        let stderr = run(&[quiet]);
+        assert!(!stderr.contains("cca: "), "{quiet}: {stderr}");
+        assert!(stderr.starts_with("wrote "), "{quiet}: {stderr}");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_cca"))
+        .args(["replay", t.to_str().unwrap(), "--quiet"])
+        .env("CCA_PROGRESS_AFTER_MS", "0")
+        .output()
+        .unwrap();
+    assert!(out.stderr.is_empty(), "{out:?}");
+    let out = Command::new(env!("CARGO_BIN_EXE_cca"))
+        .args(["replay", t.to_str().unwrap()])
+        .env("CCA_PROGRESS_AFTER_MS", "0")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("cca: loading "), "{stderr}");
+}

@@ -1,6 +1,6 @@
-//! GPU tests of the CUDA backend and the cudarc interop. Opt-in: they run only with
-//! `CCA_TEST_CUDA=1` (and fail if that is set but no device works); otherwise each prints that
-//! it was skipped and passes, so CI without a GPU stays green.
+//! GPU tests of the CUDA backend and the cudarc interop. Each is `#[ignore]`d with the reason, so
+//! `cargo test` lists it as ignored on a machine without a GPU; `--ignored` runs them (and a
+//! machine where no CUDA device works fails them). The `multi_gpu` tests need two GPUs.
 //!
 //! Kernels are CUDA C compiled at run time with NVRTC. Run the suite single-threaded
 //! (`--test-threads=1`): several tests read device-wide free memory. `gpu/run.sh` runs it, and
@@ -73,13 +73,11 @@ struct Gpu {
     axpy: CudaFunction,
 }
 
-/// The shared GPU fixture, or `None` (after printing why) when GPU tests are not enabled.
-fn gpu(test: &str) -> Option<&'static Gpu> {
-    if !crate::util::gpu_tests_enabled(test) {
-        return None;
-    }
+/// The shared GPU fixture; fails the test when no CUDA device works.
+fn gpu(test: &str) -> &'static Gpu {
+    crate::util::require_gpu(test);
     static GPU: OnceLock<Gpu> = OnceLock::new();
-    Some(GPU.get_or_init(|| {
+    GPU.get_or_init(|| {
         let ctx = CudaContext::new(0).unwrap();
         let module = crate::util::load_module(&ctx, KERNELS);
         Gpu {
@@ -89,7 +87,7 @@ fn gpu(test: &str) -> Option<&'static Gpu> {
             axpy: module.load_function("axpy").unwrap(),
             ctx,
         }
-    }))
+    })
 }
 
 fn grid(n: usize) -> LaunchConfig {
@@ -156,10 +154,9 @@ macro_rules! bad {
 // ---- interop paths ----------------------------------------------------------------------------
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_htod_dtoh_dtod_memset_roundtrip() {
-    let Some(g) = gpu("cuda_htod_dtoh_dtod_memset_roundtrip") else {
-        return;
-    };
+    let g = gpu("cuda_htod_dtoh_dtod_memset_roundtrip");
     let alloc = private(g);
     let stream = g.ctx.default_stream();
     let host: Vec<u32> = (0..100_003u64).map(|i| pattern(i, 7)).collect();
@@ -195,10 +192,9 @@ fn cuda_htod_dtoh_dtod_memset_roundtrip() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_kernel_args_by_ref_and_mut_and_views() {
-    let Some(g) = gpu("cuda_kernel_args_by_ref_and_mut_and_views") else {
-        return;
-    };
+    let g = gpu("cuda_kernel_args_by_ref_and_mut_and_views");
     let alloc = private(g);
     let stream = g.ctx.default_stream();
     let n = 1usize << 20;
@@ -262,11 +258,10 @@ fn cuda_kernel_args_by_ref_and_mut_and_views() {
 
 #[cfg(feature = "cublas")]
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_cublas_gemm_on_cached_buffers() {
     use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
-    let Some(g) = gpu("cuda_cublas_gemm_on_cached_buffers") else {
-        return;
-    };
+    let g = gpu("cuda_cublas_gemm_on_cached_buffers");
     let alloc = private(g);
     let stream = g.ctx.new_stream().unwrap();
     let (m, k, n) = (96usize, 64usize, 80usize);
@@ -309,10 +304,9 @@ fn cuda_cublas_gemm_on_cached_buffers() {
 // ---- data integrity ---------------------------------------------------------------------------
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_data_survives_reuse_split_and_merge() {
-    let Some(g) = gpu("cuda_data_survives_reuse_split_and_merge") else {
-        return;
-    };
+    let g = gpu("cuda_data_survives_reuse_split_and_merge");
     let alloc = private(g);
     let stream = g.ctx.default_stream();
     // A deterministic mix of small and large sizes (in u32 values).
@@ -424,10 +418,9 @@ fn cuda_data_survives_reuse_split_and_merge() {
 // ---- streams ----------------------------------------------------------------------------------
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_record_stream_holds_the_block_until_the_other_stream_is_done() {
-    let Some(g) = gpu("cuda_record_stream_holds_the_block_until_the_other_stream_is_done") else {
-        return;
-    };
+    let g = gpu("cuda_record_stream_holds_the_block_until_the_other_stream_is_done");
     let alloc = private(g);
     let a = g.ctx.new_stream().unwrap();
     let b = g.ctx.new_stream().unwrap();
@@ -505,10 +498,9 @@ fn cuda_record_stream_holds_the_block_until_the_other_stream_is_done() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_cross_stream_reuse_orders_the_new_stream_after_the_old() {
-    let Some(g) = gpu("cuda_cross_stream_reuse_orders_the_new_stream_after_the_old") else {
-        return;
-    };
+    let g = gpu("cuda_cross_stream_reuse_orders_the_new_stream_after_the_old");
     let config = AllocatorConfig::builder()
         .cross_stream_reuse(true)
         .build()
@@ -578,10 +570,9 @@ fn cuda_cross_stream_reuse_orders_the_new_stream_after_the_old() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_blocks_belong_to_their_stream() {
-    let Some(g) = gpu("cuda_blocks_belong_to_their_stream") else {
-        return;
-    };
+    let g = gpu("cuda_blocks_belong_to_their_stream");
     let alloc = private(g);
     let s1 = g.ctx.new_stream().unwrap();
     let s2 = g.ctx.new_stream().unwrap();
@@ -606,10 +597,9 @@ fn cuda_blocks_belong_to_their_stream() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_many_streams_in_parallel_keep_their_data() {
-    let Some(g) = gpu("cuda_many_streams_in_parallel_keep_their_data") else {
-        return;
-    };
+    let g = gpu("cuda_many_streams_in_parallel_keep_their_data");
     let alloc = private(g);
     let streams: Vec<_> = (0..6).map(|_| g.ctx.new_stream().unwrap()).collect();
     let mut bufs = Vec::new();
@@ -638,10 +628,9 @@ fn cuda_many_streams_in_parallel_keep_their_data() {
 // ---- threads ----------------------------------------------------------------------------------
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_eight_threads_share_one_device() {
-    let Some(g) = gpu("cuda_eight_threads_share_one_device") else {
-        return;
-    };
+    let g = gpu("cuda_eight_threads_share_one_device");
     let alloc = private(g);
     let threads = 12;
     let barrier = Arc::new(Barrier::new(threads));
@@ -683,10 +672,9 @@ fn cuda_eight_threads_share_one_device() {
 // ---- OOM, fraction cap, empty_cache -----------------------------------------------------------
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_fraction_cap_oom_is_clear_and_recoverable() {
-    let Some(g) = gpu("cuda_fraction_cap_oom_is_clear_and_recoverable") else {
-        return;
-    };
+    let g = gpu("cuda_fraction_cap_oom_is_clear_and_recoverable");
     let alloc = private(g);
     let stream = g.ctx.default_stream();
     let total = alloc.device().mem_info().unwrap().total;
@@ -732,10 +720,9 @@ fn cuda_fraction_cap_oom_is_clear_and_recoverable() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_empty_cache_returns_memory_to_the_device() {
-    let Some(g) = gpu("cuda_empty_cache_returns_memory_to_the_device") else {
-        return;
-    };
+    let g = gpu("cuda_empty_cache_returns_memory_to_the_device");
     let alloc = private(g);
     let stream = g.ctx.default_stream();
     let before = alloc.device().mem_info().unwrap().free;
@@ -771,10 +758,9 @@ fn cuda_empty_cache_returns_memory_to_the_device() {
 // ---- registry and raw API ---------------------------------------------------------------------
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_registry_gives_one_allocator_per_device_and_raw_api_works() {
-    let Some(g) = gpu("cuda_registry_gives_one_allocator_per_device_and_raw_api_works") else {
-        return;
-    };
+    let g = gpu("cuda_registry_gives_one_allocator_per_device_and_raw_api_works");
     let registry = AllocatorRegistry::global();
     let a = registry.get(0).unwrap();
     let b = CudaAllocator::shared(0).unwrap();
@@ -808,10 +794,9 @@ fn cuda_registry_gives_one_allocator_per_device_and_raw_api_works() {
 // ---- backend: virtual memory ------------------------------------------------------------------
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_backend_virtual_memory_reserve_map_write_read_unmap() {
-    let Some(g) = gpu("cuda_backend_virtual_memory_reserve_map_write_read_unmap") else {
-        return;
-    };
+    let g = gpu("cuda_backend_virtual_memory_reserve_map_write_read_unmap");
     let dev = CudaDevice::new(Arc::clone(&g.ctx)).unwrap();
     let Some(gran) = dev.vm_granularity() else {
         panic!("this GPU reports no virtual memory management support");
@@ -860,10 +845,9 @@ fn cuda_backend_virtual_memory_reserve_map_write_read_unmap() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_backend_events_and_streams() {
-    let Some(g) = gpu("cuda_backend_events_and_streams") else {
-        return;
-    };
+    let g = gpu("cuda_backend_events_and_streams");
     let dev = CudaDevice::new(Arc::clone(&g.ctx)).unwrap();
     let s = g.ctx.new_stream().unwrap();
     let sid = stream_id(&s);
@@ -922,10 +906,9 @@ fn cuda_backend_events_and_streams() {
 /// Growth page by page keeps every earlier buffer's data, and `empty_cache` unmaps and releases the
 /// pages (device free memory rises), under PyTorch's expandable preset and the crate default.
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_expandable_growth_keeps_data_and_empty_cache_returns_pages() {
-    let Some(g) = gpu("cuda_expandable_growth_keeps_data_and_empty_cache_returns_pages") else {
-        return;
-    };
+    let g = gpu("cuda_expandable_growth_keeps_data_and_empty_cache_returns_pages");
     for (name, config) in [
         (
             "pytorch-expandable",
@@ -1005,10 +988,9 @@ fn cuda_expandable_growth_keeps_data_and_empty_cache_returns_pages() {
 /// The out-of-memory path with expandable segments on a real device: a fraction cap stops growth
 /// with a clear error, the allocator stays usable, and an absurd request is refused cleanly.
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_expandable_oom_path_is_clear_and_recoverable() {
-    let Some(g) = gpu("cuda_expandable_oom_path_is_clear_and_recoverable") else {
-        return;
-    };
+    let g = gpu("cuda_expandable_oom_path_is_clear_and_recoverable");
     for config in [
         cuda_caching_allocator::Preset::PytorchExpandable.config(),
         AllocatorConfig::default(),
@@ -1115,10 +1097,9 @@ fn where_is(any: &CudaContext, ptr: DevicePtr) -> (i32, Option<sys::CUcontext>) 
 /// PyTorch's `CUDAGuard` does: a C caller's or the CUDA runtime's current device must not change
 /// because the cache made a driver call. Runs on one GPU.
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_calls_leave_the_callers_current_context_as_they_found_it() {
-    let Some(g) = gpu("cuda_calls_leave_the_callers_current_context_as_they_found_it") else {
-        return;
-    };
+    let g = gpu("cuda_calls_leave_the_callers_current_context_as_they_found_it");
     // A fresh thread has no current context; opening a device, creating a registry allocator and
     // every kind of driver call leave it with none.
     std::thread::scope(|s| {
@@ -1180,10 +1161,10 @@ struct DeviceGpu {
     check: CudaFunction,
 }
 
-/// Every visible device's fixture, or `None` (after printing why) when the GPU tests are off or
-/// fewer than two devices are visible: such a test then passes as skipped.
-fn gpus(test: &str) -> Option<&'static [DeviceGpu]> {
-    gpu(test)?;
+/// Every visible device's fixture; fails the test when fewer than two devices work (`gpu/run.sh`
+/// leaves the `multi_gpu` tests out on a machine with one GPU, and says so).
+fn gpus(test: &str) -> &'static [DeviceGpu] {
+    gpu(test);
     static GPUS: OnceLock<Vec<DeviceGpu>> = OnceLock::new();
     let all = GPUS.get_or_init(|| {
         let n = CudaContext::device_count().unwrap() as usize;
@@ -1201,14 +1182,12 @@ fn gpus(test: &str) -> Option<&'static [DeviceGpu]> {
             })
             .collect()
     });
-    if all.len() < 2 {
-        println!(
-            "skipped {test}: needs at least 2 GPUs ({} visible)",
-            all.len()
-        );
-        return None;
-    }
-    Some(all)
+    assert!(
+        all.len() >= 2,
+        "{test} needs at least 2 GPUs ({} visible); leave it out with --skip multi_gpu",
+        all.len()
+    );
+    all
 }
 
 /// The registry's allocator of each device allocates in that device's memory (and, for
@@ -1216,10 +1195,9 @@ fn gpus(test: &str) -> Option<&'static [DeviceGpu]> {
 /// device write and read the data; a stream of another device is refused with nothing allocated.
 /// Under PyTorch's configuration (plain segments) and the crate default (expandable segments).
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_multi_gpu_each_device_allocates_from_its_own_allocator() {
-    let Some(gs) = gpus("cuda_multi_gpu_each_device_allocates_from_its_own_allocator") else {
-        return;
-    };
+    let gs = gpus("cuda_multi_gpu_each_device_allocates_from_its_own_allocator");
     for (name, config) in [
         ("pytorch", AllocatorConfig::pytorch()),
         ("default", AllocatorConfig::default()),
@@ -1305,10 +1283,9 @@ fn cuda_multi_gpu_each_device_allocates_from_its_own_allocator() {
 /// exactly as they were (and the other way round), `empty_cache` on device 1 releases device 1's
 /// memory only, and device 0's cached block is still served from its cache afterwards.
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_multi_gpu_stats_and_empty_cache_are_per_device() {
-    let Some(gs) = gpus("cuda_multi_gpu_stats_and_empty_cache_are_per_device") else {
-        return;
-    };
+    let gs = gpus("cuda_multi_gpu_stats_and_empty_cache_are_per_device");
     let registry = AllocatorRegistry::new(AllocatorConfig::pytorch());
     let (d0, d1) = (&gs[0], &gs[1]);
     let (a0, a1) = (registry.get(0).unwrap(), registry.get(1).unwrap());
@@ -1403,10 +1380,9 @@ fn cuda_multi_gpu_stats_and_empty_cache_are_per_device() {
 /// owner frees it normally. The same through the raw API, where a stream of the wrong device is
 /// refused too.
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_multi_gpu_foreign_pointer_is_refused_and_nothing_is_lost() {
-    let Some(gs) = gpus("cuda_multi_gpu_foreign_pointer_is_refused_and_nothing_is_lost") else {
-        return;
-    };
+    let gs = gpus("cuda_multi_gpu_foreign_pointer_is_refused_and_nothing_is_lost");
     let (d0, d1) = (&gs[0], &gs[1]);
     for (name, config) in [
         ("pytorch", AllocatorConfig::pytorch()),
@@ -1500,10 +1476,9 @@ fn cuda_multi_gpu_foreign_pointer_is_refused_and_nothing_is_lost() {
 /// shared registry, allocates in that device's memory without leaving a context current on the
 /// thread, then runs an allocate / fill / check / free loop on a stream of its device.
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_multi_gpu_threads_drive_their_own_devices_at_once() {
-    let Some(gs) = gpus("cuda_multi_gpu_threads_drive_their_own_devices_at_once") else {
-        return;
-    };
+    let gs = gpus("cuda_multi_gpu_threads_drive_their_own_devices_at_once");
     let registry = AllocatorRegistry::new(AllocatorConfig::pytorch());
     let per_device = 2;
     let barrier = Barrier::new(gs.len() * per_device);
@@ -1590,12 +1565,9 @@ fn cuda_multi_gpu_threads_drive_their_own_devices_at_once() {
 /// are created and recorded on it, `empty_cache` frees through it; a block used on a second
 /// stream of device 1 and freed while device 0's context is current is recorded on device 1.
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_multi_gpu_each_call_binds_its_device_and_restores_the_callers_context() {
-    let Some(gs) =
-        gpus("cuda_multi_gpu_each_call_binds_its_device_and_restores_the_callers_context")
-    else {
-        return;
-    };
+    let gs = gpus("cuda_multi_gpu_each_call_binds_its_device_and_restores_the_callers_context");
     let registry = AllocatorRegistry::new(AllocatorConfig::pytorch());
     let (d0, d1) = (&gs[0], &gs[1]);
     let (a0, a1) = (registry.get(0).unwrap(), registry.get(1).unwrap());

@@ -1,7 +1,7 @@
 //! GPU tests of graph capture through the cudarc interop (`CudaAllocator::capture_pool`):
 //! a kernel sequence that allocates and frees inside a global-mode capture, replayed 100 times
-//! while other work allocates and frees between the replays. Opt-in like `cuda.rs`: they run
-//! only with `CCA_TEST_CUDA=1`, otherwise each prints that it was skipped and passes.
+//! while other work allocates and frees between the replays. `#[ignore]`d like `cuda.rs`:
+//! `--ignored` runs them on a machine with a GPU.
 #![cfg(feature = "cuda")]
 
 use std::sync::{Arc, OnceLock};
@@ -45,12 +45,10 @@ struct Gpu {
     add: CudaFunction,
 }
 
-fn gpu(test: &str) -> Option<&'static Gpu> {
-    if !crate::util::gpu_tests_enabled(test) {
-        return None;
-    }
+fn gpu(test: &str) -> &'static Gpu {
+    crate::util::require_gpu(test);
     static GPU: OnceLock<Gpu> = OnceLock::new();
-    Some(GPU.get_or_init(|| {
+    GPU.get_or_init(|| {
         let ctx = CudaContext::new(0).unwrap();
         // As cudarc's own capture tests do: with event tracking on, every use of a buffer waits
         // on its events, and the driver refuses waits on events recorded outside the capture
@@ -65,7 +63,7 @@ fn gpu(test: &str) -> Option<&'static Gpu> {
             add: module.load_function("add").unwrap(),
             ctx,
         }
-    }))
+    })
 }
 
 /// Ends the stream's capture if the test panics while it is open.
@@ -135,9 +133,7 @@ fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
 /// stream and on another) allocates, writes and frees between the replays, and checks every
 /// replay's result and that no other allocation ever lands on the graph's memory.
 fn replay_while_other_work_allocates(test: &str, config: AllocatorConfig) {
-    let Some(g) = gpu(test) else {
-        return;
-    };
+    let g = gpu(test);
     const N: usize = 1 << 20; // 4 MiB per buffer: the large pool
     let alloc = CudaAllocator::new(Arc::clone(&g.ctx), config).unwrap();
     let stream = g.ctx.new_stream().unwrap();
@@ -230,6 +226,7 @@ fn replay_while_other_work_allocates(test: &str, config: AllocatorConfig) {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_capture_replays_with_private_pool_pytorch() {
     replay_while_other_work_allocates(
         "cuda_capture_replays_with_private_pool_pytorch",
@@ -238,6 +235,7 @@ fn cuda_capture_replays_with_private_pool_pytorch() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_capture_replays_with_private_pool_default_fast_path() {
     replay_while_other_work_allocates(
         "cuda_capture_replays_with_private_pool_default_fast_path",

@@ -1,7 +1,7 @@
 //! Porting cudarc code: cudarc's names on the cached types, `From<AllocError> for DriverError`,
 //! and the bridges to cudarc's concrete types (`as_cuda_slice`, view conversions). The error
-//! mapping runs everywhere; the rest are GPU tests, opt-in with `CCA_TEST_CUDA=1` like
-//! `cuda.rs` (they print that they were skipped otherwise), and every port below is also a
+//! mapping runs everywhere; the rest are GPU tests, `#[ignore]`d like `cuda.rs`
+//! (`--ignored` runs them on a machine with a GPU), and every port below is also a
 //! compile-time check of the signatures: a cudarc name with the wrong argument or return type
 //! fails the build of this file.
 #![cfg(feature = "cuda")]
@@ -29,19 +29,17 @@ struct Gpu {
     spin_fill: CudaFunction,
 }
 
-fn gpu(test: &str) -> Option<&'static Gpu> {
-    if !crate::util::gpu_tests_enabled(test) {
-        return None;
-    }
+fn gpu(test: &str) -> &'static Gpu {
+    crate::util::require_gpu(test);
     static GPU: OnceLock<Gpu> = OnceLock::new();
-    Some(GPU.get_or_init(|| {
+    GPU.get_or_init(|| {
         let ctx = CudaContext::new(0).unwrap();
         let module = crate::util::load_module(&ctx, KERNELS);
         Gpu {
             spin_fill: module.load_function("spin_fill").unwrap(),
             ctx,
         }
-    }))
+    })
 }
 
 /// About 20 ms of spinning on current GPUs: long enough that a missing wait shows.
@@ -190,10 +188,9 @@ fn ported(alloc: &CudaAllocator, stream: &Arc<CudaStream>) -> Result<(), DriverE
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cudarc_names_port_with_cudarcs_signatures() {
-    let Some(g) = gpu("cudarc_names_port_with_cudarcs_signatures") else {
-        return;
-    };
+    let g = gpu("cudarc_names_port_with_cudarcs_signatures");
     let alloc = CudaAllocator::new(g.ctx.clone(), AllocatorConfig::pytorch()).unwrap();
     ported(&alloc, &g.ctx.default_stream()).unwrap();
     // Again with two streams in the context (cudarc orders them: views carry events).
@@ -215,10 +212,9 @@ fn zero_cuda_view(mut x: CudaViewMut<'_, f32>, stream: &Arc<CudaStream>) {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn as_cuda_slice_shares_the_buffers_stream_ordering() {
-    let Some(g) = gpu("as_cuda_slice_shares_the_buffers_stream_ordering") else {
-        return;
-    };
+    let g = gpu("as_cuda_slice_shares_the_buffers_stream_ordering");
     let a_stream = g.ctx.new_stream().unwrap();
     let b_stream = g.ctx.new_stream().unwrap();
     let alloc = CudaAllocator::new(g.ctx.clone(), AllocatorConfig::pytorch()).unwrap();

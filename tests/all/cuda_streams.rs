@@ -3,7 +3,7 @@
 //! stream synchronization (cudarc's default: the cached buffers must be as correct as cudarc's
 //! own) and once, as a control, on a context object with event tracking off (cudarc orders
 //! nothing there, nor do the cached buffers: the race must show, or the probe proves nothing).
-//! Opt-in like `cuda.rs`: `CCA_TEST_CUDA=1`, single-threaded.
+//! `#[ignore]`d like `cuda.rs` (`--ignored` runs them), single-threaded.
 #![cfg(feature = "cuda")]
 
 use std::sync::{Arc, OnceLock};
@@ -44,7 +44,7 @@ struct Kernels {
     spin_copy: CudaFunction,
 }
 
-use crate::util::gpu_tests_enabled as enabled;
+use crate::util::require_gpu;
 
 fn kernels(ctx: &Arc<CudaContext>) -> Kernels {
     let module = crate::util::load_module(ctx, KERNELS);
@@ -188,10 +188,9 @@ fn results() -> &'static [(usize, (usize, usize)); 2] {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cached_buffers_keep_cudarc_stream_order() {
-    if !enabled("cached_buffers_keep_cudarc_stream_order") {
-        return;
-    }
+    require_gpu("cached_buffers_keep_cudarc_stream_order");
     let [managed, control] = *results();
     assert_eq!(managed.0, 0, "read after a write on another stream");
     assert_eq!(managed.1.0, 0, "reuse after a read on another stream");
@@ -211,11 +210,10 @@ fn cached_buffers_keep_cudarc_stream_order() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cudarc_own_buffers_agree() {
     // The reference: the same hazard (a) with cudarc's own `CudaSlice` is ordered by cudarc.
-    if !enabled("cudarc_own_buffers_agree") {
-        return;
-    }
+    require_gpu("cudarc_own_buffers_agree");
     let (ctx, s1, s2) = setup(true);
     let k = kernels(&ctx);
     let n = N as u64;
@@ -233,10 +231,9 @@ fn cudarc_own_buffers_agree() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn single_stream_programs_make_no_events_and_hits_reuse_them() {
-    if !enabled("single_stream_programs_make_no_events_and_hits_reuse_them") {
-        return;
-    }
+    require_gpu("single_stream_programs_make_no_events_and_hits_reuse_them");
     // A fresh context object with no second stream: cudarc manages nothing, nor do we.
     let ctx = CudaContext::new(0).unwrap();
     let s = ctx.default_stream();

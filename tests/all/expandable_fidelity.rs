@@ -1,4 +1,4 @@
-//! The acceptance test of the `pytorch-expandable` preset: replaying each shared real training
+//! The acceptance test of the `pytorch-expandable` preset: replaying each real training
 //! trace (snapshot pickle and RMM CSV log) gives PyTorch 2.11's own figures with
 //! `expandable_segments:True` exactly: peak reserved and allocated bytes and all 122
 //! `memory_stats()` values at the end of the run, whatever the placement of the address
@@ -12,10 +12,6 @@ use cuda_caching_allocator::trace::{ImportOptions, Trace, read_trace_file};
 use cuda_caching_allocator::*;
 
 const TRACES: [&str; 3] = ["gpt2_train", "resnet50_train", "bert_varlen"];
-
-fn shared(name: &str) -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/traces")).join(name)
-}
 
 fn shipped(name: &str) -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/traces")).join(name)
@@ -127,14 +123,7 @@ fn pytorch_expandable_reproduces_pytorch_from_the_csv_logs_at_any_placement() {
 fn pytorch_expandable_reproduces_pytorch_from_the_snapshot_pickles() {
     let refs = reference();
     for name in TRACES {
-        let path = shared(&format!("{name}.pickle"));
-        if !path.exists() {
-            eprintln!(
-                "skipped {name}: {} not found (../shared is beside the checkout in CI)",
-                path.display()
-            );
-            continue;
-        }
+        let path = shipped(&format!("{name}.pickle.gz"));
         let trace = load(&path);
         let r = run(&trace, Where::Recorded);
         assert_exact(name, "pickle", &r, &refs["traces"][name]);

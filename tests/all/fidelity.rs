@@ -1,4 +1,4 @@
-//! The acceptance test of the `pytorch` preset: replaying each shared real training trace on the
+//! The acceptance test of the `pytorch` preset: replaying each real training trace on the
 //! simulated device, from the PyTorch snapshot pickle and from the RMM CSV log alike, gives
 //! PyTorch 2.11's own peak reserved bytes, peak allocated bytes and peak segment count exactly,
 //! and all 122 `memory_stats()` values at the end of the run.
@@ -10,10 +10,6 @@ use cuda_caching_allocator::trace::{ImportOptions, Trace, read_trace_file};
 use cuda_caching_allocator::*;
 
 const TRACES: [&str; 3] = ["gpt2_train", "resnet50_train", "bert_varlen"];
-
-fn shared(name: &str) -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/traces")).join(name)
-}
 
 fn shipped(name: &str) -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/traces")).join(name)
@@ -103,14 +99,7 @@ fn pytorch_preset_reproduces_pytorch_from_the_csv_logs() {
 fn pytorch_preset_reproduces_pytorch_from_the_snapshot_pickles() {
     let refs = reference();
     for name in TRACES {
-        let path = shared(&format!("{name}.pickle"));
-        if !path.exists() {
-            eprintln!(
-                "skipped {name}: {} not found (../shared is beside the checkout in CI)",
-                path.display()
-            );
-            continue;
-        }
+        let path = shipped(&format!("{name}.pickle.gz"));
         let trace = load(&path);
         assert_exact(
             name,

@@ -1,6 +1,6 @@
 //! The fragmentation report (identities, histogram, metrics, text), its place in the replay
 //! report, and the waste goal of the default configuration: peak reserved at most 1.03 × peak
-//! live bytes on the synthetic stress traces and on the shared real traces.
+//! live bytes on the synthetic stress traces and on the real traces shipped in `examples/traces`.
 
 use cuda_caching_allocator::synth::Workload;
 use cuda_caching_allocator::*;
@@ -151,11 +151,8 @@ mod shared_traces {
     #[test]
     fn default_wastes_at_most_three_percent_on_the_shared_traces() {
         for name in ["gpt2_train", "resnet50_train", "bert_varlen"] {
-            let pickle = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/traces"))
-                .join(format!("{name}.pickle"));
-            let csv = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/traces"))
-                .join(format!("{name}.csv.gz"));
-            let path = if pickle.exists() { pickle } else { csv };
+            let path = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/traces"))
+                .join(format!("{name}.pickle.gz"));
             let trace = read_trace_file(&path, &ImportOptions::strict())
                 .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
                 .trace;

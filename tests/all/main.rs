@@ -15,6 +15,7 @@ mod cuda_capture;
 mod cuda_port;
 mod cuda_streams;
 mod device_cost;
+mod docs;
 mod expandable;
 mod expandable_fidelity;
 mod fast_path;

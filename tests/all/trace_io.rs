@@ -1,4 +1,4 @@
-//! Trace import and export on the real shared traces and on small hand-made ones: round trips
+//! Trace import and export on the real traces shipped in `examples/traces` and on small hand-made ones: round trips
 //! (import → export → import gives the same events), cross-format agreement, memory_viz opcode
 //! constraints, and typed errors on malformed input.
 #![cfg(feature = "trace-io")]
@@ -14,17 +14,18 @@ fn data(name: &str) -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/trace-io")).join(name)
 }
 
-fn shared(name: &str) -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/traces")).join(name)
+/// The real traces shipped in `examples/traces`: PyTorch's snapshots (`NAME.pickle.gz`, gzipped
+/// copies of the pickles PyTorch wrote) and the RMM logs (`NAME.csv.gz`).
+fn shipped(name: &str) -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/traces")).join(name)
 }
 
-/// The shared traces live beside the checkout; skip (loudly) where they are absent.
-fn have_shared() -> bool {
-    let present = shared("gpt2_train.pickle").exists();
-    if !present {
-        eprintln!("skipped: ../shared/traces is not present");
-    }
-    present
+/// The bytes of `NAME.pickle` as PyTorch wrote it (the shipped file, decompressed).
+fn pickle_bytes(name: &str) -> Vec<u8> {
+    let file = std::fs::File::open(shipped(&format!("{name}.pickle.gz"))).unwrap();
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut flate2::read::MultiGzDecoder::new(file), &mut bytes).unwrap();
+    bytes
 }
 
 fn count(trace: &Trace, pick: fn(&TraceOp) -> bool) -> usize {
@@ -42,9 +43,6 @@ fn alloc_free_only(trace: &Trace) -> Vec<TraceEvent> {
 
 #[test]
 fn real_snapshots_import_with_expected_counts() {
-    if !have_shared() {
-        return;
-    }
     // (allocs, frees, segment_allocs, segments) as Python's pickle.load counts them.
     let expected = [
         (6179, 6176, 154, 154),
@@ -52,8 +50,11 @@ fn real_snapshots_import_with_expected_counts() {
         (24344, 24341, 245, 245),
     ];
     for (name, (allocs, frees, seg_allocs, segments)) in TRACES.iter().zip(expected) {
-        let snap = read_snapshot_file(shared(&format!("{name}.pickle")), &ImportOptions::default())
-            .unwrap();
+        let snap = read_snapshot_file(
+            shipped(&format!("{name}.pickle.gz")),
+            &ImportOptions::default(),
+        )
+        .unwrap();
         let t = &snap.trace;
         assert_eq!(t.source, TraceSource::PytorchSnapshot);
         assert_eq!(t.version, TRACE_FORMAT_VERSION);
@@ -109,18 +110,18 @@ fn real_snapshots_import_with_expected_counts() {
             s.check_tiling().unwrap();
         }
         // PyTorch's own pickles meet memory_viz's constraints too (a check of the checker).
-        check_memory_viz(&std::fs::read(shared(&format!("{name}.pickle"))).unwrap()).unwrap();
+        check_memory_viz(&pickle_bytes(name)).unwrap();
     }
 }
 
 #[test]
 fn real_snapshots_round_trip_and_meet_memory_viz() {
-    if !have_shared() {
-        return;
-    }
     for name in TRACES {
-        let snap = read_snapshot_file(shared(&format!("{name}.pickle")), &ImportOptions::default())
-            .unwrap();
+        let snap = read_snapshot_file(
+            shipped(&format!("{name}.pickle.gz")),
+            &ImportOptions::default(),
+        )
+        .unwrap();
         let bytes = snap.export().unwrap();
         check_memory_viz(&bytes).unwrap();
         let back = read_snapshot(&bytes, &ImportOptions::default()).unwrap();
@@ -158,14 +159,17 @@ fn real_snapshots_round_trip_and_meet_memory_viz() {
 
 #[test]
 fn real_csv_logs_agree_with_the_snapshots_and_round_trip() {
-    if !have_shared() {
-        return;
-    }
     for name in TRACES {
-        let snap = read_snapshot_file(shared(&format!("{name}.pickle")), &ImportOptions::default())
-            .unwrap();
-        let log = read_rmm_csv_file(shared(&format!("{name}.csv.gz")), &ImportOptions::default())
-            .unwrap();
+        let snap = read_snapshot_file(
+            shipped(&format!("{name}.pickle.gz")),
+            &ImportOptions::default(),
+        )
+        .unwrap();
+        let log = read_rmm_csv_file(
+            shipped(&format!("{name}.csv.gz")),
+            &ImportOptions::default(),
+        )
+        .unwrap();
         assert_eq!(log.trace.source, TraceSource::RmmCsv);
         assert_eq!(log.threads, ["0"]);
         // The CSV holds the snapshot's alloc / free_requested events: same ids, sizes, addresses, times.
@@ -176,7 +180,7 @@ fn real_csv_logs_agree_with_the_snapshots_and_round_trip() {
         let mut shared_text = Vec::new();
         std::io::Read::read_to_end(
             &mut flate2::read::MultiGzDecoder::new(
-                std::fs::File::open(shared(&format!("{name}.csv.gz"))).unwrap(),
+                std::fs::File::open(shipped(&format!("{name}.csv.gz"))).unwrap(),
             ),
             &mut shared_text,
         )
@@ -215,12 +219,12 @@ fn real_csv_logs_agree_with_the_snapshots_and_round_trip() {
 
 #[test]
 fn derived_final_segments_match_pytorchs_on_real_traces() {
-    if !have_shared() {
-        return;
-    }
     for name in TRACES {
-        let snap = read_snapshot_file(shared(&format!("{name}.pickle")), &ImportOptions::default())
-            .unwrap();
+        let snap = read_snapshot_file(
+            shipped(&format!("{name}.pickle.gz")),
+            &ImportOptions::default(),
+        )
+        .unwrap();
         let derived = final_segments(&snap.trace, 0).unwrap();
         let spans = |segs: &[SnapshotSegment]| {
             let mut v: Vec<_> = segs
@@ -506,11 +510,8 @@ fn malformed_inputs_get_typed_errors() {
         1
     );
 
-    if !have_shared() {
-        return;
-    }
     // Truncated gzip and truncated pickle.
-    let gz = std::fs::read(shared("gpt2_train.csv.gz")).unwrap();
+    let gz = std::fs::read(shipped("gpt2_train.csv.gz")).unwrap();
     assert!(matches!(
         read_rmm_csv(&gz[..gz.len() / 2], &opts),
         Err(TraceIoError::Gzip { .. })
@@ -519,7 +520,7 @@ fn malformed_inputs_get_typed_errors() {
         read_trace(&gz[..gz.len() - 4], &opts),
         Err(TraceIoError::Gzip { .. })
     ));
-    let pickle = std::fs::read(shared("resnet50_train.pickle")).unwrap();
+    let pickle = pickle_bytes("resnet50_train");
     for cut in [1, 2, 100, pickle.len() / 2, pickle.len() - 1] {
         let err = read_snapshot(&pickle[..cut], &opts).unwrap_err();
         assert!(

@@ -1,6 +1,8 @@
 //! Loading traces, resolving configurations, running replays with a progress bar, and `convert`.
 
+use std::io::IsTerminal;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use cuda_caching_allocator::trace::{
@@ -17,6 +19,73 @@ use crate::{ConvertArgs, DeviceArg, PlacementArg, TraceArgs};
 
 /// Boxed error for the command line.
 pub(crate) type CliResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// `--quiet`: no progress on stderr.
+static QUIET: AtomicBool = AtomicBool::new(false);
+
+/// Turns progress output off (`--quiet`) or on.
+pub(crate) fn set_quiet(quiet: bool) {
+    QUIET.store(quiet, Ordering::Relaxed);
+}
+
+fn quiet() -> bool {
+    QUIET.load(Ordering::Relaxed)
+}
+
+/// After how long a finished step is reported on a stderr that is not a terminal (where no
+/// spinner shows): 2 s, or `CCA_PROGRESS_AFTER_MS` milliseconds.
+fn report_after() -> Duration {
+    std::env::var("CCA_PROGRESS_AFTER_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map_or(Duration::from_secs(2), Duration::from_millis)
+}
+
+/// A step of unknown length (loading, converting, writing): a spinner with the elapsed time on
+/// stderr while it runs where stderr is a terminal, and, where it is not, one line when the step
+/// took longer than [`report_after`]. Nothing with `--quiet`.
+pub(crate) struct Step {
+    bar: ProgressBar,
+    what: String,
+    started: Instant,
+}
+
+impl Step {
+    pub(crate) fn start(what: String) -> Step {
+        let target = if quiet() {
+            ProgressDrawTarget::hidden()
+        } else {
+            ProgressDrawTarget::stderr()
+        };
+        let bar = ProgressBar::with_draw_target(None, target);
+        bar.set_style(
+            ProgressStyle::with_template("{spinner} {msg} ({elapsed})")
+                .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+        );
+        bar.set_message(what.clone());
+        if !quiet() {
+            bar.enable_steady_tick(Duration::from_millis(120));
+        }
+        Step {
+            bar,
+            what,
+            started: Instant::now(),
+        }
+    }
+
+    /// Ends the step; `detail` (e.g. "12,355 events") goes into the line a non-terminal gets.
+    pub(crate) fn done(self, detail: &str) {
+        self.bar.finish_and_clear();
+        let took = self.started.elapsed();
+        if !quiet() && !std::io::stderr().is_terminal() && took >= report_after() {
+            eprintln!(
+                "cca: {}: {detail} in {:.1} s",
+                self.what,
+                took.as_secs_f64()
+            );
+        }
+    }
+}
 
 /// Parses `123`, `80GiB`, `512MiB`, `1.5TiB` (binary units, powers of 1024) and `80GB`,
 /// `64kB` (SI units, powers of 1000). A bare `K`, `M`, `G` or `T` is refused as ambiguous.
@@ -68,7 +137,9 @@ pub(crate) fn load_trace(path: &Path, lenient: bool, max_bytes: u64) -> CliResul
         ImportOptions::strict()
     }
     .with_max_bytes(max_bytes);
+    let step = Step::start(format!("loading {}", path.display()));
     let imported = read_trace_file(path, &options)?;
+    step.done(&format!("{} events", imported.trace.events.len()));
     Ok(imported.trace)
 }
 
@@ -245,7 +316,7 @@ pub(crate) fn replay_timed<B: DeviceBackend>(
             bucket = (0, 0);
         }
         if i % 4096 == 0 {
-            if !shown && started.elapsed() > Duration::from_secs(1) {
+            if !shown && !quiet() && started.elapsed() > Duration::from_secs(1) {
                 bar.set_draw_target(ProgressDrawTarget::stderr());
                 shown = true;
             }
@@ -273,11 +344,14 @@ pub(crate) fn convert(a: &ConvertArgs) -> CliResult<()> {
             });
             let alloc = CachingAllocator::new(device, config)?;
             alloc.record_history(usize::MAX);
+            let step = Step::start(format!("replaying through {preset}"));
             cuda_caching_allocator::replay(&alloc, &trace, &ReplayOptions::default())?;
             let (recorded, _) = alloc.history();
+            step.done(&format!("{} events", trace.events.len()));
             (recorded, Some(alloc.snapshot()))
         }
     };
+    let step = Step::start(format!("writing {}", a.output.display()));
     if stem.ends_with(".pickle") || stem.ends_with(".pkl") {
         let mut options = SnapshotExportOptions::default().with_gzip(gzip);
         if let Some(segs) = &segments {
@@ -297,6 +371,7 @@ pub(crate) fn convert(a: &ConvertArgs) -> CliResult<()> {
         )
         .into());
     }
+    step.done(&format!("{} events", trace.events.len()));
     eprintln!(
         "wrote {} ({} events)",
         a.output.display(),

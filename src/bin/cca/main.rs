@@ -51,6 +51,17 @@ enum PlacementArg {
     Fresh,
 }
 
+/// The x axis of `cca plot`.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+enum XAxisArg {
+    /// Time where the trace has timestamps, else the event index.
+    Auto,
+    /// Seconds since the first event (an error for a trace without timestamps).
+    Time,
+    /// The event index.
+    Event,
+}
+
 /// The device a replay runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum DeviceArg {
@@ -111,6 +122,10 @@ struct TraceArgs {
     /// built from it (raise it for a trace that really is larger).
     #[arg(long, default_value = "4GiB", value_parser = load::parse_bytes)]
     max_import_bytes: u64,
+    /// No progress on stderr (by default a terminal shows spinners and bars for long steps, and
+    /// other stderrs get one line for each step that took more than 2 seconds).
+    #[arg(short, long)]
+    quiet: bool,
 }
 
 #[derive(Args, Debug)]
@@ -182,6 +197,10 @@ struct ConvertArgs {
     /// built from it (raise it for a trace that really is larger).
     #[arg(long, default_value = "4GiB", value_parser = load::parse_bytes)]
     max_import_bytes: u64,
+    /// No progress on stderr (by default a terminal shows a spinner for each step, and other
+    /// stderrs get one line for each step that took more than 2 seconds).
+    #[arg(short, long)]
+    quiet: bool,
 }
 
 #[derive(Args, Debug)]
@@ -204,10 +223,20 @@ struct PlotArgs {
     /// Image height in pixels, 150 to 8192.
     #[arg(long, default_value_t = 700, value_parser = clap::value_parser!(u32).range(150..=8192))]
     height: u32,
+    /// The x axis: `time` (seconds since the first event, from the trace's timestamps), `event`
+    /// (the event index), or `auto`: time where the trace has timestamps, else the event index.
+    #[arg(long, value_enum, default_value_t = XAxisArg::Auto)]
+    x_axis: XAxisArg,
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    load::set_quiet(match &cli.command {
+        Command::Replay(a) => a.trace.quiet,
+        Command::Compare(a) => a.trace.quiet,
+        Command::Convert(a) => a.quiet,
+        Command::Plot(a) => a.trace.quiet,
+    });
     let result = match cli.command {
         Command::Replay(a) => report::replay(&a),
         Command::Compare(a) => report::compare(&a),

@@ -1,0 +1,204 @@
+//! Checks of the code blocks in `README.md` and `docs/*.md`: every fenced block names its
+//! language; every Rust block is compiled as a doc test (no `ignore`, and its file is included by
+//! `src/lib.rs`); and the shell blocks name features, examples, test targets, `cca` subcommands
+//! and files that exist.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `README.md` and every `docs/*.md`, as paths relative to the package root.
+fn markdown_files() -> Vec<String> {
+    let mut files = vec!["README.md".to_owned()];
+    let mut docs: Vec<String> = std::fs::read_dir(root().join("docs"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.ends_with(".md"))
+        .map(|n| format!("docs/{n}"))
+        .collect();
+    docs.sort();
+    files.extend(docs);
+    files
+}
+
+/// A fenced code block: where it opens, its info string and its lines.
+#[derive(Debug)]
+struct Block {
+    at: String,
+    info: String,
+    body: Vec<String>,
+}
+
+/// The fenced blocks of a Markdown text (fences may be indented, as in list items).
+fn blocks(file: &str, text: &str) -> Vec<Block> {
+    let mut out = Vec::new();
+    let mut open: Option<Block> = None;
+    for (i, line) in text.lines().enumerate() {
+        let trimmed = line.trim_start();
+        if let Some(rest) = trimmed.strip_prefix("```") {
+            match open.take() {
+                None => {
+                    open = Some(Block {
+                        at: format!("{file}:{}", i + 1),
+                        info: rest.trim().to_owned(),
+                        body: Vec::new(),
+                    })
+                }
+                Some(b) => out.push(b),
+            }
+        } else if let Some(b) = open.as_mut() {
+            b.body.push(trimmed.to_owned());
+        }
+    }
+    assert!(open.is_none(), "{file}: a code block is never closed");
+    out
+}
+
+fn all_blocks() -> Vec<Block> {
+    markdown_files()
+        .iter()
+        .flat_map(|f| blocks(f, &std::fs::read_to_string(root().join(f)).unwrap()))
+        .collect()
+}
+
+/// The feature names of `Cargo.toml`.
+fn features() -> BTreeSet<String> {
+    let toml = std::fs::read_to_string(root().join("Cargo.toml")).unwrap();
+    let section = toml.split("\n[features]\n").nth(1).unwrap();
+    let section = section.split("\n[").next().unwrap();
+    section
+        .lines()
+        .filter(|l| !l.starts_with('#') && l.contains('='))
+        .map(|l| l.split('=').next().unwrap().trim().to_owned())
+        .collect()
+}
+
+/// The words after `flag` in `line` (`--flag value` or `--flag=value`).
+fn values_of<'a>(line: &'a str, flag: &str) -> Vec<&'a str> {
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let mut out = Vec::new();
+    for (i, w) in words.iter().enumerate() {
+        if *w == flag {
+            if let Some(v) = words.get(i + 1) {
+                out.push(*v);
+            }
+        } else if let Some(v) = w.strip_prefix(flag).and_then(|r| r.strip_prefix('=')) {
+            out.push(v);
+        }
+    }
+    out
+}
+
+const LANGUAGES: [&str; 8] = ["rust", "sh", "toml", "text", "python", "diff", "json", "c"];
+
+#[test]
+fn every_code_block_names_its_language() {
+    let blocks = all_blocks();
+    assert!(blocks.len() > 30, "only {} blocks found", blocks.len());
+    for b in &blocks {
+        let lang = b.info.split(',').next().unwrap();
+        assert!(
+            LANGUAGES.contains(&lang),
+            "{}: the block's language is {:?}; name one of {LANGUAGES:?} (an unnamed block is \
+             compiled as Rust by rustdoc)",
+            b.at,
+            b.info
+        );
+    }
+}
+
+#[test]
+fn every_rust_block_is_compiled_as_a_doc_test() {
+    let lib = std::fs::read_to_string(root().join("src/lib.rs")).unwrap();
+    let mut rust_files = BTreeSet::new();
+    for b in all_blocks() {
+        let mut words = b.info.split(',');
+        if words.next() != Some("rust") {
+            continue;
+        }
+        for attr in words {
+            assert!(
+                attr == "no_run" || attr == "should_panic",
+                "{}: `{attr}` keeps the block from being compiled or run as a doc test",
+                b.at
+            );
+        }
+        rust_files.insert(b.at.split(':').next().unwrap().to_owned());
+    }
+    assert!(rust_files.contains("README.md"), "{rust_files:?}");
+    for file in rust_files {
+        assert!(
+            lib.contains(&format!("include_str!(\"../{file}\")")),
+            "{file} has Rust blocks but src/lib.rs does not include it as a doc test"
+        );
+    }
+}
+
+#[test]
+fn shell_blocks_name_features_examples_tests_and_commands_that_exist() {
+    let features = features();
+    let subcommands = ["replay", "compare", "convert", "plot"];
+    let mut checked = 0;
+    for b in all_blocks().iter().filter(|b| b.info == "sh") {
+        for line in &b.body {
+            let line = line.split("  #").next().unwrap();
+            for list in values_of(line, "--features") {
+                for f in list.split(',') {
+                    assert!(features.contains(f), "{}: no feature `{f}`: {line}", b.at);
+                    checked += 1;
+                }
+            }
+            for e in values_of(line, "--example") {
+                let path: PathBuf = root().join(format!("examples/{e}.rs"));
+                assert!(path.exists(), "{}: no example `{e}`: {line}", b.at);
+                checked += 1;
+            }
+            if line.starts_with("cargo test") || line.starts_with("cargo bench") {
+                for t in values_of(line, "--test")
+                    .into_iter()
+                    .chain(values_of(line, "--bench"))
+                {
+                    let file = if line.starts_with("cargo test") {
+                        root().join(format!("tests/{t}"))
+                    } else {
+                        root().join(format!("benches/{t}.rs"))
+                    };
+                    assert!(
+                        file.exists() || file.with_extension("rs").exists(),
+                        "{}: no target `{t}`: {line}",
+                        b.at
+                    );
+                    checked += 1;
+                }
+            }
+            // `cca SUB` and `cargo run ... -- SUB`: the subcommand exists; a shipped trace exists.
+            let words: Vec<&str> = line.split_whitespace().collect();
+            let sub = match words.as_slice() {
+                ["cca", sub, ..] => Some(*sub),
+                ["cargo", "run", rest @ ..] => rest
+                    .iter()
+                    .position(|w| *w == "--")
+                    .and_then(|i| rest.get(i + 1).copied()),
+                _ => None,
+            };
+            if let Some(sub) = sub {
+                assert!(
+                    subcommands.contains(&sub) || sub.starts_with('-'),
+                    "{}: `cca {sub}` is not a subcommand: {line}",
+                    b.at
+                );
+                checked += 1;
+            }
+            for w in &words {
+                if w.starts_with("examples/traces/") {
+                    assert!(root().join(w).exists(), "{}: no file {w}: {line}", b.at);
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert!(checked >= 10, "only {checked} names checked");
+}
