@@ -245,19 +245,20 @@ impl State {
         orig_size: usize,
         stream: StreamId,
     ) -> Result<Allocation> {
-        self.malloc_with(dev, orig_size, stream, &mut |_| false)
+        self.malloc_with(dev, orig_size, stream, &mut |_, _| false)
     }
 
-    /// `malloc` with a hook for the fast path: when no cached block fits, `before_growth` runs
-    /// before anything else (a cross-stream handover, garbage collection, device allocation,
-    /// the release-and-retry chain); when it returns true (it gave blocks back), the best-fit
-    /// search runs again.
+    /// `malloc` with a hook for the fast path: when no cached block fits, `before_growth(Some(
+    /// stream))` runs before anything else (a cross-stream handover, garbage collection, device
+    /// allocation, the release-and-retry chain), and `before_growth(None)` once more before the
+    /// release-and-retry chain; when it returns true (it gave blocks back), the best-fit search
+    /// runs again. `Some(stream)` lets the hook give back only what that stream could use.
     pub(crate) fn malloc_with<B: DeviceBackend>(
         &mut self,
         dev: &B,
         orig_size: usize,
         stream: StreamId,
-        before_growth: &mut dyn FnMut(&mut State) -> bool,
+        before_growth: &mut dyn FnMut(&mut State, Option<StreamId>) -> bool,
     ) -> Result<Allocation> {
         if orig_size == 0 {
             return Ok(Allocation {
@@ -296,7 +297,7 @@ impl State {
         let alloc_size = segment_size(size, &self.config);
 
         let mut found = self.get_free_block(stream, size, kind, owner);
-        if found.is_none() && before_growth(self) {
+        if found.is_none() && before_growth(self, Some(stream)) {
             found = self.get_free_block(stream, size, kind, owner);
         }
         if found.is_none() && !capture && self.config.cross_stream_reuse {
@@ -311,6 +312,11 @@ impl State {
             }
             found = self.alloc_block(dev, stream, kind, alloc_size, size, false, owner)?;
             let give_up = capture || (self.cap_rejected && self.config.throw_on_cudamalloc_oom);
+            // Before the release chain, every cached block of every stream goes back (the
+            // growth above may have spared other streams' front caches).
+            if found.is_none() && !give_up && before_growth(self, None) {
+                found = self.get_free_block(stream, size, kind, owner);
+            }
             if found.is_none()
                 && !give_up
                 && self.release_available_cached_blocks(dev, stream, size, kind)?

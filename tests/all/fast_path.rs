@@ -715,3 +715,73 @@ fn a_cache_that_does_not_pay_pauses_and_tries_again() {
     assert_eq!(pairs(), 1, "active again");
     a.check_invariants().unwrap();
 }
+
+/// Note [Stream-sparing flush]: a growth of stream S0 takes back only S0's cached blocks. Under
+/// the default (device-wide page reuse), taking another thread's S1 block would let the growth
+/// move its pages, and that thread would miss and grow in turn.
+#[test]
+fn a_growth_spares_other_streams_front_caches() {
+    let config = AllocatorConfig::parse("cca_preset:default,cca_fast_path:True").unwrap();
+    let a = &with_config(1 << 30, config);
+    let (to_main, from_worker) = std::sync::mpsc::channel();
+    let (to_worker, from_main) = std::sync::mpsc::channel::<()>();
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            for _ in 0..2 {
+                // Two misses of (S1, 4 MiB) admit the key to this thread's cache.
+                let w = a.allocate(4 * MIB, S1).unwrap();
+                a.free(w.ptr).unwrap();
+            }
+            let x = a.allocate(4 * MIB, S1).unwrap();
+            a.free(x.ptr).unwrap(); // cached in this thread's front cache
+            to_main.send(x.ptr).unwrap();
+            from_main.recv().unwrap(); // the main thread grew meanwhile
+            let maps = a.backend().counters().map_calls;
+            let y = a.allocate(4 * MIB, S1).unwrap();
+            assert_eq!(y.ptr, x.ptr, "a cache hit");
+            assert_eq!(a.backend().counters().map_calls, maps, "no growth");
+            a.free(y.ptr).unwrap();
+        });
+        let _cached = from_worker.recv().unwrap();
+        let maps = a.backend().counters().map_calls;
+        let big = a.allocate(64 * MIB, S0).unwrap();
+        assert!(
+            a.backend().counters().map_calls > maps,
+            "the main thread grew"
+        );
+        to_worker.send(()).unwrap();
+        // Keep `big` until the worker is done, so that its pages cannot serve the worker.
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        a.free(big.ptr).unwrap();
+    });
+    a.check_invariants().unwrap();
+}
+
+/// The out-of-memory path still takes every stream's cached blocks back.
+#[test]
+fn the_oom_path_takes_other_streams_front_cached_blocks() {
+    let config = AllocatorConfig::parse("cca_preset:default,cca_fast_path:True").unwrap();
+    let a = &with_config(64 * MIB, config);
+    let (to_main, from_worker) = std::sync::mpsc::channel();
+    let (to_worker, from_main) = std::sync::mpsc::channel::<()>();
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            for _ in 0..2 {
+                let w = a.allocate(20 * MIB, S1).unwrap();
+                a.free(w.ptr).unwrap();
+            }
+            let x = a.allocate(20 * MIB, S1).unwrap();
+            let y = a.allocate(20 * MIB, S1).unwrap();
+            a.free(x.ptr).unwrap();
+            a.free(y.ptr).unwrap();
+            to_main.send(()).unwrap();
+            from_main.recv().unwrap();
+        });
+        from_worker.recv().unwrap();
+        // 60 MiB on S0 fits only once S1's cached 40 MiB is flushed and its pages reused.
+        let z = a.allocate(60 * MIB, S0);
+        to_worker.send(()).unwrap(); // before any assertion: the worker must not wait forever
+        a.free(z.unwrap().ptr).unwrap();
+    });
+    a.check_invariants().unwrap();
+}

@@ -282,7 +282,10 @@ impl Front {
                 }
             });
         }
-        let r = st.malloc_with(dev, size, stream, &mut |st| self.flush_all(st, fl, dev) > 0);
+        let spare = !st.config.cross_stream_reuse;
+        let r = st.malloc_with(dev, size, stream, &mut |st, only| {
+            self.flush_all(st, fl, dev, only.filter(|_| spare)) > 0
+        });
         if idle {
             // Nothing managed here: the user view is the core's plus the others' deltas.
             let mut now = Five::of_core(&st.stats);
@@ -437,7 +440,7 @@ impl Front {
     ) -> usize {
         self.reclaim_exited(st, fl, dev);
         local::with_local(self.id, |l| self.prologue(l, st, fl));
-        let n = self.flush_all(st, fl, dev);
+        let n = self.flush_all(st, fl, dev, None);
         local::with_local(self.id, |l| {
             self.process_taken_own(l, fl);
             self.sync_own(l, &st.stats, fl, false);
@@ -694,13 +697,24 @@ impl Front {
         }
     }
 
-    /// Takes every cached block of cache `k` back to the core; returns how many.
+    /// Takes every cached block of cache `k` (of stream `only`, when given) back to the core;
+    /// returns how many.
+    ///
+    /// Note [Stream-sparing flush]: a growth of stream S takes back only S's cached blocks: no
+    /// other stream's block could serve S, and taking them would let page reuse move their
+    /// pages to S, so that their threads miss and grow in turn (pages shuttled between streams
+    /// on every growth). The out-of-memory path still takes everything. The stream is read from
+    /// the core's record of the block before the descriptor is claimed: under the core lock,
+    /// which the caller holds, a cached descriptor keeps its block (descriptors are pointed at
+    /// another block only by `Local::register`, under the lock), so the block checked is the
+    /// block the claim takes.
     fn steal_cached<B: DeviceBackend>(
         &self,
         st: &mut State,
         fl: &mut FrontLocked,
         dev: &B,
         k: usize,
+        only: Option<StreamId>,
     ) -> usize {
         let Some(reg) = fl.registry.get(k) else {
             return 0;
@@ -712,6 +726,16 @@ impl Front {
         let cell = Arc::clone(&reg.cell);
         let mut n = 0;
         cell.each_desc(|i, d| {
+            if let Some(s) = only {
+                if d.state.load(Ordering::Acquire) != CACHED {
+                    return;
+                }
+                let ptr = d.view().ptr;
+                let core = st.active.get(&ptr).and_then(|&id| st.arena.get(id));
+                if !core.is_some_and(|b| b.stream == s) {
+                    return;
+                }
+            }
             if d.transition(CACHED, GONE).is_ok() {
                 let v = d.view();
                 let c = v.contribution(CACHED);
@@ -724,11 +748,18 @@ impl Front {
         n
     }
 
-    /// Flushes every registered cache; returns the number of blocks given back.
-    fn flush_all<B: DeviceBackend>(&self, st: &mut State, fl: &mut FrontLocked, dev: &B) -> usize {
+    /// Flushes every registered cache (only the blocks of stream `only`, when given: Note
+    /// [Stream-sparing flush]); returns the number of blocks given back.
+    fn flush_all<B: DeviceBackend>(
+        &self,
+        st: &mut State,
+        fl: &mut FrontLocked,
+        dev: &B,
+        only: Option<StreamId>,
+    ) -> usize {
         let mut n = 0;
         for k in 0..fl.registry.len() {
-            n += self.steal_cached(st, fl, dev, k);
+            n += self.steal_cached(st, fl, dev, k, only);
         }
         if n > 0 {
             tracing::debug!(target: "cuda_caching_allocator", blocks = n, "front caches flushed");
@@ -749,7 +780,7 @@ impl Front {
                 k += 1;
                 continue;
             }
-            self.steal_cached(st, fl, dev, k);
+            self.steal_cached(st, fl, dev, k, None);
             let mut managed = false;
             fl.registry[k].cell.each_desc(|_, d| {
                 managed |= matches!(d.state.load(Ordering::Acquire), LIVE | CACHED);
