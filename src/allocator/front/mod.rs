@@ -732,7 +732,7 @@ impl Front {
                 }
                 let ptr = d.view().ptr;
                 let core = st.active.get(&ptr).and_then(|&id| st.arena.get(id));
-                if !core.is_some_and(|b| b.stream == s) {
+                if core.is_none_or(|b| b.stream != s) {
                     return;
                 }
             }
