@@ -5,7 +5,8 @@
 #   bash gpu-bin/run.sh [PHASE...]    # phases: tests example torch safety sanitizer (the default:
 #                                     # all five), and on request: multigpu (only the multi-GPU and
 #                                     # context tests), replay (cca replay --device cuda on the
-#                                     # shipped traces; CCA_REPLAY_DEVICE=N picks the GPU, default 0)
+#                                     # shipped traces; CCA_REPLAY_DEVICE=N picks the GPU, default 0),
+#                                     # ports (examples/ports: plain vs cached, memcheck; ports.sh)
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/cca-gpu-out}
@@ -96,6 +97,9 @@ for phase in $PHASES; do
     echo "replay compare gpt2_train: rc=$rc ($((SECONDS - t0)) s)" | tee -a "$S"
     sed 's/^/    /' "$tmp" | tee -a "$S"
     rm -f "$tmp" ;;
-  *) echo "unknown phase $phase (tests example torch sanitizer multigpu replay)" | tee -a "$S" ;;
+  ports) # The port pairs: plain cudarc vs cached outputs compared, cached under memcheck.
+    step ports timeout "$(left)" bash "$HERE/ports.sh"
+    tail -n 30 "$OUT/ports.log" | tee -a "$S" ;;
+  *) echo "unknown phase $phase (tests example torch sanitizer multigpu replay ports)" | tee -a "$S" ;;
   esac
 done
