@@ -54,7 +54,7 @@ for name in $NAMES; do
     rc=1
   fi
   # API-error reports off: driver_error fails an allocation of twice the device on purpose.
-  timeout 300 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 99 \
+  timeout 150 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 99 \
     "$BIN" cached "$name" >"$LOG/$name.memcheck" 2>&1
   mrc=$?
   if [ $mrc -eq 0 ]; then
