@@ -30,11 +30,12 @@ find "$DEST" -mindepth 1 -maxdepth 1 -type f -delete
 rm -rf "$DEST/traces"
 cp "$TEST_BIN" "$DEST/cuda_tests"
 cp "$TARGET/release/examples/cudarc_migration" "$TARGET/release/examples/framework_storage" \
+  "$TARGET/release/examples/ports" \
   "$TARGET/release/examples/libtorch_plugin.so" "$TARGET/release/cca" "$DEST/"
 strip --strip-debug "$DEST/cuda_tests" "$DEST/cudarc_migration" "$DEST/framework_storage" \
-  "$DEST/libtorch_plugin.so"
+  "$DEST/ports" "$DEST/libtorch_plugin.so"
 strip "$DEST/cca"
-cp gpu/*.py gpu/run.sh "$DEST/"
+cp gpu/*.py gpu/run.sh gpu/ports.sh "$DEST/"
 rm -rf "$DEST/python"
 mkdir -p "$DEST/python"
 cp -r python/cuda_caching_allocator python/tests "$DEST/python/"

@@ -7,7 +7,8 @@
 #                                     # context tests; they fail with fewer than 2 GPUs), replay
 #                                     # (cca replay --device cuda on the shipped traces;
 #                                     # CCA_REPLAY_DEVICE=N picks the GPU, default 0), cold (cold
-#                                     # replays beside PyTorch's own allocator)
+#                                     # replays beside PyTorch's own allocator), ports
+#                                     # (examples/ports: plain vs cached, memcheck; ports.sh)
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/cca-gpu-out}
@@ -113,6 +114,9 @@ for phase in $PHASES; do
     step cold timeout "$(left)" python3 "$HERE/cold_replay.py" --cca "$HERE/cca" --traces "$HERE/traces" \
       --reps "${CCA_COLD_REPS:-3}" --jsonl "$OUT/cold.jsonl"
     grep -E '^\|' "$OUT/cold.log" | tee -a "$S" ;;
-  *) echo "unknown phase $phase (tests example torch safety sanitizer multigpu replay cold)" | tee -a "$S" ;;
+  ports) # The port pairs: plain cudarc vs cached outputs compared, cached under memcheck.
+    step ports timeout "$(left)" bash "$HERE/ports.sh"
+    tail -n 30 "$OUT/ports.log" | tee -a "$S" ;;
+  *) echo "unknown phase $phase (tests example torch safety sanitizer multigpu replay cold ports)" | tee -a "$S" ;;
   esac
 done

@@ -233,6 +233,24 @@ impl<B: DeviceBackend> CachingAllocator<B> {
         }
     }
 
+    /// Forgets `stream` if nothing in the cache refers to it any more: no mapped block (allocated,
+    /// pending or cached free) belongs to it, no block lists it among the streams using it
+    /// (`record_stream`), and no event recorded on it is outstanding. Then, still under the
+    /// cache's lock, `release` runs (a backend drops its hold on the stream there) and, when it
+    /// returns `true`, the stream is dropped from the streams the cache has validated, so a later
+    /// allocation on the same id validates it again. Returns whether the stream was forgotten.
+    ///
+    /// `release` runs under the cache's lock: it must not call back into this allocator.
+    pub fn forget_stream(&self, stream: StreamId, release: impl FnOnce() -> bool) -> bool {
+        let mut guard = self.state.lock();
+        let st = &mut guard.st;
+        if st.stream_referenced(stream) || !release() {
+            return false;
+        }
+        st.forget_known_stream(stream);
+        true
+    }
+
     /// Releases every wholly free cached segment to the device, after waiting for pending stream
     /// events, and the free segments of freeable private pools. With the fast path on, every
     /// thread's front cache is flushed back first.

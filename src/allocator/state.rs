@@ -768,6 +768,21 @@ impl State {
         }
     }
 
+    /// Whether any mapped block belongs to `stream`, any block lists it in its `stream_uses`, or
+    /// an event recorded on it is outstanding (see `CachingAllocator::forget_stream`).
+    pub(crate) fn stream_referenced(&self, stream: StreamId) -> bool {
+        self.pending_events.contains_key(&stream)
+            || self
+                .arena
+                .iter()
+                .any(|(_, b)| (b.mapped && b.stream == stream) || b.stream_uses.contains(&stream))
+    }
+
+    /// Drops `stream` from the validated streams (the next allocation on it validates it again).
+    pub(crate) fn forget_known_stream(&mut self, stream: StreamId) {
+        self.known_streams.retain(|&s| s != stream);
+    }
+
     /// Frees blocks whose events completed; per stream, stops at the first pending event.
     pub(crate) fn process_events<B: DeviceBackend>(&mut self, dev: &B) -> Result<()> {
         if !self.unsynced.is_empty() {

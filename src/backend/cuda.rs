@@ -30,7 +30,8 @@
 //! `CudaDevice` only passes on handles it knows to be live:
 //! * events: the ones it created and has not destroyed (a set, checked on each event call);
 //! * streams: the legacy and per-thread default streams, plus streams *admitted* with
-//!   [`CudaDevice::admit_stream`] (which keeps the cudarc stream alive for the device's life) or
+//!   [`CudaDevice::admit_stream`] (which keeps the cudarc stream alive until the interop layer
+//!   releases it: once nothing else holds it and the cache no longer refers to it) or
 //!   the `unsafe` [`CudaDevice::admit_raw_stream`] (whose caller promises the stream outlives its
 //!   use). [`DeviceBackend::validate_stream`] rejects every other stream.
 
@@ -431,15 +432,26 @@ impl CudaDevice {
     }
 
     /// Admits a cudarc stream, so that the cache may allocate on it and record events on it, and
-    /// returns its [`StreamId`]. The device keeps a clone of the `Arc` until it is dropped, so the
-    /// stream stays alive while the cache may still use it. Admitting twice is cheap.
+    /// returns its [`StreamId`]. The device keeps a clone of the `Arc`, so the stream stays alive
+    /// while the cache may still use it, until the device is dropped or the stream released
+    /// (`CudaAllocator::release_unused_streams`, which drops streams that nothing else holds and
+    /// the cache no longer refers to). Admitting twice is cheap.
     ///
     /// # Errors
     /// [`BackendError::InvalidStream`] when the stream belongs to another context.
     pub fn admit_stream(&self, stream: &Arc<CudaStream>) -> Result<StreamId, BackendError> {
+        self.admit_stream_counted(stream).map(|(id, _)| id)
+    }
+
+    /// [`admit_stream`](Self::admit_stream), also returning the number of admitted streams when
+    /// this call admitted a new one (`None` when the stream was known or a default stream).
+    pub(crate) fn admit_stream_counted(
+        &self,
+        stream: &Arc<CudaStream>,
+    ) -> Result<(StreamId, Option<usize>), BackendError> {
         let id = stream_id(stream);
         if Self::is_default_stream(id) || self.streams.read().contains_key(&id.0) {
-            return Ok(id);
+            return Ok((id, None));
         }
         if stream.context().cu_ctx() != self.ctx.cu_ctx() {
             return Err(BackendError::InvalidStream {
@@ -451,11 +463,42 @@ impl CudaDevice {
                 ),
             });
         }
-        self.streams
-            .write()
+        let mut streams = self.streams.write();
+        streams
             .entry(id.0)
             .or_insert_with(|| Some(Arc::clone(stream)));
-        Ok(id)
+        Ok((id, Some(streams.len())))
+    }
+
+    /// How many streams are admitted (cudarc and raw ones; the default streams do not count).
+    pub fn admitted_stream_count(&self) -> usize {
+        self.streams.read().len()
+    }
+
+    /// The admitted cudarc streams that nothing but this device holds any more: no buffer, view,
+    /// cudarc object or user keeps their `Arc`, so no new work can be queued on them.
+    pub fn unheld_streams(&self) -> Vec<StreamId> {
+        self.streams
+            .read()
+            .iter()
+            .filter(|(_, s)| s.as_ref().is_some_and(|s| Arc::strong_count(s) == 1))
+            .map(|(&id, _)| StreamId(id))
+            .collect()
+    }
+
+    /// Takes the device's hold on the admitted cudarc stream `stream` out of the admitted set, if
+    /// nothing else holds it; the caller drops it (cudarc then destroys the stream, which lets
+    /// its queued work finish). Afterwards the stream is no longer admitted.
+    pub(crate) fn take_unheld_stream(&self, stream: StreamId) -> Option<Arc<CudaStream>> {
+        let mut streams = self.streams.write();
+        let held = streams
+            .get(&stream.0)?
+            .as_ref()
+            .is_none_or(|s| Arc::strong_count(s) > 1);
+        if held {
+            return None;
+        }
+        streams.remove(&stream.0).flatten()
     }
 
     /// Admits a raw `CUstream` handle (from C, or from PyTorch through the pluggable-allocator

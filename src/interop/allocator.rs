@@ -8,6 +8,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudarc::driver::{self as cu, CudaContext, CudaStream, DeviceRepr, ValidAsZeroBits};
 
@@ -46,7 +47,12 @@ pub struct CudaAllocator {
     pub(super) inner: Arc<CachingAllocator<CudaDevice>>,
     /// cudarc event shells kept by block address (see `interop::events`).
     shells: Arc<ShellPool>,
+    /// The admitted-stream count at which the next admission releases unused streams.
+    next_release: Arc<AtomicUsize>,
 }
+
+/// The admitted-stream count below which admissions never look for unused streams.
+const RELEASE_STREAMS_FROM: usize = 64;
 
 impl fmt::Debug for CudaAllocator {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -78,6 +84,7 @@ impl CudaAllocator {
         Ok(CudaAllocator {
             inner: Arc::new(CachingAllocator::new(device, config)?),
             shells: Arc::new(ShellPool::default()),
+            next_release: Arc::new(AtomicUsize::new(RELEASE_STREAMS_FROM)),
         })
     }
 
@@ -161,7 +168,40 @@ impl CudaAllocator {
         // which a global-mode capture forbids).
         self.inner.empty_cache()?;
         self.shells.clear();
+        self.release_unused_streams();
         Ok(())
+    }
+
+    /// Releases the admitted cudarc streams that are no longer used: nothing but the allocator
+    /// holds the stream (no buffer, view or handle of the program), and the cache no longer
+    /// refers to it — no block, cached free ones included, belongs to it, none lists it as a
+    /// user (`record_stream`), and no event recorded on it is outstanding. The allocator drops
+    /// its `Arc`, so cudarc destroys the stream (its queued work still finishes). Returns how
+    /// many were released.
+    ///
+    /// It runs by itself from [`empty_cache`](Self::empty_cache) and whenever admitting a new
+    /// stream doubles the admitted count since the last release (from 64 on), so a program that
+    /// forks a stream per task keeps a bounded number of them. A stream whose cached free blocks
+    /// keep it is released by the next `empty_cache`.
+    pub fn release_unused_streams(&self) -> usize {
+        let device = self.device();
+        let mut released = 0;
+        for id in device.unheld_streams() {
+            let mut taken = None;
+            let forgotten = self.inner.forget_stream(id, || {
+                taken = device.take_unheld_stream(id);
+                taken.is_some()
+            });
+            // Dropped here, outside the cache's lock: cudarc destroys the stream.
+            drop(taken);
+            released += usize::from(forgotten);
+        }
+        let left = device.admitted_stream_count();
+        self.next_release.store(
+            left.saturating_mul(2).max(RELEASE_STREAMS_FROM),
+            Ordering::Relaxed,
+        );
+        released
     }
 
     /// Caps the cache at `fraction` of the device's memory; see
@@ -309,17 +349,24 @@ impl CudaAllocator {
         self.inner.backend().ordinal()
     }
 
-    /// Admits `stream` to the backend (see [`CudaDevice::admit_stream`]) and returns its id.
+    /// Admits `stream` to the backend (see [`CudaDevice::admit_stream`]) and returns its id. An
+    /// admission that doubles the admitted count since the last release first releases the
+    /// unused streams ([`release_unused_streams`](Self::release_unused_streams)).
     ///
     /// # Errors
     /// [`AllocError::InvalidStream`] when the stream belongs to another device.
     pub fn admit(&self, stream: &Arc<CudaStream>) -> Result<StreamId> {
-        self.device()
-            .admit_stream(stream)
+        let (id, admitted) = self
+            .device()
+            .admit_stream_counted(stream)
             .map_err(|source| AllocError::InvalidStream {
                 stream: crate::backend::cuda::stream_id(stream),
                 source,
-            })
+            })?;
+        if admitted.is_some_and(|n| n >= self.next_release.load(Ordering::Relaxed)) {
+            self.release_unused_streams();
+        }
+        Ok(id)
     }
 
     /// Allocates room for `len` values of `T` on `stream`, uninitialised.

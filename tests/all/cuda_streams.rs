@@ -287,3 +287,41 @@ fn single_stream_programs_make_no_events_and_hits_reuse_them() {
         "empty_cache destroys kept events"
     );
 }
+
+/// A program that forks a stream per task does not accumulate streams: the allocator keeps an
+/// admitted stream only while something uses it. Tasks whose stream holds no cached block are
+/// released as admissions grow (at 64 admitted, then at twice what stays); tasks that allocated
+/// on their stream keep it while its cached blocks do, and `empty_cache` releases those.
+#[test]
+fn forked_streams_are_released_once_unused() {
+    if !enabled("forked_streams_are_released_once_unused") {
+        return;
+    }
+    let ctx = CudaContext::new(0).unwrap();
+    let main = ctx.default_stream();
+    let alloc = CudaAllocator::new(Arc::clone(&ctx), AllocatorConfig::default()).unwrap();
+    let shared: CachedSlice<u32> = alloc.htod(&main, &[7u32; 1024]).unwrap();
+    let mut most = 0;
+    for _ in 0..500 {
+        let task = main.fork().unwrap();
+        alloc.admit(&task).unwrap();
+        let copy = task.clone_dtoh(&shared).unwrap();
+        assert_eq!(copy, [7u32; 1024]);
+        most = most.max(alloc.device().admitted_stream_count());
+    }
+    assert!(most <= 64, "500 tasks kept up to {most} streams admitted");
+    // Tasks that allocate on their own stream: their cached blocks keep them until empty_cache.
+    let before = alloc.device().admitted_stream_count();
+    for _ in 0..100 {
+        let task = main.fork().unwrap();
+        let mut mine: CachedSlice<u32> = alloc.alloc_zeros(&task, 4096).unwrap();
+        task.memcpy_dtod(&shared, &mut mine).unwrap();
+        assert_eq!(mine.to_vec().unwrap()[..1024], [7u32; 1024]);
+    }
+    assert!(alloc.device().admitted_stream_count() >= before + 100 - 64);
+    drop(shared);
+    main.synchronize().unwrap();
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.device().admitted_stream_count(), 0);
+    alloc.check_invariants().unwrap();
+}

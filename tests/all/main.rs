@@ -25,6 +25,7 @@ mod fragmentation;
 mod graph_capture;
 mod limits;
 mod pinned;
+mod ports;
 mod programs;
 mod props;
 mod stream_safety;

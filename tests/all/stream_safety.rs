@@ -258,3 +258,59 @@ fn a_free_whose_event_and_synchronizes_fail_keeps_the_block_out_of_the_cache() {
         a.check_invariants().unwrap();
     }
 }
+
+/// `forget_stream` (how the cudarc interop releases streams nothing holds any more) forgets a
+/// stream only once nothing in the cache refers to it: not while a block of the stream is
+/// allocated or cached, nor while a block lists it as a user, nor while an event recorded on it
+/// is outstanding. A forgotten stream is validated again at its next allocation.
+#[test]
+fn a_stream_is_forgotten_only_when_nothing_refers_to_it() {
+    for config in [AllocatorConfig::pytorch(), AllocatorConfig::default()] {
+        let a = with_config(256 * MIB, config);
+        let sim = a.backend();
+        let released = std::cell::Cell::new(0);
+        let forget = |s: StreamId| {
+            a.forget_stream(s, || {
+                released.set(released.get() + 1);
+                true
+            })
+        };
+        let x = a.allocate(MIB, S1).unwrap();
+        assert!(!forget(S1), "an allocated block belongs to S1");
+        a.free(x.ptr).unwrap();
+        assert!(!forget(S1), "S1's free block is still cached");
+        assert_eq!(
+            released.get(),
+            0,
+            "release runs only when the stream is forgotten"
+        );
+
+        // S2 used a block of S0: listed while allocated, then an event recorded on it.
+        let y = a.allocate(MIB, S0).unwrap();
+        sim.use_range(S2, y.ptr, y.size);
+        a.record_stream(y.ptr, S2).unwrap();
+        assert!(!forget(S2), "y lists S2 among its users");
+        a.free(y.ptr).unwrap();
+        assert!(
+            !forget(S2),
+            "the event recorded on S2 at y's free is outstanding"
+        );
+        sim.complete_work(S2);
+        a.empty_cache().unwrap();
+        assert!(forget(S2));
+        assert_eq!(released.get(), 1);
+
+        // A release that refuses keeps the stream.
+        assert!(!a.forget_stream(S1, || false));
+        a.empty_cache().unwrap();
+        assert!(forget(S1), "empty_cache released S1's cached block");
+        assert_eq!(released.get(), 2);
+        // Forgotten, S1 is validated again at its next allocation.
+        sim.reject_stream(S1);
+        assert!(matches!(
+            a.allocate(MIB, S1),
+            Err(AllocError::InvalidStream { stream: S1, .. })
+        ));
+        a.check_invariants().unwrap();
+    }
+}
