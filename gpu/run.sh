@@ -44,12 +44,12 @@ for phase in $PHASES; do
     step example_framework timeout 60 "$HERE/framework_storage"
     tail -5 "$OUT/example_framework.log" | tee -a "$S" ;;
   torch) # PyTorch: GPT-2 training with the native allocator and with ours, compared.
-    step torch timeout 300 python3 "$HERE/torch_client.py" --so "$HERE/libtorch_plugin.so" --json "$OUT/torch.json"
+    step torch timeout 300 python3 "$HERE/torch_client.py" --so "$HERE/libcca_torch.so" --json "$OUT/torch.json"
     sed -n '/== PyTorch comparison ==/,$p' "$OUT/torch.log" | tee -a "$S" ;;
   safety) # PyTorch stream and graph safety probes (record_stream race, graph capture), native
     # against the plugin installed by cuda_caching_allocator.torch.enable(), with a control arm.
     step safety timeout 300 python3 "$HERE/python/tests/torch_safety.py" \
-      --library "$HERE/libtorch_plugin.so" --json "$OUT/safety.json"
+      --library "$HERE/libcca_torch.so" --json "$OUT/safety.json"
     grep -E '^== |^   |control arm' "$OUT/safety.log" | cut -c1-300 | tee -a "$S" ;;
   sanitizer) # The suite and the example under compute-sanitizer memcheck, in the time left.
     # API-error reports are off: the OOM tests fail cuMemAlloc on purpose (3 reports otherwise);

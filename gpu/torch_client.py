@@ -7,7 +7,7 @@ separate process, with this crate's allocator loaded through
 torch.cuda.memory.CUDAPluggableAllocator (its `pytorch` preset and its default configuration);
 then compares the losses (bf16 tolerance), the peak reserved memory and the step time.
 
-  python3 torch_client.py --so path/to/libtorch_plugin.so [--json out.json]   # both, compared
+  python3 torch_client.py --so path/to/libcca_torch.so [--json out.json]   # both, compared
   python3 torch_client.py --mode native|cca --so ...                           # one run
 
 Needs torch and transformers; no network (the model is built from a config).
@@ -167,7 +167,7 @@ def compare(args):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["native", "cca"], help="one run; without it, both and compare")
-    p.add_argument("--so", required=True, help="path to libtorch_plugin.so")
+    p.add_argument("--so", required=True, help="path to libcca_torch.so (the package's native library, staged by gpu/build.sh)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--embd", type=int, default=768)
     p.add_argument("--heads", type=int, default=12)

@@ -5,7 +5,8 @@
     ...
     cca.stat("reserved_bytes.all.peak")
 
-`enable` loads the allocator library (the `torch_plugin` cdylib of the Rust crate), checks its
+`enable` loads the allocator library (the package's native module ``cuda_caching_allocator._cca``,
+built from ``python/src`` by maturin), checks its
 configuration, creates PyTorch's ``CUDAPluggableAllocator`` over ``cca_alloc`` / ``cca_free`` and
 registers the hooks PyTorch's wrapper takes from Python (``torch/csrc/cuda/Module.cpp``):
 
@@ -26,11 +27,12 @@ allocator's own statistics (PyTorch's keys) instead.
 """
 
 import ctypes
+import importlib.util
 import os
 
 _LIBRARY_ENV = "CCA_TORCH_LIBRARY"
 _CONFIG_ENV = "CUDA_CACHING_ALLOCATOR_CONF"
-_LIBRARY_NAMES = ("libcca_torch.so", "libtorch_plugin.so")
+_NATIVE_MODULE = "cuda_caching_allocator._cca"
 
 _state = {"lib": None, "allocator": None, "path": None, "graph_hooks": False}
 
@@ -45,16 +47,16 @@ def _find_library(library):
     elif os.environ.get(_LIBRARY_ENV):
         candidates = [os.environ[_LIBRARY_ENV]]
     else:
-        here = os.path.dirname(os.path.abspath(__file__))
-        candidates = [os.path.join(here, name) for name in _LIBRARY_NAMES]
+        spec = importlib.util.find_spec(_NATIVE_MODULE)
+        candidates = [spec.origin] if spec is not None and spec.origin else []
     for path in candidates:
         if os.path.isfile(path):
             return os.path.abspath(path)
     raise EnableError(
-        "cuda-caching-allocator's PyTorch library was not found (looked for: "
-        + ", ".join(candidates)
-        + "). Build it with `cargo build --release --example torch_plugin --features cuda` and "
-        + f"pass library=... or set {_LIBRARY_ENV}."
+        "cuda-caching-allocator's native library was not found (looked for: "
+        + (", ".join(candidates) or _NATIVE_MODULE)
+        + "). Install the package (`pip install ./python` with Rust, or the wheel from "
+        + f"`maturin build --release -m python/Cargo.toml`), or pass library=... or set {_LIBRARY_ENV}."
     )
 
 
