@@ -5,7 +5,7 @@
 //!   `c10::cuda::CUDACachingAllocator::CUDAAllocator` compiled against the user's torch, which
 //!   calls every `cca_*` function below through `dlsym`;
 //! * the fallback without a compiler: PyTorch's `CUDAPluggableAllocator` over
-//!   [`cca_alloc`](hooks::cca_alloc) / [`cca_free`](hooks::cca_free) and the hooks it takes from
+//!   [`cca_alloc`] / [`cca_free`] and the hooks it takes from
 //!   Python (`record_stream`, `empty_cache`, memory fraction, init, graph pools).
 //!
 //! The library is also a (methodless) Python extension module, `cuda_caching_allocator._cca`, so
