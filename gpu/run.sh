@@ -5,7 +5,10 @@
 #   bash gpu-bin/run.sh [PHASE...]    # phases: tests example torch safety sanitizer (the default:
 #                                     # all five), and on request: multigpu (only the multi-GPU and
 #                                     # context tests), replay (cca replay --device cuda on the
-#                                     # shipped traces; CCA_REPLAY_DEVICE=N picks the GPU, default 0)
+#                                     # shipped traces; CCA_REPLAY_DEVICE=N picks the GPU, default 0),
+#                                     # package (pip-installs the staged wheel into a venv and runs
+#                                     # the PyTorch conformance script and the safety probes
+#                                     # through it)
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/cca-gpu-out}
@@ -96,6 +99,23 @@ for phase in $PHASES; do
     echo "replay compare gpt2_train: rc=$rc ($((SECONDS - t0)) s)" | tee -a "$S"
     sed 's/^/    /' "$tmp" | tee -a "$S"
     rm -f "$tmp" ;;
-  *) echo "unknown phase $phase (tests example torch sanitizer multigpu replay)" | tee -a "$S" ;;
+  package) # The PyTorch package from the staged wheel (no Rust, no network): installed into a
+    # venv that sees the system's torch, the C++ shim compiled at the first enable(), then
+    # python/tests/torch_conformance.py (one PASS/FAIL line per PyTorch API) and the safety
+    # probes through the package.
+    VENV=/tmp/cca-venv
+    rm -rf "$VENV"
+    python3 -m venv --system-site-packages "$VENV"
+    step package_install "$VENV/bin/pip" install --no-deps --no-index --no-build-isolation \
+      "$HERE"/cuda_caching_allocator-*.whl
+    export CCA_SHIM_BUILD_DIR=/tmp/cca-shim-build
+    step conformance timeout 420 "$VENV/bin/python" "$HERE/python/tests/torch_conformance.py" \
+      --out "$OUT"
+    grep -E '^(PASS|FAIL) |passed, .* failed|^torch ' "$OUT/conformance.log" | cut -c1-400 | tee -a "$S"
+    PKG_LIB=$("$VENV/bin/python" -c 'import importlib.util as u; print(u.find_spec("cuda_caching_allocator._cca").origin)')
+    step package_safety timeout 300 "$VENV/bin/python" "$HERE/python/tests/torch_safety.py" \
+      --library "$PKG_LIB" --json "$OUT/package_safety.json"
+    grep -E '^== |^   |control arm' "$OUT/package_safety.log" | cut -c1-300 | tee -a "$S" ;;
+  *) echo "unknown phase $phase (tests example torch safety sanitizer multigpu replay package)" | tee -a "$S" ;;
   esac
 done

@@ -57,8 +57,10 @@ pub(crate) fn clear() {
     });
 }
 
-/// Runs `f`, turning a panic into `fallback` and a recorded error.
+/// Runs `f` with this thread's last error cleared (so that [`cca_last_error_kind`] after a call
+/// tells about that call alone), turning a panic into `fallback` and a recorded error.
 pub(crate) fn guarded<T>(what: &str, fallback: T, f: impl FnOnce() -> T) -> T {
+    clear();
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(v) => v,
         Err(_) => {
@@ -71,14 +73,16 @@ pub(crate) fn guarded<T>(what: &str, fallback: T, f: impl FnOnce() -> T) -> T {
     }
 }
 
-/// The message of the calling thread's last failed call, or an empty string. The pointer stays
+/// The message of the calling thread's last call's failure, or an empty string when that call
+/// succeeded (every entry point but this one and [`cca_last_error_kind`] clears it first). The pointer stays
 /// valid until the next call into this library on the same thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn cca_last_error() -> *const c_char {
     LAST.with(|l| l.borrow().1.as_ptr())
 }
 
-/// The kind of the calling thread's last failed call: 0 none, 1 out of memory, 2 any other error.
+/// The kind of the calling thread's last call's failure: 0 none, 1 out of memory, 2 any other
+/// error.
 #[unsafe(no_mangle)]
 pub extern "C" fn cca_last_error_kind() -> c_int {
     LAST.with(|l| l.borrow().0)

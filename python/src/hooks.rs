@@ -9,7 +9,7 @@ use std::time::Instant;
 use cuda_caching_allocator::interop::{AllocatorRegistry, raw};
 use cuda_caching_allocator::{AllocError, AllocatorConfig, DevicePtr, StreamId};
 
-use crate::error::{KIND_OTHER, clear, fail, fail_alloc, guarded};
+use crate::error::{KIND_OTHER, fail, fail_alloc, guarded};
 
 /// A C device ordinal as an index, or `None` when negative.
 pub(crate) fn ordinal(device: c_int) -> Option<usize> {
@@ -124,10 +124,7 @@ pub extern "C" fn cca_check_config() -> c_int {
         "cca_check_config",
         -1,
         || match AllocatorConfig::from_env_or(AllocatorConfig::default()) {
-            Ok(_) => {
-                clear();
-                0
-            }
+            Ok(_) => 0,
             Err(e) => {
                 fail(KIND_OTHER, format!("bad configuration: {e}"));
                 -1

@@ -212,6 +212,12 @@ pub struct CcaBlock {
     pub state: c_int,
 }
 
+// The layouts the C++ shim (`csrc/cca_shim.cpp`) asserts too.
+const _: () = assert!(std::mem::size_of::<CcaDeviceStats>() == 976);
+const _: () = assert!(std::mem::size_of::<CcaSegment>() == 40);
+const _: () = assert!(std::mem::size_of::<CcaBlock>() == 32);
+const _: () = assert!(std::mem::size_of::<crate::MempoolId>() == 16);
+
 fn state_code(s: BlockState) -> c_int {
     match s {
         BlockState::ActiveAllocated => 0,

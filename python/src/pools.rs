@@ -14,7 +14,7 @@ use cuda_caching_allocator::interop::{AllocatorRegistry, CudaAllocator};
 use cuda_caching_allocator::{DeviceBackend, MemPoolId, PoolFilter, StreamId};
 use parking_lot::Mutex;
 
-use crate::error::{KIND_OTHER, clear, fail, fail_alloc, guarded};
+use crate::error::{KIND_OTHER, fail, fail_alloc, guarded};
 use crate::hooks::ordinal;
 
 /// PyTorch's `MempoolId_t` (`std::pair<unsigned long long, unsigned long long>`), passed by value.
@@ -105,10 +105,7 @@ pub unsafe extern "C" fn cca_begin_allocate_to_pool_with(
         };
         let filter: PoolFilter = Box::new(move |stream: StreamId| cf.accepts(stream));
         match alloc.begin_allocate_to_pool(pool.id(), filter) {
-            Ok(()) => {
-                clear();
-                0
-            }
+            Ok(()) => 0,
             Err(e) => {
                 fail_alloc(
                     &format!(
