@@ -12,7 +12,7 @@ Two routes (docs/pytorch.md):
   (``csrc/cca_shim.cpp``), compiled against the installed torch by
   ``torch.utils.cpp_extension.load`` at the first :func:`enable` (cached in
   ``~/.cache/cuda_caching_allocator``, or ``CCA_SHIM_BUILD_DIR``) and installed with
-  ``torch._C._cuda_changeCurrentAllocator``. PyTorch's own APIs then work: ``memory_stats`` and
+  ``changeCurrentAllocator`` (as ``torch._C._cuda_changeCurrentAllocator``). PyTorch's own APIs then work: ``memory_stats`` and
   every ``memory_*`` function, ``memory_summary``, ``reset_peak_memory_stats``, ``empty_cache``,
   ``set_per_process_memory_fraction``, ``record_stream``, ``_record_memory_history`` /
   ``_snapshot`` / ``_dump_snapshot``, OOM observers, ``cacheInfo``, CUDA graph private pools and
@@ -198,8 +198,8 @@ def enable(config=None, library=None, graphs=True, route="auto", build_dir=None,
         verbose: print the shim's compilation.
 
     Returns:
-        The allocator object PyTorch holds (``torch._C._cuda_CUDAAllocator`` on the shim route,
-        ``CUDAPluggableAllocator`` on the pluggable one).
+        The allocator object PyTorch holds (``torch.cuda.memory._CUDAAllocator`` on the shim
+        route, ``CUDAPluggableAllocator`` on the pluggable one).
 
     Raises:
         EnableError: the library is missing, the configuration is bad, the shim was asked for and
@@ -233,8 +233,8 @@ def enable(config=None, library=None, graphs=True, route="auto", build_dir=None,
                 shim = build_shim(build_dir, verbose)
             except Exception as e:  # a compiler error, a missing header: say which
                 raise EnableError(f"building the C++ shim failed: {e}") from e
-            alloc = shim.create(path, cfg)
-            torch._C._cuda_changeCurrentAllocator(alloc)
+            shim.install(path, cfg)
+            alloc = torch.cuda.memory._get_current_allocator()
             graph_hooks = True
         else:
             alloc, graph_hooks = _install_pluggable(torch, lib, path, graphs)

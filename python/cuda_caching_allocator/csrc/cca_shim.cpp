@@ -1,7 +1,7 @@
 // cuda-caching-allocator as a full PyTorch CUDA allocator: a c10::cuda::CUDACachingAllocator::
 // CUDAAllocator over the C ABI of the package's native library (python/src/*.rs), compiled
 // against the user's installed torch by torch.utils.cpp_extension at the first enable() and
-// installed with torch._C._cuda_changeCurrentAllocator. See docs/pytorch.md.
+// installed by install() below through changeCurrentAllocator. See docs/pytorch.md.
 //
 // What the native library keeps: every byte (its caches, per device), its statistics, graph and
 // MemPool private pools. What this shim keeps: the live allocations' sizes, devices, streams,
@@ -11,6 +11,7 @@
 // itself. Every failure of the library is raised as a Python exception carrying its message:
 // torch.OutOfMemoryError when out of memory, RuntimeError otherwise.
 
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 #include <torch/extension.h>
 
 #include <c10/core/Allocator.h>
@@ -746,6 +747,12 @@ std::shared_ptr<CCA::CUDAAllocator> create(const std::string& library, const std
   return g_shim;
 }
 
+// Creates the allocator and makes it PyTorch's CUDA allocator, as
+// torch._C._cuda_changeCurrentAllocator does (which refuses when the current one is in use).
+void install(const std::string& library, const std::string& config) {
+  torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(create(library, config));
+}
+
 }  // namespace cca
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -753,5 +760,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("create", &cca::create, "Loads the native library and returns the allocator object "
         "(torch._C._cuda_CUDAAllocator) for torch._C._cuda_changeCurrentAllocator",
         pybind11::arg("library"), pybind11::arg("config"));
+  m.def("install", &cca::install, "Loads the native library and makes the allocator PyTorch's "
+        "CUDA allocator", pybind11::arg("library"), pybind11::arg("config"));
   m.def("abi_version", []() { return cca::kAbiVersion; });
 }
