@@ -8,7 +8,8 @@
 #                                     # shipped traces; CCA_REPLAY_DEVICE=N picks the GPU, default 0),
 #                                     # package (pip-installs the staged wheel into a venv and runs
 #                                     # the PyTorch conformance script and the safety probes
-#                                     # through it)
+#                                     # through it), package_client (after package: the GPT-2
+#                                     # client through the installed package)
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/cca-gpu-out}
@@ -116,6 +117,13 @@ for phase in $PHASES; do
     step package_safety timeout 300 "$VENV/bin/python" "$HERE/python/tests/torch_safety.py" \
       --library "$PKG_LIB" --json "$OUT/package_safety.json"
     grep -E '^== |^   |control arm' "$OUT/package_safety.log" | cut -c1-300 | tee -a "$S" ;;
-  *) echo "unknown phase $phase (tests example torch safety sanitizer multigpu replay package)" | tee -a "$S" ;;
+  package_client) # After `package`: the GPT-2 client with its cca runs through the installed
+    # package (shim route), compared with native as in the torch phase.
+    PKG_LIB=$(/tmp/cca-venv/bin/python -c 'import importlib.util as u; print(u.find_spec("cuda_caching_allocator._cca").origin)')
+    CCA_CLIENT_PACKAGE=1 CCA_SHIM_BUILD_DIR=/tmp/cca-shim-build step package_client timeout 400 \
+      /tmp/cca-venv/bin/python "$HERE/torch_client.py" --so "$PKG_LIB" --json "$OUT/package_client.json"
+    grep -E 'package route' "$OUT/package_client.log" | sort | uniq -c | tee -a "$S"
+    sed -n '/== PyTorch comparison ==/,$p' "$OUT/package_client.log" | tee -a "$S" ;;
+  *) echo "unknown phase $phase (tests example torch safety sanitizer multigpu replay package package_client)" | tee -a "$S" ;;
   esac
 done
