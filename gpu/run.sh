@@ -8,7 +8,12 @@
 #                                     # (cca replay --device cuda on the shipped traces;
 #                                     # CCA_REPLAY_DEVICE=N picks the GPU, default 0), cold (cold
 #                                     # replays beside PyTorch's own allocator), ports
-#                                     # (examples/ports: plain vs cached, memcheck; ports.sh)
+#                                     # (examples/ports: plain vs cached, memcheck; ports.sh),
+#                                     # package (pip-installs the staged wheel into a venv and runs
+#                                     # the PyTorch conformance script and the safety probes
+#                                     # through it), package_client (after package: the GPT-2
+#                                     # client through the installed package), clients (after
+#                                     # package: the #11 client suite, gpu/clients.py)
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/cca-gpu-out}
@@ -55,12 +60,12 @@ for phase in $PHASES; do
     step example_framework timeout 60 "$HERE/framework_storage"
     tail -5 "$OUT/example_framework.log" | tee -a "$S" ;;
   torch) # PyTorch: GPT-2 training with the native allocator and with ours, compared.
-    step torch timeout 300 python3 "$HERE/torch_client.py" --so "$HERE/libtorch_plugin.so" --json "$OUT/torch.json"
+    step torch timeout 300 python3 "$HERE/torch_client.py" --so "$HERE/libcca_torch.so" --json "$OUT/torch.json"
     sed -n '/== PyTorch comparison ==/,$p' "$OUT/torch.log" | tee -a "$S" ;;
   safety) # PyTorch stream and graph safety probes (record_stream race, graph capture), native
     # against the plugin installed by cuda_caching_allocator.torch.enable(), with a control arm.
     step safety timeout 300 python3 "$HERE/python/tests/torch_safety.py" \
-      --library "$HERE/libtorch_plugin.so" --json "$OUT/safety.json"
+      --library "$HERE/libcca_torch.so" --json "$OUT/safety.json"
     grep -E '^== |^   |control arm' "$OUT/safety.log" | cut -c1-300 | tee -a "$S" ;;
   sanitizer) # The suite and the example under compute-sanitizer memcheck, in the time left.
     # API-error reports are off: the OOM tests fail cuMemAlloc on purpose (3 reports otherwise);
@@ -117,6 +122,38 @@ for phase in $PHASES; do
   ports) # The port pairs: plain cudarc vs cached outputs compared, cached under memcheck.
     step ports timeout "$(left)" bash "$HERE/ports.sh"
     tail -n 30 "$OUT/ports.log" | tee -a "$S" ;;
-  *) echo "unknown phase $phase (tests example torch safety sanitizer multigpu replay cold ports)" | tee -a "$S" ;;
+  package) # The PyTorch package from the staged wheel (no Rust, no network): installed into a
+    # venv that sees the system's torch, the C++ shim compiled at the first enable(), then
+    # python/tests/torch_conformance.py (one PASS/FAIL line per PyTorch API) and the safety
+    # probes through the package.
+    VENV=/tmp/cca-venv
+    rm -rf "$VENV"
+    python3 -m venv --system-site-packages "$VENV"
+    step package_install "$VENV/bin/pip" install --no-deps --no-index --no-build-isolation \
+      "$HERE"/cuda_caching_allocator-*.whl
+    export CCA_SHIM_BUILD_DIR=/tmp/cca-shim-build
+    step conformance timeout 420 "$VENV/bin/python" "$HERE/python/tests/torch_conformance.py" \
+      --out "$OUT"
+    grep -E '^(PASS|FAIL) |passed, .* failed|^torch ' "$OUT/conformance.log" | cut -c1-400 | tee -a "$S"
+    PKG_LIB=$("$VENV/bin/python" -c 'import importlib.util as u; print(u.find_spec("cuda_caching_allocator._cca").origin)')
+    step package_safety timeout 300 "$VENV/bin/python" "$HERE/python/tests/torch_safety.py" \
+      --library "$PKG_LIB" --json "$OUT/package_safety.json"
+    grep -E '^== |^   |control arm' "$OUT/package_safety.log" | cut -c1-300 | tee -a "$S" ;;
+  package_client) # After `package`: the GPT-2 client with its cca runs through the installed
+    # package (shim route), compared with native as in the torch phase.
+    PKG_LIB=$(/tmp/cca-venv/bin/python -c 'import importlib.util as u; print(u.find_spec("cuda_caching_allocator._cca").origin)')
+    CCA_CLIENT_PACKAGE=1 CCA_SHIM_BUILD_DIR=/tmp/cca-shim-build step package_client timeout 400 \
+      /tmp/cca-venv/bin/python "$HERE/torch_client.py" --so "$PKG_LIB" --json "$OUT/package_client.json"
+    grep -E 'package route' "$OUT/package_client.log" | sort | uniq -c | tee -a "$S"
+    sed -n '/== PyTorch comparison ==/,$p' "$OUT/package_client.log" | tee -a "$S" ;;
+  clients) # After `package`: the real-client suite of #11 (gpu/clients.py), each allocator in
+    # its own process; CCA_CLIENTS picks the workloads (default: sidestream generate ckpt; ddp
+    # and fsdp need 2 GPUs).
+    PKG_DIR=$(/tmp/cca-venv/bin/python -c 'import importlib.util as u, os; print(os.path.dirname(os.path.dirname(u.find_spec("cuda_caching_allocator").origin)))')
+    CCA_SHIM_BUILD_DIR=/tmp/cca-shim-build step clients timeout "$(left)" /tmp/cca-venv/bin/python \
+      "$HERE/clients.py" --python-dir "$PKG_DIR" --workloads ${CCA_CLIENTS:-sidestream generate ckpt} \
+      --json "$OUT/clients.json"
+    grep -E '^== |^\||FAILED' "$OUT/clients.log" | cut -c1-300 | tee -a "$S" ;;
+  *) echo "unknown phase $phase (tests example torch safety sanitizer multigpu replay cold ports package package_client clients)" | tee -a "$S" ;;
   esac
 done

@@ -7,8 +7,9 @@ separate process, with this crate's allocator loaded through
 torch.cuda.memory.CUDAPluggableAllocator (its `pytorch` preset and its default configuration);
 then compares the losses (bf16 tolerance), the peak reserved memory and the step time.
 
-  python3 torch_client.py --so path/to/libtorch_plugin.so [--json out.json]   # both, compared
+  python3 torch_client.py --so path/to/libcca_torch.so [--json out.json]   # both, compared
   python3 torch_client.py --mode native|cca --so ...                           # one run
+  CCA_CLIENT_PACKAGE=1 python3 torch_client.py --so ...   # cca runs through the installed package
 
 Needs torch and transformers; no network (the model is built from a config).
 """
@@ -27,7 +28,14 @@ def run_one(args):
     import torch
 
     lib = None
-    if args.mode == "cca":
+    if args.mode == "cca" and os.environ.get("CCA_CLIENT_PACKAGE"):
+        # Through the installed package (the C++ shim route unless no compiler is present); the
+        # configuration comes from CUDA_CACHING_ALLOCATOR_CONF as set by compare().
+        import cuda_caching_allocator.torch as cca
+        cca.enable(library=args.so)
+        lib = cca.library()
+        print(f"package route: {cca.route()}")
+    elif args.mode == "cca":
         # Must happen before the first CUDA allocation of the process.
         alloc = torch.cuda.memory.CUDAPluggableAllocator(args.so, "cca_alloc", "cca_free")
         torch.cuda.memory.change_current_allocator(alloc)
@@ -167,7 +175,7 @@ def compare(args):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["native", "cca"], help="one run; without it, both and compare")
-    p.add_argument("--so", required=True, help="path to libtorch_plugin.so")
+    p.add_argument("--so", required=True, help="path to libcca_torch.so (the package's native library, staged by gpu/build.sh)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--embd", type=int, default=768)
     p.add_argument("--heads", type=int, default=12)

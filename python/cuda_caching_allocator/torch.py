@@ -1,38 +1,44 @@
-"""Install cuda-caching-allocator as PyTorch's CUDA allocator, with every hook PyTorch offers.
+"""Install cuda-caching-allocator as PyTorch's CUDA allocator.
 
     import cuda_caching_allocator.torch as cca
-    cca.enable()                      # before the first CUDA allocation of the process
+    cca.enable(config="expandable_segments:True")   # before the first CUDA allocation
     ...
-    cca.stat("reserved_bytes.all.peak")
+    torch.cuda.memory_stats()                        # our figures, through PyTorch's own API
 
-`enable` loads the allocator library (the `torch_plugin` cdylib of the Rust crate), checks its
-configuration, creates PyTorch's ``CUDAPluggableAllocator`` over ``cca_alloc`` / ``cca_free`` and
-registers the hooks PyTorch's wrapper takes from Python (``torch/csrc/cuda/Module.cpp``):
+Two routes (docs/pytorch.md):
 
-* ``set_record_stream_fn`` -> ``cca_record_stream``: ``Tensor.record_stream`` (NCCL process
-  groups, FSDP, DDP's reducer and data prefetchers call it) delays the reuse of a block until the
-  named stream's work is done;
-* ``set_reset_fn`` -> ``cca_reset``: ``torch.cuda.empty_cache()``;
-* ``set_memory_fraction_fn`` -> ``cca_memory_fraction_hook``:
-  ``torch.cuda.set_per_process_memory_fraction``;
-* ``set_init_fn`` -> ``cca_init``;
-* ``set_begin_allocate_to_pool`` / ``set_end_allocate_to_pool_fn`` / ``set_release_pool`` ->
-  ``cca_begin_allocate_to_pool`` / ``cca_end_allocate_to_pool`` / ``cca_release_pool`` (CUDA graph
-  private pools: ``torch.cuda.graph``, ``make_graphed_callables``), when the library exports them.
-
-What PyTorch's pluggable wrapper itself refuses (``torch.cuda.memory_stats()``, snapshots, OOM
-observers, ``cacheInfo``) is not reachable this way; :func:`stat` and :func:`summary` read the
-allocator's own statistics (PyTorch's keys) instead.
+* ``"shim"`` (the default when a C++ compiler and the CUDA toolkit are present): a C++
+  ``c10::cuda::CUDACachingAllocator::CUDAAllocator`` over the native library
+  (``csrc/cca_shim.cpp``), compiled against the installed torch by
+  ``torch.utils.cpp_extension.load`` at the first :func:`enable` (cached in
+  ``~/.cache/cuda_caching_allocator``, or ``CCA_SHIM_BUILD_DIR``) and installed with
+  ``changeCurrentAllocator`` (as ``torch._C._cuda_changeCurrentAllocator``). PyTorch's own APIs then work: ``memory_stats`` and
+  every ``memory_*`` function, ``memory_summary``, ``reset_peak_memory_stats``, ``empty_cache``,
+  ``set_per_process_memory_fraction``, ``record_stream``, ``_record_memory_history`` /
+  ``_snapshot`` / ``_dump_snapshot``, OOM observers, ``cacheInfo``, CUDA graph private pools and
+  ``torch.cuda.MemPool``.
+* ``"pluggable"`` (the fallback): PyTorch's ``CUDAPluggableAllocator`` over ``cca_alloc`` /
+  ``cca_free`` with every hook it takes from Python (``record_stream``, ``empty_cache``,
+  memory fraction, init, the CUDA graph pool hooks). PyTorch refuses ``memory_stats()``,
+  snapshots, OOM observers and ``cacheInfo`` on it: :func:`stat` and :func:`summary` read the
+  allocator's own statistics instead.
 """
 
 import ctypes
+import hashlib
+import importlib.util
 import os
+import shutil
+import warnings
 
 _LIBRARY_ENV = "CCA_TORCH_LIBRARY"
 _CONFIG_ENV = "CUDA_CACHING_ALLOCATOR_CONF"
-_LIBRARY_NAMES = ("libcca_torch.so", "libtorch_plugin.so")
+_NATIVE_MODULE = "cuda_caching_allocator._cca"
 
-_state = {"lib": None, "allocator": None, "path": None, "graph_hooks": False}
+_SHIM_DIR_ENV = "CCA_SHIM_BUILD_DIR"
+_ROUTE_ENV = "CCA_TORCH_ROUTE"
+
+_state = {"lib": None, "allocator": None, "path": None, "graph_hooks": False, "route": None}
 
 
 class EnableError(RuntimeError):
@@ -45,16 +51,16 @@ def _find_library(library):
     elif os.environ.get(_LIBRARY_ENV):
         candidates = [os.environ[_LIBRARY_ENV]]
     else:
-        here = os.path.dirname(os.path.abspath(__file__))
-        candidates = [os.path.join(here, name) for name in _LIBRARY_NAMES]
+        spec = importlib.util.find_spec(_NATIVE_MODULE)
+        candidates = [spec.origin] if spec is not None and spec.origin else []
     for path in candidates:
         if os.path.isfile(path):
             return os.path.abspath(path)
     raise EnableError(
-        "cuda-caching-allocator's PyTorch library was not found (looked for: "
-        + ", ".join(candidates)
-        + "). Build it with `cargo build --release --example torch_plugin --features cuda` and "
-        + f"pass library=... or set {_LIBRARY_ENV}."
+        "cuda-caching-allocator's native library was not found (looked for: "
+        + (", ".join(candidates) or _NATIVE_MODULE)
+        + "). Install the package (`pip install ./python` with Rust, or the wheel from "
+        + f"`maturin build --release -m python/Cargo.toml`), or pass library=... or set {_LIBRARY_ENV}."
     )
 
 
@@ -62,7 +68,116 @@ def _address(lib, name):
     return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
 
 
-def enable(config=None, library=None, graphs=True):
+def _apply_config(config):
+    """Puts ``config`` in ``CUDA_CACHING_ALLOCATOR_CONF`` (refusing a conflicting value)."""
+    if config is None:
+        return os.environ.get(_CONFIG_ENV, "")
+    current = os.environ.get(_CONFIG_ENV)
+    if current is not None and current != config:
+        raise EnableError(
+            f"{_CONFIG_ENV} is set to {current!r} and enable() was given {config!r}: choose one"
+        )
+    os.environ[_CONFIG_ENV] = config
+    return config
+
+
+def _load_library(path):
+    lib = ctypes.CDLL(path)
+    lib.cca_check_config.restype = ctypes.c_int
+    lib.cca_last_error.restype = ctypes.c_char_p
+    lib.cca_memory_stat.restype = ctypes.c_int64
+    lib.cca_memory_stat.argtypes = [ctypes.c_int, ctypes.c_char_p]
+    lib.cca_abi_version.restype = ctypes.c_int
+    return lib
+
+
+def _check_config(lib):
+    if lib.cca_check_config() != 0:
+        reason = (lib.cca_last_error() or b"").decode(errors="replace")
+        raise EnableError(
+            f"bad allocator configuration: {reason} (check {_CONFIG_ENV} / PYTORCH_CUDA_ALLOC_CONF)"
+        )
+
+
+def shim_source():
+    """Path of the C++ shim's source file shipped in the package."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "cca_shim.cpp")
+
+
+def _shim_build_dir(torch_version, source, root=None):
+    """The shim's cached build folder: one per torch version and shim source."""
+    root = root or os.environ.get(_SHIM_DIR_ENV) or os.path.join(
+        os.path.expanduser("~"), ".cache", "cuda_caching_allocator"
+    )
+    digest = hashlib.sha256(source).hexdigest()[:12]
+    safe = "".join(c if c.isalnum() or c in ".-" else "_" for c in torch_version)
+    return os.path.join(root, f"shim-torch{safe}-{digest}")
+
+
+def _missing_toolchain():
+    """Why the shim cannot be compiled here (``None`` when it can)."""
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler ({cxx!r} not found; set CXX)"
+    from torch.utils import cpp_extension
+
+    if cpp_extension.CUDA_HOME is None:
+        return "no CUDA toolkit (CUDA_HOME not set and nvcc not found)"
+    return None
+
+
+def _resolve_route(route, missing):
+    """The route to take: ``route`` as asked, ``"auto"`` picking the shim unless ``missing``
+    says why it cannot be built."""
+    if route not in ("auto", "shim", "pluggable"):
+        raise EnableError(f"route must be 'auto', 'shim' or 'pluggable', not {route!r}")
+    if route == "shim" and missing:
+        raise EnableError(f"the C++ shim cannot be built: {missing}")
+    if route == "auto":
+        return "pluggable" if missing else "shim"
+    return route
+
+
+def build_shim(build_dir=None, verbose=False):
+    """Compiles (or loads from its cache) the C++ shim against the installed torch and returns
+    the extension module."""
+    import torch
+    from torch.utils import cpp_extension
+
+    src = shim_source()
+    with open(src, "rb") as f:
+        source = f.read()
+    build_dir = build_dir or _shim_build_dir(torch.__version__, source)
+    os.makedirs(build_dir, exist_ok=True)
+    return cpp_extension.load(
+        name="cca_shim",
+        sources=[src],
+        build_directory=build_dir,
+        with_cuda=True,
+        extra_cflags=["-O2"],
+        extra_ldflags=["-ldl"],
+        verbose=verbose,
+    )
+
+
+def _install_pluggable(torch, lib, path, graphs):
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(path, "cca_alloc", "cca_free")
+    hooks = alloc.allocator()
+    hooks.set_record_stream_fn(_address(lib, "cca_record_stream"))
+    hooks.set_reset_fn(_address(lib, "cca_reset"))
+    hooks.set_memory_fraction_fn(_address(lib, "cca_memory_fraction_hook"))
+    hooks.set_init_fn(_address(lib, "cca_init"))
+    graph_hooks = False
+    if graphs:
+        hooks.set_begin_allocate_to_pool(_address(lib, "cca_begin_allocate_to_pool"))
+        hooks.set_end_allocate_to_pool_fn(_address(lib, "cca_end_allocate_to_pool"))
+        hooks.set_release_pool(_address(lib, "cca_release_pool"))
+        graph_hooks = True
+    torch.cuda.memory.change_current_allocator(alloc)
+    return alloc, graph_hooks
+
+
+def enable(config=None, library=None, graphs=True, route="auto", build_dir=None, verbose=False):
     """Install the allocator for every CUDA device of this process.
 
     Call it before anything allocates CUDA memory (PyTorch cannot swap an allocator in use).
@@ -73,16 +188,22 @@ def enable(config=None, library=None, graphs=True):
             ``cca_preset:default,...`` builds on the crate's default); ``None`` keeps
             ``CUDA_CACHING_ALLOCATOR_CONF`` or PyTorch's variables, and the crate's default when
             none is set.
-        library: path of the allocator library; default: ``CCA_TORCH_LIBRARY`` or the library
-            installed beside this module.
-        graphs: register the CUDA-graph private-pool hooks when the library has them.
+        library: path of the native library; default: ``CCA_TORCH_LIBRARY`` or the package's own.
+        graphs: on the pluggable route, register the CUDA-graph private-pool hooks (the shim
+            always supports graphs).
+        route: ``"auto"`` (the shim when a C++ compiler and the CUDA toolkit are present, else
+            the pluggable route with a warning), ``"shim"`` or ``"pluggable"``; the environment
+            variable ``CCA_TORCH_ROUTE`` overrides ``"auto"``.
+        build_dir: the shim's build folder (default: a cache folder per torch version).
+        verbose: print the shim's compilation.
 
     Returns:
-        PyTorch's ``CUDAPluggableAllocator`` object.
+        The allocator object PyTorch holds (``torch.cuda.memory._CUDAAllocator`` on the shim
+        route, ``CUDAPluggableAllocator`` on the pluggable one).
 
     Raises:
-        EnableError: the library is missing, the configuration is bad, or CUDA memory was already
-            allocated with another allocator.
+        EnableError: the library is missing, the configuration is bad, the shim was asked for and
+            cannot be built, or CUDA memory was already allocated with another allocator.
     """
     import torch
 
@@ -91,44 +212,46 @@ def enable(config=None, library=None, graphs=True):
             raise EnableError("enable() was already called with another library: " + _state["path"])
         return _state["allocator"]
     path = _find_library(library)
-    if config is not None:
-        current = os.environ.get(_CONFIG_ENV)
-        if current is not None and current != config:
-            raise EnableError(
-                f"{_CONFIG_ENV} is set to {current!r} and enable() was given {config!r}: "
-                "choose one"
-            )
-        os.environ[_CONFIG_ENV] = config
-    lib = ctypes.CDLL(path)
-    lib.cca_check_config.restype = ctypes.c_int
-    if lib.cca_check_config() != 0:
-        raise EnableError(
-            "bad allocator configuration (the reason is printed on stderr); check "
-            f"{_CONFIG_ENV} / PYTORCH_CUDA_ALLOC_CONF"
+    cfg = _apply_config(config)
+    lib = _load_library(path)
+    _check_config(lib)
+    if route == "auto":
+        route = os.environ.get(_ROUTE_ENV, "auto")
+    missing = _missing_toolchain() if route in ("auto", "shim") else None
+    chosen = _resolve_route(route, missing)
+    if route == "auto" and chosen == "pluggable":
+        warnings.warn(
+            f"cuda_caching_allocator: {missing}; falling back to PyTorch's CUDAPluggableAllocator, "
+            "on which torch.cuda.memory_stats(), snapshots, OOM observers and cacheInfo are "
+            "refused (docs/pytorch.md)",
+            RuntimeWarning,
+            stacklevel=2,
         )
-    alloc = torch.cuda.memory.CUDAPluggableAllocator(path, "cca_alloc", "cca_free")
-    hooks = alloc.allocator()
-    hooks.set_record_stream_fn(_address(lib, "cca_record_stream"))
-    hooks.set_reset_fn(_address(lib, "cca_reset"))
-    hooks.set_memory_fraction_fn(_address(lib, "cca_memory_fraction_hook"))
-    hooks.set_init_fn(_address(lib, "cca_init"))
-    graph_hooks = False
-    if graphs and hasattr(lib, "cca_begin_allocate_to_pool"):
-        hooks.set_begin_allocate_to_pool(_address(lib, "cca_begin_allocate_to_pool"))
-        hooks.set_end_allocate_to_pool_fn(_address(lib, "cca_end_allocate_to_pool"))
-        hooks.set_release_pool(_address(lib, "cca_release_pool"))
-        graph_hooks = True
     try:
-        torch.cuda.memory.change_current_allocator(alloc)
+        if chosen == "shim":
+            try:
+                shim = build_shim(build_dir, verbose)
+            except Exception as e:  # a compiler error, a missing header: say which
+                raise EnableError(f"building the C++ shim failed: {e}") from e
+            shim.install(path, cfg)
+            alloc = torch.cuda.memory._get_current_allocator()
+            graph_hooks = True
+        else:
+            alloc, graph_hooks = _install_pluggable(torch, lib, path, graphs)
     except RuntimeError as e:
+        if isinstance(e, EnableError):
+            raise
         raise EnableError(
             "PyTorch's CUDA allocator is already in use: call enable() before the first CUDA "
             f"allocation of the process ({e})"
         ) from e
-    lib.cca_memory_stat.restype = ctypes.c_int64
-    lib.cca_memory_stat.argtypes = [ctypes.c_int, ctypes.c_char_p]
-    _state.update(lib=lib, allocator=alloc, path=path, graph_hooks=graph_hooks)
+    _state.update(lib=lib, allocator=alloc, path=path, graph_hooks=graph_hooks, route=chosen)
     return alloc
+
+
+def route():
+    """The route :func:`enable` took (``"shim"`` or ``"pluggable"``), or ``None`` before it."""
+    return _state["route"]
 
 
 def enabled():

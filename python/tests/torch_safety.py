@@ -13,7 +13,7 @@ once one is in use):
 3. graphed: ``torch.cuda.make_graphed_callables`` on a small MLP, trained for a few steps; the
    losses must equal an eager twin's.
 
-    python3 torch_safety.py --library path/to/libtorch_plugin.so [--config STR] [--json OUT]
+    python3 torch_safety.py --library path/to/libcca_torch.so [--config STR] [--json OUT]
     python3 torch_safety.py --mode native|cca ...     # one process
 
 Exit status 0 when every probe of the cca run passes and native passes too.

@@ -293,10 +293,9 @@ fn single_stream_programs_make_no_events_and_hits_reuse_them() {
 /// released as admissions grow (at 64 admitted, then at twice what stays); tasks that allocated
 /// on their stream keep it while its cached blocks do, and `empty_cache` releases those.
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn forked_streams_are_released_once_unused() {
-    if !enabled("forked_streams_are_released_once_unused") {
-        return;
-    }
+    require_gpu("forked_streams_are_released_once_unused");
     let ctx = CudaContext::new(0).unwrap();
     let main = ctx.default_stream();
     let alloc = CudaAllocator::new(Arc::clone(&ctx), AllocatorConfig::default()).unwrap();

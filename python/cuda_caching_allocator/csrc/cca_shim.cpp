@@ -1,0 +1,766 @@
+// cuda-caching-allocator as a full PyTorch CUDA allocator: a c10::cuda::CUDACachingAllocator::
+// CUDAAllocator over the C ABI of the package's native library (python/src/*.rs), compiled
+// against the user's installed torch by torch.utils.cpp_extension at the first enable() and
+// installed by install() below through changeCurrentAllocator. See docs/pytorch.md.
+//
+// What the native library keeps: every byte (its caches, per device), its statistics, graph and
+// MemPool private pools. What this shim keeps: the live allocations' sizes, devices, streams,
+// pools and (with _record_memory_history) stack contexts, the history ring of trace entries, the
+// OOM observers and trace trackers, and the active pool routings (so that allocations know their
+// pool for checkPoolLiveAllocations and per-pool snapshots). It never allocates device memory
+// itself. Every failure of the library is raised as a Python exception carrying its message:
+// torch.OutOfMemoryError when out of memory, RuntimeError otherwise.
+
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+#include <torch/extension.h>
+
+#include <c10/core/Allocator.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/ApproximateClock.h>
+
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace cca {
+
+using c10::MempoolId_t;
+using c10::cuda::CUDAStream;
+namespace CCA = c10::cuda::CUDACachingAllocator;
+using CCA::AllocatorState;
+using CCA::CheckpointDelta;
+using CCA::OutOfMemoryObserver;
+using CCA::ShareableHandle;
+using CCA::SnapshotInfo;
+using CCA::StreamSegmentSize;
+using c10::CachingDeviceAllocator::AllocatorTraceTracker;
+using c10::CachingDeviceAllocator::BlockInfo;
+using c10::CachingDeviceAllocator::CreateContextFn;
+using c10::CachingDeviceAllocator::DeviceStats;
+using c10::CachingDeviceAllocator::RecordContext;
+using c10::CachingDeviceAllocator::SegmentInfo;
+using c10::CachingDeviceAllocator::TraceEntry;
+
+constexpr int kAbiVersion = 1;
+
+// ---- the native library's C ABI (python/src/*.rs), resolved with dlsym ----------------------
+
+struct CPool {
+  uint64_t first;
+  uint64_t second;
+};
+struct CStat {
+  int64_t current, peak, allocated, freed;
+};
+struct CDeviceStats {
+  CStat allocation[3], segment[3], active[3], inactive_split[3], allocated_bytes[3],
+      reserved_bytes[3], active_bytes[3], inactive_split_bytes[3], requested_bytes[3];
+  CStat oversize_allocations, oversize_segments;
+  int64_t num_alloc_retries, num_ooms, num_sync_all_streams, num_device_alloc, num_device_free,
+      max_split_size;
+};
+struct CSegment {
+  uint64_t address, total_size, stream;
+  int is_large, is_expandable;
+  uint64_t num_blocks;
+};
+struct CBlock {
+  uint64_t address, size, requested_size;
+  int state;  // 0 allocated, 1 pending free, 2 inactive
+};
+
+// The layouts python/src/introspect.rs asserts too.
+static_assert(sizeof(CDeviceStats) == 976, "CcaDeviceStats layout");
+static_assert(sizeof(CSegment) == 40, "CcaSegment layout");
+static_assert(sizeof(CBlock) == 32, "CcaBlock layout");
+static_assert(sizeof(CPool) == 16, "MempoolId layout");
+
+using AcceptFn = bool (*)(void*, void*);
+using DropFn = void (*)(void*);
+using SegFn = void (*)(void*, const CSegment*);
+using BlockFn = void (*)(void*, const CBlock*);
+
+struct Api {
+  int (*abi_version)();
+  void* (*alloc)(ssize_t, int, void*);
+  void (*free)(void*, ssize_t, int, void*);
+  void (*record_stream)(void*, void*);
+  void (*init)(int);
+  int (*check_config)();
+  int (*empty_cache)(int);
+  void (*reset_peak_stats)(int);
+  void (*reset_accumulated_stats)(int);
+  int (*set_memory_fraction)(int, double);
+  double (*memory_fraction)(int);
+  int (*device_stats)(int, CDeviceStats*);
+  int (*snapshot)(int, SegFn, BlockFn, void*);
+  uint64_t (*cache_info)(int);
+  uint64_t (*base_allocation)(int, uint64_t, uint64_t*);
+  int (*begin_with)(int, CPool, AcceptFn, void*, DropFn);
+  void (*end_pool)(int, CPool);
+  void (*release_pool)(int, CPool);
+  int (*create_pool)(int, CPool);
+  int (*pool_use_count)(int, CPool);
+  const char* (*last_error)();
+  int (*last_error_kind)();
+  void (*set_quiet)(int);
+};
+
+template <typename F>
+void bind(void* lib, const char* name, F& slot) {
+  void* sym = dlsym(lib, name);
+  TORCH_CHECK(sym != nullptr, "cuda_caching_allocator: the native library lacks ", name,
+              " (a library from another version of the package?)");
+  slot = reinterpret_cast<F>(sym);
+}
+
+Api load_api(const std::string& path) {
+  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  TORCH_CHECK(lib != nullptr, "cuda_caching_allocator: cannot load the native library ", path,
+              ": ", dlerror());
+  Api a{};
+  bind(lib, "cca_abi_version", a.abi_version);
+  TORCH_CHECK(a.abi_version() == kAbiVersion, "cuda_caching_allocator: the native library ",
+              path, " has C ABI version ", a.abi_version(), ", this shim needs ", kAbiVersion,
+              " (reinstall the package)");
+  bind(lib, "cca_alloc", a.alloc);
+  bind(lib, "cca_free", a.free);
+  bind(lib, "cca_record_stream", a.record_stream);
+  bind(lib, "cca_init", a.init);
+  bind(lib, "cca_check_config", a.check_config);
+  bind(lib, "cca_empty_cache", a.empty_cache);
+  bind(lib, "cca_reset_peak_stats", a.reset_peak_stats);
+  bind(lib, "cca_reset_accumulated_stats", a.reset_accumulated_stats);
+  bind(lib, "cca_set_memory_fraction", a.set_memory_fraction);
+  bind(lib, "cca_memory_fraction", a.memory_fraction);
+  bind(lib, "cca_device_stats", a.device_stats);
+  bind(lib, "cca_snapshot", a.snapshot);
+  bind(lib, "cca_cache_info", a.cache_info);
+  bind(lib, "cca_base_allocation", a.base_allocation);
+  bind(lib, "cca_begin_allocate_to_pool_with", a.begin_with);
+  bind(lib, "cca_end_allocate_to_pool", a.end_pool);
+  bind(lib, "cca_release_pool", a.release_pool);
+  bind(lib, "cca_create_pool", a.create_pool);
+  bind(lib, "cca_pool_use_count", a.pool_use_count);
+  bind(lib, "cca_last_error", a.last_error);
+  bind(lib, "cca_last_error_kind", a.last_error_kind);
+  bind(lib, "cca_set_quiet", a.set_quiet);
+  return a;
+}
+
+CPool cpool(MempoolId_t id) { return CPool{id.first, id.second}; }
+
+void fill(c10::CachingAllocator::Stat& to, const CStat& from) {
+  to.current = from.current;
+  to.peak = from.peak;
+  to.allocated = from.allocated;
+  to.freed = from.freed;
+}
+
+void fill(c10::CachingAllocator::StatArray& to, const CStat (&from)[3]) {
+  for (size_t i = 0; i < 3; ++i) fill(to[i], from[i]);
+}
+
+// What the shim knows of one live allocation.
+struct Live {
+  size_t size;
+  c10::DeviceIndex device;
+  cudaStream_t stream;
+  MempoolId_t pool;
+  std::shared_ptr<c10::GatheredContext> context;
+};
+
+// An active routing of allocations into a private pool (a capture, or use_mem_pool).
+struct Route {
+  c10::DeviceIndex device;
+  MempoolId_t pool;
+  std::shared_ptr<std::function<bool(cudaStream_t)>> filter;
+};
+
+// getCheckpointState's answer: the live allocations of the pool at the checkpoint.
+struct Checkpoint : AllocatorState {
+  c10::DeviceIndex device;
+  MempoolId_t pool;
+  std::unordered_set<void*> live;
+};
+
+void raw_delete_fn(void* ptr);
+
+class Shim : public CCA::CUDAAllocator {
+ public:
+  Shim(Api api, std::string config) : api_(api), config_(std::move(config)) {
+    api_.set_quiet(1);
+  }
+
+  // ---- c10::Allocator ----------------------------------------------------------------------
+
+  c10::DataPtr allocate(size_t n) override {
+    c10::DeviceIndex dev = c10::cuda::current_device();
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
+    void* p = n == 0 ? nullptr : malloc_on(n, dev, stream);
+    return {p, p, &raw_delete_fn, c10::Device(c10::DeviceType::CUDA, dev)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &raw_delete_fn; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
+  }
+
+  // ---- c10::DeviceAllocator ----------------------------------------------------------------
+
+  bool initialized() override { return initialized_.load(); }
+
+  void emptyCache(MempoolId_t /*mempool_id*/) override {
+    // The native library empties every pool whose uses were all given back, whichever id is
+    // named (PyTorch's own empties only the named pool): a superset, documented.
+    for (int d = 0; d < devices(); ++d) {
+      if (api_.empty_cache(d) != 0) fail("torch.cuda.empty_cache()");
+    }
+  }
+
+  DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    CDeviceStats c{};
+    int rc = api_.device_stats(device, &c);
+    TORCH_CHECK(rc >= 0, "cuda_caching_allocator: memory_stats: bad device ", int(device));
+    DeviceStats s;
+    fill(s.allocation, c.allocation);
+    fill(s.segment, c.segment);
+    fill(s.active, c.active);
+    fill(s.inactive_split, c.inactive_split);
+    fill(s.allocated_bytes, c.allocated_bytes);
+    fill(s.reserved_bytes, c.reserved_bytes);
+    fill(s.active_bytes, c.active_bytes);
+    fill(s.inactive_split_bytes, c.inactive_split_bytes);
+    fill(s.requested_bytes, c.requested_bytes);
+    fill(s.oversize_allocations, c.oversize_allocations);
+    fill(s.oversize_segments, c.oversize_segments);
+    s.num_alloc_retries = c.num_alloc_retries;
+    s.num_ooms = c.num_ooms;
+    s.num_sync_all_streams = c.num_sync_all_streams;
+    s.num_device_alloc = c.num_device_alloc;
+    s.num_device_free = c.num_device_free;
+    s.max_split_size = c.max_split_size;
+    return s;
+  }
+
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    api_.reset_accumulated_stats(device);
+  }
+
+  void resetPeakStats(c10::DeviceIndex device) override { api_.reset_peak_stats(device); }
+
+  // ---- CUDAAllocator -----------------------------------------------------------------------
+
+  void* raw_alloc(size_t nbytes) override {
+    if (nbytes == 0) return nullptr;
+    c10::DeviceIndex dev = c10::cuda::current_device();
+    return malloc_on(nbytes, dev, c10::cuda::getCurrentCUDAStream(dev).stream());
+  }
+
+  void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
+    if (nbytes == 0) return nullptr;
+    return malloc_on(nbytes, c10::cuda::current_device(), stream);
+  }
+
+  void raw_delete(void* ptr) override { free_ptr(ptr); }
+
+  void init(int device_count) override {
+    device_count_.store(device_count);
+    TORCH_CHECK(api_.check_config() == 0, "cuda_caching_allocator: ", api_.last_error());
+    initialized_.store(true);
+  }
+
+  double getMemoryFraction(c10::DeviceIndex device) override {
+    return api_.memory_fraction(device);
+  }
+
+  void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
+    if (api_.set_memory_fraction(device, fraction) != 0)
+      fail("torch.cuda.set_per_process_memory_fraction");
+  }
+
+  std::vector<StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex) override {
+    return {};
+  }
+
+  void enable(bool value) override { enabled_.store(value); }
+  bool isEnabled() const override { return enabled_.load(); }
+
+  void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override {
+    *largestBlock = static_cast<size_t>(api_.cache_info(device));
+    if (*largestBlock == 0) {
+      // As PyTorch's: nothing cached, so the largest block cuDNN may get is the device's free
+      // memory.
+      c10::cuda::CUDAGuard g(device);
+      size_t total = 0;
+      C10_CUDA_CHECK(cudaMemGetInfo(largestBlock, &total));
+    }
+  }
+
+  void* getBaseAllocation(void* ptr, size_t* size) override {
+    c10::DeviceIndex dev;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto it = live_.find(ptr);
+      TORCH_CHECK(it != live_.end(), "cuda_caching_allocator: getBaseAllocation: ", ptr,
+                  " is not a live allocation of this allocator");
+      dev = it->second.device;
+    }
+    uint64_t seg_size = 0;
+    uint64_t base = api_.base_allocation(dev, reinterpret_cast<uint64_t>(ptr), &seg_size);
+    TORCH_CHECK(base != 0, "cuda_caching_allocator: getBaseAllocation: no segment holds ", ptr);
+    if (size) *size = static_cast<size_t>(seg_size);
+    return reinterpret_cast<void*>(base);
+  }
+
+  void recordStream(const c10::DataPtr& ptr, CUDAStream stream) override {
+    if (!ptr.get() || ptr.get_deleter() != &raw_delete_fn) return;
+    api_.record_stream(ptr.get(), stream.stream());
+    if (api_.last_error_kind() != 0) fail("Tensor.record_stream");
+  }
+
+  SnapshotInfo snapshot(MempoolId_t mempool_id, bool include_traces) override {
+    SnapshotInfo info;
+    struct Builder {
+      Shim* self;
+      c10::DeviceIndex device;
+      std::vector<SegmentInfo>* out;
+    };
+    const int n_devices = devices();
+    std::lock_guard<std::mutex> g(mu_);
+    if (traces_.size() < static_cast<size_t>(n_devices)) traces_.resize(n_devices);
+    for (int d = 0; d < n_devices; ++d) {
+      std::vector<SegmentInfo> segs;
+      Builder b{this, static_cast<c10::DeviceIndex>(d), &segs};
+      api_.snapshot(
+          d,
+          [](void* ctx, const CSegment* s) {
+            auto* b = static_cast<Builder*>(ctx);
+            SegmentInfo si;
+            si.device = b->device;
+            si.address = s->address;
+            si.total_size = s->total_size;
+            si.stream = reinterpret_cast<void*>(s->stream);
+            si.is_large = s->is_large != 0;
+            si.is_expandable = s->is_expandable != 0;
+            b->out->push_back(std::move(si));
+          },
+          [](void* ctx, const CBlock* blk) {
+            auto* b = static_cast<Builder*>(ctx);
+            if (b->out->empty()) return;
+            SegmentInfo& si = b->out->back();
+            BlockInfo bi;
+            bi.size = blk->size;
+            bi.requested_size = blk->requested_size;
+            bi.allocated = blk->state == 0;
+            bi.active = blk->state <= 1;
+            si.requested_size += blk->requested_size;
+            if (bi.allocated) si.allocated_size += blk->size;
+            if (bi.active) si.active_size += blk->size;
+            auto it = b->self->live_.find(reinterpret_cast<void*>(blk->address));
+            if (bi.allocated && it != b->self->live_.end()) {
+              bi.context_when_allocated = it->second.context;
+              si.owner_private_pool_id = it->second.pool;
+            }
+            si.blocks.push_back(std::move(bi));
+          },
+          &b);
+      for (auto& s : segs) {
+        if (mempool_id != MempoolId_t{0, 0} && s.owner_private_pool_id != mempool_id) continue;
+        info.segments.push_back(std::move(s));
+      }
+    }
+    if (include_traces) {
+      for (auto& ring : traces_) info.device_traces.emplace_back(ring.begin(), ring.end());
+    } else {
+      info.device_traces.resize(traces_.size());
+    }
+    info.config_metadata.garbage_collection_threshold = 0.0;
+    info.config_metadata.max_split_size = 0;
+    info.config_metadata.pinned_num_register_threads = 0;
+    info.config_metadata.expandable_segments =
+        config_.find("expandable_segments:True") != std::string::npos;
+    info.config_metadata.release_lock_on_malloc = false;
+    info.config_metadata.pinned_use_host_register = false;
+    info.config_metadata.graph_capture_record_stream_reuse = false;
+    info.config_metadata.last_allocator_settings = config_;
+    return info;
+  }
+
+  void beginAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id,
+                           std::function<bool(cudaStream_t)> filter) override {
+    auto shared = std::make_shared<std::function<bool(cudaStream_t)>>(std::move(filter));
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      routes_.push_back(Route{device, mempool_id, shared});
+      routing_.store(true);
+    }
+    // The native library owns one reference to the filter and drops it when the routing ends.
+    auto* held = new std::shared_ptr<std::function<bool(cudaStream_t)>>(shared);
+    int rc = api_.begin_with(
+        device, cpool(mempool_id),
+        [](void* ctx, void* stream) -> bool {
+          try {
+            return (**static_cast<std::shared_ptr<std::function<bool(cudaStream_t)>>*>(ctx))(
+                static_cast<cudaStream_t>(stream));
+          } catch (...) {
+            return false;
+          }
+        },
+        held,
+        [](void* ctx) {
+          delete static_cast<std::shared_ptr<std::function<bool(cudaStream_t)>>*>(ctx);
+        });
+    if (rc != 0) {
+      drop_route(device, mempool_id);
+      fail("beginAllocateToPool (CUDA graph capture or use_mem_pool)");
+    }
+  }
+
+  void endAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+    drop_route(device, mempool_id);
+    api_.end_pool(device, cpool(mempool_id));
+    if (api_.last_error_kind() != 0) fail("endAllocateToPool");
+  }
+
+  void releasePool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+    // Called from destructors (CUDAGraph, MemPool): warn, never throw.
+    api_.release_pool(device, cpool(mempool_id));
+    if (api_.last_error_kind() != 0)
+      TORCH_WARN("cuda_caching_allocator: releasePool: ", api_.last_error());
+  }
+
+  int getPoolUseCount(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+    return api_.pool_use_count(device, cpool(mempool_id));
+  }
+
+  void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t mempool_id,
+                          std::shared_ptr<CCA::CUDAAllocator> allocator) override {
+    TORCH_CHECK(!allocator || allocator.get() == this,
+                "cuda_caching_allocator: torch.cuda.MemPool(allocator=...) with another "
+                "allocator is not supported while cuda-caching-allocator is PyTorch's "
+                "allocator (docs/pytorch.md, 'Not supported')");
+    if (api_.create_pool(device, cpool(mempool_id)) != 0) fail("torch.cuda.MemPool");
+  }
+
+  void setUseOnOOM(c10::DeviceIndex, MempoolId_t, bool use_on_oom) override {
+    TORCH_CHECK(!use_on_oom,
+                "cuda_caching_allocator: torch.cuda.MemPool(use_on_oom=True) is not supported "
+                "(docs/pytorch.md, 'Not supported')");
+  }
+
+  void setNoSplit(c10::DeviceIndex, MempoolId_t) override {
+    TORCH_CHECK(false,
+                "cuda_caching_allocator: torch.cuda.MemPool(no_split=True) is not supported "
+                "(docs/pytorch.md, 'Not supported')");
+  }
+
+  bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId_t mempool_id,
+                                const std::unordered_set<void*>& expected) override {
+    std::lock_guard<std::mutex> g(mu_);
+    size_t n = 0;
+    for (const auto& [ptr, l] : live_) {
+      if (l.device != device || l.pool != mempool_id) continue;
+      if (!expected.count(ptr)) return false;
+      ++n;
+    }
+    return n == expected.size();
+  }
+
+  ShareableHandle shareIpcHandle(void*) override {
+    TORCH_CHECK(false,
+                "cuda_caching_allocator: sharing CUDA tensors between processes (CUDA IPC, "
+                "torch.multiprocessing) is not supported (docs/pytorch.md, 'Not supported')");
+  }
+
+  std::shared_ptr<void> getIpcDevPtr(std::string) override {
+    TORCH_CHECK(false,
+                "cuda_caching_allocator: opening CUDA IPC handles (torch.multiprocessing) is not "
+                "supported (docs/pytorch.md, 'Not supported')");
+  }
+
+  bool isHistoryEnabled() override {
+    std::lock_guard<std::mutex> g(mu_);
+    return history_enabled_;
+  }
+
+  void recordHistory(bool enabled, CreateContextFn context_recorder,
+                     size_t alloc_trace_max_entries, RecordContext when, bool clearHistory,
+                     const std::vector<std::string>& skip_actions) override {
+    std::lock_guard<std::mutex> g(mu_);
+    history_enabled_ = enabled;
+    recorder_ = enabled ? context_recorder : nullptr;
+    record_when_ = enabled ? when : RecordContext::NEVER;
+    max_entries_ = std::max<size_t>(alloc_trace_max_entries, 1);
+    skip_.clear();
+    for (const auto& s : skip_actions) skip_.insert(s);
+    if (clearHistory)
+      for (auto& ring : traces_) ring.clear();
+  }
+
+  void attachOutOfMemoryObserver(OutOfMemoryObserver observer) override {
+    std::lock_guard<std::mutex> g(mu_);
+    oom_observers_.push_back(std::move(observer));
+  }
+
+  void attachAllocatorTraceTracker(AllocatorTraceTracker tracker) override {
+    std::lock_guard<std::mutex> g(mu_);
+    trackers_.push_back(std::move(tracker));
+  }
+
+  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
+    c10::cuda::CUDAGuard g(dev);
+    cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
+    if (err == cudaErrorPeerAccessAlreadyEnabled) {
+      (void)cudaGetLastError();
+    } else {
+      C10_CUDA_CHECK(err);
+    }
+  }
+
+  cudaError_t memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice, size_t count,
+                          cudaStream_t stream, bool p2p_enabled) override {
+    // Expandable segments are cuMemMap'ed: without peer access, only the Peer copy works.
+    if (p2p_enabled || dstDevice == srcDevice)
+      return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
+    return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
+  }
+
+  std::shared_ptr<AllocatorState> getCheckpointState(c10::DeviceIndex device,
+                                                     MempoolId_t id) override {
+    auto cp = std::make_shared<Checkpoint>();
+    cp->device = device;
+    cp->pool = id;
+    std::lock_guard<std::mutex> g(mu_);
+    for (const auto& [ptr, l] : live_)
+      if (l.device == device && l.pool == id) cp->live.insert(ptr);
+    return cp;
+  }
+
+  CheckpointDelta setCheckpointPoolState(c10::DeviceIndex device,
+                                         std::shared_ptr<AllocatorState> pps) override {
+    auto* cp = dynamic_cast<Checkpoint*>(pps.get());
+    TORCH_CHECK(cp != nullptr, "cuda_caching_allocator: setCheckpointPoolState: not a "
+                               "checkpoint of this allocator");
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      std::unordered_set<void*> now;
+      for (const auto& [ptr, l] : live_)
+        if (l.device == device && l.pool == cp->pool) now.insert(ptr);
+      if (now == cp->live) return CheckpointDelta{};  // nothing to restore
+    }
+    TORCH_CHECK(false,
+                "cuda_caching_allocator: restoring a CUDA graph pool to a checkpoint "
+                "(setCheckpointPoolState: cudagraph trees re-recording after replaying a path "
+                "whose live tensors differ) is not supported; set "
+                "torch._inductor.config.triton.cudagraph_trees = False, or mark step "
+                "boundaries with torch.compiler.cudagraph_mark_step_begin() "
+                "(docs/pytorch.md, 'Not supported')");
+  }
+
+  std::string name() override { return "cuda_caching_allocator"; }
+
+  // ---- the deleter ----------------------------------------------------------------------------
+
+  void free_ptr(void* ptr) {
+    if (!ptr) return;
+    Live l;
+    std::vector<AllocatorTraceTracker> trackers;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto it = live_.find(ptr);
+      if (it == live_.end()) {
+        TORCH_WARN("cuda_caching_allocator: free of ", ptr,
+                   ", which is not a live allocation of this allocator (ignored)");
+        return;
+      }
+      l = std::move(it->second);
+      live_.erase(it);
+      trace(TraceEntry::FREE_REQUESTED, l.device, ptr, l.size, l.stream, l.pool, nullptr);
+      trace(TraceEntry::FREE_COMPLETED, l.device, ptr, l.size, l.stream, l.pool, nullptr);
+    }
+    api_.free(ptr, static_cast<ssize_t>(l.size), l.device, l.stream);
+    if (api_.last_error_kind() != 0)
+      TORCH_WARN("cuda_caching_allocator: free: ", api_.last_error());
+  }
+
+ private:
+  // The number of devices: init()'s, or CUDA's when PyTorch has not called init() yet.
+  int devices() {
+    int n = device_count_.load();
+    if (n <= 0) {
+      n = static_cast<int>(c10::cuda::device_count());
+      device_count_.store(n);
+    }
+    return n;
+  }
+
+  [[noreturn]] void fail(const char* what) {
+    std::string msg = api_.last_error();
+    TORCH_CHECK(false, "cuda_caching_allocator: ", what, ": ",
+                msg.empty() ? std::string("failed") : msg);
+  }
+
+  void drop_route(c10::DeviceIndex device, MempoolId_t pool) {
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto it = routes_.rbegin(); it != routes_.rend(); ++it) {
+      if (it->device == device && it->pool == pool) {
+        routes_.erase(std::next(it).base());
+        break;
+      }
+    }
+    routing_.store(!routes_.empty());
+  }
+
+  // The pool an allocation on `stream` goes to: the newest routing whose filter admits it, as
+  // the native library decides.
+  MempoolId_t pool_for(c10::DeviceIndex device, cudaStream_t stream) {
+    std::vector<Route> routes;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      routes = routes_;
+    }
+    for (auto it = routes.rbegin(); it != routes.rend(); ++it) {
+      if (it->device == device && (*it->filter)(stream)) return it->pool;
+    }
+    return {0, 0};
+  }
+
+  // PyTorch's name of a trace action (the names _record_memory_history's skip_actions use).
+  static const char* action_name(TraceEntry::Action a) {
+    switch (a) {
+      case TraceEntry::ALLOC: return "alloc";
+      case TraceEntry::FREE_REQUESTED: return "free_requested";
+      case TraceEntry::FREE_COMPLETED: return "free_completed";
+      case TraceEntry::SEGMENT_ALLOC: return "segment_alloc";
+      case TraceEntry::SEGMENT_FREE: return "segment_free";
+      case TraceEntry::SEGMENT_MAP: return "segment_map";
+      case TraceEntry::SEGMENT_UNMAP: return "segment_unmap";
+      case TraceEntry::SNAPSHOT: return "snapshot";
+      case TraceEntry::OOM: return "oom";
+    }
+    return "";
+  }
+
+  // Appends a trace entry (mu_ held).
+  void trace(TraceEntry::Action action, c10::DeviceIndex device, void* addr, size_t size,
+             cudaStream_t stream, MempoolId_t pool, std::shared_ptr<c10::GatheredContext> ctx) {
+    if (!history_enabled_ && trackers_.empty()) return;
+    if (!skip_.empty() && skip_.count(action_name(action))) return;
+    TraceEntry te(action, device, reinterpret_cast<size_t>(addr), size, stream, pool,
+                  c10::getApproximateTime(), std::move(ctx));
+    for (auto& t : trackers_) t(te);
+    if (!history_enabled_ || device < 0) return;
+    if (static_cast<size_t>(device) >= traces_.size()) traces_.resize(device + 1);
+    auto& ring = traces_[device];
+    ring.push_back(std::move(te));
+    while (ring.size() > max_entries_) ring.pop_front();
+  }
+
+  void* malloc_on(size_t n, c10::DeviceIndex dev, cudaStream_t stream) {
+    MempoolId_t pool = routing_.load() ? pool_for(dev, stream) : MempoolId_t{0, 0};
+    std::shared_ptr<c10::GatheredContext> ctx;
+    CreateContextFn recorder = nullptr;
+    RecordContext when = RecordContext::NEVER;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      recorder = recorder_;
+      when = record_when_;
+    }
+    if (recorder && when != RecordContext::NEVER) ctx = recorder();
+    void* p = api_.alloc(static_cast<ssize_t>(n), dev, stream);
+    if (p == nullptr) {
+      std::string msg = api_.last_error();
+      bool oom = api_.last_error_kind() == 1;
+      std::vector<OutOfMemoryObserver> observers;
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        if (oom) {
+          trace(TraceEntry::OOM, dev, nullptr, n, stream, pool, ctx);
+          observers = oom_observers_;
+        }
+      }
+      if (oom) {
+        size_t device_free = 0, device_total = 0;
+        {
+          c10::cuda::CUDAGuard g(dev);
+          (void)cudaMemGetInfo(&device_free, &device_total);
+        }
+        for (auto& o : observers) o(dev, n, device_total, device_free);
+        TORCH_CHECK_WITH(OutOfMemoryError, false, "cuda_caching_allocator: ", msg);
+      }
+      TORCH_CHECK(false, "cuda_caching_allocator: allocation of ", n, " bytes on device ",
+                  int(dev), " failed: ", msg);
+    }
+    std::lock_guard<std::mutex> g(mu_);
+    trace(TraceEntry::ALLOC, dev, p, n, stream, pool,
+          when == RecordContext::ALLOC || when == RecordContext::ALL ? ctx : nullptr);
+    live_[p] = Live{n, dev, stream, pool, std::move(ctx)};
+    return p;
+  }
+
+  Api api_;
+  std::string config_;
+  std::atomic<int> device_count_{0};
+  std::atomic<bool> initialized_{false};
+  std::atomic<bool> enabled_{true};
+  std::atomic<bool> routing_{false};
+  std::mutex mu_;
+  std::unordered_map<void*, Live> live_;
+  std::vector<Route> routes_;
+  std::vector<std::deque<TraceEntry>> traces_;
+  bool history_enabled_ = false;
+  CreateContextFn recorder_ = nullptr;
+  RecordContext record_when_ = RecordContext::NEVER;
+  size_t max_entries_ = 1;
+  std::unordered_set<std::string> skip_;
+  std::vector<OutOfMemoryObserver> oom_observers_;
+  std::vector<AllocatorTraceTracker> trackers_;
+};
+
+std::shared_ptr<Shim> g_shim;
+
+void raw_delete_fn(void* ptr) {
+  if (g_shim) g_shim->free_ptr(ptr);
+}
+
+std::shared_ptr<CCA::CUDAAllocator> create(const std::string& library, const std::string& config) {
+  TORCH_CHECK(!g_shim, "cuda_caching_allocator: the allocator was already created");
+  g_shim = std::make_shared<Shim>(load_api(library), config);
+  return g_shim;
+}
+
+// Creates the allocator and makes it PyTorch's CUDA allocator, as
+// torch._C._cuda_changeCurrentAllocator does (which refuses when the current one is in use).
+void install(const std::string& library, const std::string& config) {
+  torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(create(library, config));
+}
+
+}  // namespace cca
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "cuda-caching-allocator as a c10::cuda::CUDACachingAllocator::CUDAAllocator";
+  m.def("create", &cca::create, "Loads the native library and returns the allocator object "
+        "(torch._C._cuda_CUDAAllocator) for torch._C._cuda_changeCurrentAllocator",
+        pybind11::arg("library"), pybind11::arg("config"));
+  m.def("install", &cca::install, "Loads the native library and makes the allocator PyTorch's "
+        "CUDA allocator", pybind11::arg("library"), pybind11::arg("config"));
+  m.def("abi_version", []() { return cca::kAbiVersion; });
+}

@@ -1,0 +1,96 @@
+//! Failure reporting across the C boundary: a panic guard, the calling thread's last error
+//! (message and kind) for [`cca_last_error`] / [`cca_last_error_kind`], and the stderr line the
+//! pluggable route relies on, which [`cca_set_quiet`] turns off.
+
+use std::cell::RefCell;
+use std::ffi::{CString, c_char, c_int};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use cuda_caching_allocator::AllocError;
+
+/// No error on this thread since the last successful call that reports errors.
+pub(crate) const KIND_NONE: c_int = 0;
+/// The allocation failed for lack of memory (PyTorch raises `torch.OutOfMemoryError`).
+pub(crate) const KIND_OOM: c_int = 1;
+/// Any other failure: bad argument, unknown pointer, invalid pool, driver error.
+pub(crate) const KIND_OTHER: c_int = 2;
+
+static QUIET: AtomicBool = AtomicBool::new(false);
+
+thread_local! {
+    static LAST: RefCell<(c_int, CString)> = RefCell::new((KIND_NONE, CString::default()));
+}
+
+/// Records `msg` as this thread's last error of `kind`, and prints it unless quiet.
+pub(crate) fn fail(kind: c_int, msg: String) {
+    if !QUIET.load(Ordering::Relaxed) {
+        eprintln!("cuda_caching_allocator: {msg}");
+    }
+    // A message with an interior NUL (it never has one) loses everything from the NUL on.
+    let bytes: Vec<u8> = msg
+        .into_bytes()
+        .into_iter()
+        .take_while(|&b| b != 0)
+        .collect();
+    let text = CString::new(bytes).unwrap_or_default();
+    LAST.with(|l| *l.borrow_mut() = (kind, text));
+}
+
+/// Records an allocator error, classified (out of memory or other).
+pub(crate) fn fail_alloc(context: &str, e: &AllocError) {
+    let kind = if matches!(e, AllocError::OutOfMemory(_) | AllocError::TooLarge { .. }) {
+        KIND_OOM
+    } else {
+        KIND_OTHER
+    };
+    fail(kind, format!("{context}: {e}"));
+}
+
+/// Clears this thread's last error (a call that succeeded).
+pub(crate) fn clear() {
+    LAST.with(|l| {
+        let mut l = l.borrow_mut();
+        if l.0 != KIND_NONE {
+            *l = (KIND_NONE, CString::default());
+        }
+    });
+}
+
+/// Runs `f` with this thread's last error cleared (so that [`cca_last_error_kind`] after a call
+/// tells about that call alone), turning a panic into `fallback` and a recorded error.
+pub(crate) fn guarded<T>(what: &str, fallback: T, f: impl FnOnce() -> T) -> T {
+    clear();
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(v) => v,
+        Err(_) => {
+            fail(
+                KIND_OTHER,
+                format!("panic in {what}; returning an error to the caller"),
+            );
+            fallback
+        }
+    }
+}
+
+/// The message of the calling thread's last call's failure, or an empty string when that call
+/// succeeded (every entry point but this one and [`cca_last_error_kind`] clears it first). The pointer stays
+/// valid until the next call into this library on the same thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn cca_last_error() -> *const c_char {
+    LAST.with(|l| l.borrow().1.as_ptr())
+}
+
+/// The kind of the calling thread's last call's failure: 0 none, 1 out of memory, 2 any other
+/// error.
+#[unsafe(no_mangle)]
+pub extern "C" fn cca_last_error_kind() -> c_int {
+    LAST.with(|l| l.borrow().0)
+}
+
+/// `quiet` non-zero: failures are no longer printed on stderr (the C++ shim raises them as
+/// Python exceptions instead); zero: printed again.
+#[unsafe(no_mangle)]
+pub extern "C" fn cca_set_quiet(quiet: c_int) {
+    QUIET.store(quiet != 0, Ordering::Relaxed);
+}

@@ -1,0 +1,252 @@
+//! The allocation hooks with PyTorch's pluggable-allocator signatures (`alloc`, `free`,
+//! `record_stream`, `reset`, memory fraction, `init`), the configuration check, the cache-wide
+//! commands (`empty_cache`, peak reset, fraction) and a host-cost probe. Formerly
+//! `examples/torch_plugin.rs`.
+
+use std::ffi::{c_int, c_void};
+use std::time::Instant;
+
+use cuda_caching_allocator::interop::{AllocatorRegistry, raw};
+use cuda_caching_allocator::{AllocError, AllocatorConfig, DevicePtr, StreamId};
+
+use crate::error::{KIND_OTHER, fail, fail_alloc, guarded};
+
+/// A C device ordinal as an index, or `None` when negative.
+pub(crate) fn ordinal(device: c_int) -> Option<usize> {
+    usize::try_from(device).ok()
+}
+
+/// `void* alloc(ssize_t size, int device, cudaStream_t stream)`: `size` bytes on `device` for
+/// `stream`, from the device's cache; NULL on failure ([`cca_last_error`](crate::cca_last_error)
+/// says why; [`cca_last_error_kind`](crate::cca_last_error_kind) is 1 when out of memory).
+///
+/// # Safety
+/// `stream` is a default-stream handle or a live stream of `device`'s primary context that
+/// outlives every allocation made on it (PyTorch's streams do).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cca_alloc(size: isize, device: c_int, stream: *mut c_void) -> *mut c_void {
+    guarded("cca_alloc", std::ptr::null_mut(), || {
+        let (Ok(size), Some(device)) = (usize::try_from(size), ordinal(device)) else {
+            fail(
+                KIND_OTHER,
+                format!("cca_alloc: bad size {size} or device {device}"),
+            );
+            return std::ptr::null_mut();
+        };
+        let stream = StreamId(stream.addr() as u64);
+        // SAFETY: the caller's promise about `stream` is exactly `raw::alloc`'s obligations.
+        match unsafe { raw::alloc(device, size, stream) } {
+            Ok(a) => std::ptr::with_exposed_provenance_mut(a.ptr.addr() as usize),
+            Err(e) => {
+                fail_alloc(
+                    &format!("cca_alloc({size} bytes, device {device}, {stream})"),
+                    &e,
+                );
+                std::ptr::null_mut()
+            }
+        }
+    })
+}
+
+/// `void free(void* ptr, ssize_t size, int device, cudaStream_t stream)`: returns `ptr` to the
+/// device's cache (`size` and `stream` are known to the cache already). Errors are recorded.
+#[unsafe(no_mangle)]
+pub extern "C" fn cca_free(ptr: *mut c_void, _size: isize, device: c_int, _stream: *mut c_void) {
+    guarded("cca_free", (), || {
+        let Some(device) = ordinal(device) else {
+            fail(KIND_OTHER, format!("cca_free: bad device {device}"));
+            return;
+        };
+        // SAFETY: PyTorch frees each pointer it got from `cca_alloc` once, and owns no typed
+        // buffer of the registry; its streams are declared through `cca_record_stream`.
+        if let Err(e) = unsafe { raw::free(device, DevicePtr(ptr.addr() as u64)) } {
+            fail_alloc(&format!("cca_free({ptr:?}, device {device})"), &e);
+        }
+    })
+}
+
+/// `void record_stream(void* ptr, cudaStream_t stream)`, PyTorch's pluggable `record_stream`
+/// hook (`Tensor.record_stream`): the allocation at `ptr` is used on `stream`, so its memory is
+/// reused only after the work queued there by the time it is freed has completed. Errors are
+/// recorded (the hook returns nothing).
+///
+/// # Safety
+/// `stream` is a live stream of the device that owns `ptr` and outlives the allocation (PyTorch's
+/// streams do).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cca_record_stream(ptr: *mut c_void, stream: *mut c_void) {
+    guarded("cca_record_stream", (), || {
+        if ptr.is_null() {
+            return;
+        }
+        let (p, s) = (DevicePtr(ptr.addr() as u64), StreamId(stream.addr() as u64));
+        // SAFETY: the caller's promise about `stream` is `raw::record_stream_on_owner`'s
+        // obligation.
+        if let Err(e) = unsafe { raw::record_stream_on_owner(p, s) } {
+            fail_alloc(&format!("cca_record_stream({p}, {s})"), &e);
+        }
+    })
+}
+
+/// `void reset()`, PyTorch's pluggable `empty_cache` hook: returns every device's cached, unused
+/// memory to the driver. Errors are recorded.
+#[unsafe(no_mangle)]
+pub extern "C" fn cca_reset() {
+    guarded("cca_reset", (), || {
+        if let Err(e) = AllocatorRegistry::global().empty_cache_all() {
+            fail_alloc("empty_cache", &e);
+        }
+    })
+}
+
+/// `void memory_fraction(double fraction, int device)`, PyTorch's pluggable
+/// `set_per_process_memory_fraction` hook. Errors are recorded.
+#[unsafe(no_mangle)]
+pub extern "C" fn cca_memory_fraction_hook(fraction: f64, device: c_int) {
+    let _ = cca_set_memory_fraction(device, fraction);
+}
+
+/// `void init(int device_count)`, PyTorch's pluggable `init` hook: reports a bad configuration now
+/// rather than at the first allocation.
+#[unsafe(no_mangle)]
+pub extern "C" fn cca_init(device_count: c_int) {
+    let _ = device_count;
+    let _ = cca_check_config();
+}
+
+/// Checks the configuration the devices' caches will use (`CUDA_CACHING_ALLOCATOR_CONF`, else
+/// PyTorch's variables, read as `AllocatorConfig::parse` reads them; the crate's default when
+/// none is set): 0 when it is good, -1 otherwise ([`cca_last_error`](crate::cca_last_error) says
+/// why). The Python package calls it before installing the allocator.
+#[unsafe(no_mangle)]
+pub extern "C" fn cca_check_config() -> c_int {
+    guarded(
+        "cca_check_config",
+        -1,
+        || match AllocatorConfig::from_env_or(AllocatorConfig::default()) {
+            Ok(_) => 0,
+            Err(e) => {
+                fail(KIND_OTHER, format!("bad configuration: {e}"));
+                -1
+            }
+        },
+    )
+}
+
+/// Prints PyTorch's `memory_summary()` table of `device`'s cache to stderr.
+#[unsafe(no_mangle)]
+pub extern "C" fn cca_print_summary(device: c_int) {
+    guarded("cca_print_summary", (), || {
+        match ordinal(device).and_then(|d| AllocatorRegistry::global().get_if_created(d)) {
+            Some(alloc) => eprintln!("{}", alloc.memory_summary(false)),
+            None => eprintln!("cuda_caching_allocator: device {device}'s cache was never used"),
+        }
+    })
+}
+
+/// Returns `device`'s cached, unused memory to the driver; 0 on success, -1 on failure.
+#[unsafe(no_mangle)]
+pub extern "C" fn cca_empty_cache(device: c_int) -> c_int {
+    guarded("cca_empty_cache", -1, || {
+        let Some(device) = ordinal(device) else {
+            fail(KIND_OTHER, format!("cca_empty_cache: bad device {device}"));
+            return -1;
+        };
+        match raw::empty_cache(device) {
+            Ok(()) => 0,
+            Err(e) => {
+                fail_alloc(&format!("cca_empty_cache(device {device})"), &e);
+                -1
+            }
+        }
+    })
+}
+
+/// Resets the peak statistics of `device`'s cache (nothing when the cache was never used).
+#[unsafe(no_mangle)]
+pub extern "C" fn cca_reset_peak_stats(device: c_int) {
+    guarded("cca_reset_peak_stats", (), || {
+        if let Some(alloc) =
+            ordinal(device).and_then(|d| AllocatorRegistry::global().get_if_created(d))
+        {
+            alloc.reset_peak_stats();
+        }
+    })
+}
+
+/// Caps `device`'s cache at `fraction` of the device's memory; 0 on success, -1 on failure.
+#[unsafe(no_mangle)]
+pub extern "C" fn cca_set_memory_fraction(device: c_int, fraction: f64) -> c_int {
+    guarded("cca_set_memory_fraction", -1, || {
+        let Some(ordinal) = ordinal(device) else {
+            fail(
+                KIND_OTHER,
+                format!("cca_set_memory_fraction: bad device {device}"),
+            );
+            return -1;
+        };
+        match AllocatorRegistry::global()
+            .get(ordinal)
+            .and_then(|a| a.set_memory_fraction(fraction))
+        {
+            Ok(()) => 0,
+            Err(e) => {
+                fail_alloc(
+                    &format!("set_per_process_memory_fraction({fraction}, device {device})"),
+                    &e,
+                );
+                -1
+            }
+        }
+    })
+}
+
+/// Host time of one allocate + free pair of `size` bytes on `stream`, in nanoseconds, averaged
+/// over `iters` pairs after one warm-up pair (a cache hit every time): `path` 0 goes through
+/// the raw API as `cca_alloc` / `cca_free` do (registry lookup, stream admission, core), `path` 1
+/// calls the core directly. -1 on error.
+///
+/// # Safety
+/// As [`cca_alloc`] for `stream`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cca_bench_alloc_free(
+    device: c_int,
+    size: isize,
+    stream: *mut c_void,
+    iters: c_int,
+    path: c_int,
+) -> f64 {
+    guarded("cca_bench_alloc_free", -1.0, || {
+        let (Ok(size), Some(device), Ok(iters)) =
+            (usize::try_from(size), ordinal(device), u32::try_from(iters))
+        else {
+            return -1.0;
+        };
+        let stream = StreamId(stream.addr() as u64);
+        let Ok(alloc) = AllocatorRegistry::global().get(device) else {
+            return -1.0;
+        };
+        let pair = || -> Result<(), AllocError> {
+            if path == 0 {
+                // SAFETY: the caller's promise about `stream` is `raw::alloc`'s obligations.
+                let a = unsafe { raw::alloc(device, size, stream) }?;
+                // SAFETY: the pair's own allocation, freed once.
+                unsafe { raw::free(device, a.ptr) }
+            } else {
+                let a = alloc.allocate(size, stream)?;
+                // SAFETY: the pair's own allocation, freed once.
+                unsafe { alloc.free(a.ptr) }
+            }
+        };
+        if pair().is_err() {
+            return -1.0;
+        }
+        let t0 = Instant::now();
+        for _ in 0..iters {
+            if pair().is_err() {
+                return -1.0;
+            }
+        }
+        t0.elapsed().as_nanos() as f64 / f64::from(iters.max(1))
+    })
+}

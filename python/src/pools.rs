@@ -1,0 +1,290 @@
+//! Private pools: CUDA graph captures (`beginAllocateToPool` / `endAllocateToPool` /
+//! `releasePool`) and `torch.cuda.MemPool` (`createOrIncrefPool`, `getPoolUseCount`).
+//!
+//! Two ways to route a capture's allocations: the C++ shim passes PyTorch's own stream filter as
+//! a C callback ([`cca_begin_allocate_to_pool_with`]); the pluggable route cannot call PyTorch's
+//! `std::function`, so [`cca_begin_allocate_to_pool`] binds the first capture that allocates
+//! after it (asking the driver for each allocating stream's capture id).
+
+use std::ffi::{c_int, c_void};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use cuda_caching_allocator::interop::{AllocatorRegistry, CudaAllocator};
+use cuda_caching_allocator::{DeviceBackend, MemPoolId, PoolFilter, StreamId};
+use parking_lot::Mutex;
+
+use crate::error::{KIND_OTHER, fail, fail_alloc, guarded};
+use crate::hooks::ordinal;
+
+/// PyTorch's `MempoolId_t` (`std::pair<unsigned long long, unsigned long long>`), passed by value.
+/// The pair's copy and move constructors are defaulted and its destructor trivial, so the
+/// Itanium C++ ABI passes it as this C struct of two 64-bit integers.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct MempoolId {
+    /// `first`: a graph's own pool counter (`(n, 0)`).
+    pub first: u64,
+    /// `second`: a user pool counter (`(0, n)`, `graph_pool_handle()`, `MemPool`).
+    pub second: u64,
+}
+
+impl MempoolId {
+    fn id(self) -> MemPoolId {
+        MemPoolId(self.first, self.second)
+    }
+}
+
+/// The cache of `device`, created on first use; `None` (error recorded) when there is none.
+fn device_cache(what: &str, device: c_int) -> Option<&'static CudaAllocator> {
+    let Some(d) = ordinal(device) else {
+        fail(KIND_OTHER, format!("{what}: bad device {device}"));
+        return None;
+    };
+    match AllocatorRegistry::global().get(d) {
+        Ok(a) => Some(a),
+        Err(e) => {
+            fail_alloc(&format!("{what}(device {device})"), &e);
+            None
+        }
+    }
+}
+
+/// A C stream filter: `accept(ctx, stream)` decides, `drop(ctx)` runs once when the routing
+/// ends and the filter is dropped.
+struct CFilter {
+    accept: extern "C" fn(*mut c_void, *mut c_void) -> bool,
+    drop: Option<extern "C" fn(*mut c_void)>,
+    ctx: *mut c_void,
+}
+
+// SAFETY: `cca_begin_allocate_to_pool_with`'s caller promises that `accept` may be called with
+// `ctx` from any thread and that `drop` may run on any thread.
+unsafe impl Send for CFilter {}
+// SAFETY: as above: concurrent `accept` calls with the same `ctx` are allowed by the caller.
+unsafe impl Sync for CFilter {}
+
+impl CFilter {
+    /// Whether the filter admits `stream` (a method, so that closures capture the whole filter).
+    fn accepts(&self, stream: StreamId) -> bool {
+        (self.accept)(
+            self.ctx,
+            std::ptr::with_exposed_provenance_mut(stream.0 as usize),
+        )
+    }
+}
+
+impl Drop for CFilter {
+    fn drop(&mut self) {
+        if let Some(d) = self.drop {
+            d(self.ctx);
+        }
+    }
+}
+
+/// Routes `device`'s allocations on the streams `accept` admits into private pool `pool`
+/// (making it if new) until [`cca_end_allocate_to_pool`]: PyTorch's `beginAllocateToPool` with
+/// its filter as a C callback. 0 on success, -1 on failure (the error is recorded; `drop` has
+/// then already run).
+///
+/// # Safety
+/// `accept(ctx, stream)` may be called from any thread, concurrently, until `drop(ctx)` runs;
+/// it must not call into this library. `drop`, when given, runs exactly once, on any thread.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cca_begin_allocate_to_pool_with(
+    device: c_int,
+    pool: MempoolId,
+    accept: extern "C" fn(*mut c_void, *mut c_void) -> bool,
+    ctx: *mut c_void,
+    drop: Option<extern "C" fn(*mut c_void)>,
+) -> c_int {
+    let cf = CFilter { accept, drop, ctx };
+    guarded("cca_begin_allocate_to_pool_with", -1, move || {
+        let Some(alloc) = device_cache("beginAllocateToPool", device) else {
+            return -1;
+        };
+        let filter: PoolFilter = Box::new(move |stream: StreamId| cf.accepts(stream));
+        match alloc.begin_allocate_to_pool(pool.id(), filter) {
+            Ok(()) => 0,
+            Err(e) => {
+                fail_alloc(
+                    &format!(
+                        "beginAllocateToPool(device {device}, pool ({}, {}))",
+                        pool.first, pool.second
+                    ),
+                    &e,
+                );
+                -1
+            }
+        }
+    })
+}
+
+/// Capture ids already bound to a pool by an active pluggable routing, per device: a routing
+/// whose filter meets the stream of another pool's capture must not claim it.
+static BOUND_CAPTURES: Mutex<Vec<(usize, u64)>> = Mutex::new(Vec::new());
+
+/// An active pluggable routing: device, pool id, and the capture id bound to it (0 until bound).
+type Route = (usize, u64, u64, Arc<AtomicU64>);
+
+/// The active pluggable routings.
+static ROUTES: Mutex<Vec<Route>> = Mutex::new(Vec::new());
+
+/// `void begin_allocate_to_pool(int device, MempoolId_t pool, std::function<bool(cudaStream_t)>)`,
+/// PyTorch's pluggable `set_begin_allocate_to_pool` hook, called by `CUDAGraph::capture_begin`
+/// just before `cudaStreamBeginCapture`. PyTorch's filter is a C++ `std::function`, passed by
+/// invisible reference: `filter` is its address, which a C ABI cannot call and which is not used.
+/// The routing instead binds the first capture, not bound by another routing of the device, that
+/// allocates after this call: the capture PyTorch is about to begin.
+///
+/// # Safety
+/// Called by PyTorch with a device ordinal and a pool id; `filter` is never dereferenced.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cca_begin_allocate_to_pool(
+    device: c_int,
+    pool: MempoolId,
+    filter: *const c_void,
+) {
+    let _ = filter;
+    guarded("cca_begin_allocate_to_pool", (), || {
+        let Some(alloc) = device_cache("begin_allocate_to_pool", device) else {
+            return;
+        };
+        let Some(ordinal) = ordinal(device) else {
+            return;
+        };
+        let bound = Arc::new(AtomicU64::new(0));
+        let mine = Arc::clone(&bound);
+        let filter: PoolFilter = Box::new(move |stream| {
+            let Ok(Some(id)) = alloc.device().stream_capture_id(stream) else {
+                return false;
+            };
+            let have = mine.load(Ordering::Acquire);
+            if have != 0 {
+                return have == id;
+            }
+            let mut taken = BOUND_CAPTURES.lock();
+            if taken.iter().any(|&(d, c)| d == ordinal && c == id) {
+                return false;
+            }
+            taken.push((ordinal, id));
+            mine.store(id, Ordering::Release);
+            true
+        });
+        ROUTES
+            .lock()
+            .push((ordinal, pool.first, pool.second, bound));
+        if let Err(e) = alloc.begin_allocate_to_pool(pool.id(), filter) {
+            ROUTES
+                .lock()
+                .retain(|r| !(r.0 == ordinal && r.1 == pool.first && r.2 == pool.second));
+            fail_alloc(
+                &format!(
+                    "begin_allocate_to_pool(device {device}, pool ({}, {}))",
+                    pool.first, pool.second
+                ),
+                &e,
+            );
+        }
+    })
+}
+
+/// `void end_allocate_to_pool(int device, MempoolId_t pool)`, PyTorch's `endAllocateToPool`
+/// (`CUDAGraph::capture_end`, the end of `use_mem_pool`): stops routing allocations into `pool`.
+/// Errors are recorded.
+#[unsafe(no_mangle)]
+pub extern "C" fn cca_end_allocate_to_pool(device: c_int, pool: MempoolId) {
+    guarded("cca_end_allocate_to_pool", (), || {
+        let Some(ordinal) = ordinal(device) else {
+            fail(
+                KIND_OTHER,
+                format!("end_allocate_to_pool: bad device {device}"),
+            );
+            return;
+        };
+        let mut routes = ROUTES.lock();
+        if let Some(i) = routes
+            .iter()
+            .position(|r| r.0 == ordinal && r.1 == pool.first && r.2 == pool.second)
+        {
+            let (_, _, _, bound) = routes.remove(i);
+            let id = bound.load(Ordering::Acquire);
+            BOUND_CAPTURES
+                .lock()
+                .retain(|&(d, c)| !(d == ordinal && c == id));
+        }
+        drop(routes);
+        if let Some(alloc) = AllocatorRegistry::global().get_if_created(ordinal) {
+            if let Err(e) = alloc.end_allocate_to_pool(pool.id()) {
+                fail_alloc(
+                    &format!(
+                        "end_allocate_to_pool(device {device}, pool ({}, {}))",
+                        pool.first, pool.second
+                    ),
+                    &e,
+                );
+            }
+        }
+    })
+}
+
+/// `void release_pool(int device, MempoolId_t pool)`, PyTorch's `releasePool` (`CUDAGraph::reset`,
+/// a graph's or `MemPool`'s destruction): gives back one use of `pool`; its memory returns to the
+/// device at the next `empty_cache` once unused. Errors are recorded.
+#[unsafe(no_mangle)]
+pub extern "C" fn cca_release_pool(device: c_int, pool: MempoolId) {
+    guarded("cca_release_pool", (), || {
+        let Some(alloc) =
+            ordinal(device).and_then(|d| AllocatorRegistry::global().get_if_created(d))
+        else {
+            return;
+        };
+        if let Err(e) = alloc.release_pool(pool.id()) {
+            fail_alloc(
+                &format!(
+                    "release_pool(device {device}, pool ({}, {}))",
+                    pool.first, pool.second
+                ),
+                &e,
+            );
+        }
+    })
+}
+
+/// PyTorch's `createOrIncrefPool` (`torch.cuda.MemPool()`): makes private pool `pool` on
+/// `device` with one use, or adds a use. 0 on success, -1 on failure (error recorded).
+#[unsafe(no_mangle)]
+pub extern "C" fn cca_create_pool(device: c_int, pool: MempoolId) -> c_int {
+    guarded("cca_create_pool", -1, || {
+        let Some(alloc) = device_cache("createOrIncrefPool", device) else {
+            return -1;
+        };
+        // SAFETY: `create_pool` frees nothing, which is `core`'s only obligation.
+        match unsafe { alloc.core() }.create_pool(pool.id()) {
+            Ok(()) => 0,
+            Err(e) => {
+                fail_alloc(
+                    &format!(
+                        "createOrIncrefPool(device {device}, pool ({}, {}))",
+                        pool.first, pool.second
+                    ),
+                    &e,
+                );
+                -1
+            }
+        }
+    })
+}
+
+/// PyTorch's `getPoolUseCount` (`MemPool.use_count()`): the uses of `pool` on `device`, 0 when
+/// there is no such pool.
+#[unsafe(no_mangle)]
+pub extern "C" fn cca_pool_use_count(device: c_int, pool: MempoolId) -> c_int {
+    guarded("cca_pool_use_count", 0, || {
+        ordinal(device)
+            .and_then(|d| AllocatorRegistry::global().get_if_created(d))
+            .and_then(|a| a.pool_use_count(pool.id()))
+            .and_then(|n| c_int::try_from(n).ok())
+            .unwrap_or(0)
+    })
+}

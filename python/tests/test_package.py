@@ -1,0 +1,202 @@
+"""CI tests of the installed package without a GPU and without torch: the pure-Python parts of
+``cuda_caching_allocator.torch`` and the native library's C ABI on its error and no-device paths.
+
+Run with the package installed (``python/tests/ci.sh`` installs the freshly built wheel into a
+virtual environment): ``python test_package.py``. Prints one line per test and closes with
+``N passed, N failed``; exits non-zero on any failure.
+"""
+
+import ctypes
+import os
+import sys
+import tempfile
+import traceback
+
+import cuda_caching_allocator.torch as cca
+
+RESULTS = []
+CONF = "CUDA_CACHING_ALLOCATOR_CONF"
+
+
+def test(fn):
+    try:
+        fn()
+        RESULTS.append(True)
+        print(f"PASS {fn.__name__}")
+    except Exception:
+        RESULTS.append(False)
+        print(f"FAIL {fn.__name__}\n{traceback.format_exc()}")
+    return fn
+
+
+def expect_error(fn, *words):
+    try:
+        fn()
+    except cca.EnableError as e:
+        for w in words:
+            assert w in str(e), f"{w!r} not in {str(e)!r}"
+        return
+    raise AssertionError("no EnableError")
+
+
+def lib():
+    l = cca._load_library(cca._find_library(None))
+    l.cca_device_stats.restype = ctypes.c_int
+    l.cca_last_error_kind.restype = ctypes.c_int
+    l.cca_pool_use_count.restype = ctypes.c_int
+    l.cca_cache_info.restype = ctypes.c_uint64
+    l.cca_alloc.restype = ctypes.c_void_p
+    l.cca_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    l.cca_memory_fraction.restype = ctypes.c_double
+    return l
+
+
+class Stat(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("current", "peak", "allocated", "freed")]
+
+
+class DeviceStats(ctypes.Structure):
+    _fields_ = ([(n, Stat * 3) for n in (
+        "allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
+        "active_bytes", "inactive_split_bytes", "requested_bytes")]
+        + [("oversize_allocations", Stat), ("oversize_segments", Stat)]
+        + [(n, ctypes.c_int64) for n in ("num_alloc_retries", "num_ooms", "num_sync_all_streams",
+                                          "num_device_alloc", "num_device_free", "max_split_size")])
+
+
+class Pool(ctypes.Structure):
+    _fields_ = [("first", ctypes.c_uint64), ("second", ctypes.c_uint64)]
+
+
+@test
+def route_resolution():
+    assert cca._resolve_route("auto", None) == "shim"
+    assert cca._resolve_route("auto", "no C++ compiler") == "pluggable"
+    assert cca._resolve_route("pluggable", "no C++ compiler") == "pluggable"
+    assert cca._resolve_route("shim", None) == "shim"
+    expect_error(lambda: cca._resolve_route("shim", "no C++ compiler ('c++' not found)"),
+                 "cannot be built", "no C++ compiler")
+    expect_error(lambda: cca._resolve_route("fast", None), "'fast'")
+
+
+@test
+def shim_build_dir_per_torch_and_source():
+    a = cca._shim_build_dir("2.11.0+cu130", b"one", "/cache")
+    b = cca._shim_build_dir("2.11.0+cu130", b"two", "/cache")
+    c = cca._shim_build_dir("2.12.0", b"one", "/cache")
+    assert len({a, b, c}) == 3, (a, b, c)
+    assert a.startswith("/cache/shim-torch2.11.0_cu130-"), a
+    assert "+" not in os.path.basename(a)
+    os.environ["CCA_SHIM_BUILD_DIR"] = "/elsewhere"
+    try:
+        assert cca._shim_build_dir("2.11.0", b"one").startswith("/elsewhere/")
+    finally:
+        del os.environ["CCA_SHIM_BUILD_DIR"]
+
+
+@test
+def shim_source_is_packaged():
+    src = cca.shim_source()
+    assert os.path.isfile(src), src
+    with open(src) as f:
+        text = f.read()
+    assert "class Shim : public CCA::CUDAAllocator" in text
+    assert "kAbiVersion = 1" in text
+
+
+@test
+def config_conflict_refused():
+    os.environ.pop(CONF, None)
+    try:
+        assert cca._apply_config("expandable_segments:True") == "expandable_segments:True"
+        assert os.environ[CONF] == "expandable_segments:True"
+        assert cca._apply_config(None) == "expandable_segments:True"
+        expect_error(lambda: cca._apply_config("max_split_size_mb:64"), "choose one", CONF)
+    finally:
+        os.environ.pop(CONF, None)
+
+
+@test
+def library_found_in_package_and_override_checked():
+    path = cca._find_library(None)
+    assert os.path.basename(path).startswith("_cca") and path.endswith(".so"), path
+    missing = os.path.join(tempfile.gettempdir(), "no-such-libcca.so")
+    expect_error(lambda: cca._find_library(missing), missing)
+
+
+@test
+def abi_version_and_layouts():
+    l = lib()
+    assert l.cca_abi_version() == 1
+    assert ctypes.sizeof(DeviceStats) == 976
+
+
+@test
+def bad_config_reported_with_reason():
+    l = lib()
+    os.environ[CONF] = "max_split_size_mb:banana"
+    try:
+        assert l.cca_check_config() == -1
+        assert l.cca_last_error_kind() == 2
+        msg = l.cca_last_error().decode()
+        assert "max_split_size_mb" in msg, msg
+        expect_error(lambda: cca._check_config(l), "bad allocator configuration", "max_split_size_mb")
+    finally:
+        del os.environ[CONF]
+    assert l.cca_check_config() == 0
+    assert l.cca_last_error_kind() == 0 and l.cca_last_error() == b""
+
+
+@test
+def unused_device_reads_as_empty():
+    l = lib()
+    s = DeviceStats()
+    s.num_ooms = 77
+    assert l.cca_device_stats(0, ctypes.byref(s)) == 1
+    assert s.num_ooms == 0 and s.allocated_bytes[0].current == 0
+    assert l.cca_device_stats(-1, ctypes.byref(s)) == -1
+    assert l.cca_device_stats(0, None) == -1
+    assert l.cca_memory_stat(0, b"allocated_bytes.all.current") == -1
+    assert l.cca_pool_use_count(0, Pool(0, 1)) == 0
+    assert l.cca_cache_info(0) == 0
+    assert l.cca_memory_fraction(0) == 1.0
+
+
+@test
+def bad_alloc_arguments_are_errors_not_crashes():
+    l = lib()
+    l.cca_set_quiet(1)
+    try:
+        assert l.cca_alloc(-5, 0, None) is None
+        assert l.cca_last_error_kind() == 2
+        assert b"bad size -5" in l.cca_last_error(), l.cca_last_error()
+        assert l.cca_alloc(16, -1, None) is None
+        assert b"device -1" in l.cca_last_error()
+        # A good call clears the error.
+        assert l.cca_check_config() == 0 and l.cca_last_error_kind() == 0
+    finally:
+        l.cca_set_quiet(0)
+
+
+@test
+def enable_without_torch_names_torch():
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        try:
+            cca.enable()
+        except ImportError as e:
+            assert "torch" in str(e)
+            return
+        raise AssertionError("enable() without torch did not raise ImportError")
+
+
+@test
+def stat_before_enable_refused():
+    expect_error(lambda: cca.stat("allocated_bytes.all.current"), "enable() was not called")
+    assert cca.route() is None and not cca.enabled()
+
+
+failed = RESULTS.count(False)
+print(f"{len(RESULTS) - failed} passed, {failed} failed")
+sys.exit(1 if failed else 0)
