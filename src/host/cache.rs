@@ -26,7 +26,7 @@ use parking_lot::Mutex;
 use crate::backend::{BackendError, DeviceBackend, EventHandle, StreamId};
 
 use super::slab::Slab;
-use super::{HostBackend, HostPtr, PinnedConfig, PinnedError, PinnedStats};
+use super::{HostBackend, HostFence, HostPtr, PinnedConfig, PinnedError, PinnedStats};
 
 /// A block handed out by [`PinnedCache::alloc`]: where it is and how many bytes were asked for.
 /// A plain value: freeing it is the caller's job ([`PinnedCache::free`]).
@@ -52,6 +52,8 @@ struct Waiting {
     base: usize,
     len: usize,
     events: Vec<EventHandle>,
+    /// Completions handed in by the caller ([`PinnedCache::free_after`]).
+    fences: Vec<Box<dyn HostFence>>,
     /// Streams whose work could be fenced neither by an event nor by a synchronization.
     unfenced: Vec<StreamId>,
 }
@@ -263,6 +265,27 @@ impl<H: HostBackend> PinnedCache<H> {
     /// synchronization: the block is freed but stays out of reuse until
     /// [`empty_cache`](Self::empty_cache) manages to synchronize that stream.
     pub fn free(&self, ptr: HostPtr) -> Result<(), PinnedError> {
+        self.free_fenced(ptr, None)
+    }
+
+    /// Frees the live block at `ptr` as [`free`](Self::free) does, and also keeps it out of
+    /// reuse until `fence` completed: for work the cache was not told of through
+    /// [`record_stream`](Self::record_stream), such as an event cudarc recorded after a copy
+    /// (the cudarc interop's `CachedPinned` frees this way). A fence that is already complete
+    /// costs one query and the block is reusable at once.
+    ///
+    /// # Errors
+    ///
+    /// As [`free`](Self::free); on [`PinnedError::UnknownBlock`] the fence is dropped.
+    pub fn free_after(&self, ptr: HostPtr, fence: Box<dyn HostFence>) -> Result<(), PinnedError> {
+        self.free_fenced(ptr, Some(fence))
+    }
+
+    fn free_fenced(
+        &self,
+        ptr: HostPtr,
+        fence: Option<Box<dyn HostFence>>,
+    ) -> Result<(), PinnedError> {
         let mut g = self.state.lock();
         let live = g
             .live
@@ -286,7 +309,14 @@ impl<H: HostBackend> PinnedCache<H> {
                 }
             }
         }
-        if events.is_empty() && unfenced.is_empty() {
+        let mut fences = Vec::new();
+        if let Some(mut f) = fence {
+            g.stats.num_event_queries += 1;
+            if !matches!(f.query(), Ok(true)) {
+                fences.push(f);
+            }
+        }
+        if events.is_empty() && unfenced.is_empty() && fences.is_empty() {
             self.release_block(&mut g, live.base, ptr.0);
         } else {
             g.stats.pending_bytes.increase(live.len as i64);
@@ -295,6 +325,7 @@ impl<H: HostBackend> PinnedCache<H> {
                 base: live.base,
                 len: live.len,
                 events,
+                fences,
                 unfenced,
             });
         }
@@ -405,12 +436,17 @@ impl<H: HostBackend> PinnedCache<H> {
                     !complete
                 });
             }
+            if let Some(w) = g.waiting.get_mut(i) {
+                w.fences.retain_mut(|f| {
+                    queries += 1;
+                    !matches!(f.query(), Ok(true))
+                });
+            }
             g.stats.num_event_queries += queries;
             g.spare_events.extend(done);
-            let finished = g
-                .waiting
-                .get(i)
-                .is_some_and(|w| w.events.is_empty() && w.unfenced.is_empty());
+            let finished = g.waiting.get(i).is_some_and(|w| {
+                w.events.is_empty() && w.fences.is_empty() && w.unfenced.is_empty()
+            });
             if finished {
                 let w = g.waiting.swap_remove(i);
                 g.stats.pending_bytes.decrease(w.len as i64);
@@ -536,6 +572,10 @@ impl<H: HostBackend> Drop for PinnedCache<H> {
             for &ev in &w.events {
                 synced &= dev.synchronize_event(ev).is_ok();
             }
+            for f in &mut w.fences {
+                synced &= f.wait().is_ok();
+            }
+            w.fences.clear();
             if !synced {
                 // Keep the block out of the slab so the slab stays pinned.
                 w.unfenced.push(StreamId::DEFAULT);

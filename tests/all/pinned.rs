@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use cuda_caching_allocator::host::{
     HostOp, PinnedInvariantViolation, PowerOfTwoModel, SimHostFault, mixed_workload,
@@ -249,6 +250,88 @@ fn no_event_is_polled_when_none_is_pending() {
     let s = c.stats();
     assert_eq!((s.num_event_records, s.num_event_queries), (0, 0));
     assert_eq!(s.num_cache_hits, 9);
+}
+
+/// A caller's fence (`HostFence`) over a flag, counting queries and waits.
+#[derive(Debug, Default)]
+struct Flag {
+    done: std::sync::atomic::AtomicBool,
+    queries: std::sync::atomic::AtomicUsize,
+    waits: std::sync::atomic::AtomicUsize,
+}
+
+#[derive(Debug)]
+struct FlagFence(Arc<Flag>);
+
+impl host::HostFence for FlagFence {
+    fn query(&mut self) -> Result<bool, BackendError> {
+        self.0.queries.fetch_add(1, Ordering::SeqCst);
+        Ok(self.0.done.load(Ordering::SeqCst))
+    }
+
+    fn wait(&mut self) -> Result<(), BackendError> {
+        self.0.waits.fetch_add(1, Ordering::SeqCst);
+        self.0.done.store(true, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+#[test]
+fn a_block_freed_after_a_fence_is_reused_only_once_the_fence_completed() {
+    let (_, c) = cache_with(small());
+    let flag = Arc::new(Flag::default());
+    let a = c.alloc(64 * KIB).unwrap();
+    c.free_after(a.ptr, Box::new(FlagFence(flag.clone())))
+        .unwrap();
+    assert_eq!(c.waiting_blocks(), 1);
+    assert_eq!(c.stats().pending_bytes.current, 64 * KIB as i64);
+    let b = c.alloc(64 * KIB).unwrap();
+    assert_ne!(b.ptr, a.ptr, "the fenced block must not be reused");
+    ok(&c);
+    let queries = flag.queries.load(Ordering::SeqCst);
+    assert_eq!(queries, 2, "one query at the free, one at the next alloc");
+    flag.done.store(true, Ordering::SeqCst);
+    let d = c.alloc(64 * KIB).unwrap();
+    assert_eq!(d.ptr, a.ptr, "reused once the fence completed");
+    assert_eq!(c.waiting_blocks(), 0);
+    // Nothing pending: no further query.
+    c.free(d.ptr).unwrap();
+    let e = c.alloc(64 * KIB).unwrap();
+    assert_eq!(flag.queries.load(Ordering::SeqCst), queries + 1);
+    assert_eq!(c.stats().num_event_queries, queries as u64 + 1);
+    c.free(e.ptr).unwrap();
+    c.free(b.ptr).unwrap();
+    ok(&c);
+}
+
+#[test]
+fn a_complete_fence_frees_at_once_and_an_unknown_block_is_refused() {
+    let (_, c) = cache_with(small());
+    let flag = Arc::new(Flag::default());
+    flag.done.store(true, Ordering::SeqCst);
+    let a = c.alloc(4096).unwrap();
+    c.free_after(a.ptr, Box::new(FlagFence(flag.clone())))
+        .unwrap();
+    assert_eq!(c.waiting_blocks(), 0);
+    assert_eq!(flag.queries.load(Ordering::SeqCst), 1);
+    assert!(matches!(
+        c.free_after(a.ptr, Box::new(FlagFence(flag.clone()))),
+        Err(PinnedError::UnknownBlock { ptr }) if ptr == a.ptr
+    ));
+    assert_eq!(c.alloc(4096).unwrap().ptr, a.ptr);
+    ok(&c);
+}
+
+#[test]
+fn dropping_the_cache_waits_for_pending_fences() {
+    let (_, c) = cache_with(small());
+    let flag = Arc::new(Flag::default());
+    let a = c.alloc(4096).unwrap();
+    c.free_after(a.ptr, Box::new(FlagFence(flag.clone())))
+        .unwrap();
+    assert_eq!(flag.waits.load(Ordering::SeqCst), 0);
+    drop(c);
+    assert_eq!(flag.waits.load(Ordering::SeqCst), 1);
 }
 
 #[test]
