@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use cuda_caching_allocator::host::{
-    HostOp, PinnedInvariantViolation, PowerOfTwoModel, SimHostFault, mixed_workload,
+    HostFence, HostOp, PinnedInvariantViolation, PowerOfTwoModel, SimHostFault, mixed_workload,
 };
 use cuda_caching_allocator::*;
 use proptest::prelude::*;
@@ -263,7 +263,7 @@ struct Flag {
 #[derive(Debug)]
 struct FlagFence(Arc<Flag>);
 
-impl host::HostFence for FlagFence {
+impl HostFence for FlagFence {
     fn query(&mut self) -> Result<bool, BackendError> {
         self.0.queries.fetch_add(1, Ordering::SeqCst);
         Ok(self.0.done.load(Ordering::SeqCst))
