@@ -121,6 +121,13 @@ impl<H: HostBackend> PinnedCache<H> {
                 host.alignment()
             )));
         }
+        if let Some(slack) = config.max_slack {
+            if !(slack.is_finite() && slack >= 0.0) {
+                return Err(PinnedError::InvalidConfig(format!(
+                    "max_slack {slack} is not a finite number >= 0"
+                )));
+            }
+        }
         if config.slab_size == 0 {
             return Err(PinnedError::InvalidConfig("slab_size is zero".into()));
         }
@@ -503,6 +510,9 @@ impl<H: HostBackend> PinnedCache<H> {
                 });
             }
         }
+        if let Some(slack) = self.config.max_slack {
+            slab_len = self.make_room(g, len, slab_len, slack);
+        }
         let pinned = match self.host.pin(slab_len) {
             Ok(p) => p,
             Err(e) if e.is_out_of_memory() => {
@@ -524,6 +534,61 @@ impl<H: HostBackend> PinnedCache<H> {
         Ok(base)
     }
 
+    /// The slack rule (`PinnedConfig::max_slack`) before pinning `slab_len` bytes for a request
+    /// of `len` aligned bytes: if the pinned bytes would pass `(1 + slack)` times the bytes in use
+    /// (live and waiting blocks, plus the request), wholly free slabs are unpinned, largest
+    /// first, until they would not; if that is not enough, the new slab shrinks to the request's
+    /// size. Returns the slab size to pin.
+    fn make_room(&self, g: &mut State, len: usize, slab_len: usize, slack: f64) -> usize {
+        let in_use = |g: &State| {
+            (g.stats.allocated_bytes.current.max(0) + g.stats.pending_bytes.current.max(0)) as usize
+        };
+        let budget = ((in_use(g).saturating_add(len)) as f64 * (1.0 + slack.max(0.0))) as usize;
+        let reserved = |g: &State| g.stats.reserved_bytes.current.max(0) as usize;
+        let mut slab_len = slab_len;
+        if reserved(g).saturating_add(slab_len) > budget {
+            self.release_idle_down_to(g, budget.saturating_sub(slab_len));
+        }
+        if reserved(g).saturating_add(slab_len) > budget && slab_len > len {
+            slab_len = len;
+            self.release_idle_down_to(g, budget.saturating_sub(slab_len));
+        }
+        slab_len
+    }
+
+    /// Unpins idle slabs, largest first, until at most `target` bytes stay pinned (or no idle
+    /// slab is left). A slab whose unpin fails stays pinned and cached.
+    fn release_idle_down_to(&self, g: &mut State, target: usize) {
+        let mut idle: Vec<(usize, usize)> = g
+            .slabs
+            .iter()
+            .filter(|(_, s)| s.is_idle())
+            .map(|(&b, s)| (s.size, b))
+            .collect();
+        idle.sort_unstable_by(|a, b| b.cmp(a));
+        for (size, base) in idle {
+            if g.stats.reserved_bytes.current.max(0) as usize <= target {
+                break;
+            }
+            let _ = self.unpin_slab(g, base, size);
+        }
+    }
+
+    /// Unpins the idle slab at `base` of `size` bytes and drops it from the state.
+    fn unpin_slab(&self, g: &mut State, base: usize, size: usize) -> Result<(), PinnedError> {
+        // SAFETY: Note [Pinned unsafe]: callers pass one slab from `pin` on this backend, still
+        // pinned (it is in `slabs`), and idle: no live block and no block waiting for events
+        // lies in it.
+        let nanos = unsafe { self.host.unpin(HostPtr(base), size) }?;
+        g.slabs.remove(&base);
+        g.free_index.remove(&(size, base, 0));
+        g.stats.unpin_nanos = g.stats.unpin_nanos.saturating_add(nanos);
+        g.stats.num_unpins += 1;
+        g.stats.reserved_bytes.decrease(size as i64);
+        g.stats.slabs.decrease(1);
+        Ok(())
+    }
+
     /// Unpins every idle slab; returns the bytes unpinned, or the first unpin error (after
     /// trying every slab).
     fn release_idle(&self, g: &mut State) -> Result<usize, PinnedError> {
@@ -536,22 +601,11 @@ impl<H: HostBackend> PinnedCache<H> {
         let mut freed = 0;
         let mut first_err = None;
         for (base, size) in idle {
-            // SAFETY: Note [Pinned unsafe]: `base`/`size` are one slab from `pin` on this
-            // backend, still pinned (it is in `slabs`), and idle: no live block and no block
-            // waiting for events lies in it.
-            match unsafe { self.host.unpin(HostPtr(base), size) } {
-                Ok(nanos) => {
-                    g.slabs.remove(&base);
-                    g.free_index.remove(&(size, base, 0));
-                    g.stats.unpin_nanos = g.stats.unpin_nanos.saturating_add(nanos);
-                    g.stats.num_unpins += 1;
-                    g.stats.reserved_bytes.decrease(size as i64);
-                    g.stats.slabs.decrease(1);
-                    freed += size;
-                }
+            match self.unpin_slab(g, base, size) {
+                Ok(()) => freed += size,
                 Err(e) => {
                     if first_err.is_none() {
-                        first_err = Some(PinnedError::Backend(e));
+                        first_err = Some(e);
                     }
                 }
             }
