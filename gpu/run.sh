@@ -29,7 +29,7 @@ step() { # name, command...
 }
 
 PHASES=${*:-tests example torch safety sanitizer}
-GPU_TESTS=${CCA_GPU_TESTS:-"cuda:: cuda_streams:: cuda_capture:: cuda_port::"}
+GPU_TESTS=${CCA_GPU_TESTS:-"cuda:: cuda_streams:: cuda_capture:: cuda_port:: cuda_pinned::"}
 BUDGET=${CCA_GPU_BUDGET_S:-570}   # stay inside the device tool's 600 s per command
 left() { echo $(( BUDGET - SECONDS > 30 ? BUDGET - SECONDS : 30 )); }
 

@@ -391,6 +391,12 @@ impl<T> CachedPinned<T> {
         self.len * std::mem::size_of::<T>()
     }
 
+    /// The buffer's address, without waiting for its copies: for comparing and logging, not
+    /// for reading or writing (use [`as_slice`](Self::as_slice) and friends, which wait).
+    pub fn host_ptr(&self) -> HostPtr {
+        HostPtr(self.ptr.as_ptr() as usize)
+    }
+
     /// The allocator the memory returns to.
     pub fn allocator(&self) -> &PinnedAllocator {
         &self.alloc
