@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the GPU suite HERE (a machine with Rust, no GPU needed) and stages it for the device
-# machine: release test binary, examples (cudarc migration, PyTorch plugin .so), the `cca` CLI
+# machine: release test binary, examples (cudarc migration, framework storage, pinned_bench,
+# PyTorch plugin .so), the `cca` CLI
 # built with CUDA support (features cli,cuda), the shipped traces, gpu/*.py and gpu/run.sh,
 # stripped to fit the device tool's 64 MiB transfer limit.
 #
@@ -30,9 +31,10 @@ find "$DEST" -mindepth 1 -maxdepth 1 -type f -delete
 rm -rf "$DEST/traces"
 cp "$TEST_BIN" "$DEST/cuda_tests"
 cp "$TARGET/release/examples/cudarc_migration" "$TARGET/release/examples/framework_storage" \
+  "$TARGET/release/examples/pinned_bench" \
   "$TARGET/release/examples/libtorch_plugin.so" "$TARGET/release/cca" "$DEST/"
 strip --strip-debug "$DEST/cuda_tests" "$DEST/cudarc_migration" "$DEST/framework_storage" \
-  "$DEST/libtorch_plugin.so"
+  "$DEST/pinned_bench" "$DEST/libtorch_plugin.so"
 strip "$DEST/cca"
 cp gpu/*.py gpu/run.sh "$DEST/"
 rm -rf "$DEST/python"

@@ -5,7 +5,9 @@
 #   bash gpu-bin/run.sh [PHASE...]    # phases: tests example torch safety sanitizer (the default:
 #                                     # all five), and on request: multigpu (only the multi-GPU and
 #                                     # context tests), replay (cca replay --device cuda on the
-#                                     # shipped traces; CCA_REPLAY_DEVICE=N picks the GPU, default 0)
+#                                     # shipped traces; CCA_REPLAY_DEVICE=N picks the GPU, default 0),
+#                                     # pinned (the pinned host cache benchmark and PyTorch's
+#                                     # caching host allocator on the same mixed workload)
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/cca-gpu-out}
@@ -96,6 +98,13 @@ for phase in $PHASES; do
     echo "replay compare gpt2_train: rc=$rc ($((SECONDS - t0)) s)" | tee -a "$S"
     sed 's/^/    /' "$tmp" | tee -a "$S"
     rm -f "$tmp" ;;
-  *) echo "unknown phase $phase (tests example torch sanitizer multigpu replay)" | tee -a "$S" ;;
+  pinned) # The pinned host cache (#16): alloc+free, bandwidth cached vs freshly pinned, the
+    # double-buffered pipeline, the mixed workload; then PyTorch's own caching host allocator on
+    # that workload.
+    step pinned timeout 300 "$HERE/pinned_bench"
+    grep -E '^(==|--)|^pair|GB/s|cached /|^(default|tight|power)' "$OUT/pinned.log" | tee -a "$S"
+    step pinned_torch timeout 200 python3 "$HERE/pinned_torch.py" --json "$OUT/pinned_torch.json"
+    grep -vE '^\s*$' "$OUT/pinned_torch.log" | tail -20 | tee -a "$S" ;;
+  *) echo "unknown phase $phase (tests example torch sanitizer multigpu replay pinned)" | tee -a "$S" ;;
   esac
 done
