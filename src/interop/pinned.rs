@@ -12,9 +12,12 @@
 //!
 //! * a use while the context does **not** manage synchronization (one stream only, or event
 //!   tracking off) on the legacy or per-thread default stream marks the buffer; host access and
-//!   the drop then record the event on the legacy default stream, which orders after every
-//!   blocking stream of the context (the only kind cudarc makes while it counts no stream of its
-//!   own);
+//!   the drop then make the legacy default stream wait on the event and record it there, which
+//!   orders it after every blocking stream of the context (the only kind cudarc makes while it
+//!   counts no stream of its own) and after every use the event covered before. A use on those
+//!   two streams marks the buffer while synchronization is managed too (in case the context
+//!   stops managing it before cudarc records): host access after it then also waits for work
+//!   queued on the legacy stream after the copy, which cudarc's own buffer does not;
 //! * a use on any other stream while synchronization is not managed (a borrowed stream, event
 //!   tracking off), or on a stream of another context, is made synchronous
 //!   (`SyncOnDrop::Sync`): the copy is done when cudarc's call returns.
@@ -375,6 +378,15 @@ fn legacy_ordered(stream: &CudaStream) -> bool {
     matches!(stream.cu_stream() as usize, 0..=2)
 }
 
+/// Re-records `ev` on the legacy default stream of its context, after making that stream wait
+/// for what `ev` fenced so far: the event then covers every earlier use (those on non-blocking
+/// streams through the wait, those on blocking streams through the legacy stream's order).
+fn fence_on_legacy(ev: &CudaEvent) -> Result<(), DriverError> {
+    let legacy = ev.context().default_stream();
+    legacy.wait(ev)?;
+    ev.record(&legacy)
+}
+
 impl<T> CachedPinned<T> {
     /// The number of values.
     pub fn len(&self) -> usize {
@@ -414,7 +426,7 @@ impl<T> CachedPinned<T> {
             return Ok(());
         };
         if self.lazy.load(Ordering::Acquire) {
-            ev.record(&ev.context().default_stream())?;
+            fence_on_legacy(ev)?;
             if exclusive {
                 self.lazy.store(false, Ordering::Release);
             }
@@ -540,7 +552,7 @@ impl<T> Drop for CachedPinned<T> {
         };
         if *self.lazy.get_mut() {
             let ctx = Arc::clone(ev.context());
-            if ev.record(&ctx.default_stream()).is_err() && ctx.synchronize().is_err() {
+            if fence_on_legacy(&ev).is_err() && ctx.synchronize().is_err() {
                 // Neither fenced nor waited for: the copies may still run, so the memory must
                 // never be handed out again. Leak the block (and the event with it).
                 tracing::warn!(

@@ -102,8 +102,11 @@ fn setup(streams: usize) -> (Arc<CudaContext>, Arc<CudaStream>) {
 
 /// The probe through `CachedPinned`: returns (trials whose copy saw the overwrite, trials whose
 /// second buffer got the first one's address).
-fn cached_probe(streams: usize) -> (usize, usize) {
+/// With `default_first`, the buffer is first copied on the legacy default stream too, so that its
+/// event must cover a blocking and a non-blocking stream at once.
+fn cached_probe(streams: usize, default_first: bool) -> (usize, usize) {
     let (ctx, s) = setup(streams);
+    let legacy = ctx.default_stream();
     let k = kernels(&ctx);
     let pinned = PinnedAllocator::new(Arc::clone(&ctx), PinnedConfig::default()).unwrap();
     let (mut wrong, mut reused) = (0, 0);
@@ -112,6 +115,10 @@ fn cached_probe(streams: usize) -> (usize, usize) {
         let src = pinned.pinned_from_slice(&pattern(v)).unwrap();
         let mut dev: CudaSlice<u32> = s.alloc_zeros(N).unwrap();
         s.synchronize().unwrap();
+        if default_first {
+            let mut first: CudaSlice<u32> = legacy.alloc_zeros(N).unwrap();
+            legacy.memcpy_htod(&src, &mut first).unwrap();
+        }
         delay(&k, &s);
         s.memcpy_htod(&src, &mut dev).unwrap();
         let before = src.host_ptr();
@@ -178,14 +185,21 @@ fn raw_probe(fenced: bool) -> (usize, usize) {
     (wrong, reused)
 }
 
-/// (managed, single-stream, raw fenced, raw control), computed once and printed for the log.
-fn results() -> &'static [(usize, usize); 4] {
-    static R: OnceLock<[(usize, usize); 4]> = OnceLock::new();
+/// (managed, single-stream, managed after a default-stream copy, raw fenced, raw control),
+/// computed once and printed for the log.
+fn results() -> &'static [(usize, usize); 5] {
+    static R: OnceLock<[(usize, usize); 5]> = OnceLock::new();
     R.get_or_init(|| {
-        let r = [cached_probe(2), cached_probe(0), raw_probe(true), raw_probe(false)];
+        let r = [
+            cached_probe(2, false),
+            cached_probe(0, false),
+            cached_probe(2, true),
+            raw_probe(true),
+            raw_probe(false),
+        ];
         println!(
-            "pinned reuse-after-copy probes, {TRIALS} trials each (wrong, reused): CachedPinned managed {:?}, CachedPinned single-stream {:?}, raw cache with record_stream {:?}; control (raw, no fence) {:?}",
-            r[0], r[1], r[2], r[3]
+            "pinned reuse-after-copy probes, {TRIALS} trials each (wrong, reused): CachedPinned managed {:?}, CachedPinned single-stream {:?}, CachedPinned managed after a default-stream copy {:?}, raw cache with record_stream {:?}; control (raw, no fence) {:?}",
+            r[0], r[1], r[2], r[3], r[4]
         );
         r
     })
@@ -196,7 +210,11 @@ fn a_freed_pinned_buffer_is_reused_only_after_its_copy() {
     if !enabled("a_freed_pinned_buffer_is_reused_only_after_its_copy") {
         return;
     }
-    let [managed, single, raw, control] = *results();
+    let [managed, single, both, raw, control] = *results();
+    assert_eq!(
+        both.0, 0,
+        "CachedPinned (default stream, then another): the copy saw the new owner's data"
+    );
     assert_eq!(
         managed.0, 0,
         "CachedPinned (managed): the copy saw the new owner's data"
@@ -210,7 +228,7 @@ fn a_freed_pinned_buffer_is_reused_only_after_its_copy() {
         "raw cache with record_stream: the copy saw the new owner's data"
     );
     assert_eq!(
-        managed.1 + single.1 + raw.1,
+        managed.1 + single.1 + both.1 + raw.1,
         0,
         "a block was reused before its copy ended"
     );
