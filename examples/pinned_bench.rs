@@ -11,9 +11,9 @@
 //!    pinning calls after the first two batches (must be 0) and a checksum of what the kernels
 //!    saw;
 //! 4. the mixed-size workload of `host::mixed_workload` (the one `tests/all/pinned.rs` measures
-//!    on the simulator) on the real host: peak pinned over peak requested for the default and
-//!    `PinnedConfig::tight()`, with the pins and the measured pinning time, beside the
-//!    power-of-two model of PyTorch's policy.
+//!    on the simulator) on the real host: peak pinned over peak requested for the default,
+//!    `PinnedConfig::tight()` and `PinnedConfig::frugal()`, with the pins and the measured
+//!    pinning time, beside the power-of-two model of PyTorch's policy.
 //!
 //! ```text
 //! cargo run --release --example pinned_bench --features cuda [-- --quick] [--ordinal N]
@@ -284,6 +284,7 @@ fn mixed(ctx: &Arc<CudaContext>) -> Res<()> {
     for (name, config) in [
         ("default", PinnedConfig::default()),
         ("tight", PinnedConfig::tight()),
+        ("frugal", PinnedConfig::frugal()),
     ] {
         let p = PinnedAllocator::new(Arc::clone(ctx), config)?;
         let mut live: BTreeMap<usize, (CachedPinned<u8>, usize)> = BTreeMap::new();

@@ -5,7 +5,8 @@
 //! 1. A request rounds up to the alignment only. If blocks wait for events, their events are
 //!    queried first (none is polled when none waits); completed ones return to the free ranges.
 //! 2. Best fit: the smallest free range, over all slabs, that holds the request (ties: lowest
-//!    slab, lowest offset); the rest of the range stays free (split).
+//!    slab, lowest offset); the rest of the range stays free (split). With `max_fit_waste`, a
+//!    request larger than a slab skips a range more than `1 + max_fit_waste` times its size.
 //! 3. Otherwise a new slab of `slab_size` bytes (or the request's size, if larger) is pinned.
 //!    If that would pass the cap, wholly free slabs are unpinned first; if it still would, a slab
 //!    of exactly the request's size is tried; if even that would, the error names the cap. If
@@ -121,6 +122,13 @@ impl<H: HostBackend> PinnedCache<H> {
                 host.alignment()
             )));
         }
+        if let Some(waste) = config.max_fit_waste {
+            if !(waste.is_finite() && waste >= 0.0) {
+                return Err(PinnedError::InvalidConfig(format!(
+                    "max_fit_waste {waste} is not a finite number >= 0"
+                )));
+            }
+        }
         if let Some(slack) = config.max_slack {
             if !(slack.is_finite() && slack >= 0.0) {
                 return Err(PinnedError::InvalidConfig(format!(
@@ -199,7 +207,14 @@ impl<H: HostBackend> PinnedCache<H> {
         if !g.waiting.is_empty() {
             self.poll_waiting(&mut g);
         }
-        let hit = g.free_index.range((len, 0, 0)..).next().copied();
+        let mut hit = g.free_index.range((len, 0, 0)..).next().copied();
+        if let (Some(waste), Some((have, _, _))) = (self.config.max_fit_waste, hit) {
+            // A request that would get a slab of its own takes no range much larger than
+            // itself (PinnedConfig::max_fit_waste): it pins an exact slab instead.
+            if len > self.config.slab_size && have as f64 > len as f64 * (1.0 + waste) {
+                hit = None;
+            }
+        }
         let (base, offset) = match hit {
             Some((_, base, offset)) => {
                 g.stats.num_cache_hits += 1;
