@@ -68,6 +68,9 @@ fn run() -> Res<()> {
         .map(|s| s.parse::<usize>())
         .transpose()?
         .unwrap_or(0);
+    if !cuda_caching_allocator::backend::cuda::cuda_available() {
+        return Err("no usable CUDA driver or device".into());
+    }
     let ctx = CudaContext::new(ordinal)?;
     println!(
         "== pinned_bench on device {ordinal}{}",
