@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Builds the GPU suite HERE (a machine with Rust, no GPU needed) and stages it for the device
-# machine: release test binary, examples (cudarc migration, framework storage), the `cca` CLI
-# built with CUDA support (features cli,cuda), the PyTorch package as a wheel (maturin, installed
-# there with `pip install --no-deps --no-index`) and its native library alone (libcca_torch.so,
-# for the ctypes phases), the shipped traces, gpu/*.py and gpu/run.sh, stripped to fit the device
-# tool's 64 MiB transfer limit.
+# machine: release test binary, examples (cudarc migration, framework storage, ports,
+# pinned_bench), the `cca` CLI built with CUDA support (features cli,cuda), the PyTorch package as
+# a wheel (maturin, installed there with `pip install --no-deps --no-index`) and its native library
+# alone (libcca_torch.so, for the ctypes phases), the shipped traces, gpu/*.py and gpu/run.sh,
+# stripped to fit the device tool's 64 MiB transfer limit.
 #
 #   gpu/build.sh [DEST]        # DEST defaults to /work/main/gpu-bin
 #
@@ -35,12 +35,13 @@ find "$DEST" -mindepth 1 -maxdepth 1 -type f -delete
 rm -rf "$DEST/traces"
 cp "$TEST_BIN" "$DEST/cuda_tests"
 cp "$TARGET/release/examples/cudarc_migration" "$TARGET/release/examples/framework_storage" \
-  "$TARGET/release/examples/ports" "$TARGET/release/cca" "$DEST/"
+  "$TARGET/release/examples/ports" "$TARGET/release/examples/pinned_bench" \
+  "$TARGET/release/cca" "$DEST/"
 cp "$WHEELS"/cuda_caching_allocator-*.whl "$DEST/"
 cp "$TARGET/release/lib_cca.so" "$DEST/libcca_torch.so"
 rm -rf "$WHEELS"
 strip --strip-debug "$DEST/cuda_tests" "$DEST/cudarc_migration" "$DEST/framework_storage" \
-  "$DEST/ports" "$DEST/libcca_torch.so"
+  "$DEST/ports" "$DEST/pinned_bench" "$DEST/libcca_torch.so"
 strip "$DEST/cca"
 cp gpu/*.py gpu/run.sh gpu/ports.sh "$DEST/"
 rm -rf "$DEST/python"

@@ -13,7 +13,8 @@
 #                                     # the PyTorch conformance script and the safety probes
 #                                     # through it), package_client (after package: the GPT-2
 #                                     # client through the installed package), clients (after
-#                                     # package: the #11 client suite, gpu/clients.py)
+#                                     # package: the #11 client suite, gpu/clients.py), pinned (the
+#                                     # pinned host cache benchmark beside PyTorch's host cache)
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/cca-gpu-out}
@@ -37,7 +38,7 @@ step() { # name, command...
 }
 
 PHASES=${*:-tests example torch safety sanitizer}
-GPU_TESTS=${CCA_GPU_TESTS:-"cuda:: cuda_streams:: cuda_capture:: cuda_port::"}
+GPU_TESTS=${CCA_GPU_TESTS:-"cuda:: cuda_streams:: cuda_capture:: cuda_port:: cuda_pinned::"}
 # The GPU tests are #[ignore]d (cargo test on a machine without a GPU lists them as ignored):
 # --include-ignored runs them. The multi_gpu tests fail on one GPU, so they are left out there.
 GPU_TEST_ARGS="--include-ignored --test-threads=1"
@@ -154,6 +155,13 @@ for phase in $PHASES; do
       "$HERE/clients.py" --python-dir "$PKG_DIR" --workloads ${CCA_CLIENTS:-sidestream generate ckpt} \
       --json "$OUT/clients.json"
     grep -E '^== |^\||FAILED' "$OUT/clients.log" | cut -c1-300 | tee -a "$S" ;;
-  *) echo "unknown phase $phase (tests example torch safety sanitizer multigpu replay cold ports package package_client clients)" | tee -a "$S" ;;
+  pinned) # The pinned host cache (#16): alloc+free, bandwidth cached vs freshly pinned, the
+    # double-buffered pipeline, the mixed workload; then PyTorch's own caching host allocator on
+    # that workload.
+    step pinned timeout 300 "$HERE/pinned_bench"
+    grep -E '^(==|--)|^pair|GB/s|cached /|^(default|tight|frugal|power)' "$OUT/pinned.log" | tee -a "$S"
+    step pinned_torch timeout 200 python3 "$HERE/pinned_torch.py" --json "$OUT/pinned_torch.json"
+    grep -vE '^\s*$' "$OUT/pinned_torch.log" | tail -20 | tee -a "$S" ;;
+  *) echo "unknown phase $phase (tests example torch safety sanitizer multigpu replay cold ports package package_client clients pinned)" | tee -a "$S" ;;
   esac
 done

@@ -5,7 +5,8 @@
 //! 1. A request rounds up to the alignment only. If blocks wait for events, their events are
 //!    queried first (none is polled when none waits); completed ones return to the free ranges.
 //! 2. Best fit: the smallest free range, over all slabs, that holds the request (ties: lowest
-//!    slab, lowest offset); the rest of the range stays free (split).
+//!    slab, lowest offset); the rest of the range stays free (split). With `max_fit_waste`, a
+//!    request larger than a slab skips a range more than `1 + max_fit_waste` times its size.
 //! 3. Otherwise a new slab of `slab_size` bytes (or the request's size, if larger) is pinned.
 //!    If that would pass the cap, wholly free slabs are unpinned first; if it still would, a slab
 //!    of exactly the request's size is tried; if even that would, the error names the cap. If
@@ -26,7 +27,7 @@ use parking_lot::Mutex;
 use crate::backend::{BackendError, DeviceBackend, EventHandle, StreamId};
 
 use super::slab::Slab;
-use super::{HostBackend, HostPtr, PinnedConfig, PinnedError, PinnedStats};
+use super::{HostBackend, HostFence, HostPtr, PinnedConfig, PinnedError, PinnedStats};
 
 /// A block handed out by [`PinnedCache::alloc`]: where it is and how many bytes were asked for.
 /// A plain value: freeing it is the caller's job ([`PinnedCache::free`]).
@@ -52,6 +53,8 @@ struct Waiting {
     base: usize,
     len: usize,
     events: Vec<EventHandle>,
+    /// Completions handed in by the caller ([`PinnedCache::free_after`]).
+    fences: Vec<Box<dyn HostFence>>,
     /// Streams whose work could be fenced neither by an event nor by a synchronization.
     unfenced: Vec<StreamId>,
 }
@@ -118,6 +121,20 @@ impl<H: HostBackend> PinnedCache<H> {
                 config.alignment,
                 host.alignment()
             )));
+        }
+        if let Some(waste) = config.max_fit_waste {
+            if !(waste.is_finite() && waste >= 0.0) {
+                return Err(PinnedError::InvalidConfig(format!(
+                    "max_fit_waste {waste} is not a finite number >= 0"
+                )));
+            }
+        }
+        if let Some(slack) = config.max_slack {
+            if !(slack.is_finite() && slack >= 0.0) {
+                return Err(PinnedError::InvalidConfig(format!(
+                    "max_slack {slack} is not a finite number >= 0"
+                )));
+            }
         }
         if config.slab_size == 0 {
             return Err(PinnedError::InvalidConfig("slab_size is zero".into()));
@@ -190,7 +207,14 @@ impl<H: HostBackend> PinnedCache<H> {
         if !g.waiting.is_empty() {
             self.poll_waiting(&mut g);
         }
-        let hit = g.free_index.range((len, 0, 0)..).next().copied();
+        let mut hit = g.free_index.range((len, 0, 0)..).next().copied();
+        if let (Some(waste), Some((have, _, _))) = (self.config.max_fit_waste, hit) {
+            // A request that would get a slab of its own takes no range much larger than
+            // itself (PinnedConfig::max_fit_waste): it pins an exact slab instead.
+            if len > self.config.slab_size && have as f64 > len as f64 * (1.0 + waste) {
+                hit = None;
+            }
+        }
         let (base, offset) = match hit {
             Some((_, base, offset)) => {
                 g.stats.num_cache_hits += 1;
@@ -263,6 +287,27 @@ impl<H: HostBackend> PinnedCache<H> {
     /// synchronization: the block is freed but stays out of reuse until
     /// [`empty_cache`](Self::empty_cache) manages to synchronize that stream.
     pub fn free(&self, ptr: HostPtr) -> Result<(), PinnedError> {
+        self.free_fenced(ptr, None)
+    }
+
+    /// Frees the live block at `ptr` as [`free`](Self::free) does, and also keeps it out of
+    /// reuse until `fence` completed: for work the cache was not told of through
+    /// [`record_stream`](Self::record_stream), such as an event cudarc recorded after a copy
+    /// (the cudarc interop's `CachedPinned` frees this way). A fence that is already complete
+    /// costs one query and the block is reusable at once.
+    ///
+    /// # Errors
+    ///
+    /// As [`free`](Self::free); on [`PinnedError::UnknownBlock`] the fence is dropped.
+    pub fn free_after(&self, ptr: HostPtr, fence: Box<dyn HostFence>) -> Result<(), PinnedError> {
+        self.free_fenced(ptr, Some(fence))
+    }
+
+    fn free_fenced(
+        &self,
+        ptr: HostPtr,
+        fence: Option<Box<dyn HostFence>>,
+    ) -> Result<(), PinnedError> {
         let mut g = self.state.lock();
         let live = g
             .live
@@ -286,7 +331,14 @@ impl<H: HostBackend> PinnedCache<H> {
                 }
             }
         }
-        if events.is_empty() && unfenced.is_empty() {
+        let mut fences = Vec::new();
+        if let Some(mut f) = fence {
+            g.stats.num_event_queries += 1;
+            if !matches!(f.query(), Ok(true)) {
+                fences.push(f);
+            }
+        }
+        if events.is_empty() && unfenced.is_empty() && fences.is_empty() {
             self.release_block(&mut g, live.base, ptr.0);
         } else {
             g.stats.pending_bytes.increase(live.len as i64);
@@ -295,6 +347,7 @@ impl<H: HostBackend> PinnedCache<H> {
                 base: live.base,
                 len: live.len,
                 events,
+                fences,
                 unfenced,
             });
         }
@@ -405,12 +458,17 @@ impl<H: HostBackend> PinnedCache<H> {
                     !complete
                 });
             }
+            if let Some(w) = g.waiting.get_mut(i) {
+                w.fences.retain_mut(|f| {
+                    queries += 1;
+                    !matches!(f.query(), Ok(true))
+                });
+            }
             g.stats.num_event_queries += queries;
             g.spare_events.extend(done);
-            let finished = g
-                .waiting
-                .get(i)
-                .is_some_and(|w| w.events.is_empty() && w.unfenced.is_empty());
+            let finished = g.waiting.get(i).is_some_and(|w| {
+                w.events.is_empty() && w.fences.is_empty() && w.unfenced.is_empty()
+            });
             if finished {
                 let w = g.waiting.swap_remove(i);
                 g.stats.pending_bytes.decrease(w.len as i64);
@@ -467,6 +525,9 @@ impl<H: HostBackend> PinnedCache<H> {
                 });
             }
         }
+        if let Some(slack) = self.config.max_slack {
+            slab_len = self.make_room(g, len, slab_len, slack);
+        }
         let pinned = match self.host.pin(slab_len) {
             Ok(p) => p,
             Err(e) if e.is_out_of_memory() => {
@@ -488,6 +549,61 @@ impl<H: HostBackend> PinnedCache<H> {
         Ok(base)
     }
 
+    /// The slack rule (`PinnedConfig::max_slack`) before pinning `slab_len` bytes for a request
+    /// of `len` aligned bytes: if the pinned bytes would pass `(1 + slack)` times the bytes in use
+    /// (live and waiting blocks, plus the request), wholly free slabs are unpinned, largest
+    /// first, until they would not; if that is not enough, the new slab shrinks to the request's
+    /// size. Returns the slab size to pin.
+    fn make_room(&self, g: &mut State, len: usize, slab_len: usize, slack: f64) -> usize {
+        let in_use = |g: &State| {
+            (g.stats.allocated_bytes.current.max(0) + g.stats.pending_bytes.current.max(0)) as usize
+        };
+        let budget = ((in_use(g).saturating_add(len)) as f64 * (1.0 + slack.max(0.0))) as usize;
+        let reserved = |g: &State| g.stats.reserved_bytes.current.max(0) as usize;
+        let mut slab_len = slab_len;
+        if reserved(g).saturating_add(slab_len) > budget {
+            self.release_idle_down_to(g, budget.saturating_sub(slab_len));
+        }
+        if reserved(g).saturating_add(slab_len) > budget && slab_len > len {
+            slab_len = len;
+            self.release_idle_down_to(g, budget.saturating_sub(slab_len));
+        }
+        slab_len
+    }
+
+    /// Unpins idle slabs, largest first, until at most `target` bytes stay pinned (or no idle
+    /// slab is left). A slab whose unpin fails stays pinned and cached.
+    fn release_idle_down_to(&self, g: &mut State, target: usize) {
+        let mut idle: Vec<(usize, usize)> = g
+            .slabs
+            .iter()
+            .filter(|(_, s)| s.is_idle())
+            .map(|(&b, s)| (s.size, b))
+            .collect();
+        idle.sort_unstable_by(|a, b| b.cmp(a));
+        for (size, base) in idle {
+            if g.stats.reserved_bytes.current.max(0) as usize <= target {
+                break;
+            }
+            let _ = self.unpin_slab(g, base, size);
+        }
+    }
+
+    /// Unpins the idle slab at `base` of `size` bytes and drops it from the state.
+    fn unpin_slab(&self, g: &mut State, base: usize, size: usize) -> Result<(), PinnedError> {
+        // SAFETY: Note [Pinned unsafe]: callers pass one slab from `pin` on this backend, still
+        // pinned (it is in `slabs`), and idle: no live block and no block waiting for events
+        // lies in it.
+        let nanos = unsafe { self.host.unpin(HostPtr(base), size) }?;
+        g.slabs.remove(&base);
+        g.free_index.remove(&(size, base, 0));
+        g.stats.unpin_nanos = g.stats.unpin_nanos.saturating_add(nanos);
+        g.stats.num_unpins += 1;
+        g.stats.reserved_bytes.decrease(size as i64);
+        g.stats.slabs.decrease(1);
+        Ok(())
+    }
+
     /// Unpins every idle slab; returns the bytes unpinned, or the first unpin error (after
     /// trying every slab).
     fn release_idle(&self, g: &mut State) -> Result<usize, PinnedError> {
@@ -500,22 +616,11 @@ impl<H: HostBackend> PinnedCache<H> {
         let mut freed = 0;
         let mut first_err = None;
         for (base, size) in idle {
-            // SAFETY: Note [Pinned unsafe]: `base`/`size` are one slab from `pin` on this
-            // backend, still pinned (it is in `slabs`), and idle: no live block and no block
-            // waiting for events lies in it.
-            match unsafe { self.host.unpin(HostPtr(base), size) } {
-                Ok(nanos) => {
-                    g.slabs.remove(&base);
-                    g.free_index.remove(&(size, base, 0));
-                    g.stats.unpin_nanos = g.stats.unpin_nanos.saturating_add(nanos);
-                    g.stats.num_unpins += 1;
-                    g.stats.reserved_bytes.decrease(size as i64);
-                    g.stats.slabs.decrease(1);
-                    freed += size;
-                }
+            match self.unpin_slab(g, base, size) {
+                Ok(()) => freed += size,
                 Err(e) => {
                     if first_err.is_none() {
-                        first_err = Some(PinnedError::Backend(e));
+                        first_err = Some(e);
                     }
                 }
             }
@@ -536,6 +641,10 @@ impl<H: HostBackend> Drop for PinnedCache<H> {
             for &ev in &w.events {
                 synced &= dev.synchronize_event(ev).is_ok();
             }
+            for f in &mut w.fences {
+                synced &= f.wait().is_ok();
+            }
+            w.fences.clear();
             if !synced {
                 // Keep the block out of the slab so the slab stays pinned.
                 w.unfenced.push(StreamId::DEFAULT);

@@ -17,7 +17,8 @@
 //! CUDA host backend (`CudaHost`) lives in
 //! `host/cuda.rs` behind the `cuda` feature.
 //!
-//! Files: `backend.rs` (the trait and its values), `config.rs`, `error.rs`, `slab.rs` (one slab's
+//! Files: `backend.rs` (the trait and its values), `config.rs`, `error.rs`, `fence.rs`
+//! (completions handed in at a free), `slab.rs` (one slab's
 //! free ranges), `cache.rs` (the cache), `stats.rs` (statistics and the summary line),
 //! `invariants.rs`, `sim.rs` (`SimHost`), `compare.rs` (a mixed workload and a model of PyTorch's
 //! power-of-two policy), `cuda.rs` (feature `cuda`).
@@ -29,6 +30,7 @@ mod config;
 #[cfg(feature = "cuda-unpinned")]
 mod cuda;
 mod error;
+mod fence;
 mod invariants;
 mod sim;
 mod slab;
@@ -41,6 +43,7 @@ pub use config::PinnedConfig;
 #[cfg(feature = "cuda-unpinned")]
 pub use cuda::CudaHost;
 pub use error::PinnedError;
+pub use fence::HostFence;
 pub use invariants::PinnedInvariantViolation;
 pub use sim::{SimHost, SimHostConfig, SimHostCounters, SimHostFault};
 pub use stats::PinnedStats;

@@ -7,16 +7,18 @@
 //! `interop::slice`, `interop::events`.
 
 use std::fmt;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{self as cu, CudaContext, CudaStream, DeviceRepr, ValidAsZeroBits};
 
 use super::events::ShellPool;
+use super::pinned::{CachedPinned, PinnedAllocator};
 use super::slice::managing;
 use super::{driver_error, registry::AllocatorRegistry, slice::CachedSlice};
 use crate::allocator::{FragmentationReport, InvariantViolation, SegmentSnapshot};
 use crate::backend::cuda::CudaDevice;
+use crate::host::{PinnedConfig, PinnedError};
 use crate::trace::Trace;
 use crate::{
     AllocError, Allocation, AllocatorConfig, CachingAllocator, DevicePtr, MemPoolId, MemoryStats,
@@ -49,6 +51,8 @@ pub struct CudaAllocator {
     shells: Arc<ShellPool>,
     /// The admitted-stream count at which the next admission releases unused streams.
     next_release: Arc<AtomicUsize>,
+    /// The pinned host cache of [`alloc_pinned`](Self::alloc_pinned), made on first use.
+    pinned: Arc<OnceLock<PinnedAllocator>>,
 }
 
 /// The admitted-stream count below which admissions never look for unused streams.
@@ -85,6 +89,7 @@ impl CudaAllocator {
             inner: Arc::new(CachingAllocator::new(device, config)?),
             shells: Arc::new(ShellPool::default()),
             next_release: Arc::new(AtomicUsize::new(RELEASE_STREAMS_FROM)),
+            pinned: Arc::new(OnceLock::new()),
         })
     }
 
@@ -367,6 +372,39 @@ impl CudaAllocator {
             self.release_unused_streams();
         }
         Ok(id)
+    }
+
+    /// The pinned host cache of this allocator's context (default [`PinnedConfig`]), made on
+    /// first use and shared by every clone of the handle.
+    ///
+    /// # Errors
+    /// [`PinnedError::Backend`] when the device cannot be queried.
+    pub fn pinned(&self) -> std::result::Result<&PinnedAllocator, PinnedError> {
+        if let Some(p) = self.pinned.get() {
+            return Ok(p);
+        }
+        let made = PinnedAllocator::new(Arc::clone(self.context()), PinnedConfig::default())?;
+        // A racing thread may have set it first: then `made` is dropped unused.
+        let _ = self.pinned.set(made);
+        self.pinned.get().ok_or_else(|| {
+            PinnedError::InvalidConfig("the pinned cache could not be installed".into())
+        })
+    }
+
+    /// Page-locked host memory for `len` values of `T` from [`pinned`](Self::pinned) (cudarc's
+    /// `CudaContext::alloc_pinned`, cached: no `cuMemHostAlloc` on a cache hit).
+    ///
+    /// # Errors
+    /// As [`PinnedAllocator::alloc_pinned`].
+    ///
+    /// # Safety
+    /// 1. As [`PinnedAllocator::alloc_pinned`]: the contents are another buffer's old data.
+    pub unsafe fn alloc_pinned<T: DeviceRepr>(
+        &self,
+        len: usize,
+    ) -> std::result::Result<CachedPinned<T>, PinnedError> {
+        // SAFETY: the caller's obligation, passed on.
+        unsafe { self.pinned()?.alloc_pinned(len) }
     }
 
     /// Allocates room for `len` values of `T` on `stream`, uninitialised.

@@ -9,6 +9,10 @@
 //!   kernel argument (`&buf` and `&mut buf`), so `memcpy_*`, `memset_zeros`, kernel launches and
 //!   cuBLAS take it where they took a `CudaSlice`. [`CachedView`] and [`CachedViewMut`] are its
 //!   sub-ranges.
+//! * [`PinnedAllocator`] and [`CachedPinned<T>`]: cached page-locked host buffers (the
+//!   [`host`](crate::host) cache over `CudaHost`) that cudarc's `memcpy_htod`, `memcpy_dtoh` and
+//!   `clone_htod` take as a `HostSlice`, with cudarc's event rules; a dropped buffer's memory is
+//!   reused only after its last copy. [`CudaAllocator::alloc_pinned`] uses one per allocator.
 //! * [`raw`]: allocate and free by device ordinal and raw stream handle, for C callers and
 //!   PyTorch's pluggable-allocator interface (see `examples/torch_plugin.rs`).
 //!
@@ -26,6 +30,7 @@
 mod allocator;
 mod capture;
 mod events;
+mod pinned;
 pub mod raw;
 mod registry;
 mod slice;
@@ -33,6 +38,7 @@ mod view;
 
 pub use allocator::CudaAllocator;
 pub use capture::{CapturedGraph, GraphPool};
+pub use pinned::{CachedPinned, PinnedAllocator};
 pub use registry::AllocatorRegistry;
 pub use slice::CachedSlice;
 pub use view::{CachedView, CachedViewMut};
@@ -70,6 +76,39 @@ impl From<AllocError> for cudarc::driver::DriverError {
     }
 }
 
+/// A pinned-cache error as cudarc's `DriverError` (only the code survives, as for
+/// `AllocError`): a cap or out-of-memory is `CUDA_ERROR_OUT_OF_MEMORY`, a bad request or
+/// configuration or an unknown block `CUDA_ERROR_INVALID_VALUE`, a backend or fence error its
+/// driver code (`CUDA_ERROR_UNKNOWN` when it has none).
+impl From<crate::host::PinnedError> for cudarc::driver::DriverError {
+    fn from(e: crate::host::PinnedError) -> Self {
+        use crate::host::PinnedError as P;
+        use cudarc::driver::sys::CUresult as R;
+        cudarc::driver::DriverError(match &e {
+            P::CapExceeded { .. } => R::CUDA_ERROR_OUT_OF_MEMORY,
+            P::InvalidRequest(_) | P::InvalidConfig(_) | P::UnknownBlock { .. } => {
+                R::CUDA_ERROR_INVALID_VALUE
+            }
+            P::Fence { source, .. } | P::Backend(source) => backend_code(source),
+        })
+    }
+}
+
+/// The `CUresult` that stands for a backend error.
+fn backend_code(source: &BackendError) -> cudarc::driver::sys::CUresult {
+    use cudarc::driver::sys::CUresult as R;
+    match source {
+        BackendError::OutOfMemory => R::CUDA_ERROR_OUT_OF_MEMORY,
+        BackendError::InvalidStream { .. } => R::CUDA_ERROR_INVALID_HANDLE,
+        BackendError::InvalidArgument { .. } => R::CUDA_ERROR_INVALID_VALUE,
+        BackendError::Unsupported(_) => R::CUDA_ERROR_NOT_SUPPORTED,
+        BackendError::Driver { source, .. } => source
+            .downcast_ref::<cudarc::driver::DriverError>()
+            .map_or(R::CUDA_ERROR_UNKNOWN, |d| d.0),
+        _ => R::CUDA_ERROR_UNKNOWN,
+    }
+}
+
 /// The `CUresult` that stands for `e` (see `From<AllocError> for DriverError`).
 fn result_code(e: &AllocError) -> cudarc::driver::sys::CUresult {
     use cudarc::driver::sys::CUresult as R;
@@ -86,15 +125,6 @@ fn result_code(e: &AllocError) -> cudarc::driver::sys::CUresult {
         | AllocError::InvalidPool { .. } => R::CUDA_ERROR_INVALID_VALUE,
         AllocError::Unsupported { .. } => R::CUDA_ERROR_NOT_SUPPORTED,
         AllocError::CaptureUnderway { .. } => R::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
-        AllocError::Backend { source, .. } => match source {
-            BackendError::OutOfMemory => R::CUDA_ERROR_OUT_OF_MEMORY,
-            BackendError::InvalidStream { .. } => R::CUDA_ERROR_INVALID_HANDLE,
-            BackendError::InvalidArgument { .. } => R::CUDA_ERROR_INVALID_VALUE,
-            BackendError::Unsupported(_) => R::CUDA_ERROR_NOT_SUPPORTED,
-            BackendError::Driver { source, .. } => source
-                .downcast_ref::<cudarc::driver::DriverError>()
-                .map_or(R::CUDA_ERROR_UNKNOWN, |d| d.0),
-            _ => R::CUDA_ERROR_UNKNOWN,
-        },
+        AllocError::Backend { source, .. } => backend_code(source),
     }
 }

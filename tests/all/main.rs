@@ -12,6 +12,7 @@ mod config_env;
 mod cross_stream;
 mod cuda;
 mod cuda_capture;
+mod cuda_pinned;
 mod cuda_port;
 mod cuda_streams;
 mod device_cost;

@@ -1,0 +1,29 @@
+//! `HostFence`: a completion the caller hands to [`PinnedCache::free_after`](super::PinnedCache::free_after),
+//! for work the cache did not see declared (an event that cudarc recorded after a copy, say).
+//! May use: `backend` values.
+
+use std::fmt;
+
+use crate::backend::BackendError;
+
+/// Something that completes once the queued work that used a freed block is done; the cache
+/// reuses the block only after [`query`](Self::query) answered `Ok(true)` (or
+/// [`wait`](Self::wait) returned `Ok(())`). The fence is dropped once complete (a pooled event
+/// goes back to its pool from its `Drop`), inside the cache's lock: its `Drop` must not call the
+/// cache.
+pub trait HostFence: Send + fmt::Debug {
+    /// Whether the work is done, without waiting (a CUDA event query). An error counts as "not
+    /// yet": the block stays out of reuse.
+    ///
+    /// # Errors
+    ///
+    /// The backend's error; the cache treats it as incomplete.
+    fn query(&mut self) -> Result<bool, BackendError>;
+
+    /// Blocks until the work is done (used when the cache is dropped).
+    ///
+    /// # Errors
+    ///
+    /// The backend's error; the block then stays pinned (leaked) rather than reused.
+    fn wait(&mut self) -> Result<(), BackendError>;
+}

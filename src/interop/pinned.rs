@@ -1,0 +1,578 @@
+//! Cached pinned host buffers for cudarc: [`PinnedAllocator`] (a handle to a
+//! [`PinnedCache`] over [`CudaHost`]) and [`CachedPinned<T>`], a page-locked buffer that cudarc
+//! takes wherever it takes a `HostSlice` (`memcpy_htod`, `memcpy_dtoh`, `clone_htod`) and whose
+//! memory returns to the cache when dropped.
+//!
+//! Event rules (cudarc's `PinnedHostSlice`, kept): each buffer has one CUDA event (created with
+//! `CU_EVENT_BLOCKING_SYNC`, as cudarc's); every stream use first waits on it and, while the
+//! context manages stream synchronization, records it after the work is queued (cudarc's own
+//! `SyncOnDrop::Record` does the recording); host access (`as_slice`, `as_mut_slice`, ...)
+//! synchronizes it first. Two cases cudarc leaves to the user are made safe here, because a
+//! dropped buffer's memory goes to a new owner that may write it at once:
+//!
+//! * a use while the context does **not** manage synchronization (one stream only, or event
+//!   tracking off) on the legacy or per-thread default stream marks the buffer; host access and
+//!   the drop then make the legacy default stream wait on the event and record it there, which
+//!   orders it after every blocking stream of the context (the only kind cudarc makes while it
+//!   counts no stream of its own) and after every use the event covered before. A use on those
+//!   two streams marks the buffer while synchronization is managed too (in case the context
+//!   stops managing it before cudarc records): host access after it then also waits for work
+//!   queued on the legacy stream after the copy, which cudarc's own buffer does not;
+//! * a use on any other stream while synchronization is not managed (a borrowed stream, event
+//!   tracking off), or on a stream of another context, is made synchronous
+//!   (`SyncOnDrop::Sync`): the copy is done when cudarc's call returns.
+//!
+//! Where cudarc's drop synchronizes the event and frees, a dropped `CachedPinned` never blocks:
+//! an event that may still be pending is handed to the cache as a [`HostFence`]
+//! ([`PinnedCache::free_after`]), and the block is reused only once a query says the event
+//! completed; the event then returns to a pool, so a cache hit creates no event. A buffer never
+//! used on a stream is freed with no query at all.
+//!
+//! May use: `host`, `backend::cuda`, cudarc, `interop` helpers.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaStream, DeviceRepr, DriverError, HostSlice, SyncOnDrop,
+    ValidAsZeroBits, sys,
+};
+use parking_lot::Mutex;
+
+use crate::backend::BackendError;
+use crate::backend::cuda::{CudaDevice, driver};
+use crate::host::{
+    CudaHost, HostBackend, HostFence, HostPtr, PinnedCache, PinnedConfig, PinnedError,
+    PinnedInvariantViolation, PinnedStats,
+};
+
+/// Most events a pool keeps; an event returned to a full pool is destroyed.
+const EVENT_POOL_CAP: usize = 4096;
+
+/// Completed events waiting for the next buffer.
+#[derive(Default)]
+struct EventPool {
+    events: Mutex<Vec<CudaEvent>>,
+}
+
+impl EventPool {
+    fn put(&self, event: CudaEvent) {
+        let displaced = {
+            let mut g = self.events.lock();
+            if g.len() < EVENT_POOL_CAP {
+                g.push(event);
+                None
+            } else {
+                Some(event)
+            }
+        };
+        drop(displaced);
+    }
+}
+
+/// A buffer's event handed to the cache at the drop: complete once the buffer's last use is.
+struct EventFence {
+    event: Option<CudaEvent>,
+    pool: Arc<EventPool>,
+}
+
+impl fmt::Debug for EventFence {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EventFence").finish_non_exhaustive()
+    }
+}
+
+impl HostFence for EventFence {
+    fn query(&mut self) -> Result<bool, BackendError> {
+        match &self.event {
+            Some(e) => e.try_is_complete().map_err(|e| driver("cuEventQuery", e)),
+            None => Ok(true),
+        }
+    }
+
+    fn wait(&mut self) -> Result<(), BackendError> {
+        match &self.event {
+            Some(e) => e.synchronize().map_err(|e| driver("cuEventSynchronize", e)),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for EventFence {
+    fn drop(&mut self) {
+        // Dropped by the cache once the query or the wait said complete (or with the cache).
+        if let Some(e) = self.event.take() {
+            self.pool.put(e);
+        }
+    }
+}
+
+struct PinnedInner {
+    cache: PinnedCache<CudaHost>,
+    events: Arc<EventPool>,
+}
+
+/// A handle to a caching allocator of pinned host memory on one CUDA context (cheap to clone;
+/// clones share the cache). Buffers come from [`alloc_pinned`](Self::alloc_pinned) (cudarc's
+/// `CudaContext::alloc_pinned`, cached) and friends.
+///
+/// ```no_run
+/// use cuda_caching_allocator::host::PinnedConfig;
+/// use cuda_caching_allocator::interop::PinnedAllocator;
+/// use cudarc::driver::CudaContext;
+/// let ctx = CudaContext::new(0)?;
+/// let stream = ctx.default_stream();
+/// let pinned = PinnedAllocator::new(ctx.clone(), PinnedConfig::default())?;
+/// let mut staging = pinned.alloc_pinned_zeros::<f32>(1 << 20)?;
+/// staging.as_mut_slice()?.fill(1.0);
+/// let dev = stream.clone_htod(&staging)?;     // async copy from cached pinned memory
+/// drop(staging);                              // reused once the copy is done, never before
+/// let back = pinned.alloc_pinned_zeros::<f32>(1 << 20)?;
+/// # drop((dev, back));
+/// println!("{}", pinned.summary());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone)]
+pub struct PinnedAllocator {
+    inner: Arc<PinnedInner>,
+}
+
+impl fmt::Debug for PinnedAllocator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PinnedAllocator")
+            .field("stats", &self.inner.cache.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PinnedAllocator {
+    /// A pinned cache of its own on `ctx`, with `config`.
+    ///
+    /// # Errors
+    /// [`PinnedError::Backend`] when the device cannot be queried; [`PinnedError::InvalidConfig`]
+    /// for a bad configuration.
+    pub fn new(ctx: Arc<CudaContext>, config: PinnedConfig) -> Result<Self, PinnedError> {
+        let device = CudaDevice::new(ctx)?;
+        let cache = PinnedCache::new(CudaHost::new(Arc::new(device)), config)?;
+        Ok(PinnedAllocator {
+            inner: Arc::new(PinnedInner {
+                cache,
+                events: Arc::new(EventPool::default()),
+            }),
+        })
+    }
+
+    /// The cudarc context the events and the pinning calls use.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        self.inner.cache.host().device().context()
+    }
+
+    /// A copy of the statistics ([`PinnedStats`]).
+    pub fn stats(&self) -> PinnedStats {
+        self.inner.cache.stats()
+    }
+
+    /// The statistics as one line.
+    pub fn summary(&self) -> String {
+        self.inner.cache.summary()
+    }
+
+    /// Resets every peak statistic to its current value.
+    pub fn reset_peak_stats(&self) {
+        self.inner.cache.reset_peak_stats()
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> PinnedConfig {
+        self.inner.cache.config()
+    }
+
+    /// Freed buffers whose last copy has not been seen complete yet.
+    pub fn waiting_blocks(&self) -> usize {
+        self.inner.cache.waiting_blocks()
+    }
+
+    /// Events kept for the next buffers (each a CUDA event).
+    pub fn kept_events(&self) -> usize {
+        self.inner.events.events.lock().len()
+    }
+
+    /// Unpins every wholly free slab and destroys the kept events; returns the bytes unpinned.
+    /// Blocks still waiting for their copies stay pinned.
+    ///
+    /// # Errors
+    /// As [`PinnedCache::empty_cache`].
+    pub fn empty_cache(&self) -> Result<usize, PinnedError> {
+        let freed = self.inner.cache.empty_cache();
+        let events = std::mem::take(&mut *self.inner.events.events.lock());
+        drop(events);
+        freed
+    }
+
+    /// Runs the pinned cache's invariant checker.
+    ///
+    /// # Errors
+    /// The first violated invariant.
+    pub fn check_invariants(&self) -> Result<(), PinnedInvariantViolation> {
+        self.inner.cache.check_invariants()
+    }
+
+    fn event(&self) -> Result<CudaEvent, PinnedError> {
+        if let Some(e) = self.inner.events.events.lock().pop() {
+            return Ok(e);
+        }
+        self.context()
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))
+            .map_err(|e| PinnedError::Backend(driver("cuEventCreate", e)))
+    }
+
+    /// Page-locked room for `len` values of `T`, from the cache (cudarc's
+    /// `CudaContext::alloc_pinned`, without a `cuMemHostAlloc` on a cache hit). `len == 0` gives
+    /// an empty buffer with no memory and no event.
+    ///
+    /// # Errors
+    /// [`PinnedError::InvalidRequest`] when `len * size_of::<T>()` overflows;
+    /// [`PinnedError::CapExceeded`] past the cap; [`PinnedError::Backend`] when pinning or
+    /// creating the buffer's event fails.
+    ///
+    /// # Safety
+    /// 1. The contents are whatever the memory held before (another buffer's data): do not read
+    ///    them as `T` before writing them unless every bit pattern is a valid `T`.
+    pub unsafe fn alloc_pinned<T: DeviceRepr>(
+        &self,
+        len: usize,
+    ) -> Result<CachedPinned<T>, PinnedError> {
+        let bytes = len.checked_mul(std::mem::size_of::<T>()).ok_or_else(|| {
+            PinnedError::InvalidRequest(format!(
+                "{len} values of {} bytes overflow",
+                std::mem::size_of::<T>()
+            ))
+        })?;
+        if bytes == 0 {
+            return Ok(CachedPinned {
+                ptr: NonNull::dangling(),
+                len,
+                block: None,
+                event: None,
+                used: AtomicBool::new(false),
+                lazy: AtomicBool::new(false),
+                alloc: self.clone(),
+                marker: PhantomData,
+            });
+        }
+        if std::mem::align_of::<T>() > self.config().alignment {
+            return Err(PinnedError::InvalidRequest(format!(
+                "values of alignment {} exceed the cache's alignment {}",
+                std::mem::align_of::<T>(),
+                self.config().alignment
+            )));
+        }
+        let event = self.event()?;
+        let block = match self.inner.cache.alloc(bytes) {
+            Ok(b) => b,
+            Err(e) => {
+                self.inner.events.put(event);
+                return Err(e);
+            }
+        };
+        let Some(ptr) = NonNull::new(block.ptr.addr() as *mut T) else {
+            // Unreachable by the backend's contract (ranges are never null); give it back.
+            let _ = self.inner.cache.free(block.ptr);
+            self.inner.events.put(event);
+            return Err(PinnedError::InvalidRequest("null pinned block".into()));
+        };
+        Ok(CachedPinned {
+            ptr,
+            len,
+            block: Some(block.ptr),
+            event: Some(event),
+            used: AtomicBool::new(false),
+            lazy: AtomicBool::new(false),
+            alloc: self.clone(),
+            marker: PhantomData,
+        })
+    }
+
+    /// `len` zeroed values of `T` in page-locked memory from the cache (zeroed on the host).
+    ///
+    /// # Errors
+    /// As [`alloc_pinned`](Self::alloc_pinned).
+    pub fn alloc_pinned_zeros<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        len: usize,
+    ) -> Result<CachedPinned<T>, PinnedError> {
+        // SAFETY: every byte is written with zero below before anyone reads it; zero bits are a
+        // valid `T` (`ValidAsZeroBits`).
+        let buf = unsafe { self.alloc_pinned::<T>(len) }?;
+        if let Some(block) = buf.block {
+            // SAFETY: the block holds `len * size_of::<T>()` bytes handed to `buf` alone, and no
+            // stream uses it yet.
+            unsafe {
+                std::ptr::write_bytes(block.addr() as *mut u8, 0, len * std::mem::size_of::<T>())
+            };
+        }
+        Ok(buf)
+    }
+
+    /// A copy of `src` in page-locked memory from the cache (copied on the host).
+    ///
+    /// # Errors
+    /// As [`alloc_pinned`](Self::alloc_pinned).
+    pub fn pinned_from_slice<T: DeviceRepr + Copy>(
+        &self,
+        src: &[T],
+    ) -> Result<CachedPinned<T>, PinnedError> {
+        // SAFETY: every element is written by the copy below before anyone reads it.
+        let buf = unsafe { self.alloc_pinned::<T>(src.len()) }?;
+        if buf.block.is_some() {
+            // SAFETY: `buf` owns `src.len()` values of room at `ptr`, disjoint from `src` (it is
+            // pinned memory of the cache), and no stream uses it yet.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), buf.ptr.as_ptr(), src.len()) };
+        }
+        Ok(buf)
+    }
+}
+
+/// Page-locked host memory for `len` values of `T` from a [`PinnedAllocator`]: cudarc's
+/// `PinnedHostSlice<T>`, cached. It implements cudarc's `HostSlice<T>`, so
+/// `stream.memcpy_htod(&buf, &mut dev)`, `stream.memcpy_dtoh(&dev, &mut buf)` and
+/// `stream.clone_htod(&buf)` take it (and so does [`CudaAllocator::clone_htod`](super::CudaAllocator::clone_htod)).
+/// Copies are asynchronous; host access waits for them (see the module's event rules), and the
+/// memory returns to the cache when the buffer is dropped, reused only after its last copy.
+pub struct CachedPinned<T> {
+    ptr: NonNull<T>,
+    len: usize,
+    /// The cache block (`None` for an empty buffer).
+    block: Option<HostPtr>,
+    event: Option<CudaEvent>,
+    /// Used on a stream since the last exclusive host access: the event may be pending.
+    used: AtomicBool,
+    /// Used on a default stream while the context did not manage synchronization: the event must
+    /// be recorded on the legacy default stream before it fences anything.
+    lazy: AtomicBool,
+    alloc: PinnedAllocator,
+    marker: PhantomData<T>,
+}
+
+// SAFETY: the buffer owns its memory (a block of the cache) as a `Box<[T]>` would; the event is
+// `Send + Sync` (cudarc), the flags are atomics and the allocator handle is `Send + Sync`.
+unsafe impl<T: Send> Send for CachedPinned<T> {}
+// SAFETY: shared access only reads the memory (or hands it to cudarc as `&[T]`).
+unsafe impl<T: Sync> Sync for CachedPinned<T> {}
+
+impl<T> fmt::Debug for CachedPinned<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CachedPinned")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Whether `stream` is ordered by the legacy default stream: the legacy stream itself
+/// (`NULL`, `CU_STREAM_LEGACY`) or the per-thread default stream, both blocking.
+fn legacy_ordered(stream: &CudaStream) -> bool {
+    matches!(stream.cu_stream() as usize, 0..=2)
+}
+
+/// Re-records `ev` on the legacy default stream of its context, after making that stream wait
+/// for what `ev` fenced so far: the event then covers every earlier use (those on non-blocking
+/// streams through the wait, those on blocking streams through the legacy stream's order).
+fn fence_on_legacy(ev: &CudaEvent) -> Result<(), DriverError> {
+    let legacy = ev.context().default_stream();
+    legacy.wait(ev)?;
+    ev.record(&legacy)
+}
+
+impl<T> CachedPinned<T> {
+    /// The number of values.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer holds no value.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The number of bytes.
+    pub fn num_bytes(&self) -> usize {
+        self.len * std::mem::size_of::<T>()
+    }
+
+    /// The buffer's address, without waiting for its copies: for comparing and logging, not
+    /// for reading or writing (use [`as_slice`](Self::as_slice) and friends, which wait).
+    pub fn host_ptr(&self) -> HostPtr {
+        HostPtr(self.ptr.as_ptr() as usize)
+    }
+
+    /// The allocator the memory returns to.
+    pub fn allocator(&self) -> &PinnedAllocator {
+        &self.alloc
+    }
+
+    /// The context of the buffer's event.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        self.alloc.context()
+    }
+
+    /// Waits until no queued copy uses the memory (host access). `exclusive`: nobody else can
+    /// queue a use meanwhile (`&mut self`), so the marks can be cleared.
+    fn sync_host(&self, exclusive: bool) -> Result<(), DriverError> {
+        let Some(ev) = &self.event else {
+            return Ok(());
+        };
+        if self.lazy.load(Ordering::Acquire) {
+            fence_on_legacy(ev)?;
+            if exclusive {
+                self.lazy.store(false, Ordering::Release);
+            }
+        }
+        if self.used.load(Ordering::Acquire) {
+            ev.synchronize()?;
+            if exclusive {
+                self.used.store(false, Ordering::Release);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<T: ValidAsZeroBits> CachedPinned<T> {
+    /// Waits for every queued copy of the buffer, then its address (cudarc's `as_ptr`).
+    ///
+    /// # Errors
+    /// A driver error from the event calls.
+    pub fn as_ptr(&self) -> Result<*const T, DriverError> {
+        self.sync_host(false)?;
+        Ok(self.ptr.as_ptr())
+    }
+
+    /// Waits for every queued copy of the buffer, then its address (cudarc's `as_mut_ptr`).
+    ///
+    /// # Errors
+    /// A driver error from the event calls.
+    pub fn as_mut_ptr(&mut self) -> Result<*mut T, DriverError> {
+        self.sync_host(true)?;
+        Ok(self.ptr.as_ptr())
+    }
+
+    /// Waits for every queued copy of the buffer, then the values (cudarc's `as_slice`).
+    ///
+    /// # Errors
+    /// A driver error from the event calls.
+    pub fn as_slice(&self) -> Result<&[T], DriverError> {
+        self.sync_host(false)?;
+        // SAFETY: `ptr` holds `len` values owned by this buffer (or is dangling with `len == 0`),
+        // initialised as the caller of `alloc_pinned` promised, and no queued copy writes them
+        // (writes need `&mut self`; the copies queued before were waited for above).
+        Ok(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) })
+    }
+
+    /// Waits for every queued copy of the buffer, then the values (cudarc's `as_mut_slice`).
+    ///
+    /// # Errors
+    /// A driver error from the event calls.
+    pub fn as_mut_slice(&mut self) -> Result<&mut [T], DriverError> {
+        self.sync_host(true)?;
+        // SAFETY: as in `as_slice`; `&mut self` excludes every other access.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) })
+    }
+}
+
+impl<T> CachedPinned<T> {
+    /// The stream rules of the module docs for one use on `stream`.
+    fn use_on<'a>(&'a self, stream: &'a CudaStream) -> SyncOnDrop<'a> {
+        let Some(ev) = &self.event else {
+            return SyncOnDrop::Sync(None);
+        };
+        let ctx = stream.context();
+        // cudarc's rule: every use waits for the previous ones.
+        ctx.record_err(stream.wait(ev));
+        if **ctx != **ev.context() {
+            return SyncOnDrop::sync_stream(stream);
+        }
+        self.used.store(true, Ordering::Release);
+        let legacy = legacy_ordered(stream);
+        if legacy {
+            // Also when synchronization is managed: if the context stops managing it before
+            // cudarc records (its last stream dropped on another thread), the legacy record at
+            // host access or drop still fences this use.
+            self.lazy.store(true, Ordering::Release);
+        }
+        if ctx.is_managing_stream_synchronization() {
+            SyncOnDrop::Record(Some((ev, stream)))
+        } else if legacy {
+            SyncOnDrop::Sync(None)
+        } else {
+            SyncOnDrop::sync_stream(stream)
+        }
+    }
+}
+
+impl<T> HostSlice<T> for CachedPinned<T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    unsafe fn stream_synced_slice<'a>(
+        &'a self,
+        stream: &'a CudaStream,
+    ) -> (&'a [T], SyncOnDrop<'a>) {
+        let record = self.use_on(stream);
+        // SAFETY: `ptr` holds `len` values owned by this buffer (dangling with `len == 0`); the
+        // copy that reads them is ordered after earlier uses (the wait above).
+        let slice = unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) };
+        (slice, record)
+    }
+
+    unsafe fn stream_synced_mut_slice<'a>(
+        &'a mut self,
+        stream: &'a CudaStream,
+    ) -> (&'a mut [T], SyncOnDrop<'a>) {
+        let record = self.use_on(stream);
+        // SAFETY: as above; `&mut self` makes the copy the only writer.
+        let slice = unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) };
+        (slice, record)
+    }
+}
+
+impl<T> Drop for CachedPinned<T> {
+    fn drop(&mut self) {
+        let Some(block) = self.block else {
+            return;
+        };
+        let cache = &self.alloc.inner.cache;
+        let pool = &self.alloc.inner.events;
+        let Some(ev) = self.event.take() else {
+            return;
+        };
+        if *self.lazy.get_mut() {
+            let ctx = Arc::clone(ev.context());
+            if fence_on_legacy(&ev).is_err() && ctx.synchronize().is_err() {
+                // Neither fenced nor waited for: the copies may still run, so the memory must
+                // never be handed out again. Leak the block (and the event with it).
+                tracing::warn!(
+                    ?block,
+                    "pinned buffer could not be fenced; its block stays out of reuse"
+                );
+                std::mem::forget(ev);
+                return;
+            }
+        }
+        if *self.used.get_mut() {
+            let fence = EventFence {
+                event: Some(ev),
+                pool: Arc::clone(pool),
+            };
+            // Unknown block: impossible (the buffer owns it); the fence then just drops.
+            let _ = cache.free_after(block, Box::new(fence));
+        } else {
+            pool.put(ev);
+            let _ = cache.free(block);
+        }
+    }
+}

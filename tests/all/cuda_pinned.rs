@@ -1,0 +1,352 @@
+//! GPU tests of the pinned host cache on CUDA (issue #16): `PinnedCache<CudaHost>` and the cudarc
+//! interop (`PinnedAllocator`, `CachedPinned<T>` as cudarc's `HostSlice`).
+//!
+//! The reuse-after-copy probe queues a host-to-device copy behind a delay kernel, frees the
+//! pinned buffer at once, allocates the same size again and overwrites it on the host: the copied
+//! data must be the original. It runs through `CachedPinned` on a context that manages stream
+//! synchronization (cudarc records the buffer's event), on a single-stream context (the legacy
+//! stream fence), and through the raw cache with `record_stream`; the control arm frees through
+//! the raw cache without declaring the stream, so the block is reused at once and the race must
+//! show, or the probe proves nothing. `#[ignore]`d like `cuda.rs` (`--include-ignored` runs them), single-threaded.
+#![cfg(feature = "cuda")]
+
+use std::sync::{Arc, OnceLock};
+
+use cuda_caching_allocator::AllocatorConfig;
+use cuda_caching_allocator::backend::cuda::CudaDevice;
+use cuda_caching_allocator::host::{CudaHost, PinnedCache, PinnedConfig};
+use cuda_caching_allocator::interop::{CudaAllocator, PinnedAllocator};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig, PushKernelArg,
+    result,
+};
+
+use crate::util::require_gpu;
+
+const TRIALS: usize = 10;
+/// Values per buffer: 4 MiB of `u32`.
+const N: usize = 1 << 20;
+/// About 20 ms of spinning at 2 GHz: long enough for the host to free, reallocate and overwrite.
+const SPIN: i64 = 40_000_000;
+
+const KERNELS: &str = r#"
+extern "C" __global__ void spin(long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) { }
+}
+extern "C" __global__ void spin_fill(unsigned int* p, unsigned long long n, unsigned int v,
+                                     long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) { }
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x)
+        p[i] = v + (unsigned int)i;
+}
+"#;
+
+struct Kernels {
+    spin: CudaFunction,
+    spin_fill: CudaFunction,
+}
+
+fn kernels(ctx: &Arc<CudaContext>) -> Kernels {
+    let module = crate::util::load_module(ctx, KERNELS);
+    Kernels {
+        spin: module.load_function("spin").unwrap(),
+        spin_fill: module.load_function("spin_fill").unwrap(),
+    }
+}
+
+fn one_block() -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn grid() -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (256, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn under_sanitizer() -> bool {
+    std::env::var_os("CCA_UNDER_SANITIZER").is_some()
+}
+
+fn pattern(v: u32) -> Vec<u32> {
+    (0..N as u32).map(|i| v.wrapping_add(i)).collect()
+}
+
+/// Queues the delay kernel on `s`: the next work on `s` starts about 20 ms later.
+fn delay(k: &Kernels, s: &Arc<CudaStream>) {
+    let mut l = s.launch_builder(&k.spin);
+    l.arg(&SPIN);
+    // SAFETY: spin(long long) touches no memory.
+    unsafe { l.launch(one_block()) }.unwrap();
+}
+
+/// A context object of device 0 (its own stream count and tracking flag) with `streams` new
+/// streams; the work stream is the last new one, or the default stream with none.
+fn setup(streams: usize) -> (Arc<CudaContext>, Arc<CudaStream>) {
+    let ctx = CudaContext::new(0).unwrap();
+    let mut s = ctx.default_stream();
+    for _ in 0..streams {
+        s = ctx.new_stream().unwrap();
+    }
+    (ctx, s)
+}
+
+/// The probe through `CachedPinned`: returns (trials whose copy saw the overwrite, trials whose
+/// second buffer got the first one's address).
+/// With `default_first`, the buffer is first copied on the legacy default stream too, so that its
+/// event must cover a blocking and a non-blocking stream at once.
+fn cached_probe(streams: usize, default_first: bool) -> (usize, usize) {
+    let (ctx, s) = setup(streams);
+    let legacy = ctx.default_stream();
+    let k = kernels(&ctx);
+    let pinned = PinnedAllocator::new(Arc::clone(&ctx), PinnedConfig::default()).unwrap();
+    let (mut wrong, mut reused) = (0, 0);
+    for trial in 0..TRIALS {
+        let v = 1000 * trial as u32 + 3;
+        let src = pinned.pinned_from_slice(&pattern(v)).unwrap();
+        let mut dev: CudaSlice<u32> = s.alloc_zeros(N).unwrap();
+        s.synchronize().unwrap();
+        if default_first {
+            let mut first: CudaSlice<u32> = legacy.alloc_zeros(N).unwrap();
+            legacy.memcpy_htod(&src, &mut first).unwrap();
+        }
+        delay(&k, &s);
+        s.memcpy_htod(&src, &mut dev).unwrap();
+        let before = src.host_ptr();
+        drop(src);
+        let mut again = pinned.alloc_pinned_zeros::<u32>(N).unwrap();
+        if again.host_ptr() == before {
+            reused += 1;
+        }
+        again.as_mut_slice().unwrap().fill(0xDEAD_BEEF);
+        let got = s.clone_dtoh(&dev).unwrap();
+        if got != pattern(v) {
+            wrong += 1;
+        }
+        ctx.synchronize().unwrap();
+    }
+    pinned.check_invariants().unwrap();
+    (wrong, reused)
+}
+
+/// The probe through the raw cache: `fenced` declares the copy's stream before the free, the
+/// control arm does not. Returns (wrong, reused) as `cached_probe`.
+fn raw_probe(fenced: bool) -> (usize, usize) {
+    let (ctx, s) = setup(1);
+    let k = kernels(&ctx);
+    let device = Arc::new(CudaDevice::new(Arc::clone(&ctx)).unwrap());
+    let stream = device.admit_stream(&s).unwrap();
+    let cache = PinnedCache::new(CudaHost::new(device), PinnedConfig::default()).unwrap();
+    let bytes = N * std::mem::size_of::<u32>();
+    let (mut wrong, mut reused) = (0, 0);
+    for trial in 0..TRIALS {
+        let v = 1000 * trial as u32 + 5;
+        let a = cache.alloc(bytes).unwrap();
+        // SAFETY: the block holds `bytes` bytes of pinned memory handed to this test alone.
+        let host = unsafe { std::slice::from_raw_parts_mut(a.ptr.addr() as *mut u32, N) };
+        host.copy_from_slice(&pattern(v));
+        let mut dev: CudaSlice<u32> = s.alloc_zeros(N).unwrap();
+        s.synchronize().unwrap();
+        delay(&k, &s);
+        {
+            let (dptr, _record) = dev.device_ptr_mut(&s);
+            // SAFETY: `dptr` holds `N` values; `host` is pinned memory of `N` values, kept
+            // allocated (by the cache) until the stream is synchronized below.
+            unsafe { result::memcpy_htod_async(dptr, &host[..], s.cu_stream()) }.unwrap();
+        }
+        if fenced {
+            cache.record_stream(a.ptr, stream).unwrap();
+        }
+        cache.free(a.ptr).unwrap();
+        let b = cache.alloc(bytes).unwrap();
+        if b.ptr == a.ptr {
+            reused += 1;
+        }
+        // SAFETY: `b` is handed to this test alone (the control arm overwrites memory the queued
+        // copy still reads: a data race on plain integers, which is what the arm measures).
+        unsafe { std::slice::from_raw_parts_mut(b.ptr.addr() as *mut u32, N) }.fill(0xDEAD_BEEF);
+        let got = s.clone_dtoh(&dev).unwrap();
+        if got != pattern(v) {
+            wrong += 1;
+        }
+        cache.free(b.ptr).unwrap();
+        ctx.synchronize().unwrap();
+    }
+    cache.check_invariants().unwrap();
+    (wrong, reused)
+}
+
+/// (managed, single-stream, managed after a default-stream copy, raw fenced, raw control),
+/// computed once and printed for the log.
+fn results() -> &'static [(usize, usize); 5] {
+    static R: OnceLock<[(usize, usize); 5]> = OnceLock::new();
+    R.get_or_init(|| {
+        let r = [
+            cached_probe(2, false),
+            cached_probe(0, false),
+            cached_probe(2, true),
+            raw_probe(true),
+            raw_probe(false),
+        ];
+        println!(
+            "pinned reuse-after-copy probes, {TRIALS} trials each (wrong, reused): CachedPinned managed {:?}, CachedPinned single-stream {:?}, CachedPinned managed after a default-stream copy {:?}, raw cache with record_stream {:?}; control (raw, no fence) {:?}",
+            r[0], r[1], r[2], r[3], r[4]
+        );
+        r
+    })
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn a_freed_pinned_buffer_is_reused_only_after_its_copy() {
+    require_gpu("a_freed_pinned_buffer_is_reused_only_after_its_copy");
+    let [managed, single, both, raw, control] = *results();
+    assert_eq!(
+        both.0, 0,
+        "CachedPinned (default stream, then another): the copy saw the new owner's data"
+    );
+    assert_eq!(
+        managed.0, 0,
+        "CachedPinned (managed): the copy saw the new owner's data"
+    );
+    assert_eq!(
+        single.0, 0,
+        "CachedPinned (single stream): the copy saw the new owner's data"
+    );
+    assert_eq!(
+        raw.0, 0,
+        "raw cache with record_stream: the copy saw the new owner's data"
+    );
+    assert_eq!(
+        managed.1 + single.1 + both.1 + raw.1,
+        0,
+        "a block was reused before its copy ended"
+    );
+    if !under_sanitizer() {
+        assert!(control.1 > 0, "control arm never reused the block");
+        assert!(
+            control.0 > 0,
+            "control arm: the reuse-after-copy race did not show"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn cached_pinned_round_trips_through_cudarc() {
+    require_gpu("cached_pinned_round_trips_through_cudarc");
+    for streams in [0, 2] {
+        let (ctx, s) = setup(streams);
+        let k = kernels(&ctx);
+        let pinned = PinnedAllocator::new(Arc::clone(&ctx), PinnedConfig::default()).unwrap();
+        // htod from cached pinned memory (clone_htod, memcpy_htod), dtoh into it.
+        let src = pinned.pinned_from_slice(&pattern(17)).unwrap();
+        let dev = s.clone_htod(&src).unwrap();
+        let mut back = pinned.alloc_pinned_zeros::<u32>(N).unwrap();
+        s.memcpy_dtoh(&dev, &mut back).unwrap();
+        assert_eq!(
+            back.as_slice().unwrap(),
+            &pattern(17)[..],
+            "streams {streams}"
+        );
+        // Host access waits for a dtoh queued behind a slow kernel.
+        let mut slow: CudaSlice<u32> = s.alloc_zeros(N).unwrap();
+        let (n, v) = (N as u64, 99u32);
+        let mut fill = s.launch_builder(&k.spin_fill);
+        fill.arg(&mut slow).arg(&n).arg(&v).arg(&SPIN);
+        // SAFETY: spin_fill(unsigned*, u64, u32, i64) writes `N` values of an `N`-value buffer.
+        unsafe { fill.launch(grid()) }.unwrap();
+        s.memcpy_dtoh(&slow, &mut back).unwrap();
+        assert_eq!(
+            back.as_slice().unwrap(),
+            &pattern(99)[..],
+            "streams {streams}: as_slice waited"
+        );
+        // A second round is served from the cache: no new pin.
+        let pins = pinned.stats().num_pins;
+        drop((src, back));
+        ctx.synchronize().unwrap();
+        let again = pinned.pinned_from_slice(&pattern(5)).unwrap();
+        let dev2 = s.clone_htod(&again).unwrap();
+        assert_eq!(s.clone_dtoh(&dev2).unwrap(), pattern(5));
+        assert_eq!(
+            pinned.stats().num_pins,
+            pins,
+            "streams {streams}: a cache hit pinned"
+        );
+        assert!(pinned.stats().num_cache_hits > 0);
+        drop(again);
+        ctx.synchronize().unwrap();
+        pinned.check_invariants().unwrap();
+        println!("streams {streams}: {}", pinned.summary());
+        // Empty: zero-length buffers need no memory.
+        let empty = pinned.pinned_from_slice::<u32>(&[]).unwrap();
+        assert!(empty.is_empty());
+        drop(empty);
+        assert!(pinned.empty_cache().unwrap() > 0);
+        assert_eq!(pinned.stats().reserved_bytes.current, 0);
+        assert_eq!(pinned.kept_events(), 0);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn caching_allocator_takes_cached_pinned_buffers() {
+    require_gpu("caching_allocator_takes_cached_pinned_buffers");
+    let ctx = CudaContext::new(0).unwrap();
+    let s = ctx.new_stream().unwrap();
+    let alloc = CudaAllocator::new(Arc::clone(&ctx), AllocatorConfig::default()).unwrap();
+    // SAFETY: every value is written below before it is read.
+    let mut host = unsafe { alloc.alloc_pinned::<f32>(4096) }.unwrap();
+    for (i, x) in host.as_mut_slice().unwrap().iter_mut().enumerate() {
+        *x = i as f32;
+    }
+    let dev = alloc.clone_htod(&s, &host).unwrap();
+    assert_eq!(alloc.dtoh(&dev).unwrap(), host.as_slice().unwrap());
+    let stats = alloc.pinned().unwrap().stats();
+    assert_eq!(stats.num_allocs, 1);
+    assert_eq!(stats.requested_bytes.current, 4096 * 4);
+    drop(host);
+    s.synchronize().unwrap();
+    // Unused buffers: alloc + free makes no event query once nothing is pending.
+    let p = alloc.pinned().unwrap();
+    // SAFETY: never read.
+    drop(unsafe { p.alloc_pinned::<u8>(1 << 16) }.unwrap());
+    assert_eq!(p.waiting_blocks(), 0);
+    let queries = p.stats().num_event_queries;
+    for _ in 0..100 {
+        // SAFETY: never read.
+        drop(unsafe { p.alloc_pinned::<u8>(1 << 16) }.unwrap());
+    }
+    assert_eq!(
+        p.stats().num_event_queries,
+        queries,
+        "polled without pending copies"
+    );
+    assert_eq!(p.waiting_blocks(), 0);
+    // A copy still queued when the buffer is dropped: the block waits, then returns.
+    let k = kernels(&ctx);
+    let src = p.pinned_from_slice(&pattern(1)).unwrap();
+    let mut d: CudaSlice<u32> = s.alloc_zeros(N).unwrap();
+    delay(&k, &s);
+    s.memcpy_htod(&src, &mut d).unwrap();
+    drop(src);
+    assert_eq!(
+        p.waiting_blocks(),
+        1,
+        "dropped during the copy: waiting for its event"
+    );
+    s.synchronize().unwrap();
+    drop(p.pinned_from_slice(&[0u8; 16]).unwrap());
+    assert_eq!(p.waiting_blocks(), 0, "returned once the event completed");
+    assert_eq!(s.clone_dtoh(&d).unwrap(), pattern(1));
+}
