@@ -309,15 +309,15 @@ fn forked_streams_are_released_once_unused() {
         most = most.max(alloc.device().admitted_stream_count());
     }
     assert!(most <= 64, "500 tasks kept up to {most} streams admitted");
-    // Tasks that allocate on their own stream: their cached blocks keep them until empty_cache.
-    let before = alloc.device().admitted_stream_count();
+    // Tasks that allocate on their own stream: a stream stays admitted while cached blocks of
+    // its own are mapped (the default's page reuse may move a dead stream's free pages to a live
+    // one first, which releases it earlier); `empty_cache` releases the rest.
     for _ in 0..100 {
         let task = main.fork().unwrap();
         let mut mine: CachedSlice<u32> = alloc.alloc_zeros(&task, 4096).unwrap();
         task.memcpy_dtod(&shared, &mut mine).unwrap();
         assert_eq!(mine.to_vec().unwrap()[..1024], [7u32; 1024]);
     }
-    assert!(alloc.device().admitted_stream_count() >= before + 100 - 64);
     drop(shared);
     main.synchronize().unwrap();
     alloc.empty_cache().unwrap();
