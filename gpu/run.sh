@@ -123,35 +123,31 @@ for phase in $PHASES; do
   ports) # The port pairs: plain cudarc vs cached outputs compared, cached under memcheck.
     step ports timeout "$(left)" bash "$HERE/ports.sh"
     tail -n 30 "$OUT/ports.log" | tee -a "$S" ;;
-  package) # The PyTorch package from the staged wheel (no Rust, no network): installed into a
-    # venv that sees the system's torch, the C++ shim compiled at the first enable(), then
-    # python/tests/torch_conformance.py (one PASS/FAIL line per PyTorch API) and the safety
+  package) # The PyTorch package from the staged wheel (no Rust, no network), pip-installed into
+    # the Python that has torch (as a user would), the C++ shim compiled at the first enable(),
+    # then python/tests/torch_conformance.py (one PASS/FAIL line per PyTorch API) and the safety
     # probes through the package.
-    VENV=/tmp/cca-venv
-    rm -rf "$VENV"
-    python3 -m venv --system-site-packages "$VENV"
-    step package_install "$VENV/bin/pip" install --no-deps --no-index --no-build-isolation \
-      "$HERE"/cuda_caching_allocator-*.whl
+    step package_install python3 -m pip install --no-deps --no-index --no-build-isolation \
+      --force-reinstall "$HERE"/cuda_caching_allocator-*.whl
     export CCA_SHIM_BUILD_DIR=/tmp/cca-shim-build
-    step conformance timeout 420 "$VENV/bin/python" "$HERE/python/tests/torch_conformance.py" \
-      --out "$OUT"
+    step conformance timeout 420 python3 "$HERE/python/tests/torch_conformance.py" --out "$OUT"
     grep -E '^(PASS|FAIL) |passed, .* failed|^torch ' "$OUT/conformance.log" | cut -c1-400 | tee -a "$S"
-    PKG_LIB=$("$VENV/bin/python" -c 'import importlib.util as u; print(u.find_spec("cuda_caching_allocator._cca").origin)')
-    step package_safety timeout 300 "$VENV/bin/python" "$HERE/python/tests/torch_safety.py" \
+    PKG_LIB=$(cd /tmp && python3 -c 'import importlib.util as u; print(u.find_spec("cuda_caching_allocator._cca").origin)')
+    step package_safety timeout 300 python3 "$HERE/python/tests/torch_safety.py" \
       --library "$PKG_LIB" --json "$OUT/package_safety.json"
     grep -E '^== |^   |control arm' "$OUT/package_safety.log" | cut -c1-300 | tee -a "$S" ;;
   package_client) # After `package`: the GPT-2 client with its cca runs through the installed
     # package (shim route), compared with native as in the torch phase.
-    PKG_LIB=$(/tmp/cca-venv/bin/python -c 'import importlib.util as u; print(u.find_spec("cuda_caching_allocator._cca").origin)')
+    PKG_LIB=$(cd /tmp && python3 -c 'import importlib.util as u; print(u.find_spec("cuda_caching_allocator._cca").origin)')
     CCA_CLIENT_PACKAGE=1 CCA_SHIM_BUILD_DIR=/tmp/cca-shim-build step package_client timeout 400 \
-      /tmp/cca-venv/bin/python "$HERE/torch_client.py" --so "$PKG_LIB" --json "$OUT/package_client.json"
+      python3 "$HERE/torch_client.py" --so "$PKG_LIB" --json "$OUT/package_client.json"
     grep -E 'package route' "$OUT/package_client.log" | sort | uniq -c | tee -a "$S"
     sed -n '/== PyTorch comparison ==/,$p' "$OUT/package_client.log" | tee -a "$S" ;;
   clients) # After `package`: the real-client suite of #11 (gpu/clients.py), each allocator in
     # its own process; CCA_CLIENTS picks the workloads (default: sidestream generate ckpt; ddp
     # and fsdp need 2 GPUs).
-    PKG_DIR=$(/tmp/cca-venv/bin/python -c 'import importlib.util as u, os; print(os.path.dirname(os.path.dirname(u.find_spec("cuda_caching_allocator").origin)))')
-    CCA_SHIM_BUILD_DIR=/tmp/cca-shim-build step clients timeout "$(left)" /tmp/cca-venv/bin/python \
+    PKG_DIR=$(cd /tmp && python3 -c 'import importlib.util as u, os; print(os.path.dirname(os.path.dirname(u.find_spec("cuda_caching_allocator").origin)))')
+    CCA_SHIM_BUILD_DIR=/tmp/cca-shim-build step clients timeout "$(left)" python3 \
       "$HERE/clients.py" --python-dir "$PKG_DIR" --workloads ${CCA_CLIENTS:-sidestream generate ckpt} \
       --json "$OUT/clients.json"
     grep -E '^== |^\||FAILED' "$OUT/clients.log" | cut -c1-300 | tee -a "$S" ;;
