@@ -209,11 +209,13 @@ def compare(args):
         rows = {}
         for label, env_changes, cfg in ALLOCATORS:
             cmd = [sys.executable, os.path.abspath(__file__), "--one", w,
-                   "--python-dir", args.python_dir, "--library", args.library,
+                   "--python-dir", args.python_dir,
                    "--steps", str(args.steps), "--warmup", str(args.warmup), "--layers", str(args.layers),
                    "--batch", str(args.batch), "--seed", str(args.seed), "--port", str(args.port)]
             if cfg is not None:
                 cmd += ["--cca-config", cfg]
+            if args.library:
+                cmd += ["--library", args.library]
             env = {k: v for k, v in os.environ.items()
                    if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_CACHING_ALLOCATOR_CONF")}
             env.update(env_changes)
