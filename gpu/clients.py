@@ -157,12 +157,12 @@ def run_one(args):
 def dist_worker(rank, world, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    import torch
-
-    torch.cuda.set_device(rank)  # before the allocator is installed: no allocation happens here
+    # The allocator first: torch.cuda.set_device initializes PyTorch's allocator, after which
+    # it can no longer be swapped.
     torch, stat, route = setup(args)
     import torch.distributed as dist
 
+    torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     model = gpt2(torch, args.layers, 768, 12, 1024, args.seed).cuda().train()
     if args.workload == "ddp":

@@ -501,6 +501,15 @@ impl CudaDevice {
         streams.remove(&stream.0).flatten()
     }
 
+    /// Drops a stream taken by [`take_unheld_stream`](Self::take_unheld_stream) (cudarc then
+    /// destroys it, binding its context to do so) and puts back the calling thread's current
+    /// context, as every other call of this device does.
+    pub(crate) fn drop_taken_stream(&self, stream: Arc<CudaStream>) {
+        let guard = ContextGuard::save().ok();
+        drop(stream);
+        drop(guard);
+    }
+
     /// Admits a raw `CUstream` handle (from C, or from PyTorch through the pluggable-allocator
     /// interface). The handle's context is checked against this device's.
     ///

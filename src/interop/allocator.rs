@@ -197,8 +197,11 @@ impl CudaAllocator {
                 taken = device.take_unheld_stream(id);
                 taken.is_some()
             });
-            // Dropped here, outside the cache's lock: cudarc destroys the stream.
-            drop(taken);
+            // Dropped here, outside the cache's lock: cudarc destroys the stream (and binds its
+            // context to do so; the caller's current context is put back).
+            if let Some(stream) = taken {
+                device.drop_taken_stream(stream);
+            }
             released += usize::from(forgotten);
         }
         let left = device.admitted_stream_count();
