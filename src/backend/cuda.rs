@@ -501,13 +501,14 @@ impl CudaDevice {
         streams.remove(&stream.0).flatten()
     }
 
-    /// Drops a stream taken by [`take_unheld_stream`](Self::take_unheld_stream) (cudarc then
-    /// destroys it, binding its context to do so) and puts back the calling thread's current
-    /// context, as every other call of this device does.
-    pub(crate) fn drop_taken_stream(&self, stream: Arc<CudaStream>) {
+    /// Runs `f` and then puts back the calling thread's current context, as every call of this
+    /// device does: for work that lets cudarc bind this device's context (dropping cudarc
+    /// streams, events or slices binds it).
+    pub(crate) fn with_callers_context<R>(&self, f: impl FnOnce() -> R) -> R {
         let guard = ContextGuard::save().ok();
-        drop(stream);
+        let out = f();
         drop(guard);
+        out
     }
 
     /// Admits a raw `CUstream` handle (from C, or from PyTorch through the pluggable-allocator

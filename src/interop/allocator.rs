@@ -172,8 +172,12 @@ impl CudaAllocator {
         // must stay too (destroying them waits on their events on the legacy default stream,
         // which a global-mode capture forbids).
         self.inner.empty_cache()?;
-        self.shells.clear();
-        self.release_unused_streams();
+        // Dropping shells and streams lets cudarc bind this device's context: the caller's
+        // current context is put back afterwards.
+        self.device().with_callers_context(|| {
+            self.shells.clear();
+            self.release_unused_streams();
+        });
         Ok(())
     }
 
@@ -200,7 +204,7 @@ impl CudaAllocator {
             // Dropped here, outside the cache's lock: cudarc destroys the stream (and binds its
             // context to do so; the caller's current context is put back).
             if let Some(stream) = taken {
-                device.drop_taken_stream(stream);
+                device.with_callers_context(|| drop(stream));
             }
             released += usize::from(forgotten);
         }
