@@ -14,7 +14,7 @@
 //!   `clone_htod` take as a `HostSlice`, with cudarc's event rules; a dropped buffer's memory is
 //!   reused only after its last copy. [`CudaAllocator::alloc_pinned`] uses one per allocator.
 //! * [`raw`]: allocate and free by device ordinal and raw stream handle, for C callers and
-//!   PyTorch's pluggable-allocator interface (see `examples/torch_plugin.rs`).
+//!   PyTorch (the `python/` package's native library wraps it: `docs/pytorch.md`).
 //!
 //! Streams work as in cudarc: a buffer belongs to the stream it was allocated on and is reused in
 //! that stream's order; while the context manages stream synchronization (more than one stream,

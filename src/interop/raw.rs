@@ -1,6 +1,6 @@
 //! The raw-pointer API: allocate and free device memory by device ordinal and raw `CUstream`
 //! handle, through the [global registry](super::AllocatorRegistry::global). This is what C
-//! callers and PyTorch's pluggable-allocator interface need (`examples/torch_plugin.rs` wraps it
+//! callers and PyTorch need (the `cuda-caching-allocator-torch` crate in `python/src` wraps it
 //! in `extern "C"` functions); Rust code should prefer [`CachedSlice`](super::CachedSlice).
 //!
 //! Errors are values here too; turning them into a null pointer and a log line, and keeping
