@@ -18,6 +18,8 @@ use cudarc::driver::{
     CudaContext, CudaFunction, DevicePtr as _, LaunchConfig, PushKernelArg, result, sys,
 };
 
+use crate::util::under_sanitizer;
+
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
 
@@ -102,12 +104,6 @@ fn grid(n: usize) -> LaunchConfig {
 /// A private allocator with PyTorch's configuration (clean statistics per test).
 fn private(g: &Gpu) -> CudaAllocator {
     CudaAllocator::new(Arc::clone(&g.ctx), AllocatorConfig::pytorch()).unwrap()
-}
-
-/// Whether `gpu/run.sh` runs this under compute-sanitizer, which serializes kernel launches (so
-/// "still running" checks cannot hold there).
-fn under_sanitizer() -> bool {
-    std::env::var_os("CCA_UNDER_SANITIZER").is_some()
 }
 
 /// An uninitialised cached buffer of `len` plain integers or floats (valid for any bits).

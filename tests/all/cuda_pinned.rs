@@ -21,7 +21,7 @@ use cudarc::driver::{
     result,
 };
 
-use crate::util::require_gpu;
+use crate::util::{require_gpu, under_sanitizer};
 
 const TRIALS: usize = 10;
 /// Values per buffer: 4 MiB of `u32`.
@@ -71,10 +71,6 @@ fn grid() -> LaunchConfig {
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     }
-}
-
-fn under_sanitizer() -> bool {
-    std::env::var_os("CCA_UNDER_SANITIZER").is_some()
 }
 
 fn pattern(v: u32) -> Vec<u32> {

@@ -44,7 +44,7 @@ struct Kernels {
     spin_copy: CudaFunction,
 }
 
-use crate::util::require_gpu;
+use crate::util::{require_gpu, under_sanitizer};
 
 fn kernels(ctx: &Arc<CudaContext>) -> Kernels {
     let module = crate::util::load_module(ctx, KERNELS);
@@ -71,10 +71,6 @@ fn spin_grid() -> LaunchConfig {
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     }
-}
-
-fn under_sanitizer() -> bool {
-    std::env::var_os("CCA_UNDER_SANITIZER").is_some()
 }
 
 /// A context object for the probe: the primary context of device 0 with its own flags

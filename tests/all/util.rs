@@ -36,6 +36,13 @@ pub fn require_gpu(test: &str) {
     );
 }
 
+/// Whether `gpu/run.sh` runs this under compute-sanitizer, which serializes kernel launches (so
+/// "still running" checks cannot hold there).
+#[cfg(feature = "cuda")]
+pub fn under_sanitizer() -> bool {
+    std::env::var_os("CCA_UNDER_SANITIZER").is_some()
+}
+
 /// CUDA C `source` compiled with NVRTC and loaded into `ctx`.
 #[cfg(feature = "cuda")]
 pub fn load_module(
