@@ -14,10 +14,9 @@
 //! May use: `allocator`, `trace`, `backend`.
 #![forbid(unsafe_code)]
 
-use std::collections::HashMap;
 use std::time::Instant;
 
-use crate::allocator::{CachingAllocator, FragmentationReport};
+use crate::allocator::{AddrMap, CachingAllocator, FragmentationReport};
 use crate::backend::sim::{SimCounters, SimDevice};
 use crate::backend::{DeviceBackend, DevicePtr, StreamId};
 use crate::error::AllocError;
@@ -203,11 +202,13 @@ pub fn replay_with<B: DeviceBackend>(
     opts: &ReplayOptions,
     hint: Option<&dyn Fn(Option<u64>)>,
 ) -> Result<ReplayReport, ReplayError> {
-    replay_observed(alloc, trace, opts, hint, &mut |_, _, _| {})
+    replay_loop(alloc, trace, opts, hint, None)
 }
 
-/// Like [`replay_with`], calling `observer(event index, live requested bytes, stats)` after
-/// every event (for progress bars and timelines).
+/// Like [`replay_with`], calling `observer(event index, live requested bytes, allocator)` after
+/// every event (for progress bars and timelines). The observer reads what it needs, e.g.
+/// [`CachingAllocator::memory_reserved`] and [`CachingAllocator::memory_allocated`]; the loop
+/// itself reads no statistics after a free.
 ///
 /// # Errors
 /// A [`ReplayError`] naming the event index.
@@ -216,7 +217,27 @@ pub fn replay_observed<B: DeviceBackend>(
     trace: &Trace,
     opts: &ReplayOptions,
     hint: Option<&dyn Fn(Option<u64>)>,
-    observer: &mut dyn FnMut(usize, u64, &MemoryStats),
+    observer: &mut dyn FnMut(usize, u64, &CachingAllocator<B>),
+) -> Result<ReplayReport, ReplayError> {
+    replay_loop(alloc, trace, opts, hint, Some(observer))
+}
+
+/// What [`replay_observed`] calls after every event.
+type Observer<'a, B> = &'a mut dyn FnMut(usize, u64, &CachingAllocator<B>);
+
+/// The loop of [`replay_with`] and [`replay_observed`].
+///
+/// Note [Lean replay loop]: reserved bytes and the segment count rise only inside an
+/// allocation (a free, `empty_cache` and a fraction change never raise them), so the loop reads
+/// them, under one lock and without copying the statistics, only after an `Alloc` event; the
+/// full statistics and the fragmentation report are taken only at a new reserved peak. The
+/// map of live trace ids uses the allocator's address hasher instead of SipHash.
+fn replay_loop<B: DeviceBackend>(
+    alloc: &CachingAllocator<B>,
+    trace: &Trace,
+    opts: &ReplayOptions,
+    hint: Option<&dyn Fn(Option<u64>)>,
+    mut observer: Option<Observer<'_, B>>,
 ) -> Result<ReplayReport, ReplayError> {
     let has_segment_events = trace
         .events
@@ -228,7 +249,7 @@ pub fn replay_observed<B: DeviceBackend>(
             h(a);
         }
     };
-    let mut live: HashMap<u64, (DevicePtr, u64)> = HashMap::new();
+    let mut live: AddrMap<(DevicePtr, u64)> = AddrMap::default();
     let mut failed: std::collections::HashSet<u64> = std::collections::HashSet::new();
     let mut report = ReplayReport {
         events: trace.events.len(),
@@ -236,8 +257,12 @@ pub fn replay_observed<B: DeviceBackend>(
     };
     let mut live_bytes: u64 = 0;
     let mut times: Vec<u64> = Vec::new();
-    let mut peak_reserved: i64 = 0;
-    let mut peak_segments: i64 = 0;
+    let (mut peak_reserved, mut peak_segments) = alloc.reserved_and_segments();
+    peak_reserved = peak_reserved.max(0);
+    if peak_reserved > 0 {
+        report.stats_at_peak = alloc.memory_stats();
+        report.fragmentation_at_peak = alloc.fragmentation();
+    }
 
     for (index, ev) in trace.events.iter().enumerate() {
         match &ev.op {
@@ -272,6 +297,13 @@ pub fn replay_observed<B: DeviceBackend>(
                         failed.insert(*id);
                     }
                     Err(source) => return Err(ReplayError::Allocator { index, source }),
+                }
+                let (reserved, segments) = alloc.reserved_and_segments();
+                peak_segments = peak_segments.max(segments);
+                if reserved > peak_reserved {
+                    peak_reserved = reserved;
+                    report.stats_at_peak = alloc.memory_stats();
+                    report.fragmentation_at_peak = alloc.fragmentation();
                 }
             }
             TraceOp::Free { id } => {
@@ -310,15 +342,9 @@ pub fn replay_observed<B: DeviceBackend>(
             | TraceOp::SegmentMap { .. }
             | TraceOp::SegmentUnmap { .. } => {}
         }
-        let st = alloc.memory_stats();
-        let reserved = st.memory_reserved();
-        if reserved > peak_reserved {
-            peak_reserved = reserved;
-            report.stats_at_peak = st;
-            report.fragmentation_at_peak = alloc.fragmentation();
+        if let Some(observe) = observer.as_mut() {
+            observe(index, live_bytes, alloc);
         }
-        peak_segments = peak_segments.max(st.segment.get(crate::stats::StatType::All).current);
-        observer(index, live_bytes, &st);
         if opts.check_invariants {
             alloc
                 .check_invariants()

@@ -36,6 +36,13 @@ pub(crate) fn configs(all: bool) -> Vec<(&'static str, AllocatorConfig)> {
     ];
     if all {
         v.push(("default", AllocatorConfig::default()));
+        v.push((
+            "default+fast",
+            AllocatorConfig {
+                fast_path: true,
+                ..AllocatorConfig::default()
+            },
+        ));
     }
     v
 }

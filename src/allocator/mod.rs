@@ -26,6 +26,7 @@ use parking_lot::Mutex;
 pub use fragmentation::{FragmentationReport, FreeBucket};
 pub use invariants::InvariantViolation;
 pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
+pub(crate) use state::AddrMap;
 pub use state::{MemPoolId, PoolFilter, capture_filter};
 pub use summary::memory_summary;
 
@@ -407,6 +408,34 @@ impl<B: DeviceBackend> CachingAllocator<B> {
             Some(front) => front.stats(st, fl),
             None => st.stats,
         }
+    }
+
+    /// Bytes reserved from the device now (PyTorch's `torch.cuda.memory_reserved()`): one lock
+    /// and one counter read, without the copy of every statistic that
+    /// [`memory_stats`](Self::memory_stats) makes. Front caches never change it.
+    pub fn memory_reserved(&self) -> i64 {
+        self.state.lock().st.stats.memory_reserved()
+    }
+
+    /// Bytes handed out now (PyTorch's `torch.cuda.memory_allocated()`). Without the fast path
+    /// this is one lock and one counter read; with it the per-thread counters are summed in as
+    /// [`memory_stats`](Self::memory_stats) sums them (a block in a front cache counts as freed).
+    pub fn memory_allocated(&self) -> i64 {
+        if self.front.is_some() {
+            return self.memory_stats().memory_allocated();
+        }
+        self.state.lock().st.stats.memory_allocated()
+    }
+
+    /// Reserved bytes and device segments now, read under one lock (the replay loop's check for
+    /// a new peak after each allocation).
+    pub(crate) fn reserved_and_segments(&self) -> (i64, i64) {
+        let guard = self.state.lock();
+        let stats = &guard.st.stats;
+        (
+            stats.memory_reserved(),
+            stats.segment.get(crate::stats::StatType::All).current,
+        )
     }
 
     /// `reset_peak_memory_stats`.

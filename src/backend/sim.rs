@@ -445,6 +445,9 @@ struct Inner {
     next_physical: u64,
     /// Mappings: va → (size, handle).
     mappings: BTreeMap<u64, (usize, u64)>,
+    /// Live mappings per physical handle (absent: none), so `release_physical` checks "still
+    /// mapped" without scanning every mapping.
+    maps_of_handle: BTreeMap<u64, u32>,
     counters: SimCounters,
     fail_calls: BTreeMap<u64, FaultKind>,
     fail_above: Option<usize>,
@@ -770,6 +773,7 @@ impl SimDevice {
                 physical: BTreeMap::new(),
                 next_physical: 1,
                 mappings: BTreeMap::new(),
+                maps_of_handle: BTreeMap::new(),
                 counters: SimCounters::default(),
                 fail_calls: BTreeMap::new(),
                 fail_above: None,
@@ -1414,7 +1418,7 @@ unsafe impl DeviceBackend for SimDevice {
                 reason: format!("handle {} of size {size} is not live", handle.0),
             });
         }
-        if g.mappings.values().any(|&(_, h)| h == handle.0) {
+        if g.maps_of_handle.contains_key(&handle.0) {
             return Err(BackendError::InvalidArgument {
                 operation: "release_physical",
                 reason: format!("handle {} is still mapped", handle.0),
@@ -1472,6 +1476,7 @@ unsafe impl DeviceBackend for SimDevice {
             return Err(fault("map", f));
         }
         g.mappings.insert(va.0, (size, handle.0));
+        *g.maps_of_handle.entry(handle.0).or_insert(0) += 1;
         g.counters.map_calls += 1;
         g.counters.set_access_calls += 1;
         g.bill(|c| c.map_ns);
@@ -1481,21 +1486,27 @@ unsafe impl DeviceBackend for SimDevice {
 
     unsafe fn unmap(&self, va: DevicePtr, size: usize) -> Result<(), BackendError> {
         let mut g = self.inner.lock();
-        match g.mappings.get(&va.0) {
-            Some(&(s, _)) if s == size => {}
+        let handle = match g.mappings.get(&va.0) {
+            Some(&(s, h)) if s == size => h,
             _ => {
                 return Err(BackendError::InvalidArgument {
                     operation: "unmap",
                     reason: format!("{va}+{size} is not one mapping"),
                 });
             }
-        }
+        };
         g.capture_call("unmap", CaptureClass::Unsafe);
         if let Err(f) = g.next_call(None) {
             return Err(fault("unmap", f));
         }
         g.check_range(SimViolationKind::Unmap, va.0, size, &|_| false);
         g.mappings.remove(&va.0);
+        if let Some(n) = g.maps_of_handle.get_mut(&handle) {
+            *n -= 1;
+            if *n == 0 {
+                g.maps_of_handle.remove(&handle);
+            }
+        }
         g.counters.unmap_calls += 1;
         g.bill(|c| c.unmap_ns);
         Ok(())

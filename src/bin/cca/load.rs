@@ -305,15 +305,17 @@ pub(crate) fn replay_timed<B: DeviceBackend>(
     );
     bar.set_prefix(label.to_string());
     let mut shown = false;
-    let report = replay_observed(alloc, trace, &opts, hint, &mut |i, _live, st| {
-        let (a, r) = (
-            st.memory_allocated().max(0) as u64,
-            st.memory_reserved().max(0) as u64,
-        );
-        bucket = (bucket.0.max(a), bucket.1.max(r));
-        if (i + 1) % every == 0 || i + 1 == total {
-            timeline.push((i, bucket.0, bucket.1));
-            bucket = (0, 0);
+    let report = replay_observed(alloc, trace, &opts, hint, &mut |i, _live, alloc| {
+        if points > 0 {
+            let (a, r) = (
+                alloc.memory_allocated().max(0) as u64,
+                alloc.memory_reserved().max(0) as u64,
+            );
+            bucket = (bucket.0.max(a), bucket.1.max(r));
+            if (i + 1) % every == 0 || i + 1 == total {
+                timeline.push((i, bucket.0, bucket.1));
+                bucket = (0, 0);
+            }
         }
         if i % 4096 == 0 {
             if !shown && !quiet() && started.elapsed() > Duration::from_secs(1) {
