@@ -310,9 +310,10 @@ fn for_stream_is_the_shared_allocator_of_the_streams_device() {
         msg.contains("primary context") && msg.contains("CudaAllocator::new"),
         "{msg}"
     );
+    // Destroying the private context pops it off this thread's context stack again.
+    drop(s);
+    drop(private);
     // The shared allocator is intact and still serves its device.
     let y = alloc.alloc_zeros::<f32>(&stream, 16).unwrap();
     assert_eq!(alloc.dtoh(&y).unwrap(), [0.0; 16]);
-    drop(s);
-    drop(private);
 }
