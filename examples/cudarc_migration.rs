@@ -116,7 +116,7 @@ fn main() -> Result<(), Box<dyn Error>> {
     let axpy = module.load_function("axpy")?;
 
     let expected = with_cudarc(&stream, &axpy)?;
-    let alloc = CudaAllocator::shared(ctx.ordinal())?;
+    let alloc = CudaAllocator::for_stream(&stream)?;
     let first = with_cache(alloc, &stream, &axpy)?;
     let device_allocs_after_first = alloc.memory_stats().num_device_alloc;
     let second = with_cache(alloc, &stream, &axpy)?;

@@ -32,7 +32,7 @@ mod alloc_layer {
     pub(crate) type Buffer<T> = CachedSlice<T>;
 
     fn cache(stream: &Arc<CudaStream>) -> Result<&'static CudaAllocator, DriverError> {
-        Ok(CudaAllocator::shared(stream.context().ordinal())?)
+        Ok(CudaAllocator::for_stream(stream)?)
     }
 
     /// Plain cudarc: `stream.alloc_zeros(len)`.

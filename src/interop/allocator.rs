@@ -103,6 +103,50 @@ impl CudaAllocator {
         AllocatorRegistry::global().get(ordinal)
     }
 
+    /// The process-wide allocator of `stream`'s device: [`shared`](Self::shared) with the
+    /// stream's ordinal, checked up front against the stream's context. This is the one line a
+    /// cudarc port adds before its allocation sites (`docs/migrating-from-cudarc.md`):
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let stream = cudarc::driver::CudaContext::new(0)?.default_stream();
+    /// let alloc = cuda_caching_allocator::interop::CudaAllocator::for_stream(&stream)?;
+    /// let x = alloc.alloc_zeros::<f32>(&stream, 1024)?; // was: stream.alloc_zeros::<f32>(1024)?
+    /// # drop(x);
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// The allocator serves every stream of the device, not only `stream`; calling this again
+    /// (for any stream of the device) returns the same allocator.
+    ///
+    /// # Errors
+    /// As [`shared`](Self::shared): no CUDA driver, no such device, or a bad configuration in
+    /// the environment. [`AllocError::InvalidStream`] when `stream` belongs to a context other
+    /// than its device's primary context (one made by cudarc's `CudaContext::new_non_primary`
+    /// or `new_cig`, say), whose streams the shared allocator cannot serve: make an allocator of
+    /// that context with [`CudaAllocator::new`] instead.
+    pub fn for_stream(stream: &CudaStream) -> Result<&'static CudaAllocator> {
+        let ctx = stream.context();
+        let alloc = Self::shared(ctx.ordinal())?;
+        if ctx.cu_ctx() != alloc.context().cu_ctx() {
+            let id = crate::backend::cuda::stream_id(stream);
+            return Err(AllocError::InvalidStream {
+                stream: id,
+                source: crate::BackendError::InvalidStream {
+                    stream: id,
+                    reason: format!(
+                        "the stream belongs to a context of device {} other than its primary \
+                         context, which the shared allocator uses; make an allocator of that \
+                         context with CudaAllocator::new",
+                        ctx.ordinal()
+                    ),
+                },
+            });
+        }
+        Ok(alloc)
+    }
+
     /// The shared core allocator.
     ///
     /// # Safety

@@ -260,3 +260,60 @@ fn as_cuda_slice_shares_the_buffers_stream_ordering() {
             .all(|&x| x == 0.0)
     );
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn for_stream_is_the_shared_allocator_of_the_streams_device() {
+    let g = gpu("for_stream_is_the_shared_allocator_of_the_streams_device");
+    let stream = g.ctx.new_stream().unwrap();
+    // The port's one added line: `&Arc<CudaStream>` and `&CudaStream` both work.
+    let alloc = CudaAllocator::for_stream(&stream).unwrap();
+    let shared = CudaAllocator::shared(g.ctx.ordinal()).unwrap();
+    assert!(CudaAllocator::ptr_eq(alloc, shared));
+    let default_stream = g.ctx.default_stream();
+    let plain: &CudaStream = &default_stream;
+    assert!(CudaAllocator::ptr_eq(
+        alloc,
+        CudaAllocator::for_stream(plain).unwrap()
+    ));
+    let x = alloc.htod(&stream, &[1.0f32, 2.0, 3.0]).unwrap();
+    assert_eq!(alloc.dtoh(&x).unwrap(), [1.0, 2.0, 3.0]);
+    drop(x);
+    // A stream of every device gets that device's allocator (another context object of a
+    // device shares its primary context).
+    for ordinal in 0..CudaContext::device_count().unwrap() as usize {
+        let s = CudaContext::new(ordinal).unwrap().new_stream().unwrap();
+        let a = CudaAllocator::for_stream(&s).unwrap();
+        assert_eq!(a.ordinal(), ordinal);
+        assert!(CudaAllocator::ptr_eq(
+            a,
+            CudaAllocator::shared(ordinal).unwrap()
+        ));
+    }
+    // A stream of a context other than the primary one: refused here, with the way out named,
+    // rather than at its first allocation.
+    let private = CudaContext::new_non_primary(0, 0).unwrap();
+    let s = private.new_stream().unwrap();
+    let err = CudaAllocator::for_stream(&s).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            AllocError::InvalidStream {
+                source: BackendError::InvalidStream { .. },
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains("primary context") && msg.contains("CudaAllocator::new"),
+        "{msg}"
+    );
+    // Destroying the private context pops it off this thread's context stack again.
+    drop(s);
+    drop(private);
+    // The shared allocator is intact and still serves its device.
+    let y = alloc.alloc_zeros::<f32>(&stream, 16).unwrap();
+    assert_eq!(alloc.dtoh(&y).unwrap(), [0.0; 16]);
+}

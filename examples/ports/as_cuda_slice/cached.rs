@@ -9,7 +9,6 @@
 use std::error::Error;
 use std::sync::Arc;
 
-use cuda_caching_allocator::interop::CudaAllocator;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DriverError,
     LaunchConfig, PushKernelArg,
@@ -51,7 +50,7 @@ pub(crate) fn main() -> Result<(), Box<dyn Error>> {
     let ctx = CudaContext::new(0)?;
     let first = ctx.default_stream();
     let second = first.fork()?;
-    let alloc = CudaAllocator::shared(ctx.ordinal())?;
+    let alloc = cuda_caching_allocator::interop::CudaAllocator::for_stream(&first)?;
     let module = ctx.load_module(compile_ptx(SRC)?)?;
     let ramp: CudaFunction = module.load_function("ramp")?;
 

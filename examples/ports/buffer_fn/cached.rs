@@ -7,7 +7,6 @@
 use std::error::Error;
 use std::sync::Arc;
 
-use cuda_caching_allocator::interop::CudaAllocator;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaStream, DevicePtr, DevicePtrMut, DriverError, LaunchConfig,
     PushKernelArg,
@@ -64,7 +63,7 @@ fn download<S: DevicePtr<f32>>(stream: &Arc<CudaStream>, src: &S) -> Result<Vec<
 pub(crate) fn main() -> Result<(), Box<dyn Error>> {
     let ctx = CudaContext::new(0)?;
     let stream = ctx.default_stream();
-    let alloc = CudaAllocator::shared(ctx.ordinal())?;
+    let alloc = cuda_caching_allocator::interop::CudaAllocator::for_stream(&stream)?;
     let module = ctx.load_module(compile_ptx(SRC)?)?;
     let kernel = module.load_function("axpby")?;
 

@@ -4,7 +4,6 @@
 //!
 //! A port pair: `plain.rs` allocates with cudarc, `cached.rs` with the caching allocator.
 
-use cuda_caching_allocator::interop::CudaAllocator;
 use cudarc::driver::{CudaContext, DriverError};
 
 const N: usize = 3000;
@@ -12,7 +11,7 @@ const N: usize = 3000;
 pub(crate) fn main() -> Result<(), DriverError> {
     let ctx = CudaContext::new(0)?;
     let stream = ctx.default_stream();
-    let alloc = CudaAllocator::shared(ctx.ordinal())?;
+    let alloc = cuda_caching_allocator::interop::CudaAllocator::for_stream(&stream)?;
 
     let host: Vec<i32> = (0..N as i32).map(|i| i * 3 - 500).collect();
     let original = alloc.clone_htod(&stream, &host)?;

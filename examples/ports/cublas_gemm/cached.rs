@@ -5,7 +5,6 @@
 
 use std::error::Error;
 
-use cuda_caching_allocator::interop::CudaAllocator;
 use cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, Gemv, GemvConfig, StridedBatchedConfig};
 use cudarc::driver::CudaContext;
@@ -33,7 +32,7 @@ fn gemm_config(m: usize, n: usize, k: usize) -> GemmConfig<f32> {
 pub(crate) fn main() -> Result<(), Box<dyn Error>> {
     let ctx = CudaContext::new(0)?;
     let stream = ctx.default_stream();
-    let alloc = CudaAllocator::shared(ctx.ordinal())?;
+    let alloc = cuda_caching_allocator::interop::CudaAllocator::for_stream(&stream)?;
     let blas = CudaBlas::new(stream.clone())?;
 
     let a_host: Vec<f32> = (0..M * K).map(|i| (i % 7) as f32 - 3.0).collect();

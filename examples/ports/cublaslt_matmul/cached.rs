@@ -6,7 +6,6 @@
 
 use std::error::Error;
 
-use cuda_caching_allocator::interop::CudaAllocator;
 use cudarc::cublaslt::{Activation, CudaBlasLT, Matmul, MatmulConfig};
 use cudarc::driver::CudaContext;
 
@@ -39,7 +38,7 @@ fn config(batch: Option<usize>) -> MatmulConfig {
 pub(crate) fn main() -> Result<(), Box<dyn Error>> {
     let ctx = CudaContext::new(0)?;
     let stream = ctx.default_stream();
-    let alloc = CudaAllocator::shared(ctx.ordinal())?;
+    let alloc = cuda_caching_allocator::interop::CudaAllocator::for_stream(&stream)?;
     let blas = CudaBlasLT::new(stream.clone())?;
 
     let a_host: Vec<f32> = (0..M * K).map(|i| (i % 9) as f32 - 4.0).collect();

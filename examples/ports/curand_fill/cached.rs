@@ -5,7 +5,6 @@
 
 use std::error::Error;
 
-use cuda_caching_allocator::interop::CudaAllocator;
 use cudarc::curand::CudaRng;
 use cudarc::driver::CudaContext;
 
@@ -14,7 +13,7 @@ const N: usize = 1 << 16;
 pub(crate) fn main() -> Result<(), Box<dyn Error>> {
     let ctx = CudaContext::new(0)?;
     let stream = ctx.default_stream();
-    let alloc = CudaAllocator::shared(ctx.ordinal())?;
+    let alloc = cuda_caching_allocator::interop::CudaAllocator::for_stream(&stream)?;
     let mut rng = CudaRng::new(20_240_613, stream.clone())?;
 
     let mut uniform = alloc.alloc_zeros::<f32>(&stream, N)?;

@@ -6,12 +6,11 @@
 
 use std::sync::Arc;
 
-use cuda_caching_allocator::interop::CudaAllocator;
 use cudarc::driver::{CudaContext, CudaStream, DriverError};
 
 /// A buffer of `bytes` bytes, written once, or the driver's error.
 fn try_buffer(stream: &Arc<CudaStream>, bytes: usize) -> Result<Vec<u8>, DriverError> {
-    let alloc = CudaAllocator::shared(stream.context().ordinal())?;
+    let alloc = cuda_caching_allocator::interop::CudaAllocator::for_stream(stream)?;
     let mut buf = alloc.alloc_zeros::<u8>(stream, bytes)?;
     stream.memcpy_htod(&[1u8, 2, 3, 4], &mut buf.slice_mut(..4))?;
     let head = stream.clone_dtoh(&buf.slice(..8))?;
@@ -21,7 +20,7 @@ fn try_buffer(stream: &Arc<CudaStream>, bytes: usize) -> Result<Vec<u8>, DriverE
 pub(crate) fn main() -> Result<(), DriverError> {
     let ctx = CudaContext::new(0)?;
     let stream = ctx.default_stream();
-    let alloc = CudaAllocator::shared(ctx.ordinal())?;
+    let alloc = cuda_caching_allocator::interop::CudaAllocator::for_stream(&stream)?;
 
     println!("small buffer: {:?}", try_buffer(&stream, 1 << 20)?);
     let too_big = ctx.total_mem()? * 2;

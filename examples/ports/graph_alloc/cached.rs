@@ -8,7 +8,6 @@
 
 use std::error::Error;
 
-use cuda_caching_allocator::interop::CudaAllocator;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::compile_ptx;
@@ -32,7 +31,7 @@ pub(crate) fn main() -> Result<(), Box<dyn Error>> {
     // stream itself.
     unsafe { ctx.disable_event_tracking() };
     let stream = ctx.new_stream()?;
-    let alloc = CudaAllocator::shared(ctx.ordinal())?;
+    let alloc = cuda_caching_allocator::interop::CudaAllocator::for_stream(&stream)?;
     let module = ctx.load_module(compile_ptx(SRC)?)?;
     let add = module.load_function("add")?;
     let times = module.load_function("times")?;

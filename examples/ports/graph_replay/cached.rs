@@ -7,7 +7,6 @@
 
 use std::error::Error;
 
-use cuda_caching_allocator::interop::CudaAllocator;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::compile_ptx;
@@ -31,7 +30,7 @@ pub(crate) fn main() -> Result<(), Box<dyn Error>> {
     // stream itself.
     unsafe { ctx.disable_event_tracking() };
     let stream = ctx.new_stream()?;
-    let alloc = CudaAllocator::shared(ctx.ordinal())?;
+    let alloc = cuda_caching_allocator::interop::CudaAllocator::for_stream(&stream)?;
     let module = ctx.load_module(compile_ptx(SRC)?)?;
     let scale_add = module.load_function("scale_add")?;
     let square = module.load_function("square")?;

@@ -5,7 +5,6 @@
 
 use std::error::Error;
 
-use cuda_caching_allocator::interop::CudaAllocator;
 use cudarc::driver::CudaContext;
 
 const N: usize = 777;
@@ -13,7 +12,7 @@ const N: usize = 777;
 pub(crate) fn main() -> Result<(), Box<dyn Error>> {
     let ctx = CudaContext::new(0)?;
     let stream = ctx.default_stream();
-    let alloc = CudaAllocator::shared(ctx.ordinal())?;
+    let alloc = cuda_caching_allocator::interop::CudaAllocator::for_stream(&stream)?;
 
     let host: Vec<f64> = (0..N).map(|i| (i as f64).sqrt()).collect();
     let buf = alloc.clone_htod(&stream, &host)?;

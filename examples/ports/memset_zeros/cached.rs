@@ -3,7 +3,6 @@
 //!
 //! A port pair: `plain.rs` allocates with cudarc, `cached.rs` with the caching allocator.
 
-use cuda_caching_allocator::interop::CudaAllocator;
 use cudarc::driver::{CudaContext, DriverError};
 
 const N: usize = 5000;
@@ -11,7 +10,7 @@ const N: usize = 5000;
 pub(crate) fn main() -> Result<(), DriverError> {
     let ctx = CudaContext::new(0)?;
     let stream = ctx.default_stream();
-    let alloc = CudaAllocator::shared(ctx.ordinal())?;
+    let alloc = cuda_caching_allocator::interop::CudaAllocator::for_stream(&stream)?;
 
     let zeros_f64 = alloc.alloc_zeros::<f64>(&stream, N)?;
     let zeros_u8 = alloc.alloc_zeros::<u8>(&stream, N + 3)?;

@@ -6,7 +6,6 @@
 
 use std::error::Error;
 
-use cuda_caching_allocator::interop::CudaAllocator;
 use cudarc::driver::CudaContext;
 use cudarc::nccl::{Comm, ReduceOp, group_end, group_start};
 
@@ -29,7 +28,7 @@ pub(crate) fn main() -> Result<(), Box<dyn Error>> {
     for comm in &comms {
         let stream = comm.stream();
         let rank = comm.rank();
-        let alloc = CudaAllocator::shared(comm.ordinal())?;
+        let alloc = cuda_caching_allocator::interop::CudaAllocator::for_stream(&stream)?;
         let host: Vec<f32> = (0..N).map(|i| ((i + rank) % 17) as f32).collect();
         sends.push(alloc.clone_htod(&stream, &host)?);
         recvs.push(alloc.alloc_zeros::<f32>(&stream, N)?);

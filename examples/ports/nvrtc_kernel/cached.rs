@@ -5,7 +5,6 @@
 
 use std::error::Error;
 
-use cuda_caching_allocator::interop::CudaAllocator;
 use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::compile_ptx;
 
@@ -40,7 +39,7 @@ const N: usize = 10_000;
 pub(crate) fn main() -> Result<(), Box<dyn Error>> {
     let ctx = CudaContext::new(0)?;
     let stream = ctx.default_stream();
-    let alloc = CudaAllocator::shared(ctx.ordinal())?;
+    let alloc = cuda_caching_allocator::interop::CudaAllocator::for_stream(&stream)?;
     let module = ctx.load_module(compile_ptx(SRC)?)?;
     let affine = module.load_function("affine")?;
     let block_sum = module.load_function("block_sum")?;

@@ -7,7 +7,6 @@
 
 use std::error::Error;
 
-use cuda_caching_allocator::interop::CudaAllocator;
 use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::compile_ptx;
 
@@ -31,7 +30,7 @@ pub(crate) fn main() -> Result<(), Box<dyn Error>> {
     let ctx = CudaContext::new(0)?;
     let producer = ctx.default_stream();
     let consumer = producer.fork()?;
-    let alloc = CudaAllocator::shared(ctx.ordinal())?;
+    let alloc = cuda_caching_allocator::interop::CudaAllocator::for_stream(&producer)?;
     let module = ctx.load_module(compile_ptx(SRC)?)?;
     let fill = module.load_function("fill")?;
     let slow_add = module.load_function("slow_add")?;
