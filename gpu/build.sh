@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the GPU suite HERE (a machine with Rust, no GPU needed) and stages it for the device
 # machine: release test binary, examples (cudarc migration, framework storage, ports,
-# pinned_bench), the `cca` CLI built with CUDA support (features cli,cuda), the PyTorch package as
+# pinned_bench, gpu_bench), the `cca` CLI built with CUDA support (features cli,cuda), the PyTorch package as
 # a wheel (maturin, installed there with `pip install --no-deps --no-index`) and its native library
 # alone (libcca_torch.so, for the ctypes phases), the shipped traces, gpu/*.py and gpu/run.sh,
 # stripped to fit the device tool's 64 MiB transfer limit.
@@ -19,6 +19,7 @@ TARGET=$(cargo metadata --format-version 1 --no-deps |
 
 cargo build --release --features "$FEATURES" --examples
 cargo build --release --features cli,cuda --bin cca
+cargo build --release --features cuda,trace-io --example gpu_bench
 command -v maturin >/dev/null 2>&1 || python3 -m pip install --quiet 'maturin>=1.5,<2'
 WHEELS=$(mktemp -d)
 maturin build --release --strip -m python/Cargo.toml -o "$WHEELS"
@@ -36,12 +37,13 @@ rm -rf "$DEST/traces"
 cp "$TEST_BIN" "$DEST/cuda_tests"
 cp "$TARGET/release/examples/cudarc_migration" "$TARGET/release/examples/framework_storage" \
   "$TARGET/release/examples/ports" "$TARGET/release/examples/pinned_bench" \
+  "$TARGET/release/examples/gpu_bench" \
   "$TARGET/release/cca" "$DEST/"
 cp "$WHEELS"/cuda_caching_allocator-*.whl "$DEST/"
 cp "$TARGET/release/lib_cca.so" "$DEST/libcca_torch.so"
 rm -rf "$WHEELS"
 strip --strip-debug "$DEST/cuda_tests" "$DEST/cudarc_migration" "$DEST/framework_storage" \
-  "$DEST/ports" "$DEST/pinned_bench" "$DEST/libcca_torch.so"
+  "$DEST/ports" "$DEST/pinned_bench" "$DEST/gpu_bench" "$DEST/libcca_torch.so"
 strip "$DEST/cca"
 cp gpu/*.py gpu/run.sh gpu/ports.sh "$DEST/"
 rm -rf "$DEST/python"

@@ -115,6 +115,10 @@ def train_loop(torch, model, opt, steps, batch, seqs, side_stream, rank=0):
 
 def run_one(args):
     torch, stat, route = setup(args)
+    if args.record:
+        # PyTorch's own history of every allocation and free (no stack context: the replay needs
+        # sizes, streams and order only), dumped as a snapshot pickle at the end.
+        torch.cuda.memory._record_memory_history(context=None, max_entries=20_000_000)
     res = {"workload": args.workload, "route": route}
     w = args.workload
     if w in ("sidestream", "ckpt"):
@@ -151,6 +155,11 @@ def run_one(args):
                num_device_alloc=stat("num_device_alloc"),
                num_device_free=stat("num_device_free"),
                num_sync_all_streams=stat("num_sync_all_streams"))
+    if args.record:
+        path = os.path.join(args.record, f"{args.workload}.pickle")
+        torch.cuda.memory._dump_snapshot(path)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        res["recorded"] = path
     print("RESULT " + json.dumps(res), flush=True)
 
 
@@ -207,13 +216,17 @@ def compare(args):
     ok = True
     for w in args.workloads:
         rows = {}
-        for label, env_changes, cfg in ALLOCATORS:
+        allocators = ALLOCATORS[:1] if args.record else ALLOCATORS
+        for label, env_changes, cfg in allocators:
             cmd = [sys.executable, os.path.abspath(__file__), "--one", w,
                    "--python-dir", args.python_dir,
                    "--steps", str(args.steps), "--warmup", str(args.warmup), "--layers", str(args.layers),
                    "--batch", str(args.batch), "--seed", str(args.seed), "--port", str(args.port)]
             if cfg is not None:
                 cmd += ["--cca-config", cfg]
+            if args.record:
+                os.makedirs(args.record, exist_ok=True)
+                cmd += ["--record", os.path.abspath(args.record)]
             if args.library:
                 cmd += ["--library", args.library]
             env = {k: v for k, v in os.environ.items()
@@ -239,7 +252,7 @@ def compare(args):
         print(f"\n== {w} ({args.steps} steps, median after {args.warmup})")
         print("| allocator | route | median step ms | × native | peak reserved GiB | reserved / peak allocated | device allocs | max rel loss diff |")
         print("|---|---|---:|---:|---:|---:|---:|---:|")
-        for label, _, _ in ALLOCATORS:
+        for label, _, _ in allocators:
             c = rows.get(label)
             if c is None:
                 print(f"| {label} | failed | | | | | | |")
@@ -273,6 +286,9 @@ def main():
     p.add_argument("--rtol", type=float, default=3e-2)
     p.add_argument("--timeout", type=int, default=400)
     p.add_argument("--json")
+    p.add_argument("--record", metavar="DIR",
+                   help="run only PyTorch native, recording each workload's allocation history as "
+                        "DIR/<workload>.pickle (a snapshot cca replays)")
     args = p.parse_args()
     args.python_dir = os.path.abspath(args.python_dir)
     if args.library:

@@ -13,8 +13,11 @@
 #                                     # the PyTorch conformance script and the safety probes
 #                                     # through it), package_client (after package: the GPT-2
 #                                     # client through the installed package), clients (after
-#                                     # package: the #11 client suite, gpu/clients.py), pinned (the
-#                                     # pinned host cache benchmark beside PyTorch's host cache)
+#                                     # package: the #11 client suite, gpu/clients.py), record
+#                                     # (native runs of the clients recording PyTorch's memory
+#                                     # history as snapshot pickles), bench (gpu_bench --device
+#                                     # cuda), pinned (the pinned host cache benchmark beside
+#                                     # PyTorch's host cache)
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/cca-gpu-out}
@@ -151,6 +154,18 @@ for phase in $PHASES; do
       "$HERE/clients.py" --python-dir "$PKG_DIR" --workloads ${CCA_CLIENTS:-sidestream generate ckpt} \
       --json "$OUT/clients.json"
     grep -E '^== |^\||FAILED' "$OUT/clients.log" | cut -c1-300 | tee -a "$S" ;;
+  record) # PyTorch native runs of the single-GPU clients with PyTorch's memory history on, each
+    # dumped as a snapshot pickle (gzipped) under $OUT/traces: our own traces of these workloads,
+    # for cca replay on SimDevice. Needs no package (native only).
+    step record timeout "$(left)" python3 "$HERE/clients.py" --python-dir "$HERE/python" \
+      --workloads ${CCA_CLIENTS:-sidestream generate ckpt} --record "$OUT/traces"
+    gzip -f "$OUT"/traces/*.pickle 2>/dev/null
+    ls -la "$OUT/traces" | tee -a "$S" ;;
+  bench) # Host-side timings (gpu_bench --device cuda): pairs, 1-16 threads, replays, for pytorch
+    # and the default, each without and with the fast path.
+    step bench timeout "$(left)" "$HERE/gpu_bench" --device cuda --traces "$HERE/traces" \
+      --json "$OUT/bench.json"
+    grep -E '^\||own streams' "$OUT/bench.log" | tee -a "$S" ;;
   pinned) # The pinned host cache (#16): alloc+free, bandwidth cached vs freshly pinned, the
     # double-buffered pipeline, the mixed workload; then PyTorch's own caching host allocator on
     # that workload.
@@ -158,6 +173,6 @@ for phase in $PHASES; do
     grep -E '^(==|--)|^pair|GB/s|cached /|^(default|tight|frugal|power)' "$OUT/pinned.log" | tee -a "$S"
     step pinned_torch timeout 200 python3 "$HERE/pinned_torch.py" --json "$OUT/pinned_torch.json"
     grep -vE '^\s*$' "$OUT/pinned_torch.log" | tail -20 | tee -a "$S" ;;
-  *) echo "unknown phase $phase (tests example torch safety sanitizer multigpu replay cold ports package package_client clients pinned)" | tee -a "$S" ;;
+  *) echo "unknown phase $phase (tests example torch safety sanitizer multigpu replay cold ports package package_client clients record bench pinned)" | tee -a "$S" ;;
   esac
 done
