@@ -1,6 +1,6 @@
 //! The core's four hot operations on `SimDevice` (host cost alone), for the `pytorch` preset, the
 //! same with the fast path (`pytorch+fast`) and the crate's default (expandable segments with
-//! page reuse; the fast path is opt-in, off there):
+//! page reuse; the fast path is on there):
 //!
 //! * `hit`: a warm alloc+free pair served by a cached block as it is (16 MiB: a whole segment, no
 //!   split or merge; with the fast path, a front-cache hit);

@@ -1,6 +1,6 @@
 //! Random mixes and trace replay, ns per operation (each alloc and each free is one operation),
 //! for the `pytorch` preset, the same with the fast path (`pytorch+fast`) and the crate's default
-//! (expandable segments with page reuse; the fast path is opt-in, off there), on `SimDevice`:
+//! (expandable segments with page reuse; the fast path is on there), on `SimDevice`:
 //!
 //! * `mix/2000-live-512B-64MiB`: 2,000 live allocations of log-uniform sizes in 512 B – 64 MiB,
 //!   a random one freed and replaced per step (PyTorch's measured mix in

@@ -1,7 +1,7 @@
 //! Host-side allocator timings in the shape of `reference.json` (PyTorch's own figures on an
-//! H200 host), for the `pytorch` preset and the crate's default (expandable segments with page
-//! reuse), each without and with the fast path (`cca_fast_path:True`), on a real GPU or on
-//! `SimDevice`:
+//! H200 host), for the `pytorch` preset without and with the fast path (`cca_fast_path:True`) and
+//! the crate's default (expandable segments with page reuse, fast path on) with and without it,
+//! on a real GPU or on `SimDevice`:
 //!
 //! * warm alloc+free pairs at 512 B, 64 KiB, 1 MiB, 8 MiB and 64 MiB (ns per pair, one thread);
 //! * 1, 2, 4, 8 and 16 threads doing 1 MiB pairs at once, each on its own stream and all on the

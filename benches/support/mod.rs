@@ -22,7 +22,8 @@ pub(crate) const THREAD_PAIR_SIZE: usize = 1 << 20;
 
 /// The configurations compared: the `pytorch` preset, the same with the fast path
 /// (`pytorch+fast`, `cca_fast_path:True`), and, with `all`, the crate's default (expandable
-/// segments with page reuse; the fast path is opt-in, off there).
+/// segments with page reuse and the fast path) and the default without the fast path
+/// (`default-nofast`).
 pub(crate) fn configs(all: bool) -> Vec<(&'static str, AllocatorConfig)> {
     let mut v = vec![
         ("pytorch", AllocatorConfig::pytorch()),
@@ -37,9 +38,9 @@ pub(crate) fn configs(all: bool) -> Vec<(&'static str, AllocatorConfig)> {
     if all {
         v.push(("default", AllocatorConfig::default()));
         v.push((
-            "default+fast",
+            "default-nofast",
             AllocatorConfig {
-                fast_path: true,
+                fast_path: false,
                 ..AllocatorConfig::default()
             },
         ));

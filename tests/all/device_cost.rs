@@ -108,9 +108,10 @@ mod shipped {
     /// Per shipped trace: the default's modeled device time (ns) and synchronizations may not
     /// exceed these (the figures of benches/README.md, "Device cost", rounded up). Page reuse
     /// is fenced by events, so the default never synchronizes (it did 47, 7 and 47 times before
-    /// `cca_page_reuse_fence`).
+    /// `cca_page_reuse_fence`). With the fast path on in the default, gpt2_train's blocks held in
+    /// the front cache move 0.7 % more pages (386.2 → 388.9 ms).
     const DEFAULT_BOUNDS: [(&str, u64, u64); 3] = [
-        ("gpt2_train", 386_500_000, 0),
+        ("gpt2_train", 389_500_000, 0),
         ("resnet50_train", 73_500_000, 0),
         ("bert_varlen", 193_000_000, 0),
     ];

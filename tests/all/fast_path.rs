@@ -32,12 +32,12 @@ fn admit(a: &CachingAllocator<SimDevice>, size: usize) {
 }
 
 #[test]
-fn the_knob_is_off_unless_asked_for() {
+fn the_knob_is_on_in_the_default_and_off_in_pytorchs_presets() {
     assert!(!AllocatorConfig::pytorch().fast_path);
     assert!(!Preset::Pytorch.config().fast_path);
     assert!(!Preset::PytorchExpandable.config().fast_path);
-    assert!(!AllocatorConfig::default().fast_path);
-    assert!(!Preset::Default.config().fast_path);
+    assert!(AllocatorConfig::default().fast_path);
+    assert!(Preset::Default.config().fast_path);
     assert!(
         AllocatorConfig::parse("cca_fast_path:True")
             .unwrap()
