@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use crate::allocator::{CachingAllocator, FragmentationReport};
 use crate::backend::sim::{SimCounters, SimDevice};
-use crate::backend::{DeviceBackend, DevicePtr, StreamId};
+use crate::backend::{DeviceAddr, DeviceBackend, StreamId};
 use crate::error::AllocError;
 use crate::stats::MemoryStats;
 use crate::trace::{Trace, TraceOp};
@@ -228,7 +228,7 @@ pub fn replay_observed<B: DeviceBackend>(
             h(a);
         }
     };
-    let mut live: HashMap<u64, (DevicePtr, u64)> = HashMap::new();
+    let mut live: HashMap<u64, (DeviceAddr, u64)> = HashMap::new();
     let mut failed: std::collections::HashSet<u64> = std::collections::HashSet::new();
     let mut report = ReplayReport {
         events: trace.events.len(),

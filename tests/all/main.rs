@@ -25,6 +25,7 @@ mod fidelity;
 mod fragmentation;
 mod graph_capture;
 mod limits;
+mod names;
 mod pinned;
 mod ports;
 mod programs;
