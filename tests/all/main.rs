@@ -26,6 +26,7 @@ mod fragmentation;
 mod graph_capture;
 mod limits;
 mod names;
+mod package;
 mod pinned;
 mod ports;
 mod programs;
