@@ -8,7 +8,7 @@
 use std::fmt;
 
 use crate::allocator::MemPoolId;
-use crate::backend::{BackendError, DevicePtr, StreamId};
+use crate::backend::{BackendError, DeviceAddr, StreamId};
 use crate::config::ConfigError;
 use crate::format::format_size;
 
@@ -138,7 +138,7 @@ pub enum AllocError {
     #[error("double free: {ptr} is not allocated (it was freed before)")]
     DoubleFree {
         /// The pointer.
-        ptr: DevicePtr,
+        ptr: DeviceAddr,
     },
     /// `ptr` lies inside memory this cache reserved but is not the start of a live allocation.
     /// Free the pointer that `allocate` returned, not an interior pointer.
@@ -147,15 +147,15 @@ pub enum AllocError {
     )]
     InteriorPointer {
         /// The pointer.
-        ptr: DevicePtr,
+        ptr: DeviceAddr,
         /// The segment it points into.
-        segment: DevicePtr,
+        segment: DeviceAddr,
     },
     /// `ptr` was never handed out by this allocator. Free it with the allocator that made it.
     #[error("{ptr} was never allocated by this allocator (foreign pointer)")]
     UnknownPointer {
         /// The pointer.
-        ptr: DevicePtr,
+        ptr: DeviceAddr,
     },
     /// The backend rejected the stream. Use a live stream of this device.
     #[error("stream {stream} rejected: {source}")]

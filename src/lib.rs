@@ -28,7 +28,7 @@ pub use backend::sim::{
     SimEventCall, SimStreamWait, SimUse, SimViolation, SimViolationKind,
 };
 pub use backend::{
-    BackendError, DeviceBackend, DevicePtr, EventHandle, MemInfo, PhysicalHandle, StreamId,
+    BackendError, DeviceAddr, DeviceBackend, EventHandle, MemInfo, PhysicalHandle, StreamId,
 };
 pub use config::{AllocatorConfig, AllocatorConfigBuilder, ConfigError, PageReuse, Preset};
 pub use error::{AllocError, OomReport, OomVerdict, Result};

@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use crate::allocator::{AddrMap, CachingAllocator, FragmentationReport};
 use crate::backend::sim::{SimCounters, SimDevice};
-use crate::backend::{DeviceBackend, DevicePtr, StreamId};
+use crate::backend::{DeviceAddr, DeviceBackend, StreamId};
 use crate::error::AllocError;
 use crate::stats::MemoryStats;
 use crate::trace::{Trace, TraceOp};
@@ -249,7 +249,7 @@ fn replay_loop<B: DeviceBackend>(
             h(a);
         }
     };
-    let mut live: AddrMap<(DevicePtr, u64)> = AddrMap::default();
+    let mut live: AddrMap<(DeviceAddr, u64)> = AddrMap::default();
     let mut failed: std::collections::HashSet<u64> = std::collections::HashSet::new();
     let mut report = ReplayReport {
         events: trace.events.len(),

@@ -21,7 +21,7 @@ use std::collections::BTreeMap;
 use std::sync::mpsc;
 
 use cuda_caching_allocator::{
-    AllocError, Allocation, AllocatorConfig, CachingAllocator, DevicePtr, FaultKind, SimDevice,
+    AllocError, Allocation, AllocatorConfig, CachingAllocator, DeviceAddr, FaultKind, SimDevice,
     StatType, StreamId,
 };
 use libfuzzer_sys::arbitrary::{Result, Unstructured};
@@ -50,8 +50,8 @@ const THREADS: usize = 3;
 #[derive(Clone, Copy, Debug)]
 enum Op {
     Alloc(usize, StreamId),
-    Free(DevicePtr),
-    RecordStream(DevicePtr, StreamId),
+    Free(DeviceAddr),
+    RecordStream(DeviceAddr, StreamId),
     EmptyCache,
     Flush,
     Stats,
@@ -92,7 +92,7 @@ fn stream(u: &mut Unstructured) -> Result<StreamId> {
 fn bogus(
     u: &mut Unstructured,
     live: &BTreeMap<u64, Allocation>,
-    freed: &[DevicePtr],
+    freed: &[DeviceAddr],
 ) -> Result<u64> {
     let p = match u.int_in_range(0..=7u8)? {
         0 => u64::MAX,
@@ -138,7 +138,7 @@ fn check(a: &CachingAllocator<SimDevice>, live: &BTreeMap<u64, Allocation>) {
     for x in live.values() {
         assert!(x.ptr.0 >= prev_end, "overlapping allocations");
         prev_end = x.ptr.0 + x.block_size as u64;
-        let inside = |ranges: &[(DevicePtr, usize)]| {
+        let inside = |ranges: &[(DeviceAddr, usize)]| {
             ranges.iter().any(|&(b, s)| x.ptr.0 >= b.0 && prev_end <= b.0 + s as u64)
         };
         assert!(inside(&segments) || !mappings.is_empty(), "allocation outside every segment");
@@ -216,7 +216,7 @@ fn run(data: &[u8]) -> Result<()> {
     let threads = u.int_in_range(1..=THREADS)?;
     let a = CachingAllocator::new(SimDevice::with_capacity(capacity), config).expect("allocator");
     let mut live: BTreeMap<u64, Allocation> = BTreeMap::new();
-    let mut freed: Vec<DevicePtr> = Vec::new();
+    let mut freed: Vec<DeviceAddr> = Vec::new();
     let steps = u.int_in_range(1..=200u32)?;
     std::thread::scope(|scope| -> Result<()> {
         let mut w = Workers { tx: vec![None, None, None], rx: vec![None, None, None], scope, a: &a };
@@ -250,7 +250,7 @@ fn run(data: &[u8]) -> Result<()> {
                 8 => {
                     let p = bogus(&mut u, &live, &freed)?;
                     if !live.contains_key(&p) {
-                        match w.step(t, Op::Free(DevicePtr(p))) {
+                        match w.step(t, Op::Free(DeviceAddr(p))) {
                             Done::Unit(Err(_)) => {}
                             // The null pointer is a no-op, as in PyTorch.
                             Done::Unit(Ok(())) if p == 0 => {}

@@ -7,7 +7,7 @@ use std::ffi::{c_int, c_void};
 use std::time::Instant;
 
 use cuda_caching_allocator::interop::{AllocatorRegistry, raw};
-use cuda_caching_allocator::{AllocError, AllocatorConfig, DevicePtr, StreamId};
+use cuda_caching_allocator::{AllocError, AllocatorConfig, DeviceAddr, StreamId};
 
 use crate::error::{KIND_OTHER, fail, fail_alloc, guarded};
 
@@ -59,7 +59,7 @@ pub extern "C" fn cca_free(ptr: *mut c_void, _size: isize, device: c_int, _strea
         };
         // SAFETY: PyTorch frees each pointer it got from `cca_alloc` once, and owns no typed
         // buffer of the registry; its streams are declared through `cca_record_stream`.
-        if let Err(e) = unsafe { raw::free(device, DevicePtr(ptr.addr() as u64)) } {
+        if let Err(e) = unsafe { raw::free(device, DeviceAddr(ptr.addr() as u64)) } {
             fail_alloc(&format!("cca_free({ptr:?}, device {device})"), &e);
         }
     })
@@ -79,7 +79,10 @@ pub unsafe extern "C" fn cca_record_stream(ptr: *mut c_void, stream: *mut c_void
         if ptr.is_null() {
             return;
         }
-        let (p, s) = (DevicePtr(ptr.addr() as u64), StreamId(stream.addr() as u64));
+        let (p, s) = (
+            DeviceAddr(ptr.addr() as u64),
+            StreamId(stream.addr() as u64),
+        );
         // SAFETY: the caller's promise about `stream` is `raw::record_stream_on_owner`'s
         // obligation.
         if let Err(e) = unsafe { raw::record_stream_on_owner(p, s) } {

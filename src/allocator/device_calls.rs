@@ -4,7 +4,7 @@
 //! `state.rs` passes only segments, events and pages it owns.
 
 use crate::backend::{
-    BackendError, DeviceBackend, DevicePtr, EventHandle, PhysicalHandle, StreamId,
+    BackendError, DeviceAddr, DeviceBackend, EventHandle, PhysicalHandle, StreamId,
 };
 
 /// Frees a whole segment.
@@ -14,7 +14,7 @@ use crate::backend::{
 /// queued work since the segment's last use.
 pub(crate) fn free_segment<B: DeviceBackend>(
     backend: &B,
-    ptr: DevicePtr,
+    ptr: DeviceAddr,
     size: usize,
     stream: StreamId,
 ) -> Result<(), BackendError> {
@@ -38,7 +38,7 @@ pub(crate) fn destroy_event<B: DeviceBackend>(
 /// Maps one physical page handle the cache holds at `va` inside its own reservation.
 pub(crate) fn map_page<B: DeviceBackend>(
     backend: &B,
-    va: DevicePtr,
+    va: DeviceAddr,
     size: usize,
     handle: PhysicalHandle,
 ) -> Result<(), BackendError> {
@@ -53,7 +53,7 @@ pub(crate) fn map_page<B: DeviceBackend>(
 /// Unmaps one page the cache mapped; its physical handle stays live (spare or reused).
 pub(crate) fn unmap_page<B: DeviceBackend>(
     backend: &B,
-    va: DevicePtr,
+    va: DeviceAddr,
     size: usize,
 ) -> Result<(), BackendError> {
     // SAFETY: obligation 1: the range is exactly one earlier `map_page` (pages are mapped one
@@ -79,7 +79,7 @@ pub(crate) fn release_unmapped_page<B: DeviceBackend>(
 /// Releases an address reservation with nothing mapped in it.
 pub(crate) fn release_range<B: DeviceBackend>(
     backend: &B,
-    base: DevicePtr,
+    base: DeviceAddr,
     size: usize,
 ) -> Result<(), BackendError> {
     // SAFETY: obligation 1: `base`/`size` are one reservation the cache made; obligation 2: the

@@ -10,7 +10,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Instant;
 
-use crate::backend::{DevicePtr, StreamId};
+use crate::backend::{DeviceAddr, StreamId};
 use crate::trace::{Trace, TraceEvent, TraceOp, TraceSource};
 
 /// A bounded ring buffer of events.
@@ -59,7 +59,7 @@ impl History {
         });
     }
 
-    pub(crate) fn alloc(&mut self, ptr: DevicePtr, size: usize, stream: StreamId) {
+    pub(crate) fn alloc(&mut self, ptr: DeviceAddr, size: usize, stream: StreamId) {
         let id = self.next_id;
         self.next_id += 1;
         self.live.insert(ptr.0, id);
@@ -71,13 +71,13 @@ impl History {
         });
     }
 
-    pub(crate) fn free(&mut self, ptr: DevicePtr) {
+    pub(crate) fn free(&mut self, ptr: DeviceAddr) {
         if let Some(id) = self.live.remove(&ptr.0) {
             self.push(TraceOp::Free { id });
         }
     }
 
-    pub(crate) fn segment_alloc(&mut self, ptr: DevicePtr, size: usize, stream: StreamId) {
+    pub(crate) fn segment_alloc(&mut self, ptr: DeviceAddr, size: usize, stream: StreamId) {
         self.push(TraceOp::SegmentAlloc {
             addr: ptr.0,
             size: size as u64,
@@ -85,7 +85,7 @@ impl History {
         });
     }
 
-    pub(crate) fn segment_free(&mut self, ptr: DevicePtr, size: usize, stream: StreamId) {
+    pub(crate) fn segment_free(&mut self, ptr: DeviceAddr, size: usize, stream: StreamId) {
         self.push(TraceOp::SegmentFree {
             addr: ptr.0,
             size: size as u64,
@@ -123,17 +123,17 @@ mod tests {
     #[test]
     fn ring_drops_oldest_and_orphan_frees() {
         let mut h = History::new(3);
-        h.alloc(DevicePtr(512), 10, StreamId(0));
-        h.alloc(DevicePtr(1024), 10, StreamId(0));
-        h.free(DevicePtr(512));
-        h.free(DevicePtr(1024));
+        h.alloc(DeviceAddr(512), 10, StreamId(0));
+        h.alloc(DeviceAddr(1024), 10, StreamId(0));
+        h.free(DeviceAddr(512));
+        h.free(DeviceAddr(1024));
         assert_eq!(h.dropped, 1);
         let t = h.to_trace();
         // The first alloc fell out, so its free is dropped too.
         assert_eq!(t.events.len(), 2);
         assert!(matches!(t.events[0].op, TraceOp::Alloc { id: 2, .. }));
         assert!(matches!(t.events[1].op, TraceOp::Free { id: 2 }));
-        h.free(DevicePtr(4096)); // unknown: ignored
+        h.free(DeviceAddr(4096)); // unknown: ignored
         assert_eq!(h.to_trace().events.len(), 2);
     }
 }

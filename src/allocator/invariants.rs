@@ -10,7 +10,7 @@ use std::fmt;
 
 use super::block::BlockId;
 use super::state::State;
-use crate::backend::DevicePtr;
+use crate::backend::DeviceAddr;
 use crate::size_class::PoolKind;
 use crate::stats::{MemoryStats, StatArray, StatType};
 
@@ -21,21 +21,21 @@ pub enum InvariantViolation {
     /// A segment's blocks do not cover it exactly, contiguously, with one stream and pool.
     BlocksDoNotTileSegment {
         /// The segment.
-        segment: DevicePtr,
+        segment: DeviceAddr,
         /// What was wrong.
         detail: String,
     },
     /// `a.next == b` but `b.prev != a` (or the reverse), or a link points nowhere.
     NeighbourLinksDisagree {
         /// The block whose link is wrong.
-        block: DevicePtr,
+        block: DeviceAddr,
     },
     /// Two neighbouring blocks are both free: they should have been merged.
     AdjacentFreeBlocks {
         /// The first block.
-        first: DevicePtr,
+        first: DeviceAddr,
         /// The block after it.
-        second: DevicePtr,
+        second: DeviceAddr,
     },
     /// The free sets do not hold exactly the free blocks, or hold a stale key.
     FreeSetMismatch {
@@ -61,7 +61,7 @@ pub enum InvariantViolation {
     /// boundaries, or a segment record that does not match.
     PagesDoNotMatchBlocks {
         /// The segment.
-        segment: DevicePtr,
+        segment: DeviceAddr,
         /// What was wrong.
         detail: String,
     },
@@ -71,7 +71,7 @@ pub enum InvariantViolation {
     /// handovers until they complete.)
     PendingEventsMismatch {
         /// The block.
-        block: DevicePtr,
+        block: DeviceAddr,
         /// What was wrong.
         detail: String,
     },
@@ -167,7 +167,7 @@ fn check_segments_tiled(st: &State) -> Result<(), InvariantViolation> {
     let mut heads = 0usize;
     for (head, hb) in st.arena.iter().filter(|(_, b)| b.prev.is_none()) {
         heads += 1;
-        let seg = DevicePtr(hb.ptr);
+        let seg = DeviceAddr(hb.ptr);
         let tile = |detail: String| InvariantViolation::BlocksDoNotTileSegment {
             segment: seg,
             detail,
@@ -180,17 +180,17 @@ fn check_segments_tiled(st: &State) -> Result<(), InvariantViolation> {
         loop {
             let Some(b) = st.arena.get(cur) else {
                 return Err(InvariantViolation::NeighbourLinksDisagree {
-                    block: DevicePtr(end),
+                    block: DeviceAddr(end),
                 });
             };
             reached += 1;
             if b.ptr != end {
-                return Err(tile(format!("gap or overlap at {}", DevicePtr(b.ptr))));
+                return Err(tile(format!("gap or overlap at {}", DeviceAddr(b.ptr))));
             }
             if b.stream != rec.stream || b.pool != rec.pool || b.owner != rec.owner {
                 return Err(tile(format!(
                     "block {} has another stream, pool or private pool",
-                    DevicePtr(b.ptr)
+                    DeviceAddr(b.ptr)
                 )));
             }
             end = b.end();
@@ -199,7 +199,7 @@ fn check_segments_tiled(st: &State) -> Result<(), InvariantViolation> {
                 Some(n) => {
                     if st.arena.get(n).is_none_or(|nb| nb.prev != Some(cur)) {
                         return Err(InvariantViolation::NeighbourLinksDisagree {
-                            block: DevicePtr(b.ptr),
+                            block: DeviceAddr(b.ptr),
                         });
                     }
                     cur = n;
@@ -212,14 +212,14 @@ fn check_segments_tiled(st: &State) -> Result<(), InvariantViolation> {
         if end != hb.ptr + rec.size as u64 {
             return Err(tile(format!(
                 "blocks end at {} but the segment has {} bytes",
-                DevicePtr(end),
+                DeviceAddr(end),
                 rec.size
             )));
         }
     }
     if heads != st.segments.len() {
         return Err(InvariantViolation::BlocksDoNotTileSegment {
-            segment: DevicePtr::NULL,
+            segment: DeviceAddr::NULL,
             detail: format!(
                 "{} segment records but {heads} head blocks",
                 st.segments.len()
@@ -228,7 +228,7 @@ fn check_segments_tiled(st: &State) -> Result<(), InvariantViolation> {
     }
     if reached != st.arena.len() {
         return Err(InvariantViolation::BlocksDoNotTileSegment {
-            segment: DevicePtr::NULL,
+            segment: DeviceAddr::NULL,
             detail: format!(
                 "{} blocks live but {reached} reachable from segment heads",
                 st.arena.len()
@@ -246,9 +246,9 @@ fn check_no_adjacent_free(st: &State) -> Result<(), InvariantViolation> {
                 let second = st
                     .arena
                     .get(n)
-                    .map_or(DevicePtr::NULL, |nb| DevicePtr(nb.ptr));
+                    .map_or(DeviceAddr::NULL, |nb| DeviceAddr(nb.ptr));
                 return Err(InvariantViolation::AdjacentFreeBlocks {
-                    first: DevicePtr(b.ptr),
+                    first: DeviceAddr(b.ptr),
                     second,
                 });
             }
@@ -273,24 +273,27 @@ fn check_free_sets(st: &State) -> Result<(), InvariantViolation> {
     for (owner, kind, set) in sets {
         for k in &set.blocks {
             let Some(b) = st.arena.get(k.id) else {
-                return Err(bad(format!("key for a dead block at {}", DevicePtr(k.ptr))));
+                return Err(bad(format!(
+                    "key for a dead block at {}",
+                    DeviceAddr(k.ptr)
+                )));
             };
             if b.owner != owner {
                 return Err(InvariantViolation::PrivatePoolMismatch {
                     detail: format!(
                         "block {} of pool slot {} sits in the free set of pool slot {owner} (0: default)",
-                        DevicePtr(b.ptr),
+                        DeviceAddr(b.ptr),
                         b.owner
                     ),
                 });
             }
             if (b.stream, b.size, b.ptr, b.pool) != (k.stream, k.size, k.ptr, kind) {
-                return Err(bad(format!("stale key for block {}", DevicePtr(b.ptr))));
+                return Err(bad(format!("stale key for block {}", DeviceAddr(b.ptr))));
             }
             if !is_free(st, k.id) || !b.mapped {
                 return Err(bad(format!(
                     "block {} is in a free set but not free",
-                    DevicePtr(b.ptr)
+                    DeviceAddr(b.ptr)
                 )));
             }
             in_sets.insert(k.id);
@@ -300,7 +303,7 @@ fn check_free_sets(st: &State) -> Result<(), InvariantViolation> {
         if is_free(st, id) && b.mapped && !in_sets.contains(&id) {
             return Err(bad(format!(
                 "free block {} is missing from its free set",
-                DevicePtr(b.ptr)
+                DeviceAddr(b.ptr)
             )));
         }
     }
@@ -318,19 +321,19 @@ fn check_unmapped_sets(st: &State) -> Result<(), InvariantViolation> {
             let Some(b) = st.arena.get(id) else {
                 return Err(bad(format!(
                     "unmapped-set entry for a dead block at {}",
-                    DevicePtr(ptr)
+                    DeviceAddr(ptr)
                 )));
             };
             if (b.stream, b.ptr, b.pool) != (stream, ptr, kind) || b.mapped {
                 return Err(bad(format!(
                     "stale unmapped-set entry for block {}",
-                    DevicePtr(b.ptr)
+                    DeviceAddr(b.ptr)
                 )));
             }
             if b.allocated || b.event_count > 0 || !b.expandable {
                 return Err(bad(format!(
                     "unmapped block {} is allocated, pending or not expandable",
-                    DevicePtr(b.ptr)
+                    DeviceAddr(b.ptr)
                 )));
             }
         }
@@ -355,7 +358,7 @@ fn check_pages(st: &State) -> Result<(), InvariantViolation> {
         let pages = seg.size.checked_div(seg.page_size).unwrap_or(0);
         if !rec_ok || seg.base != base || pages == 0 || seg.size % seg.page_size != 0 {
             return Err(InvariantViolation::PagesDoNotMatchBlocks {
-                segment: DevicePtr(base),
+                segment: DeviceAddr(base),
                 detail: "segment record does not match".into(),
             });
         }
@@ -364,7 +367,7 @@ fn check_pages(st: &State) -> Result<(), InvariantViolation> {
         for (&start, &(_, n)) in &seg.handles {
             if n == 0 || start < end || start + n > pages {
                 return Err(InvariantViolation::PagesDoNotMatchBlocks {
-                    segment: DevicePtr(base),
+                    segment: DeviceAddr(base),
                     detail: format!("handle at page {start} overlaps another or the end"),
                 });
             }
@@ -373,7 +376,7 @@ fn check_pages(st: &State) -> Result<(), InvariantViolation> {
         }
         if counted != seg.mapped_pages {
             return Err(InvariantViolation::PagesDoNotMatchBlocks {
-                segment: DevicePtr(base),
+                segment: DeviceAddr(base),
                 detail: format!(
                     "{counted} pages under handles but {} counted",
                     seg.mapped_pages
@@ -385,10 +388,10 @@ fn check_pages(st: &State) -> Result<(), InvariantViolation> {
         let Some(base) = st.vm_segment_of(b.ptr) else {
             if !b.mapped || b.expandable {
                 return Err(InvariantViolation::PagesDoNotMatchBlocks {
-                    segment: DevicePtr::NULL,
+                    segment: DeviceAddr::NULL,
                     detail: format!(
                         "block {} is expandable or unmapped outside expandable segments",
-                        DevicePtr(b.ptr)
+                        DeviceAddr(b.ptr)
                     ),
                 });
             }
@@ -398,13 +401,13 @@ fn check_pages(st: &State) -> Result<(), InvariantViolation> {
             continue;
         };
         let bad = |detail: String| InvariantViolation::PagesDoNotMatchBlocks {
-            segment: DevicePtr(base),
+            segment: DeviceAddr(base),
             detail,
         };
         if !b.expandable {
             return Err(bad(format!(
                 "block {} is not marked expandable",
-                DevicePtr(b.ptr)
+                DeviceAddr(b.ptr)
             )));
         }
         let (first, last) = (seg.page_left(b.ptr), seg.page_right(b.end()));
@@ -414,7 +417,7 @@ fn check_pages(st: &State) -> Result<(), InvariantViolation> {
                 let Some((start, n)) = seg.covering(p) else {
                     return Err(bad(format!(
                         "mapped block {} lies over unmapped page {p}",
-                        DevicePtr(b.ptr)
+                        DeviceAddr(b.ptr)
                     )));
                 };
                 p = start + n;
@@ -424,7 +427,7 @@ fn check_pages(st: &State) -> Result<(), InvariantViolation> {
             if (b.ptr - base) % ps != 0 || b.size as u64 % ps != 0 {
                 return Err(bad(format!(
                     "unmapped block {} is not page aligned",
-                    DevicePtr(b.ptr)
+                    DeviceAddr(b.ptr)
                 )));
             }
             let overlap = seg
@@ -434,7 +437,7 @@ fn check_pages(st: &State) -> Result<(), InvariantViolation> {
             if let Some(p) = overlap {
                 return Err(bad(format!(
                     "page {p} is mapped under unmapped block {}",
-                    DevicePtr(b.ptr)
+                    DeviceAddr(b.ptr)
                 )));
             }
         }
@@ -442,7 +445,7 @@ fn check_pages(st: &State) -> Result<(), InvariantViolation> {
     let expandable_recs = st.segments.values().filter(|r| r.expandable).count();
     if expandable_recs != st.vm_segments.len() {
         return Err(InvariantViolation::PagesDoNotMatchBlocks {
-            segment: DevicePtr::NULL,
+            segment: DeviceAddr::NULL,
             detail: format!(
                 "{expandable_recs} expandable segment records but {} page tables",
                 st.vm_segments.len()
@@ -460,7 +463,7 @@ fn check_active_map(st: &State) -> Result<(), InvariantViolation> {
             _ => {
                 return Err(bad(format!(
                     "entry {} does not name an allocated block there",
-                    DevicePtr(ptr)
+                    DeviceAddr(ptr)
                 )));
             }
         }
@@ -484,13 +487,13 @@ fn check_pending_events(st: &State) -> Result<(), InvariantViolation> {
         for &(_, id) in queue {
             let Some(b) = st.arena.get(id) else {
                 return Err(InvariantViolation::PendingEventsMismatch {
-                    block: DevicePtr::NULL,
+                    block: DeviceAddr::NULL,
                     detail: "an event names a dead block".into(),
                 });
             };
             if b.allocated || !b.mapped {
                 return Err(InvariantViolation::PendingEventsMismatch {
-                    block: DevicePtr(b.ptr),
+                    block: DeviceAddr(b.ptr),
                     detail: "an event names an allocated or unmapped block".into(),
                 });
             }
@@ -505,7 +508,7 @@ fn check_pending_events(st: &State) -> Result<(), InvariantViolation> {
             !b.allocated && !b.stream_uses.is_empty() && !st.graph.deferred.contains(&id);
         if unsynced != st.unsynced.contains(&id) {
             return Err(InvariantViolation::PendingEventsMismatch {
-                block: DevicePtr(b.ptr),
+                block: DeviceAddr(b.ptr),
                 detail: format!(
                     "freed with stream uses: {unsynced}, listed as unsynced: {}",
                     !unsynced
@@ -515,7 +518,7 @@ fn check_pending_events(st: &State) -> Result<(), InvariantViolation> {
         let n = named.get(&id).copied().unwrap_or(0);
         if b.event_count != n {
             return Err(InvariantViolation::PendingEventsMismatch {
-                block: DevicePtr(b.ptr),
+                block: DeviceAddr(b.ptr),
                 detail: format!("event count {} but {n} events name it", b.event_count),
             });
         }
@@ -537,14 +540,14 @@ fn check_private_pools(st: &State) -> Result<(), InvariantViolation> {
         if !st.graph.pools.contains_key(&rec.owner) {
             return Err(bad(format!(
                 "segment {} belongs to unknown pool slot {}",
-                DevicePtr(base),
+                DeviceAddr(base),
                 rec.owner
             )));
         }
         if rec.expandable {
             return Err(bad(format!(
                 "private segment {} is expandable",
-                DevicePtr(base)
+                DeviceAddr(base)
             )));
         }
         *segments.entry(rec.owner).or_default() += 1;
@@ -588,7 +591,7 @@ fn check_private_pools(st: &State) -> Result<(), InvariantViolation> {
         if waiting != deferred.contains(&id) || (waiting && b.event_count > 0) {
             return Err(bad(format!(
                 "block {} is {}deferred but {}",
-                DevicePtr(b.ptr),
+                DeviceAddr(b.ptr),
                 if deferred.contains(&id) { "" } else { "not " },
                 if waiting {
                     "freed with pending stream uses"

@@ -30,7 +30,7 @@ pub(crate) use state::AddrMap;
 pub use state::{MemPoolId, PoolFilter, capture_filter};
 pub use summary::memory_summary;
 
-use crate::backend::{DeviceBackend, DevicePtr, StreamId};
+use crate::backend::{DeviceAddr, DeviceBackend, StreamId};
 use crate::config::AllocatorConfig;
 use crate::error::{AllocError, Result};
 use crate::stats::MemoryStats;
@@ -47,7 +47,7 @@ use state::State;
 #[must_use = "an allocation that is not freed stays allocated"]
 pub struct Allocation {
     /// Device address (null for a zero-byte request).
-    pub ptr: DevicePtr,
+    pub ptr: DeviceAddr,
     /// Requested size in bytes.
     pub size: usize,
     /// Size of the block backing it (the rounded size).
@@ -193,7 +193,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// that stream failed too: the allocation is gone for the caller, but its block stays out of
     /// the cache until a later attempt (at the next allocation or `empty_cache`) fences or waits
     /// for the stream.
-    pub fn free(&self, ptr: DevicePtr) -> Result<()> {
+    pub fn free(&self, ptr: DeviceAddr) -> Result<()> {
         if let Some(front) = &self.front {
             if let FastFree::Done(r) = front.try_free(ptr) {
                 return r;
@@ -205,7 +205,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// `free` under the lock (everything but a free into this thread's front cache), out of line
     /// so that the fast path keeps a small frame.
     #[inline(never)]
-    fn free_locked(&self, ptr: DevicePtr) -> Result<()> {
+    fn free_locked(&self, ptr: DeviceAddr) -> Result<()> {
         let mut guard = self.state.lock();
         let Locked { st, front: fl } = &mut *guard;
         let r = match &self.front {
@@ -225,7 +225,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     ///
     /// # Errors
     /// The pointer errors of [`free`](Self::free).
-    pub fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
+    pub fn record_stream(&self, ptr: DeviceAddr, stream: StreamId) -> Result<()> {
         let mut guard = self.state.lock();
         let Locked { st, front: fl } = &mut *guard;
         match &self.front {
@@ -618,6 +618,9 @@ impl<B: DeviceBackend> Drop for CachingAllocator<B> {
 }
 
 /// An allocation that returns to its allocator's cache when dropped.
+///
+/// Each field of [`Allocation`] has an accessor of the same name (`ptr()`, `size()`,
+/// `block_size()`, `stream()`); `len()` is `size()` under the name collections use.
 pub struct OwnedAllocation<B: DeviceBackend> {
     allocator: Arc<CachingAllocator<B>>,
     allocation: Allocation,
@@ -630,7 +633,7 @@ impl<B: DeviceBackend> OwnedAllocation<B> {
     }
 
     /// Device address.
-    pub fn ptr(&self) -> DevicePtr {
+    pub fn ptr(&self) -> DeviceAddr {
         self.allocation.ptr
     }
 
@@ -653,6 +656,16 @@ impl<B: DeviceBackend> OwnedAllocation<B> {
     /// ```
     pub fn size(&self) -> usize {
         self.allocation.size
+    }
+
+    /// Size of the block backing it in bytes: [`Allocation::block_size`].
+    pub fn block_size(&self) -> usize {
+        self.allocation.block_size
+    }
+
+    /// The stream it was allocated on: [`Allocation::stream`].
+    pub fn stream(&self) -> StreamId {
+        self.allocation.stream
     }
 
     /// Whether the allocation is empty (0 bytes).

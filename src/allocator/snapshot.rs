@@ -4,7 +4,7 @@
 
 use super::block::BlockId;
 use super::state::State;
-use crate::backend::{DevicePtr, StreamId};
+use crate::backend::{DeviceAddr, StreamId};
 use crate::size_class::PoolKind;
 
 /// The state of a block, with PyTorch's names.
@@ -40,7 +40,7 @@ impl BlockState {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockSnapshot {
     /// Start address.
-    pub address: DevicePtr,
+    pub address: DeviceAddr,
     /// Size in bytes.
     pub size: usize,
     /// The requested size while allocated (0 otherwise).
@@ -53,7 +53,7 @@ pub struct BlockSnapshot {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SegmentSnapshot {
     /// Base address.
-    pub address: DevicePtr,
+    pub address: DeviceAddr,
     /// Size in bytes.
     pub total_size: usize,
     /// The stream it serves.
@@ -137,7 +137,7 @@ pub(crate) fn take(st: &State) -> Vec<SegmentSnapshot> {
                     0
                 };
             blocks.push(BlockSnapshot {
-                address: DevicePtr(b.ptr),
+                address: DeviceAddr(b.ptr),
                 size: b.size,
                 requested_size,
                 state,
@@ -146,7 +146,7 @@ pub(crate) fn take(st: &State) -> Vec<SegmentSnapshot> {
         }
         let total_size = blocks.iter().map(|b| b.size).sum();
         out.push(SegmentSnapshot {
-            address: DevicePtr(base),
+            address: DeviceAddr(base),
             total_size,
             stream,
             pool,

@@ -21,7 +21,7 @@ use super::block::{Arena, Block, BlockId};
 use super::device_calls;
 use super::history::History;
 use super::pool::{BlockPool, FreeKey};
-use crate::backend::{BackendError, DeviceBackend, DevicePtr, EventHandle, StreamId};
+use crate::backend::{BackendError, DeviceAddr, DeviceBackend, EventHandle, StreamId};
 use crate::config::{AllocatorConfig, MAX_ALLOCATION_SIZE};
 use crate::error::{AllocError, OomReport, OomVerdict, Result};
 use crate::size_class::{PoolKind, expandable_page_size, pool_kind, round_size, segment_size};
@@ -262,7 +262,7 @@ impl State {
     ) -> Result<Allocation> {
         if orig_size == 0 {
             return Ok(Allocation {
-                ptr: DevicePtr::NULL,
+                ptr: DeviceAddr::NULL,
                 size: 0,
                 block_size: 0,
                 stream,
@@ -526,7 +526,7 @@ impl State {
             st.oversize_allocations.increase(1);
         }
         Allocation {
-            ptr: DevicePtr(ptr),
+            ptr: DeviceAddr(ptr),
             size: orig_size,
             block_size: bsize,
             stream,
@@ -535,7 +535,7 @@ impl State {
 
     // ---- free ------------------------------------------------------------------------------
 
-    pub(crate) fn free<B: DeviceBackend>(&mut self, dev: &B, ptr: DevicePtr) -> Result<()> {
+    pub(crate) fn free<B: DeviceBackend>(&mut self, dev: &B, ptr: DeviceAddr) -> Result<()> {
         if ptr.is_null() {
             return Ok(());
         }
@@ -565,7 +565,7 @@ impl State {
         }
     }
 
-    fn classify_bad_pointer(&self, ptr: DevicePtr) -> AllocError {
+    fn classify_bad_pointer(&self, ptr: DeviceAddr) -> AllocError {
         let seg = self
             .segments
             .range(..=ptr.0)
@@ -583,7 +583,7 @@ impl State {
         } else {
             AllocError::InteriorPointer {
                 ptr,
-                segment: DevicePtr(base),
+                segment: DeviceAddr(base),
             }
         }
     }
@@ -675,7 +675,7 @@ impl State {
 
     // ---- streams and events ----------------------------------------------------------------
 
-    pub(crate) fn record_stream(&mut self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
+    pub(crate) fn record_stream(&mut self, ptr: DeviceAddr, stream: StreamId) -> Result<()> {
         let Some(&id) = self.active.get(&ptr.0) else {
             return Err(self.classify_bad_pointer(ptr));
         };
@@ -842,7 +842,7 @@ impl State {
     fn release_block<B: DeviceBackend>(&mut self, dev: &B, id: BlockId) -> Result<()> {
         let b = self.block(id).clone();
         debug_assert!(!b.is_split() && !b.allocated && !b.expandable);
-        device_calls::free_segment(dev, DevicePtr(b.ptr), b.size, b.stream).map_err(|source| {
+        device_calls::free_segment(dev, DeviceAddr(b.ptr), b.size, b.stream).map_err(|source| {
             AllocError::Backend {
                 operation: "free",
                 source,
@@ -863,9 +863,9 @@ impl State {
         self.arena.remove(id);
         self.segments.remove(&b.ptr);
         if let Some(h) = &mut self.history {
-            h.segment_free(DevicePtr(b.ptr), b.size, b.stream);
+            h.segment_free(DeviceAddr(b.ptr), b.size, b.stream);
         }
-        tracing::debug!(target: "cuda_caching_allocator", device = dev.device_index(), ptr = %DevicePtr(b.ptr), size = b.size, "segment released");
+        tracing::debug!(target: "cuda_caching_allocator", device = dev.device_index(), ptr = %DeviceAddr(b.ptr), size = b.size, "segment released");
         Ok(())
     }
 

@@ -44,7 +44,7 @@ use cudarc::driver::{CudaContext, CudaStream, sys};
 use parking_lot::{Mutex, RwLock};
 
 use super::{
-    BackendError, DeviceBackend, DevicePtr, EventHandle, MemInfo, PhysicalHandle, StreamId,
+    BackendError, DeviceAddr, DeviceBackend, EventHandle, MemInfo, PhysicalHandle, StreamId,
 };
 
 /// `CU_STREAM_LEGACY`: the legacy default stream's explicit handle.
@@ -585,7 +585,7 @@ unsafe impl DeviceBackend for CudaDevice {
         Ok(MemInfo { free, total })
     }
 
-    fn allocate(&self, size: usize, _stream: StreamId) -> Result<DevicePtr, BackendError> {
+    fn allocate(&self, size: usize, _stream: StreamId) -> Result<DeviceAddr, BackendError> {
         if size == 0 {
             return Err(BackendError::InvalidArgument {
                 operation: "cuMemAlloc",
@@ -603,12 +603,12 @@ unsafe impl DeviceBackend for CudaDevice {
                 reason: "the driver returned a null pointer".into(),
             });
         }
-        Ok(DevicePtr(ptr))
+        Ok(DeviceAddr(ptr))
     }
 
     unsafe fn free(
         &self,
-        ptr: DevicePtr,
+        ptr: DeviceAddr,
         _size: usize,
         _stream: StreamId,
     ) -> Result<(), BackendError> {
@@ -752,7 +752,7 @@ unsafe impl DeviceBackend for CudaDevice {
         self.granularity
     }
 
-    fn reserve_address_range(&self, size: usize) -> Result<DevicePtr, BackendError> {
+    fn reserve_address_range(&self, size: usize) -> Result<DeviceAddr, BackendError> {
         let gran = self
             .granularity
             .ok_or(BackendError::Unsupported("virtual memory"))?;
@@ -768,12 +768,12 @@ unsafe impl DeviceBackend for CudaDevice {
         // SAFETY: `base` is a live local; alignment 0 (the default), no fixed address, no flags.
         let r = unsafe { sys::cuMemAddressReserve(&mut base, size, 0, 0, 0) };
         r.result().map_err(|e| driver("cuMemAddressReserve", e))?;
-        Ok(DevicePtr(base))
+        Ok(DeviceAddr(base))
     }
 
     unsafe fn release_address_range(
         &self,
-        base: DevicePtr,
+        base: DeviceAddr,
         size: usize,
     ) -> Result<(), BackendError> {
         let _bound = self.bind()?;
@@ -820,7 +820,7 @@ unsafe impl DeviceBackend for CudaDevice {
 
     unsafe fn map(
         &self,
-        va: DevicePtr,
+        va: DeviceAddr,
         size: usize,
         handle: PhysicalHandle,
     ) -> Result<(), BackendError> {
@@ -849,7 +849,7 @@ unsafe impl DeviceBackend for CudaDevice {
         Ok(())
     }
 
-    unsafe fn unmap(&self, va: DevicePtr, size: usize) -> Result<(), BackendError> {
+    unsafe fn unmap(&self, va: DeviceAddr, size: usize) -> Result<(), BackendError> {
         let _bound = self.bind()?;
         // SAFETY: the caller's obligations: the range is exactly one earlier `map` of this device
         // and no queued work uses it.

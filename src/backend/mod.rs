@@ -26,11 +26,11 @@ pub mod sim;
 /// An opaque device address. Never dereferenced on the host. `0` is the null pointer, which is
 /// what a zero-byte allocation returns (as in PyTorch).
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-pub struct DevicePtr(pub u64);
+pub struct DeviceAddr(pub u64);
 
-impl DevicePtr {
+impl DeviceAddr {
     /// The null device pointer.
-    pub const NULL: DevicePtr = DevicePtr(0);
+    pub const NULL: DeviceAddr = DeviceAddr(0);
 
     /// The raw address.
     #[inline]
@@ -46,18 +46,18 @@ impl DevicePtr {
 
     /// This address moved forward by `bytes`.
     #[inline]
-    pub const fn offset(self, bytes: usize) -> DevicePtr {
-        DevicePtr(self.0.wrapping_add(bytes as u64))
+    pub const fn offset(self, bytes: usize) -> DeviceAddr {
+        DeviceAddr(self.0.wrapping_add(bytes as u64))
     }
 }
 
-impl fmt::Debug for DevicePtr {
+impl fmt::Debug for DeviceAddr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{:#x}", self.0)
     }
 }
 
-impl fmt::Display for DevicePtr {
+impl fmt::Display for DeviceAddr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{:#x}", self.0)
     }
@@ -195,7 +195,7 @@ pub unsafe trait DeviceBackend: Send + Sync {
     /// # Errors
     /// [`BackendError::OutOfMemory`] when the device is full (the cache then releases cache and
     /// retries); any other error is passed to the caller unchanged.
-    fn allocate(&self, size: usize, stream: StreamId) -> Result<DevicePtr, BackendError>;
+    fn allocate(&self, size: usize, stream: StreamId) -> Result<DeviceAddr, BackendError>;
 
     /// Returns a segment to the device.
     ///
@@ -208,7 +208,7 @@ pub unsafe trait DeviceBackend: Send + Sync {
     /// 2. No queued work on any stream still reads or writes the range.
     unsafe fn free(
         &self,
-        ptr: DevicePtr,
+        ptr: DeviceAddr,
         size: usize,
         stream: StreamId,
     ) -> Result<(), BackendError>;
@@ -329,7 +329,7 @@ pub unsafe trait DeviceBackend: Send + Sync {
     ///
     /// # Errors
     /// [`BackendError::Unsupported`], or out of address space.
-    fn reserve_address_range(&self, size: usize) -> Result<DevicePtr, BackendError> {
+    fn reserve_address_range(&self, size: usize) -> Result<DeviceAddr, BackendError> {
         let _ = size;
         Err(BackendError::Unsupported("virtual memory"))
     }
@@ -345,7 +345,7 @@ pub unsafe trait DeviceBackend: Send + Sync {
     /// 2. Nothing is mapped in the range.
     unsafe fn release_address_range(
         &self,
-        base: DevicePtr,
+        base: DeviceAddr,
         size: usize,
     ) -> Result<(), BackendError> {
         let _ = (base, size);
@@ -389,7 +389,7 @@ pub unsafe trait DeviceBackend: Send + Sync {
     /// 2. `handle` is a live physical handle of `self` of exactly `size` bytes.
     unsafe fn map(
         &self,
-        va: DevicePtr,
+        va: DeviceAddr,
         size: usize,
         handle: PhysicalHandle,
     ) -> Result<(), BackendError> {
@@ -405,7 +405,7 @@ pub unsafe trait DeviceBackend: Send + Sync {
     /// # Safety
     /// 1. The range is exactly one earlier [`map`](Self::map) on `self`.
     /// 2. No queued work still reads or writes it.
-    unsafe fn unmap(&self, va: DevicePtr, size: usize) -> Result<(), BackendError> {
+    unsafe fn unmap(&self, va: DeviceAddr, size: usize) -> Result<(), BackendError> {
         let _ = (va, size);
         Err(BackendError::Unsupported("virtual memory"))
     }
@@ -422,12 +422,12 @@ unsafe impl<D: DeviceBackend + ?Sized> DeviceBackend for &D {
     fn mem_info(&self) -> Result<MemInfo, BackendError> {
         (**self).mem_info()
     }
-    fn allocate(&self, size: usize, stream: StreamId) -> Result<DevicePtr, BackendError> {
+    fn allocate(&self, size: usize, stream: StreamId) -> Result<DeviceAddr, BackendError> {
         (**self).allocate(size, stream)
     }
     unsafe fn free(
         &self,
-        ptr: DevicePtr,
+        ptr: DeviceAddr,
         size: usize,
         stream: StreamId,
     ) -> Result<(), BackendError> {
@@ -468,12 +468,12 @@ unsafe impl<D: DeviceBackend + ?Sized> DeviceBackend for &D {
     fn vm_granularity(&self) -> Option<usize> {
         (**self).vm_granularity()
     }
-    fn reserve_address_range(&self, size: usize) -> Result<DevicePtr, BackendError> {
+    fn reserve_address_range(&self, size: usize) -> Result<DeviceAddr, BackendError> {
         (**self).reserve_address_range(size)
     }
     unsafe fn release_address_range(
         &self,
-        base: DevicePtr,
+        base: DeviceAddr,
         size: usize,
     ) -> Result<(), BackendError> {
         // SAFETY: obligations 1-2 are forwarded unchanged.
@@ -492,14 +492,14 @@ unsafe impl<D: DeviceBackend + ?Sized> DeviceBackend for &D {
     }
     unsafe fn map(
         &self,
-        va: DevicePtr,
+        va: DeviceAddr,
         size: usize,
         handle: PhysicalHandle,
     ) -> Result<(), BackendError> {
         // SAFETY: obligations 1-2 are forwarded unchanged.
         unsafe { (**self).map(va, size, handle) }
     }
-    unsafe fn unmap(&self, va: DevicePtr, size: usize) -> Result<(), BackendError> {
+    unsafe fn unmap(&self, va: DeviceAddr, size: usize) -> Result<(), BackendError> {
         // SAFETY: obligations 1-2 are forwarded unchanged.
         unsafe { (**self).unmap(va, size) }
     }
@@ -516,12 +516,12 @@ unsafe impl<D: DeviceBackend + ?Sized> DeviceBackend for std::sync::Arc<D> {
     fn mem_info(&self) -> Result<MemInfo, BackendError> {
         (**self).mem_info()
     }
-    fn allocate(&self, size: usize, stream: StreamId) -> Result<DevicePtr, BackendError> {
+    fn allocate(&self, size: usize, stream: StreamId) -> Result<DeviceAddr, BackendError> {
         (**self).allocate(size, stream)
     }
     unsafe fn free(
         &self,
-        ptr: DevicePtr,
+        ptr: DeviceAddr,
         size: usize,
         stream: StreamId,
     ) -> Result<(), BackendError> {
@@ -562,12 +562,12 @@ unsafe impl<D: DeviceBackend + ?Sized> DeviceBackend for std::sync::Arc<D> {
     fn vm_granularity(&self) -> Option<usize> {
         (**self).vm_granularity()
     }
-    fn reserve_address_range(&self, size: usize) -> Result<DevicePtr, BackendError> {
+    fn reserve_address_range(&self, size: usize) -> Result<DeviceAddr, BackendError> {
         (**self).reserve_address_range(size)
     }
     unsafe fn release_address_range(
         &self,
-        base: DevicePtr,
+        base: DeviceAddr,
         size: usize,
     ) -> Result<(), BackendError> {
         // SAFETY: obligations 1-2 are forwarded unchanged.
@@ -586,14 +586,14 @@ unsafe impl<D: DeviceBackend + ?Sized> DeviceBackend for std::sync::Arc<D> {
     }
     unsafe fn map(
         &self,
-        va: DevicePtr,
+        va: DeviceAddr,
         size: usize,
         handle: PhysicalHandle,
     ) -> Result<(), BackendError> {
         // SAFETY: obligations 1-2 are forwarded unchanged.
         unsafe { (**self).map(va, size, handle) }
     }
-    unsafe fn unmap(&self, va: DevicePtr, size: usize) -> Result<(), BackendError> {
+    unsafe fn unmap(&self, va: DeviceAddr, size: usize) -> Result<(), BackendError> {
         // SAFETY: obligations 1-2 are forwarded unchanged.
         unsafe { (**self).unmap(va, size) }
     }

@@ -66,7 +66,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use parking_lot::Mutex;
 
 use super::{
-    BackendError, DeviceBackend, DevicePtr, EventHandle, MemInfo, PhysicalHandle, StreamId,
+    BackendError, DeviceAddr, DeviceBackend, EventHandle, MemInfo, PhysicalHandle, StreamId,
 };
 
 /// What an injected fault looks like to the caller.
@@ -125,7 +125,7 @@ pub struct SimUse {
     /// Its position on the stream: the stream's `unit`-th unit of work (counting from 1).
     pub unit: u64,
     /// The first byte it uses.
-    pub ptr: DevicePtr,
+    pub ptr: DeviceAddr,
     /// Bytes it uses.
     pub len: usize,
 }
@@ -159,7 +159,7 @@ pub struct SimViolation {
     /// What the cache did.
     pub kind: SimViolationKind,
     /// The range it did it to: start.
-    pub ptr: DevicePtr,
+    pub ptr: DeviceAddr,
     /// The range it did it to: bytes.
     pub len: usize,
     /// The incomplete use it broke.
@@ -670,7 +670,7 @@ impl Inner {
             .filter(|u| u.overlaps(ptr, len) && !allowed(u))
             .map(|&pending| SimViolation {
                 kind,
-                ptr: DevicePtr(ptr),
+                ptr: DeviceAddr(ptr),
                 len,
                 pending,
             })
@@ -916,7 +916,7 @@ impl SimDevice {
     /// synchronize, or an event wait that orders it), the device checks that the range is not
     /// freed, unmapped or handed to a new owner that is not ordered after it (Note [Queued
     /// uses] in the module source); breaches are logged in [`violations`](Self::violations).
-    pub fn use_range(&self, stream: StreamId, ptr: DevicePtr, len: usize) -> SimUse {
+    pub fn use_range(&self, stream: StreamId, ptr: DeviceAddr, len: usize) -> SimUse {
         let mut g = self.inner.lock();
         let st = g.streams.entry(stream).or_default();
         st.0 += 1;
@@ -939,7 +939,7 @@ impl SimDevice {
     ///
     /// The cache does not call this (it cannot tell a hand-out from any other return value);
     /// tests call it, or wrap the allocator so that every allocation it returns is checked.
-    pub fn check_handout(&self, stream: StreamId, ptr: DevicePtr, len: usize) -> bool {
+    pub fn check_handout(&self, stream: StreamId, ptr: DeviceAddr, len: usize) -> bool {
         let mut g = self.inner.lock();
         let frontier = g.ordered_before(stream);
         let allowed = |u: &SimUse| {
@@ -1031,23 +1031,23 @@ impl SimDevice {
     }
 
     /// Live segments as `(address, size)`, in address order.
-    pub fn live_segments(&self) -> Vec<(DevicePtr, usize)> {
+    pub fn live_segments(&self) -> Vec<(DeviceAddr, usize)> {
         self.inner
             .lock()
             .ranges
             .iter()
             .filter(|(_, (_, k))| *k == RangeKind::Segment)
-            .map(|(&a, &(s, _))| (DevicePtr(a), s))
+            .map(|(&a, &(s, _))| (DeviceAddr(a), s))
             .collect()
     }
 
     /// Live mappings as `(address, size)`, in address order.
-    pub fn live_mappings(&self) -> Vec<(DevicePtr, usize)> {
+    pub fn live_mappings(&self) -> Vec<(DeviceAddr, usize)> {
         self.inner
             .lock()
             .mappings
             .iter()
-            .map(|(&a, &(s, _))| (DevicePtr(a), s))
+            .map(|(&a, &(s, _))| (DeviceAddr(a), s))
             .collect()
     }
 }
@@ -1073,7 +1073,7 @@ unsafe impl DeviceBackend for SimDevice {
         Ok(MemInfo { free, total })
     }
 
-    fn allocate(&self, size: usize, stream: StreamId) -> Result<DevicePtr, BackendError> {
+    fn allocate(&self, size: usize, stream: StreamId) -> Result<DeviceAddr, BackendError> {
         let mut g = self.inner.lock();
         if size == 0 {
             return Err(BackendError::InvalidArgument {
@@ -1107,12 +1107,12 @@ unsafe impl DeviceBackend for SimDevice {
         g.counters.allocate_calls += 1;
         g.bill(|c| c.allocate_ns);
         g.counters.live_segments += 1;
-        Ok(DevicePtr(at))
+        Ok(DeviceAddr(at))
     }
 
     unsafe fn free(
         &self,
-        ptr: DevicePtr,
+        ptr: DeviceAddr,
         size: usize,
         _stream: StreamId,
     ) -> Result<(), BackendError> {
@@ -1324,7 +1324,7 @@ unsafe impl DeviceBackend for SimDevice {
         self.inner.lock().config.vm_granularity
     }
 
-    fn reserve_address_range(&self, size: usize) -> Result<DevicePtr, BackendError> {
+    fn reserve_address_range(&self, size: usize) -> Result<DeviceAddr, BackendError> {
         let mut g = self.inner.lock();
         let Some(gran) = g.config.vm_granularity else {
             return Err(BackendError::Unsupported("virtual memory"));
@@ -1345,12 +1345,12 @@ unsafe impl DeviceBackend for SimDevice {
         g.ranges.insert(at, (size, RangeKind::Reservation));
         g.counters.reserve_calls += 1;
         g.bill(|c| c.reserve_ns);
-        Ok(DevicePtr(at))
+        Ok(DeviceAddr(at))
     }
 
     unsafe fn release_address_range(
         &self,
-        base: DevicePtr,
+        base: DeviceAddr,
         size: usize,
     ) -> Result<(), BackendError> {
         let mut g = self.inner.lock();
@@ -1437,7 +1437,7 @@ unsafe impl DeviceBackend for SimDevice {
 
     unsafe fn map(
         &self,
-        va: DevicePtr,
+        va: DeviceAddr,
         size: usize,
         handle: PhysicalHandle,
     ) -> Result<(), BackendError> {
@@ -1484,7 +1484,7 @@ unsafe impl DeviceBackend for SimDevice {
         Ok(())
     }
 
-    unsafe fn unmap(&self, va: DevicePtr, size: usize) -> Result<(), BackendError> {
+    unsafe fn unmap(&self, va: DeviceAddr, size: usize) -> Result<(), BackendError> {
         let mut g = self.inner.lock();
         let handle = match g.mappings.get(&va.0) {
             Some(&(s, h)) if s == size => h,
@@ -1732,7 +1732,7 @@ mod tests {
     fn handouts_must_be_ordered_after_every_pending_use() {
         let sim = SimDevice::default();
         let (s, t, x) = (StreamId(1), StreamId(2), StreamId(3));
-        let p = DevicePtr(0x1000_0000);
+        let p = DeviceAddr(0x1000_0000);
         let used = sim.use_range(t, p, 4096);
         // Same stream: ordered by the stream itself. Disjoint range: unconstrained.
         assert!(sim.check_handout(t, p, 4096));
@@ -1770,7 +1770,7 @@ mod tests {
         // An event recorded after a wait (with no new work between) carries the wait: a stream
         // waiting on it is ordered after what the first wait covered.
         let (u, w) = (StreamId(11), StreamId(12));
-        let q = DevicePtr(0x2000_0000);
+        let q = DeviceAddr(0x2000_0000);
         let far = sim.use_range(StreamId(13), q, 64);
         let e1 = sim.create_event().unwrap();
         sim.record_event(e1, StreamId(13)).unwrap();

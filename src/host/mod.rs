@@ -41,6 +41,7 @@ pub use cache::{PinnedBlock, PinnedCache};
 pub use compare::{HostOp, PowerOfTwoModel, mixed_workload};
 pub use config::PinnedConfig;
 #[cfg(feature = "cuda-unpinned")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda-unpinned")))]
 pub use cuda::CudaHost;
 pub use error::PinnedError;
 pub use fence::HostFence;

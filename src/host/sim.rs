@@ -5,7 +5,7 @@
 //! call and per byte, for pin and unpin, defaults near the H100 host's figures in
 //! `docs/pinned.md`), counts every call and injects faults on pin and unpin. Streams, events and
 //! their faults are the lent [`SimDevice`]'s: queue work that reads or writes a pinned block with
-//! [`SimDevice::use_range`] (`DevicePtr(block address)`), finish it with
+//! [`SimDevice::use_range`] (`DeviceAddr(block address)`), finish it with
 //! [`SimDevice::complete_work`], and check hand-outs with [`SimDevice::check_handout`].
 //!
 //! No clocks, no randomness: any run replays exactly. May use: `backend`.

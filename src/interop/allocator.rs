@@ -21,7 +21,7 @@ use crate::backend::cuda::CudaDevice;
 use crate::host::{PinnedConfig, PinnedError};
 use crate::trace::Trace;
 use crate::{
-    AllocError, Allocation, AllocatorConfig, CachingAllocator, DevicePtr, MemPoolId, MemoryStats,
+    AllocError, Allocation, AllocatorConfig, CachingAllocator, DeviceAddr, MemPoolId, MemoryStats,
     PoolFilter, Result, StreamId,
 };
 
@@ -193,7 +193,7 @@ impl CudaAllocator {
     ///    while safe code still reads and writes them.
     /// 2. No work queued on a stream other than the allocation's still uses the memory, unless
     ///    that stream was declared with [`record_stream`](Self::record_stream).
-    pub unsafe fn free(&self, ptr: DevicePtr) -> Result<()> {
+    pub unsafe fn free(&self, ptr: DeviceAddr) -> Result<()> {
         self.inner.free(ptr)
     }
 
@@ -202,7 +202,7 @@ impl CudaAllocator {
     ///
     /// # Errors
     /// As [`CachingAllocator::record_stream`].
-    pub fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
+    pub fn record_stream(&self, ptr: DeviceAddr, stream: StreamId) -> Result<()> {
         self.inner.record_stream(ptr, stream)
     }
 
@@ -595,7 +595,7 @@ impl CudaAllocator {
     pub fn null<T>(&self, stream: &Arc<CudaStream>) -> Result<CachedSlice<T>> {
         self.admit(stream)?;
         Ok(CachedSlice::from_parts(
-            DevicePtr(0),
+            DeviceAddr(0),
             0,
             Arc::clone(stream),
             self.clone(),

@@ -8,7 +8,7 @@
 //! May use: `interop::registry`, `backend::cuda`, the core.
 
 use super::registry::AllocatorRegistry;
-use crate::{AllocError, Allocation, DevicePtr, MemoryStats, Result, StreamId};
+use crate::{AllocError, Allocation, DeviceAddr, MemoryStats, Result, StreamId};
 
 /// Allocates `size` bytes on device `device` for use on `stream`, from the device's shared
 /// cache. A `size` of 0 returns an allocation with the null pointer.
@@ -43,7 +43,7 @@ pub unsafe fn alloc(device: usize, size: usize, stream: StreamId) -> Result<Allo
 ///    otherwise hand to a new owner while safe code still uses them.
 /// 2. Work queued on streams other than the allocation's no longer uses the memory, unless those
 ///    streams were declared with [`record_stream`].
-pub unsafe fn free(device: usize, ptr: DevicePtr) -> Result<()> {
+pub unsafe fn free(device: usize, ptr: DeviceAddr) -> Result<()> {
     if ptr.is_null() {
         return Ok(());
     }
@@ -59,7 +59,7 @@ pub unsafe fn free(device: usize, ptr: DevicePtr) -> Result<()> {
 ///
 /// # Safety
 /// The obligations of [`alloc`] for `stream`.
-pub unsafe fn record_stream(device: usize, ptr: DevicePtr, stream: StreamId) -> Result<()> {
+pub unsafe fn record_stream(device: usize, ptr: DeviceAddr, stream: StreamId) -> Result<()> {
     let alloc = AllocatorRegistry::global().get(device)?;
     // SAFETY: the caller's obligations, passed on unchanged.
     unsafe { alloc.device().admit_raw_stream(stream) }
@@ -76,7 +76,7 @@ pub unsafe fn record_stream(device: usize, ptr: DevicePtr, stream: StreamId) -> 
 ///
 /// # Safety
 /// The obligations of [`alloc`] for `stream`, on the owning device.
-pub unsafe fn record_stream_on_owner(ptr: DevicePtr, stream: StreamId) -> Result<usize> {
+pub unsafe fn record_stream_on_owner(ptr: DeviceAddr, stream: StreamId) -> Result<usize> {
     let mut last = AllocError::UnknownPointer { ptr };
     for (device, alloc) in AllocatorRegistry::global().created() {
         // SAFETY: the caller's obligations for the owning device; a stream of another device is

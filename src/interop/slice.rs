@@ -15,7 +15,7 @@ use super::allocator::CudaAllocator;
 use super::events::{EventShell, TypedShell};
 use super::view::{CachedView, CachedViewMut, ViewEvents};
 use crate::backend::cuda::stream_id;
-use crate::{DevicePtr, Result, StreamId};
+use crate::{DeviceAddr, Result, StreamId};
 
 /// `len` values of `T` in device memory owned by a caching allocator; dropping it returns the
 /// memory to the cache (never to the driver directly, and without synchronizing).
@@ -68,7 +68,7 @@ unsafe impl<T> Sync for CachedSlice<T> {}
 impl<T> fmt::Debug for CachedSlice<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CachedSlice")
-            .field("ptr", &DevicePtr(self.ptr))
+            .field("ptr", &DeviceAddr(self.ptr))
             .field("len", &self.len)
             .field("stream", &self.stream_id())
             .field("device", &self.alloc.ordinal())
@@ -90,10 +90,10 @@ impl<T> Drop for CachedSlice<T> {
         }
         // SAFETY: the buffer owns the block at `self.ptr` (it came from this allocator and no
         // other handle frees it); it is never used again after this point.
-        if let Err(e) = unsafe { self.alloc.free(DevicePtr(self.ptr)) } {
+        if let Err(e) = unsafe { self.alloc.free(DeviceAddr(self.ptr)) } {
             // Nothing can be returned from Drop; the memory stays with the cache as a leak.
             if !std::thread::panicking() {
-                tracing::error!(target: "cuda_caching_allocator", ptr = %DevicePtr(self.ptr), error = %e, "freeing a CachedSlice failed");
+                tracing::error!(target: "cuda_caching_allocator", ptr = %DeviceAddr(self.ptr), error = %e, "freeing a CachedSlice failed");
             }
         }
     }
@@ -155,7 +155,7 @@ pub(super) fn resolve(bounds: impl RangeBounds<usize>, len: usize) -> Option<(us
 
 impl<T> CachedSlice<T> {
     pub(super) fn from_parts(
-        ptr: DevicePtr,
+        ptr: DeviceAddr,
         len: usize,
         stream: Arc<CudaStream>,
         alloc: CudaAllocator,
@@ -205,7 +205,7 @@ impl<T> CachedSlice<T> {
                 self.shell.get()
             }
             Err(e) => {
-                tracing::error!(target: "cuda_caching_allocator", ptr = %DevicePtr(self.ptr), error = %e, "no events for a CachedSlice: its uses synchronize their stream instead");
+                tracing::error!(target: "cuda_caching_allocator", ptr = %DeviceAddr(self.ptr), error = %e, "no events for a CachedSlice: its uses synchronize their stream instead");
                 None
             }
         }
@@ -393,8 +393,8 @@ impl<T> CachedSlice<T> {
     }
 
     /// The device address (null for an empty buffer).
-    pub fn device_ptr_raw(&self) -> DevicePtr {
-        DevicePtr(self.ptr)
+    pub fn device_ptr_raw(&self) -> DeviceAddr {
+        DeviceAddr(self.ptr)
     }
 
     /// The stream the buffer was allocated on (and is freed on).
@@ -464,7 +464,7 @@ impl<T> CachedSlice<T> {
         if id == self.stream_id() {
             return Ok(());
         }
-        self.alloc.record_stream(DevicePtr(self.ptr), id)
+        self.alloc.record_stream(DeviceAddr(self.ptr), id)
     }
 
     /// A view of `range`, or `None` when it is out of bounds (cudarc's `try_slice`).

@@ -21,7 +21,7 @@ use cudarc::driver::{
 
 use super::allocator::CudaAllocator;
 use super::slice::{byte_range, resolve, untracked};
-use crate::{DevicePtr, Result};
+use crate::{DeviceAddr, Result};
 
 /// The cudarc view a [`CachedViewMut`] uses for its events.
 pub(super) enum ViewEvents<'a, T> {
@@ -58,8 +58,8 @@ macro_rules! view_common {
             }
 
             /// The device address of the first value.
-            pub fn device_ptr_raw(&self) -> DevicePtr {
-                DevicePtr(self.ptr)
+            pub fn device_ptr_raw(&self) -> DeviceAddr {
+                DeviceAddr(self.ptr)
             }
 
             /// Marks the whole underlying buffer as used on `stream`; see
@@ -75,7 +75,7 @@ macro_rules! view_common {
                 if id == crate::backend::cuda::stream_id(self.stream) {
                     return Ok(());
                 }
-                self.alloc.record_stream(DevicePtr(self.base), id)
+                self.alloc.record_stream(DeviceAddr(self.base), id)
             }
 
             fn offset(&self, elements: usize) -> sys::CUdeviceptr {
@@ -99,9 +99,9 @@ macro_rules! view_common {
         impl<T> fmt::Debug for $name<'_, T> {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.debug_struct(stringify!($name))
-                    .field("ptr", &DevicePtr(self.ptr))
+                    .field("ptr", &DeviceAddr(self.ptr))
                     .field("len", &self.len)
-                    .field("buffer", &DevicePtr(self.base))
+                    .field("buffer", &DeviceAddr(self.base))
                     .field("events", &self.cu.is_some())
                     .finish()
             }

@@ -311,7 +311,7 @@ fn bad_input_is_rejected_and_changes_nothing() {
     let x = a.allocate(4096, S0).unwrap();
     let before = a.memory_stats();
     assert!(matches!(
-        a.free(DevicePtr(12345)),
+        a.free(DeviceAddr(12345)),
         Err(AllocError::UnknownPointer { .. })
     ));
     assert!(matches!(
@@ -327,7 +327,7 @@ fn bad_input_is_rejected_and_changes_nothing() {
     let err = a.allocate(10, StreamId(99)).unwrap_err();
     assert!(matches!(err, AllocError::InvalidStream { .. }), "{err}");
     assert!(matches!(
-        a.record_stream(DevicePtr(4), S1),
+        a.record_stream(DeviceAddr(4), S1),
         Err(AllocError::UnknownPointer { .. })
     ));
     a.check_invariants().unwrap();
@@ -433,6 +433,14 @@ fn owned_allocations_free_on_drop() {
     {
         let o = a.allocate_owned(1 << 20, S0).unwrap();
         assert_eq!(o.len(), 1 << 20);
+        // One name per field of `Allocation` (#15).
+        let r = o.allocation();
+        assert_eq!(
+            (o.ptr(), o.size(), o.block_size(), o.stream()),
+            (r.ptr, r.size, r.block_size, r.stream)
+        );
+        assert_eq!(o.stream(), S0);
+        assert!(!o.is_empty());
         assert_eq!(a.memory_stats().memory_allocated(), 1 << 20);
     }
     assert_eq!(a.memory_stats().memory_allocated(), 0);

@@ -64,7 +64,7 @@ fn worker(
     tally: &Tally,
 ) {
     let mut r = Rng(0xc4a0_5eed ^ (thread << 32));
-    let mut live: Vec<DevicePtr> = Vec::new();
+    let mut live: Vec<DeviceAddr> = Vec::new();
     let streams = [StreamId(0), StreamId(1 + thread), StreamId(100)];
     let sim = a.backend();
     let mut step = 0u64;

@@ -142,3 +142,25 @@ fn settings_string_round_trips() {
         None
     );
 }
+
+/// One base for the library's entry points (#15): the builder, `parse` and the environment start
+/// from PyTorch's defaults; `AllocatorConfig::default()` is the crate's own tuned configuration
+/// and is reached by name (`cca_preset:default`, `AllocatorConfigBuilder::from_config`).
+#[test]
+fn builder_and_parse_share_pytorchs_base() {
+    let bare = |c: AllocatorConfig| AllocatorConfig {
+        settings: String::new(),
+        ..c
+    };
+    let built = AllocatorConfig::builder().build().unwrap();
+    assert_eq!(
+        bare(built.clone()),
+        bare(AllocatorConfig::parse("").unwrap())
+    );
+    assert_eq!(bare(built), AllocatorConfig::pytorch());
+    assert_eq!(
+        bare(AllocatorConfig::parse("cca_preset:default").unwrap()),
+        bare(AllocatorConfig::default())
+    );
+    assert_ne!(AllocatorConfig::default(), AllocatorConfig::pytorch());
+}

@@ -28,13 +28,13 @@ fn pytorch_on(capacity: usize) -> CachingAllocator<SimDevice> {
 }
 
 /// A stream's segment, freed whole: one allocation of `size` on `stream`, freed.
-fn free_segment_on(a: &CachingAllocator<SimDevice>, size: usize, stream: StreamId) -> DevicePtr {
+fn free_segment_on(a: &CachingAllocator<SimDevice>, size: usize, stream: StreamId) -> DeviceAddr {
     let x = a.allocate(size, stream).unwrap();
     a.free(x.ptr).unwrap();
     x.ptr
 }
 
-fn segment_stream(a: &CachingAllocator<SimDevice>, ptr: DevicePtr) -> StreamId {
+fn segment_stream(a: &CachingAllocator<SimDevice>, ptr: DeviceAddr) -> StreamId {
     a.snapshot()
         .iter()
         .find(|s| ptr.0 >= s.address.0 && ptr.0 < s.address.0 + s.total_size as u64)

@@ -12,7 +12,7 @@ use std::sync::{Arc, Barrier, OnceLock};
 use cuda_caching_allocator::backend::cuda::{CudaDevice, stream_id};
 use cuda_caching_allocator::interop::{AllocatorRegistry, CachedSlice, CudaAllocator, raw};
 use cuda_caching_allocator::{
-    AllocError, AllocatorConfig, DeviceBackend, DevicePtr, OomVerdict, StreamId,
+    AllocError, AllocatorConfig, DeviceAddr, DeviceBackend, OomVerdict, StreamId,
 };
 use cudarc::driver::{
     CudaContext, CudaFunction, DevicePtr as _, LaunchConfig, PushKernelArg, result, sys,
@@ -780,7 +780,7 @@ fn cuda_registry_gives_one_allocator_per_device_and_raw_api_works() {
         Err(AllocError::DoubleFree { .. })
     ));
     // SAFETY: a bogus pointer the cache never handed out: refused without touching memory.
-    assert!(unsafe { raw::free(0, DevicePtr(0x1000)) }.is_err());
+    assert!(unsafe { raw::free(0, DeviceAddr(0x1000)) }.is_err());
     raw::empty_cache(0).unwrap();
     // Another context object of the same device shares its primary context: admitted.
     let other = CudaContext::new(0).unwrap().new_stream().unwrap();
@@ -1054,7 +1054,7 @@ fn set_current(ctx: sys::CUcontext) {
 /// context). `any` is pushed as the current context for the query (unified addressing answers for
 /// every device's pointers from any context) and popped again, so the caller's current context is
 /// unchanged.
-fn where_is(any: &CudaContext, ptr: DevicePtr) -> (i32, Option<sys::CUcontext>) {
+fn where_is(any: &CudaContext, ptr: DeviceAddr) -> (i32, Option<sys::CUcontext>) {
     // SAFETY: `any` is a live context (its `CudaContext` retains it); it is popped below.
     unsafe { sys::cuCtxPushCurrent_v2(any.cu_ctx()) }
         .result()

@@ -7,7 +7,7 @@
 use std::sync::{Arc, OnceLock};
 
 use cuda_caching_allocator::interop::{CachedSlice, CudaAllocator};
-use cuda_caching_allocator::{AllocatorConfig, AllocatorConfigBuilder, DevicePtr};
+use cuda_caching_allocator::{AllocatorConfig, AllocatorConfigBuilder, DeviceAddr};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, sys};
 
 const KERNELS: &str = r#"
@@ -120,7 +120,7 @@ fn add(
 
 /// `[start, end)` of a buffer.
 fn range(b: &CachedSlice<u32>) -> (u64, u64) {
-    let p: DevicePtr = b.device_ptr_raw();
+    let p: DeviceAddr = b.device_ptr_raw();
     (p.0, p.0 + (b.len() * 4) as u64)
 }
 

@@ -100,7 +100,7 @@ fn alloc_errors_become_driver_errors_with_the_closest_code() {
     );
     assert_eq!(
         code(AllocError::UnknownPointer {
-            ptr: cuda_caching_allocator::DevicePtr(0x1000)
+            ptr: cuda_caching_allocator::DeviceAddr(0x1000)
         }),
         CUresult::CUDA_ERROR_INVALID_VALUE
     );
@@ -183,7 +183,7 @@ fn ported(alloc: &CudaAllocator, stream: &Arc<CudaStream>) -> Result<(), DriverE
     assert_eq!(alloc.memory_stats().memory_allocated(), allocated);
     stream.synchronize()?;
     // SAFETY: the leaked buffer owned the block and nothing uses it any more.
-    unsafe { alloc.free(cuda_caching_allocator::DevicePtr(ptr)) }?;
+    unsafe { alloc.free(cuda_caching_allocator::DeviceAddr(ptr)) }?;
     Ok(())
 }
 

@@ -231,7 +231,7 @@ fn double_frees_are_errors_on_every_path() {
         Err(AllocError::InteriorPointer { .. })
     ));
     assert!(matches!(
-        a.free(DevicePtr(0xdead_0000)),
+        a.free(DeviceAddr(0xdead_0000)),
         Err(AllocError::UnknownPointer { .. })
     ));
     a.free(w.ptr).unwrap();
@@ -270,7 +270,7 @@ fn bogus_pointers_never_reach_a_managed_block() {
         bogus.push(foreign.ptr.0);
     }
     for p in bogus {
-        let r = a.free(DevicePtr(p));
+        let r = a.free(DeviceAddr(p));
         assert!(
             matches!(
                 r,
@@ -290,7 +290,7 @@ fn bogus_pointers_never_reach_a_managed_block() {
         );
     }
     // The null pointer is a no-op, and touches no managed block either.
-    a.free(DevicePtr(0)).unwrap();
+    a.free(DeviceAddr(0)).unwrap();
     let y = a.allocate(4096, S0).unwrap();
     assert_ne!(y.ptr, x.ptr);
     a.free(y.ptr).unwrap();

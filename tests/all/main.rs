@@ -25,6 +25,8 @@ mod fidelity;
 mod fragmentation;
 mod graph_capture;
 mod limits;
+mod names;
+mod package;
 mod pinned;
 mod ports;
 mod programs;

@@ -224,17 +224,17 @@ fn a_block_used_on_a_stream_is_reused_only_after_the_work_completes() {
     let (dev, c) = cache_with(small());
     let s = StreamId(7);
     let a = c.alloc(64 * KIB).unwrap();
-    dev.use_range(s, DevicePtr(a.ptr.addr() as u64), 64 * KIB);
+    dev.use_range(s, DeviceAddr(a.ptr.addr() as u64), 64 * KIB);
     c.record_stream(a.ptr, s).unwrap();
     c.free(a.ptr).unwrap();
     assert_eq!(c.waiting_blocks(), 1);
     let b = c.alloc(64 * KIB).unwrap();
     assert_ne!(b.ptr, a.ptr, "the in-flight block must not be reused");
-    assert!(dev.check_handout(NEW_OWNER, DevicePtr(b.ptr.addr() as u64), 64 * KIB));
+    assert!(dev.check_handout(NEW_OWNER, DeviceAddr(b.ptr.addr() as u64), 64 * KIB));
     dev.complete_work(s);
     let d = c.alloc(64 * KIB).unwrap();
     assert_eq!(d.ptr, a.ptr, "reused once its event completed");
-    assert!(dev.check_handout(NEW_OWNER, DevicePtr(d.ptr.addr() as u64), 64 * KIB));
+    assert!(dev.check_handout(NEW_OWNER, DeviceAddr(d.ptr.addr() as u64), 64 * KIB));
     assert!(dev.violations().is_empty());
     assert_eq!(c.stats().num_event_records, 1);
     ok(&c);
@@ -339,7 +339,7 @@ fn a_failed_event_falls_back_to_synchronizing_the_stream() {
     let (dev, c) = cache_with(small());
     let s = StreamId(3);
     let a = c.alloc(4096).unwrap();
-    dev.use_range(s, DevicePtr(a.ptr.addr() as u64), 4096);
+    dev.use_range(s, DeviceAddr(a.ptr.addr() as u64), 4096);
     c.record_stream(a.ptr, s).unwrap();
     dev.fail_next_event_call(SimEventCall::Record);
     c.free(a.ptr).unwrap();
@@ -349,7 +349,7 @@ fn a_failed_event_falls_back_to_synchronizing_the_stream() {
     // Both fail: the free reports the fence error, the block waits for empty_cache.
     let b = c.alloc(4096).unwrap();
     assert_eq!(b.ptr, a.ptr);
-    dev.use_range(s, DevicePtr(b.ptr.addr() as u64), 4096);
+    dev.use_range(s, DeviceAddr(b.ptr.addr() as u64), 4096);
     c.record_stream(b.ptr, s).unwrap();
     dev.fail_next_event_call(SimEventCall::Record);
     dev.fail_next_synchronize();
@@ -587,7 +587,7 @@ proptest! {
                             prop_assert!(hi <= o.ptr.addr() || o.ptr.addr() + o.size <= lo,
                                 "{b:?} overlaps live {o:?}");
                         }
-                        prop_assert!(dev.check_handout(NEW_OWNER, DevicePtr(lo as u64), b.size),
+                        prop_assert!(dev.check_handout(NEW_OWNER, DeviceAddr(lo as u64), b.size),
                             "{b:?} handed out while in flight: {:?}", dev.violations());
                         live.push(b);
                     }
@@ -603,7 +603,7 @@ proptest! {
                 }
                 Op::Use(i, s) if !live.is_empty() => {
                     let b = live[i % live.len()];
-                    dev.use_range(StreamId(s), DevicePtr(b.ptr.addr() as u64), b.size);
+                    dev.use_range(StreamId(s), DeviceAddr(b.ptr.addr() as u64), b.size);
                     c.record_stream(b.ptr, StreamId(s)).unwrap();
                 }
                 Op::Complete(s) => dev.complete_work(StreamId(s)),

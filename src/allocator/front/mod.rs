@@ -72,7 +72,7 @@ use super::Allocation;
 use super::invariants::InvariantViolation;
 use super::snapshot::{BlockState, SegmentSnapshot};
 use super::state::State;
-use crate::backend::{DeviceBackend, DevicePtr, StreamId};
+use crate::backend::{DeviceAddr, DeviceBackend, StreamId};
 use crate::config::{AllocatorConfig, MIB, MIN_BLOCK_SIZE};
 use crate::error::{AllocError, Result};
 use crate::size_class::{PoolKind, pool_kind, round_size};
@@ -205,7 +205,7 @@ impl Front {
         };
         let (ptr, block_size) = local::with_local(self.id, |l| l.take(stream, rounded, size))??;
         Some(Allocation {
-            ptr: DevicePtr(ptr),
+            ptr: DeviceAddr(ptr),
             size,
             block_size,
             stream,
@@ -214,7 +214,7 @@ impl Front {
 
     /// A free into this thread's cache, or [`FastFree::Slow`].
     #[inline]
-    pub(crate) fn try_free(&self, ptr: DevicePtr) -> FastFree {
+    pub(crate) fn try_free(&self, ptr: DeviceAddr) -> FastFree {
         let may_cache = !self.history_on.load(Ordering::Relaxed);
         match local::with_local(self.id, |l| l.give(ptr.0, may_cache)) {
             Some(Give::Cached) => FastFree::Done(Ok(())),
@@ -324,7 +324,7 @@ impl Front {
         st: &mut State,
         fl: &mut FrontLocked,
         dev: &B,
-        ptr: DevicePtr,
+        ptr: DeviceAddr,
     ) -> Result<()> {
         if ptr.is_null() {
             return Ok(());
@@ -372,7 +372,7 @@ impl Front {
         st: &mut State,
         fl: &mut FrontLocked,
         dev: &B,
-        ptr: DevicePtr,
+        ptr: DeviceAddr,
     ) -> Result<()> {
         // Another thread's managed block?
         let other = if fl.registry.len() > 1 || local::with_local(self.id, |_| ()).is_none() {
@@ -411,7 +411,7 @@ impl Front {
         &self,
         st: &mut State,
         fl: &mut FrontLocked,
-        ptr: DevicePtr,
+        ptr: DeviceAddr,
         stream: StreamId,
     ) -> Result<()> {
         let own = local::with_local(self.id, |l| {
@@ -675,10 +675,10 @@ impl Front {
         if shards_on {
             self.shards.remove(ptr);
         }
-        if let Err(err) = st.free(dev, DevicePtr(ptr)) {
+        if let Err(err) = st.free(dev, DeviceAddr(ptr)) {
             // A managed block is allocated in the core by construction; a failure here is a bug
             // that the invariant checker reports.
-            tracing::error!(target: "cuda_caching_allocator", error = %err, ptr = %DevicePtr(ptr), "returning a front-cached block to the core failed");
+            tracing::error!(target: "cuda_caching_allocator", error = %err, ptr = %DeviceAddr(ptr), "returning a front-cached block to the core failed");
         }
     }
 
@@ -839,7 +839,7 @@ impl Front {
                 managed += 1;
                 let v = d.view();
                 seen.push((v.ptr, k, i, state));
-                let p = DevicePtr(v.ptr);
+                let p = DeviceAddr(v.ptr);
                 let core = st.active.get(&v.ptr).and_then(|&id| st.arena.get(id));
                 match core {
                     Some(b) if b.owner != 0 => {
@@ -909,7 +909,7 @@ impl Front {
             return Err(bad(format!(
                 "block {} is managed twice: {} in cache {} (descriptor {}) and {} in cache {} \
                  (descriptor {})",
-                DevicePtr(w[0].0),
+                DeviceAddr(w[0].0),
                 name(w[0].3),
                 w[0].1,
                 w[0].2,

@@ -32,7 +32,7 @@ use super::{SegmentRec, State};
 use crate::allocator::block::{Block, BlockId};
 use crate::allocator::device_calls;
 use crate::allocator::pool::FreeKey;
-use crate::backend::{BackendError, DeviceBackend, DevicePtr, PhysicalHandle, StreamId};
+use crate::backend::{BackendError, DeviceAddr, DeviceBackend, PhysicalHandle, StreamId};
 use crate::config::PageReuse;
 use crate::error::{AllocError, Result};
 use crate::size_class::{PoolKind, expandable_page_size};
@@ -282,7 +282,7 @@ impl State {
                 mapped_pages: 0,
             },
         );
-        tracing::debug!(target: "cuda_caching_allocator", device = dev.device_index(), base = %DevicePtr(base), va_size, page, %stream, pool = kind.segment_type(), "expandable segment reserved");
+        tracing::debug!(target: "cuda_caching_allocator", device = dev.device_index(), base = %DeviceAddr(base), va_size, page, %stream, pool = kind.segment_type(), "expandable segment reserved");
         Ok(Some(id))
     }
 
@@ -397,7 +397,7 @@ impl State {
         let mut err = None;
         for sp in &handles {
             let n = sp.size / page;
-            let va = DevicePtr(base + (at * page) as u64);
+            let va = DeviceAddr(base + (at * page) as u64);
             match device_calls::map_page(dev, va, sp.size, sp.handle) {
                 Ok(()) => {
                     if let Some(seg) = self.vm_segments.get_mut(&base) {
@@ -770,7 +770,7 @@ impl State {
             let Some(&(handle, n)) = seg.handles.get(&at) else {
                 break;
             };
-            match device_calls::unmap_page(dev, DevicePtr(seg.page_addr(at)), n * page) {
+            match device_calls::unmap_page(dev, DeviceAddr(seg.page_addr(at)), n * page) {
                 Ok(()) => {
                     seg.handles.remove(&at);
                     seg.mapped_pages -= n;
@@ -960,13 +960,13 @@ impl State {
             let b = self.block(id);
             (b.ptr, b.size, b.stream, b.pool)
         };
-        device_calls::release_range(dev, DevicePtr(base), size)
+        device_calls::release_range(dev, DeviceAddr(base), size)
             .map_err(backend("release_address_range"))?;
         self.pool(kind).unmapped.remove(&(stream, base, id));
         self.arena.remove(id);
         self.segments.remove(&base);
         self.vm_segments.remove(&base);
-        tracing::debug!(target: "cuda_caching_allocator", device = dev.device_index(), base = %DevicePtr(base), "expandable segment released");
+        tracing::debug!(target: "cuda_caching_allocator", device = dev.device_index(), base = %DeviceAddr(base), "expandable segment released");
         Ok(())
     }
 }

@@ -36,7 +36,7 @@
 use super::State;
 use crate::allocator::block::BlockId;
 use crate::allocator::pool::FreeKey;
-use crate::backend::{BackendError, DeviceBackend, DevicePtr, StreamId};
+use crate::backend::{BackendError, DeviceAddr, DeviceBackend, StreamId};
 use crate::size_class::PoolKind;
 
 /// The segment to hand over: the key of the block that will serve the request (naming the
@@ -76,7 +76,7 @@ impl State {
         self.rekey_segment(c.base, c.key.id, stream);
         self.pool(kind).blocks.remove(&FreeKey { stream, ..c.key });
         self.cross_stream_handovers += 1;
-        tracing::debug!(target: "cuda_caching_allocator", device = dev.device_index(), segment = %DevicePtr(c.base), size = seg_size, expandable, from = %from, to = %stream, pool = kind.segment_type(), "segment handed over across streams");
+        tracing::debug!(target: "cuda_caching_allocator", device = dev.device_index(), segment = %DeviceAddr(c.base), size = seg_size, expandable, from = %from, to = %stream, pool = kind.segment_type(), "segment handed over across streams");
         Some(c.key.id)
     }
 
