@@ -663,6 +663,70 @@ fn mixed_sizes_pin_far_less_than_power_of_two_rounding() {
     assert!(rf <= 1.05, "frugal ratio {rf:.3}: the issue's target");
 }
 
+/// The mixed workload with every block used by a copy on one stream before it is freed; the
+/// stream's work completes only every `lag` operations (copies in flight when blocks are
+/// freed). Returns (peak reserved, peak requested, statistics).
+fn mixed_with_copies(
+    ops: &[HostOp],
+    config: PinnedConfig,
+    lag: usize,
+) -> (usize, usize, PinnedStats) {
+    let (dev, c) = cache_with(config);
+    let s = StreamId(9);
+    let mut live: BTreeMap<usize, PinnedBlock> = BTreeMap::new();
+    let (mut requested, mut peak) = (0usize, 0usize);
+    for (i, op) in ops.iter().enumerate() {
+        let slot = match *op {
+            HostOp::Alloc { slot, .. } | HostOp::Free { slot } => slot,
+        };
+        if let Some(b) = live.remove(&slot) {
+            c.free(b.ptr).unwrap();
+            requested -= b.size;
+        }
+        if let HostOp::Alloc { size, .. } = *op {
+            let b = c.alloc(size).unwrap();
+            let p = DevicePtr(b.ptr.addr() as u64);
+            assert!(dev.check_handout(NEW_OWNER, p, size));
+            dev.use_range(s, p, size);
+            c.record_stream(b.ptr, s).unwrap();
+            requested += size;
+            peak = peak.max(requested);
+            live.insert(slot, b);
+        }
+        if i % lag == lag - 1 {
+            dev.complete_work(s);
+        }
+    }
+    assert!(dev.violations().is_empty());
+    ok(&c);
+    (c.stats().reserved_bytes.peak as usize, peak, c.stats())
+}
+
+#[test]
+fn mixed_sizes_with_copies_in_flight_pin_less_when_waiting() {
+    // Blocks fenced by pending copies: Grow pins around them, Wait reuses them after a wait.
+    let ops = mixed_workload(42, 4000, 48, 64 * MIB);
+    let (wait, peak, ws) = mixed_with_copies(&ops, PinnedConfig::default(), 16);
+    let (grow, gpeak, gs) = mixed_with_copies(
+        &ops,
+        PinnedConfig::default().with_pending(PendingPolicy::Grow),
+        16,
+    );
+    assert_eq!(peak, gpeak);
+    let (rw, rg) = (wait as f64 / peak as f64, grow as f64 / peak as f64);
+    println!(
+        "mixed with copies in flight (lag 16): wait {rw:.3}x, {} pins ({:.0} ms modelled), {} waits; grow {rg:.3}x, {} pins ({:.0} ms)",
+        ws.num_pins,
+        ws.pin_nanos as f64 / 1e6,
+        ws.num_pending_waits,
+        gs.num_pins,
+        gs.pin_nanos as f64 / 1e6
+    );
+    assert!(ws.num_pending_waits > 0);
+    assert!(wait < grow, "waiting pins less: {rw:.3}x vs {rg:.3}x");
+    assert!(ws.num_pins < gs.num_pins);
+}
+
 #[test]
 fn the_fit_rule_pins_an_exact_slab_rather_than_split_a_much_larger_range() {
     let cfg = PinnedConfig::default()
