@@ -34,8 +34,8 @@ pub use config::{AllocatorConfig, AllocatorConfigBuilder, ConfigError, PageReuse
 pub use error::{AllocError, OomReport, OomVerdict, Result};
 pub use format::format_size;
 pub use host::{
-    HostBackend, HostPtr, PinnedBlock, PinnedCache, PinnedConfig, PinnedError, PinnedStats,
-    SimHost, SimHostConfig,
+    HostBackend, HostPtr, PendingPolicy, PinnedBlock, PinnedCache, PinnedConfig, PinnedError,
+    PinnedStats, SimHost, SimHostConfig,
 };
 pub use replay::{
     Placement, ReplayError, ReplayOptions, ReplayReport, replay, replay_observed, replay_with,

@@ -7,11 +7,15 @@
 //! 2. Best fit: the smallest free range, over all slabs, that holds the request (ties: lowest
 //!    slab, lowest offset); the rest of the range stays free (split). With `max_fit_waste`, a
 //!    request larger than a slab skips a range more than `1 + max_fit_waste` times its size.
-//! 3. Otherwise a new slab of `slab_size` bytes (or the request's size, if larger) is pinned.
+//! 3. With [`PendingPolicy::Wait`] (the default), if blocks waiting for their events would hold
+//!    the request once freed (with their free neighbours), the cache waits on the host for the
+//!    oldest such block's events, outside its lock, and goes back to step 1; at most
+//!    `max_pending_waits` times per request.
+//! 4. Otherwise a new slab of `slab_size` bytes (or the request's size, if larger) is pinned.
 //!    If that would pass the cap, wholly free slabs are unpinned first; if it still would, a slab
 //!    of exactly the request's size is tried; if even that would, the error names the cap. If
 //!    pinning runs out of memory, wholly free slabs are unpinned and pinning is tried once more.
-//! 4. A free returns the block at once if no stream was declared for it; otherwise one event is
+//! 5. A free returns the block at once if no stream was declared for it; otherwise one event is
 //!    recorded per declared stream and the block waits until all completed, then merges with its
 //!    free neighbours.
 //!
@@ -22,12 +26,14 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 
 use crate::backend::{BackendError, DeviceBackend, EventHandle, StreamId};
 
 use super::slab::Slab;
-use super::{HostBackend, HostFence, HostPtr, PinnedConfig, PinnedError, PinnedStats};
+use super::{
+    HostBackend, HostFence, HostPtr, PendingPolicy, PinnedConfig, PinnedError, PinnedStats,
+};
 
 /// A block handed out by [`PinnedCache::alloc`]: where it is and how many bytes were asked for.
 /// A plain value: freeing it is the caller's job ([`PinnedCache::free`]).
@@ -57,6 +63,40 @@ struct Waiting {
     fences: Vec<Box<dyn HostFence>>,
     /// Streams whose work could be fenced neither by an event nor by a synchronization.
     unfenced: Vec<StreamId>,
+    /// Order of the free (older first): [`PendingPolicy::Wait`] waits for the oldest block.
+    seq: u64,
+    /// An allocation took this block's events and fences out to wait for them without the lock
+    /// (`Claim`); the block stays waiting until that allocation gives them back.
+    claimed: bool,
+}
+
+/// The events and fences of one waiting block, taken out of the state by an allocation that
+/// waits for them on the host without holding the lock ([`PendingPolicy::Wait`]).
+#[derive(Debug)]
+struct Claim {
+    addr: usize,
+    events: Vec<EventHandle>,
+    fences: Vec<Box<dyn HostFence>>,
+}
+
+/// What waiting for a [`Claim`] left: the events that completed (back to the spare list) and the
+/// events and fences whose wait failed (back to the block).
+#[derive(Debug)]
+struct Settled {
+    addr: usize,
+    done: Vec<EventHandle>,
+    events: Vec<EventHandle>,
+    fences: Vec<Box<dyn HostFence>>,
+}
+
+impl Waiting {
+    /// Nothing left to wait for, and no allocation holds its events (`Claim`).
+    fn is_done(&self) -> bool {
+        !self.claimed
+            && self.events.is_empty()
+            && self.fences.is_empty()
+            && self.unfenced.is_empty()
+    }
 }
 
 #[derive(Debug, Default)]
@@ -67,6 +107,8 @@ pub(super) struct State {
     live: BTreeMap<usize, Live>,
     waiting: Vec<Waiting>,
     spare_events: Vec<EventHandle>,
+    /// The next `Waiting::seq`.
+    next_seq: u64,
     pub(super) stats: PinnedStats,
 }
 
@@ -189,6 +231,10 @@ impl<H: HostBackend> PinnedCache<H> {
 
     /// Hands out a block of at least `size` bytes (exactly `size` rounded up to the alignment).
     ///
+    /// Blocks only with [`PendingPolicy::Wait`], and only where it would otherwise pin: then it
+    /// waits on the host for the events of a block freed after asynchronous work (at most
+    /// [`PinnedConfig::max_pending_waits`] times), without holding the cache's lock.
+    ///
     /// # Errors
     ///
     /// [`PinnedError::InvalidRequest`] for a zero or overflowing size;
@@ -204,23 +250,27 @@ impl<H: HostBackend> PinnedCache<H> {
             PinnedError::InvalidRequest(format!("size {size} overflows when aligned"))
         })?;
         let mut g = self.state.lock();
-        if !g.waiting.is_empty() {
-            self.poll_waiting(&mut g);
-        }
-        let mut hit = g.free_index.range((len, 0, 0)..).next().copied();
-        if let (Some(waste), Some((have, _, _))) = (self.config.max_fit_waste, hit) {
-            // A request that would get a slab of its own takes no range much larger than
-            // itself (PinnedConfig::max_fit_waste): it pins an exact slab instead.
-            if len > self.config.slab_size && have as f64 > len as f64 * (1.0 + waste) {
-                hit = None;
+        let mut waits = 0u32;
+        let (base, offset) = loop {
+            if !g.waiting.is_empty() {
+                self.poll_waiting(&mut g);
             }
-        }
-        let (base, offset) = match hit {
-            Some((_, base, offset)) => {
+            if let Some((_, base, offset)) = self.best_fit(&g, len) {
                 g.stats.num_cache_hits += 1;
-                (base, offset)
+                break (base, offset);
             }
-            None => (self.grow(&mut g, len, size)?, 0),
+            if self.config.pending == PendingPolicy::Wait
+                && waits < self.config.max_pending_waits
+                && !g.waiting.is_empty()
+            {
+                if let Some(claim) = self.claim_pending(&mut g, len) {
+                    waits += 1;
+                    let settled = MutexGuard::unlocked(&mut g, || self.wait_claim(claim));
+                    self.settle(&mut g, settled);
+                    continue;
+                }
+            }
+            break (self.grow(&mut g, len, size)?, 0);
         };
         self.carve(&mut g, base, offset, len);
         let addr = base + offset;
@@ -342,6 +392,8 @@ impl<H: HostBackend> PinnedCache<H> {
             self.release_block(&mut g, live.base, ptr.0);
         } else {
             g.stats.pending_bytes.increase(live.len as i64);
+            let seq = g.next_seq;
+            g.next_seq = seq.wrapping_add(1);
             g.waiting.push(Waiting {
                 addr: ptr.0,
                 base: live.base,
@@ -349,6 +401,8 @@ impl<H: HostBackend> PinnedCache<H> {
                 events,
                 fences,
                 unfenced,
+                seq,
+                claimed: false,
             });
         }
         self.after_op(&g, "free");
@@ -466,9 +520,7 @@ impl<H: HostBackend> PinnedCache<H> {
             }
             g.stats.num_event_queries += queries;
             g.spare_events.extend(done);
-            let finished = g.waiting.get(i).is_some_and(|w| {
-                w.events.is_empty() && w.fences.is_empty() && w.unfenced.is_empty()
-            });
+            let finished = g.waiting.get(i).is_some_and(Waiting::is_done);
             if finished {
                 let w = g.waiting.swap_remove(i);
                 g.stats.pending_bytes.decrease(w.len as i64);
@@ -476,6 +528,119 @@ impl<H: HostBackend> PinnedCache<H> {
             } else {
                 i += 1;
             }
+        }
+    }
+
+    /// The smallest free range that holds `len` bytes and that the fit rule accepts, as
+    /// (length, slab base, offset).
+    fn best_fit(&self, g: &State, len: usize) -> Option<(usize, usize, usize)> {
+        let hit = g.free_index.range((len, 0, 0)..).next().copied()?;
+        // A larger range wastes more, so if the smallest one is refused all are.
+        (!self.fit_refuses(len, hit.0)).then_some(hit)
+    }
+
+    /// The fit rule (`PinnedConfig::max_fit_waste`): a request that would get a slab of its own
+    /// takes no range much larger than itself; it pins an exact slab instead.
+    fn fit_refuses(&self, len: usize, have: usize) -> bool {
+        self.config.max_fit_waste.is_some_and(|waste| {
+            len > self.config.slab_size && have as f64 > len as f64 * (1.0 + waste)
+        })
+    }
+
+    /// [`PendingPolicy::Wait`]: picks the oldest waiting block that, once its events complete,
+    /// gives back a range (the block with its free neighbours) that holds `len` bytes and that
+    /// the fit rule accepts; takes its events and fences out and marks it claimed. `None` if no
+    /// block qualifies (blocks with an unfenced stream never do: no wait can clear them).
+    fn claim_pending(&self, g: &mut State, len: usize) -> Option<Claim> {
+        let mut best: Option<(u64, usize)> = None;
+        for (i, w) in g.waiting.iter().enumerate() {
+            if w.claimed
+                || !w.unfenced.is_empty()
+                || (w.events.is_empty() && w.fences.is_empty())
+                || best.is_some_and(|(seq, _)| seq <= w.seq)
+            {
+                continue;
+            }
+            let Some(slab) = g.slabs.get(&w.base) else {
+                continue;
+            };
+            let off = w.addr.saturating_sub(w.base);
+            let before = slab
+                .free
+                .range(..off)
+                .next_back()
+                .filter(|&(&o, &l)| o.saturating_add(l) == off)
+                .map_or(0, |(_, &l)| l);
+            let after = slab
+                .free
+                .get(&off.saturating_add(w.len))
+                .copied()
+                .unwrap_or(0);
+            let merged = w.len.saturating_add(before).saturating_add(after);
+            if merged >= len && !self.fit_refuses(len, merged) {
+                best = Some((w.seq, i));
+            }
+        }
+        let w = g.waiting.get_mut(best?.1)?;
+        w.claimed = true;
+        Some(Claim {
+            addr: w.addr,
+            events: std::mem::take(&mut w.events),
+            fences: std::mem::take(&mut w.fences),
+        })
+    }
+
+    /// Waits on the host for a claimed block's events and fences; called without the lock.
+    /// Fences that completed are dropped here, outside the lock.
+    fn wait_claim(&self, claim: Claim) -> Settled {
+        let dev = self.host.device();
+        let mut settled = Settled {
+            addr: claim.addr,
+            done: Vec::new(),
+            events: Vec::new(),
+            fences: Vec::new(),
+        };
+        for ev in claim.events {
+            match dev.synchronize_event(ev) {
+                Ok(()) => settled.done.push(ev),
+                Err(e) => {
+                    tracing::debug!(error = ?e, "pinned alloc: waiting for a pending block's event failed");
+                    settled.events.push(ev);
+                }
+            }
+        }
+        for mut f in claim.fences {
+            if let Err(e) = f.wait() {
+                tracing::debug!(error = ?e, "pinned alloc: waiting for a pending block's fence failed");
+                settled.fences.push(f);
+            }
+        }
+        settled
+    }
+
+    /// Gives a claimed block back its unfinished events and fences; if none is left, the block
+    /// returns to the free ranges.
+    fn settle(&self, g: &mut State, s: Settled) {
+        g.stats.num_pending_waits += 1;
+        g.spare_events.extend(s.done);
+        let Some(i) = g.waiting.iter().position(|w| w.claimed && w.addr == s.addr) else {
+            // Cannot happen (a claimed block leaves `waiting` only here); keep the events.
+            g.spare_events.extend(s.events);
+            return;
+        };
+        let finished = match g.waiting.get_mut(i) {
+            Some(w) => {
+                w.claimed = false;
+                w.events.extend(s.events);
+                w.fences.extend(s.fences);
+                w.is_done()
+            }
+            None => false,
+        };
+        if finished {
+            let w = g.waiting.swap_remove(i);
+            g.stats.pending_bytes.decrease(w.len as i64);
+            self.release_block(g, w.base, w.addr);
         }
     }
 

@@ -1,4 +1,24 @@
-//! `PinnedConfig`: slab size, alignment and the cap on pinned bytes. May use: nothing.
+//! `PinnedConfig`: slab size, alignment, the cap on pinned bytes, the slack and fit rules, and
+//! what an allocation does when only blocks waiting for their events would serve it
+//! ([`PendingPolicy`]). May use: nothing.
+
+/// What [`PinnedCache::alloc`](super::PinnedCache::alloc) does when no free range holds the
+/// request, so that it would have to pin a new slab, while blocks freed after asynchronous work
+/// (waiting for their events or fences) would hold it once that work is done.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum PendingPolicy {
+    /// Wait on the host for the oldest such block's events (`cuEventSynchronize`, or
+    /// [`HostFence::wait`](super::HostFence::wait)), without holding the cache's lock, then
+    /// reuse it; at most [`PinnedConfig::max_pending_waits`] waits per allocation, then pin.
+    /// Waiting for a copy in flight costs its remaining time; pinning costs about 0.5 s per GiB
+    /// and keeps the memory pinned (`docs/pinned.md`). The default.
+    #[default]
+    Wait,
+    /// Pin a new slab at once and leave the waiting blocks to complete on their own (the
+    /// behaviour before the wait rule: the host never blocks in `alloc`, but a producer running
+    /// ahead of its copies pins without bound).
+    Grow,
+}
 
 /// How a [`PinnedCache`](super::PinnedCache) carves and bounds pinned memory.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -21,6 +41,13 @@ pub struct PinnedConfig {
     /// most `1 + max_fit_waste` times the request; otherwise it pins a slab of its own size.
     /// `None`: best fit takes any range. Default `None`; [`PinnedConfig::frugal`] sets it.
     pub max_fit_waste: Option<f64>,
+    /// What an allocation does when it would have to pin while blocks waiting for their events
+    /// would serve it. Default [`PendingPolicy::Wait`].
+    pub pending: PendingPolicy,
+    /// With [`PendingPolicy::Wait`]: the most host waits one allocation makes before it pins
+    /// (each wait is for one block's events; another thread may take the block first, hence
+    /// more than one). `0` behaves as [`PendingPolicy::Grow`]. Default 4.
+    pub max_pending_waits: u32,
 }
 
 impl Default for PinnedConfig {
@@ -31,6 +58,8 @@ impl Default for PinnedConfig {
             max_pinned: None,
             max_slack: None,
             max_fit_waste: None,
+            pending: PendingPolicy::Wait,
+            max_pending_waits: 4,
         }
     }
 }
@@ -84,6 +113,19 @@ impl PinnedConfig {
     /// This configuration with the slack rule at `max_slack` (`None`: off).
     pub fn with_max_slack(mut self, max_slack: Option<f64>) -> Self {
         self.max_slack = max_slack;
+        self
+    }
+
+    /// This configuration with `pending` as the policy for allocations that only waiting blocks
+    /// would serve.
+    pub fn with_pending(mut self, pending: PendingPolicy) -> Self {
+        self.pending = pending;
+        self
+    }
+
+    /// This configuration with at most `max_pending_waits` host waits per allocation.
+    pub fn with_max_pending_waits(mut self, max_pending_waits: u32) -> Self {
+        self.max_pending_waits = max_pending_waits;
         self
     }
 

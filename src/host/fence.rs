@@ -20,10 +20,13 @@ pub trait HostFence: Send + fmt::Debug {
     /// The backend's error; the cache treats it as incomplete.
     fn query(&mut self) -> Result<bool, BackendError>;
 
-    /// Blocks until the work is done (used when the cache is dropped).
+    /// Blocks until the work is done: used when the cache is dropped, and by an allocation that
+    /// would otherwise pin ([`PendingPolicy::Wait`](super::PendingPolicy::Wait); then called
+    /// without the cache's lock, from the allocating thread).
     ///
     /// # Errors
     ///
-    /// The backend's error; the block then stays pinned (leaked) rather than reused.
+    /// The backend's error. At the drop, the block then stays pinned (leaked) rather than
+    /// reused; in an allocation, the block keeps waiting for a query to say complete.
     fn wait(&mut self) -> Result<(), BackendError>;
 }

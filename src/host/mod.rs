@@ -39,7 +39,7 @@ mod stats;
 pub use backend::{HostBackend, HostPtr, Pinned};
 pub use cache::{PinnedBlock, PinnedCache};
 pub use compare::{HostOp, PowerOfTwoModel, mixed_workload};
-pub use config::PinnedConfig;
+pub use config::{PendingPolicy, PinnedConfig};
 #[cfg(feature = "cuda-unpinned")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda-unpinned")))]
 pub use cuda::CudaHost;

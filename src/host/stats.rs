@@ -41,14 +41,18 @@ pub struct PinnedStats {
     pub num_event_queries: u64,
     /// Stream synchronizations made because recording an event failed, or at `empty_cache`.
     pub num_stream_syncs: u64,
+    /// Host waits for a waiting block's events made by allocations that would otherwise have
+    /// pinned ([`PendingPolicy::Wait`](super::PendingPolicy::Wait)).
+    pub num_pending_waits: u64,
 }
 
 impl PinnedStats {
-    /// One line: allocated, reserved, slabs, requested, pending, pins and their time.
+    /// One line: allocated, reserved, slabs, requested, pending, pins and their time, host waits
+    /// for pending blocks.
     pub fn summary(&self) -> String {
         let sz = |v: i64| format_size(u64::try_from(v).unwrap_or(0));
         format!(
-            "pinned host: allocated {} (peak {}), requested {} (peak {}), reserved {} (peak {}) in {} slabs (peak {}), pending {}; {} allocs ({} cached), {} frees; {} pins ({:.3} ms), {} unpins ({:.3} ms)",
+            "pinned host: allocated {} (peak {}), requested {} (peak {}), reserved {} (peak {}) in {} slabs (peak {}), pending {}; {} allocs ({} cached), {} frees; {} pins ({:.3} ms), {} unpins ({:.3} ms), {} pending waits",
             sz(self.allocated_bytes.current),
             sz(self.allocated_bytes.peak),
             sz(self.requested_bytes.current),
@@ -65,6 +69,7 @@ impl PinnedStats {
             self.pin_nanos as f64 / 1e6,
             self.num_unpins,
             self.unpin_nanos as f64 / 1e6,
+            self.num_pending_waits,
         )
     }
 }

@@ -231,7 +231,9 @@ impl PinnedAllocator {
 
     /// Page-locked room for `len` values of `T`, from the cache (cudarc's
     /// `CudaContext::alloc_pinned`, without a `cuMemHostAlloc` on a cache hit). `len == 0` gives
-    /// an empty buffer with no memory and no event.
+    /// an empty buffer with no memory and no event. Where the cache would otherwise pin while
+    /// dropped buffers still wait for their copies, it waits for the oldest such copy instead
+    /// ([`PendingPolicy::Wait`](crate::host::PendingPolicy), the default).
     ///
     /// # Errors
     /// [`PinnedError::InvalidRequest`] when `len * size_of::<T>()` overflows;

@@ -258,6 +258,8 @@ struct Flag {
     done: std::sync::atomic::AtomicBool,
     queries: std::sync::atomic::AtomicUsize,
     waits: std::sync::atomic::AtomicUsize,
+    /// `wait` fails (and leaves the flag as it is).
+    fail_wait: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Debug)]
@@ -271,6 +273,12 @@ impl HostFence for FlagFence {
 
     fn wait(&mut self) -> Result<(), BackendError> {
         self.0.waits.fetch_add(1, Ordering::SeqCst);
+        if self.0.fail_wait.load(Ordering::SeqCst) {
+            return Err(BackendError::Injected {
+                operation: "fence wait",
+                call: 0,
+            });
+        }
         self.0.done.store(true, Ordering::SeqCst);
         Ok(())
     }
@@ -364,6 +372,199 @@ fn a_failed_event_falls_back_to_synchronizing_the_stream() {
     assert_eq!(c.stats().slabs.current, 0);
     assert!(dev.violations().is_empty());
     ok(&c);
+}
+
+/// Allocates a block that fills a 1 MiB slab, queues a copy that reads it on `s` and frees it:
+/// the block waits for the copy's event.
+fn pending_full_slab(dev: &SimDevice, c: &PinnedCache<SimHost>, s: StreamId) -> PinnedBlock {
+    let a = c.alloc(MIB).unwrap();
+    dev.use_range(s, DevicePtr(a.ptr.addr() as u64), MIB);
+    c.record_stream(a.ptr, s).unwrap();
+    c.free(a.ptr).unwrap();
+    assert_eq!(c.waiting_blocks(), 1);
+    a
+}
+
+#[test]
+fn an_allocation_waits_for_a_pending_copy_rather_than_pin() {
+    // Regression (#16): every block that would serve the request waits for a copy's event, so
+    // the cache used to pin a new slab; it now waits on the host for the oldest such event.
+    let (dev, c) = cache_with(small());
+    assert_eq!(c.config().pending, PendingPolicy::Wait, "the default");
+    let s = StreamId(5);
+    let a = pending_full_slab(&dev, &c, s);
+    let b = c.alloc(MIB).unwrap();
+    assert_eq!(b.ptr, a.ptr, "the pending block was reused after its copy");
+    let st = c.stats();
+    assert_eq!(st.num_pins, 1, "no new slab");
+    assert_eq!(st.num_pending_waits, 1, "the wait was made");
+    assert_eq!(st.pending_bytes.current, 0);
+    assert_eq!(c.waiting_blocks(), 0);
+    assert!(!dev.has_pending_work(s), "the wait completed the copy");
+    assert!(dev.check_handout(NEW_OWNER, DevicePtr(b.ptr.addr() as u64), MIB));
+    assert!(dev.violations().is_empty());
+    assert!(c.summary().contains("1 pending waits"), "{}", c.summary());
+    ok(&c);
+    // The event went back to the spare list: the next free reuses it.
+    c.record_stream(b.ptr, s).unwrap();
+    c.free(b.ptr).unwrap();
+    assert_eq!(dev.counters().events_created, 1);
+
+    // A caller's fence (the cudarc interop frees this way) is waited for the same way.
+    let (_, c) = cache_with(small());
+    let flag = Arc::new(Flag::default());
+    let a = c.alloc(MIB).unwrap();
+    c.free_after(a.ptr, Box::new(FlagFence(flag.clone())))
+        .unwrap();
+    let b = c.alloc(MIB).unwrap();
+    assert_eq!(b.ptr, a.ptr);
+    assert_eq!(flag.waits.load(Ordering::SeqCst), 1);
+    assert_eq!((c.stats().num_pins, c.stats().num_pending_waits), (1, 1));
+    ok(&c);
+
+    // PendingPolicy::Grow keeps the old behaviour: a new slab, the block left waiting.
+    let (dev, c) = cache_with(small().with_pending(PendingPolicy::Grow));
+    let a = pending_full_slab(&dev, &c, s);
+    let b = c.alloc(MIB).unwrap();
+    assert_ne!(b.ptr, a.ptr);
+    assert_eq!((c.stats().num_pins, c.stats().num_pending_waits), (2, 0));
+    assert_eq!(c.waiting_blocks(), 1);
+    assert!(dev.has_pending_work(s));
+    ok(&c);
+}
+
+#[test]
+fn a_double_buffered_pipeline_pins_once_and_waits_for_its_copies() {
+    // The shape of examples/pinned_bench.rs's pipeline: a staging buffer per batch, its copy
+    // queued on a copy stream, freed at once; the host runs ahead of the copies. One 4 MiB slab
+    // holds four 1 MiB batches in flight; the fifth waits for the oldest copy.
+    let run = |pending: PendingPolicy| {
+        let (dev, c) = cache_with(
+            PinnedConfig::default()
+                .with_slab_size(4 * MIB)
+                .with_pending(pending),
+        );
+        let copy = StreamId(1);
+        for _ in 0..64 {
+            let b = c.alloc(MIB).unwrap();
+            assert!(dev.check_handout(NEW_OWNER, DevicePtr(b.ptr.addr() as u64), MIB));
+            dev.use_range(copy, DevicePtr(b.ptr.addr() as u64), MIB);
+            c.record_stream(b.ptr, copy).unwrap();
+            c.free(b.ptr).unwrap();
+            ok(&c);
+        }
+        assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+        c.stats()
+    };
+    let wait = run(PendingPolicy::Wait);
+    assert_eq!(wait.num_pins, 1, "no pin after the first slab");
+    assert_eq!(wait.num_pending_waits, 60);
+    assert_eq!(wait.reserved_bytes.peak, 4 * MIB as i64);
+    let grow = run(PendingPolicy::Grow);
+    assert_eq!(
+        grow.num_pins, 16,
+        "without waiting, a slab per four batches"
+    );
+    assert_eq!(grow.num_pending_waits, 0);
+    assert_eq!(grow.reserved_bytes.peak, 64 * MIB as i64);
+    println!(
+        "pipeline (sim, 64 x 1 MiB, 4 MiB slabs): wait {} pins ({:.1} ms modelled), grow {} pins ({:.1} ms)",
+        wait.num_pins,
+        wait.pin_nanos as f64 / 1e6,
+        grow.num_pins,
+        grow.pin_nanos as f64 / 1e6
+    );
+}
+
+#[test]
+fn waiting_is_bounded_and_skips_blocks_it_cannot_help() {
+    let s = StreamId(2);
+    // max_pending_waits 0: no wait, a new slab.
+    let (dev, c) = cache_with(small().with_max_pending_waits(0));
+    pending_full_slab(&dev, &c, s);
+    c.alloc(MIB).unwrap();
+    assert_eq!((c.stats().num_pins, c.stats().num_pending_waits), (2, 0));
+
+    // A pending block too small, even with its free neighbours: no wait.
+    let (dev, c) = cache_with(small());
+    let live = c.alloc(512 * KIB).unwrap();
+    let a = c.alloc(256 * KIB).unwrap();
+    dev.use_range(s, DevicePtr(a.ptr.addr() as u64), 256 * KIB);
+    c.record_stream(a.ptr, s).unwrap();
+    c.free(a.ptr).unwrap();
+    c.alloc(600 * KIB).unwrap();
+    assert_eq!((c.stats().num_pins, c.stats().num_pending_waits), (2, 0));
+    // ... but one that fits with its free neighbour (256 KiB pending + 256 KiB free): a wait.
+    let b = c.alloc(500 * KIB).unwrap();
+    assert_eq!(b.ptr, a.ptr);
+    assert_eq!((c.stats().num_pins, c.stats().num_pending_waits), (2, 1));
+    c.free(live.ptr).unwrap();
+    ok(&c);
+
+    // A wait that fails: the allocation tries max_pending_waits times, then pins; the block
+    // keeps waiting for its fence.
+    let (_, c) = cache_with(small().with_max_pending_waits(3));
+    let flag = Arc::new(Flag::default());
+    flag.fail_wait.store(true, Ordering::SeqCst);
+    let a = c.alloc(MIB).unwrap();
+    c.free_after(a.ptr, Box::new(FlagFence(flag.clone())))
+        .unwrap();
+    let b = c.alloc(MIB).unwrap();
+    assert_ne!(b.ptr, a.ptr);
+    assert_eq!(flag.waits.load(Ordering::SeqCst), 3);
+    assert_eq!((c.stats().num_pins, c.stats().num_pending_waits), (2, 3));
+    assert_eq!(c.waiting_blocks(), 1);
+    ok(&c);
+    flag.done.store(true, Ordering::SeqCst);
+    assert_eq!(
+        c.alloc(MIB).unwrap().ptr,
+        a.ptr,
+        "reused once a query says done"
+    );
+
+    // A block whose stream could be fenced neither by an event nor a synchronization: waiting
+    // cannot clear it, so a new slab is pinned at once.
+    let (dev, c) = cache_with(small());
+    let a = c.alloc(MIB).unwrap();
+    dev.use_range(s, DevicePtr(a.ptr.addr() as u64), MIB);
+    c.record_stream(a.ptr, s).unwrap();
+    dev.fail_next_event_call(SimEventCall::Record);
+    dev.fail_next_synchronize();
+    assert!(c.free(a.ptr).is_err());
+    let b = c.alloc(MIB).unwrap();
+    assert_ne!(b.ptr, a.ptr);
+    assert_eq!((c.stats().num_pins, c.stats().num_pending_waits), (2, 0));
+    assert!(dev.violations().is_empty());
+    ok(&c);
+}
+
+#[test]
+fn threads_waiting_for_pending_blocks_never_hand_out_in_flight_memory() {
+    // Each thread: alloc, a copy on its own stream, free; the waits run without the lock.
+    let (dev, c) = cache_with(small());
+    let c = Arc::new(c);
+    std::thread::scope(|scope| {
+        for t in 0..4u64 {
+            let (dev, c) = (dev.clone(), c.clone());
+            scope.spawn(move || {
+                let s = StreamId(10 + t);
+                for _ in 0..200 {
+                    let b = c.alloc(256 * KIB).unwrap();
+                    let p = DevicePtr(b.ptr.addr() as u64);
+                    assert!(dev.check_handout(StreamId(100 + t), p, 256 * KIB));
+                    dev.use_range(s, p, 256 * KIB);
+                    c.record_stream(b.ptr, s).unwrap();
+                    c.free(b.ptr).unwrap();
+                }
+            });
+        }
+    });
+    ok(&c);
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    let st = c.stats();
+    assert!(st.num_pending_waits > 0);
+    assert_eq!(st.num_allocs, 800);
+    println!("4 threads: {}", c.summary());
 }
 
 #[test]
@@ -460,6 +661,70 @@ fn mixed_sizes_pin_far_less_than_power_of_two_rounding() {
         st.pin_nanos as f64 / 1e6
     );
     assert!(rf <= 1.05, "frugal ratio {rf:.3}: the issue's target");
+}
+
+/// The mixed workload with every block used by a copy on one stream before it is freed; the
+/// stream's work completes only every `lag` operations (copies in flight when blocks are
+/// freed). Returns (peak reserved, peak requested, statistics).
+fn mixed_with_copies(
+    ops: &[HostOp],
+    config: PinnedConfig,
+    lag: usize,
+) -> (usize, usize, PinnedStats) {
+    let (dev, c) = cache_with(config);
+    let s = StreamId(9);
+    let mut live: BTreeMap<usize, PinnedBlock> = BTreeMap::new();
+    let (mut requested, mut peak) = (0usize, 0usize);
+    for (i, op) in ops.iter().enumerate() {
+        let slot = match *op {
+            HostOp::Alloc { slot, .. } | HostOp::Free { slot } => slot,
+        };
+        if let Some(b) = live.remove(&slot) {
+            c.free(b.ptr).unwrap();
+            requested -= b.size;
+        }
+        if let HostOp::Alloc { size, .. } = *op {
+            let b = c.alloc(size).unwrap();
+            let p = DevicePtr(b.ptr.addr() as u64);
+            assert!(dev.check_handout(NEW_OWNER, p, size));
+            dev.use_range(s, p, size);
+            c.record_stream(b.ptr, s).unwrap();
+            requested += size;
+            peak = peak.max(requested);
+            live.insert(slot, b);
+        }
+        if i % lag == lag - 1 {
+            dev.complete_work(s);
+        }
+    }
+    assert!(dev.violations().is_empty());
+    ok(&c);
+    (c.stats().reserved_bytes.peak as usize, peak, c.stats())
+}
+
+#[test]
+fn mixed_sizes_with_copies_in_flight_pin_less_when_waiting() {
+    // Blocks fenced by pending copies: Grow pins around them, Wait reuses them after a wait.
+    let ops = mixed_workload(42, 4000, 48, 64 * MIB);
+    let (wait, peak, ws) = mixed_with_copies(&ops, PinnedConfig::default(), 16);
+    let (grow, gpeak, gs) = mixed_with_copies(
+        &ops,
+        PinnedConfig::default().with_pending(PendingPolicy::Grow),
+        16,
+    );
+    assert_eq!(peak, gpeak);
+    let (rw, rg) = (wait as f64 / peak as f64, grow as f64 / peak as f64);
+    println!(
+        "mixed with copies in flight (lag 16): wait {rw:.3}x, {} pins ({:.0} ms modelled), {} waits; grow {rg:.3}x, {} pins ({:.0} ms)",
+        ws.num_pins,
+        ws.pin_nanos as f64 / 1e6,
+        ws.num_pending_waits,
+        gs.num_pins,
+        gs.pin_nanos as f64 / 1e6
+    );
+    assert!(ws.num_pending_waits > 0);
+    assert!(wait < grow, "waiting pins less: {rw:.3}x vs {rg:.3}x");
+    assert!(ws.num_pins < gs.num_pins);
 }
 
 #[test]
@@ -569,13 +834,15 @@ proptest! {
         cap in prop_oneof![Just(None), Just(Some(6 * MIB))],
         slack in prop_oneof![Just(None), Just(Some(0.05))],
         waste in prop_oneof![Just(None), Just(Some(0.25))],
+        pending in prop_oneof![Just(PendingPolicy::Wait), Just(PendingPolicy::Grow)],
     ) {
         let (dev, c) = cache_with(
             PinnedConfig::default()
                 .with_slab_size(MIB)
                 .with_max_pinned(cap)
                 .with_max_slack(slack)
-                .with_max_fit_waste(waste),
+                .with_max_fit_waste(waste)
+                .with_pending(pending),
         );
         let mut live: Vec<PinnedBlock> = Vec::new();
         for op in ops {
