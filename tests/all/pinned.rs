@@ -378,7 +378,7 @@ fn a_failed_event_falls_back_to_synchronizing_the_stream() {
 /// the block waits for the copy's event.
 fn pending_full_slab(dev: &SimDevice, c: &PinnedCache<SimHost>, s: StreamId) -> PinnedBlock {
     let a = c.alloc(MIB).unwrap();
-    dev.use_range(s, DevicePtr(a.ptr.addr() as u64), MIB);
+    dev.use_range(s, DeviceAddr(a.ptr.addr() as u64), MIB);
     c.record_stream(a.ptr, s).unwrap();
     c.free(a.ptr).unwrap();
     assert_eq!(c.waiting_blocks(), 1);
@@ -401,7 +401,7 @@ fn an_allocation_waits_for_a_pending_copy_rather_than_pin() {
     assert_eq!(st.pending_bytes.current, 0);
     assert_eq!(c.waiting_blocks(), 0);
     assert!(!dev.has_pending_work(s), "the wait completed the copy");
-    assert!(dev.check_handout(NEW_OWNER, DevicePtr(b.ptr.addr() as u64), MIB));
+    assert!(dev.check_handout(NEW_OWNER, DeviceAddr(b.ptr.addr() as u64), MIB));
     assert!(dev.violations().is_empty());
     assert!(c.summary().contains("1 pending waits"), "{}", c.summary());
     ok(&c);
@@ -447,8 +447,8 @@ fn a_double_buffered_pipeline_pins_once_and_waits_for_its_copies() {
         let copy = StreamId(1);
         for _ in 0..64 {
             let b = c.alloc(MIB).unwrap();
-            assert!(dev.check_handout(NEW_OWNER, DevicePtr(b.ptr.addr() as u64), MIB));
-            dev.use_range(copy, DevicePtr(b.ptr.addr() as u64), MIB);
+            assert!(dev.check_handout(NEW_OWNER, DeviceAddr(b.ptr.addr() as u64), MIB));
+            dev.use_range(copy, DeviceAddr(b.ptr.addr() as u64), MIB);
             c.record_stream(b.ptr, copy).unwrap();
             c.free(b.ptr).unwrap();
             ok(&c);
@@ -489,7 +489,7 @@ fn waiting_is_bounded_and_skips_blocks_it_cannot_help() {
     let (dev, c) = cache_with(small());
     let live = c.alloc(512 * KIB).unwrap();
     let a = c.alloc(256 * KIB).unwrap();
-    dev.use_range(s, DevicePtr(a.ptr.addr() as u64), 256 * KIB);
+    dev.use_range(s, DeviceAddr(a.ptr.addr() as u64), 256 * KIB);
     c.record_stream(a.ptr, s).unwrap();
     c.free(a.ptr).unwrap();
     c.alloc(600 * KIB).unwrap();
@@ -526,7 +526,7 @@ fn waiting_is_bounded_and_skips_blocks_it_cannot_help() {
     // cannot clear it, so a new slab is pinned at once.
     let (dev, c) = cache_with(small());
     let a = c.alloc(MIB).unwrap();
-    dev.use_range(s, DevicePtr(a.ptr.addr() as u64), MIB);
+    dev.use_range(s, DeviceAddr(a.ptr.addr() as u64), MIB);
     c.record_stream(a.ptr, s).unwrap();
     dev.fail_next_event_call(SimEventCall::Record);
     dev.fail_next_synchronize();
@@ -550,7 +550,7 @@ fn threads_waiting_for_pending_blocks_never_hand_out_in_flight_memory() {
                 let s = StreamId(10 + t);
                 for _ in 0..200 {
                     let b = c.alloc(256 * KIB).unwrap();
-                    let p = DevicePtr(b.ptr.addr() as u64);
+                    let p = DeviceAddr(b.ptr.addr() as u64);
                     assert!(dev.check_handout(StreamId(100 + t), p, 256 * KIB));
                     dev.use_range(s, p, 256 * KIB);
                     c.record_stream(b.ptr, s).unwrap();
@@ -685,7 +685,7 @@ fn mixed_with_copies(
         }
         if let HostOp::Alloc { size, .. } = *op {
             let b = c.alloc(size).unwrap();
-            let p = DevicePtr(b.ptr.addr() as u64);
+            let p = DeviceAddr(b.ptr.addr() as u64);
             assert!(dev.check_handout(NEW_OWNER, p, size));
             dev.use_range(s, p, size);
             c.record_stream(b.ptr, s).unwrap();
