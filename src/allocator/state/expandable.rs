@@ -557,8 +557,14 @@ impl State {
                     pool: kind,
                 }),
                 Err(e) => {
+                    // A graph capture forbids releasing memory (cuMemRelease is not
+                    // stream-ordered): the handles this growth made stay spare until
+                    // `empty_cache` after the capture.
+                    let keep = self.capture_underway();
                     for sp in created {
-                        if device_calls::release_unmapped_page(dev, sp.handle, sp.size).is_err() {
+                        if keep
+                            || device_calls::release_unmapped_page(dev, sp.handle, sp.size).is_err()
+                        {
                             // Keep what cannot be released: it is real memory.
                             self.total_allocated_memory += sp.size;
                             self.stats.reserved_bytes.increase(kind, sp.size as i64);
