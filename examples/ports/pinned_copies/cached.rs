@@ -31,8 +31,10 @@ pub(crate) fn main() -> Result<(), Box<dyn Error>> {
         *v = (i % 1000) as f32;
     }
     let mut dev = alloc.clone_htod(&stream, &pinned)?;
-    // Rewriting the pinned buffer waits for the upload above (its event), so `dev` keeps the
-    // first contents.
+    // cudarc records the pinned buffer's event only in multi-stream mode (its
+    // `is_managing_stream_synchronization`): with one stream, `as_mut_slice` does not wait for
+    // the upload above, so the program waits for it before rewriting the buffer.
+    stream.synchronize()?;
     for v in pinned.as_mut_slice()?.iter_mut() {
         *v = -1.0;
     }
