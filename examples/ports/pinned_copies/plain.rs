@@ -46,6 +46,8 @@ pub(crate) fn main() -> Result<(), Box<dyn Error>> {
     // SAFETY: written by the copy below before it is read.
     let mut back = unsafe { ctx.alloc_pinned::<f32>(N) }?;
     stream.memcpy_dtoh(&dev, &mut back)?;
+    // The same rule: `as_slice` does not wait for the download in a one-stream program.
+    stream.synchronize()?;
     crate::report("pinned_roundtrip", back.as_slice()?);
 
     let second = stream.clone_htod(&pinned)?;
