@@ -735,7 +735,12 @@ class Shim : public CCA::CUDAAllocator {
   std::vector<AllocatorTraceTracker> trackers_;
 };
 
-std::shared_ptr<Shim> g_shim;
+// The allocator is immortal, as PyTorch's own is: at exit, torch's static destructors and the
+// last tensors' deleters (raw_delete_fn) still call into it after this library's statics and the
+// shared_ptr PyTorch holds have gone, and the memory history's contexts hold Python frames that
+// must not be destroyed after the interpreter. A destroyed Shim there corrupted the heap at exit
+// ("corrupted double-linked list" after the conformance script's last check, H100).
+Shim* g_shim = nullptr;
 
 void raw_delete_fn(void* ptr) {
   if (g_shim) g_shim->free_ptr(ptr);
@@ -743,8 +748,9 @@ void raw_delete_fn(void* ptr) {
 
 std::shared_ptr<CCA::CUDAAllocator> create(const std::string& library, const std::string& config) {
   TORCH_CHECK(!g_shim, "cuda_caching_allocator: the allocator was already created");
-  g_shim = std::make_shared<Shim>(load_api(library), config);
-  return g_shim;
+  g_shim = new Shim(load_api(library), config);
+  // A no-op deleter: PyTorch's reference never destroys it.
+  return std::shared_ptr<CCA::CUDAAllocator>(g_shim, [](CCA::CUDAAllocator*) {});
 }
 
 // Creates the allocator and makes it PyTorch's CUDA allocator, as
