@@ -9,6 +9,7 @@ pub mod config;
 mod error;
 mod format;
 pub mod host;
+mod int_hash;
 #[cfg(feature = "cuda-unpinned")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda-unpinned")))]
 pub mod interop;

@@ -4,7 +4,7 @@
 //! one mutex per device), with the fast path's bookkeeping beside it; the algorithm is in
 //! `state.rs`, the invariant checker in `invariants.rs`, the summary table in `summary.rs`. With
 //! `fast_path` on, per-thread front caches (`front/`) serve cache hits and frees before the lock
-//! is taken. May use: everything below it (backend, config, size_class, stats).
+//! is taken. May use: everything below it (backend, config, size_class, stats, int_hash).
 
 mod block;
 mod device_calls;

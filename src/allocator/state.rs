@@ -13,8 +13,7 @@ mod handover;
 mod page_fence;
 mod private_pool;
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::hash::{BuildHasherDefault, Hasher};
+use std::collections::{BTreeMap, VecDeque};
 
 use super::Allocation;
 use super::block::{Arena, Block, BlockId};
@@ -31,27 +30,8 @@ pub(crate) use expandable::{SparePage, VmSegment};
 pub(crate) use private_pool::GraphPools;
 pub use private_pool::{MemPoolId, PoolFilter, capture_filter};
 
-/// A multiply-shift hasher for device addresses (512-byte aligned, so low bits carry nothing).
-#[derive(Default, Clone, Copy, Debug)]
-pub(crate) struct AddrHasher(u64);
-
-impl Hasher for AddrHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
-        }
-    }
-    fn write_u64(&mut self, x: u64) {
-        self.0 = (x ^ (x >> 29))
-            .wrapping_mul(0x9e37_79b9_7f4a_7c15)
-            .rotate_left(23);
-    }
-}
-
-pub(crate) type AddrMap<V> = HashMap<u64, V, BuildHasherDefault<AddrHasher>>;
+/// Maps keyed by device address (see `int_hash`).
+pub(crate) type AddrMap<V> = crate::int_hash::IntMap<V>;
 
 /// What the cache knows about one device segment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

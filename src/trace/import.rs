@@ -3,7 +3,9 @@
 //! frees, and format detection ([`read_trace`], [`read_trace_file`]).
 #![forbid(unsafe_code)]
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use crate::int_hash::IntMap;
 use std::path::Path;
 
 use super::compress::{decompress_if_gzip, read_file_limited};
@@ -199,7 +201,7 @@ impl AllocFailure {
 /// Pairs frees with allocations by address and numbers allocations 0, 1, 2, ...
 #[derive(Debug)]
 pub(crate) struct Pairing {
-    live: HashMap<u64, u64>,
+    live: IntMap<u64>,
     next_id: u64,
     lenient: bool,
 }
@@ -207,7 +209,7 @@ pub(crate) struct Pairing {
 impl Pairing {
     pub(crate) fn new(options: &ImportOptions) -> Self {
         Pairing {
-            live: HashMap::new(),
+            live: IntMap::default(),
             next_id: 0,
             lenient: options.lenient,
         }

@@ -3,7 +3,7 @@
 //! logs and export back to both.
 //!
 //! The model is versioned ([`TRACE_FORMAT_VERSION`]) and specified in `docs/trace-format.md`.
-//! May use: nothing internal (plain values only).
+//! May use: `int_hash` (plain values only otherwise).
 //!
 //! With `trace-io`: `read_snapshot` / `export_snapshot` (PyTorch memory snapshots, which
 //! PyTorch's memory_viz page opens), `read_rmm_csv` / `export_rmm_csv` (RMM

@@ -7,7 +7,7 @@
 //! left before anything is reserved.
 #![forbid(unsafe_code)]
 
-use std::collections::HashMap;
+use crate::int_hash::IntMap;
 
 use super::import::ByteBudget;
 use super::io_error::TraceIoError;
@@ -260,7 +260,7 @@ struct Machine {
     objs: Vec<Obj>,
     stack: Vec<Id>,
     marks: Vec<usize>,
-    memo: HashMap<u64, Id>,
+    memo: IntMap<Id>,
 }
 
 impl Machine {
@@ -298,7 +298,7 @@ pub(crate) fn parse(data: &[u8]) -> Result<Pickle, TraceIoError> {
         objs: Vec::new(),
         stack: Vec::new(),
         marks: Vec::new(),
-        memo: HashMap::new(),
+        memo: IntMap::default(),
     };
     let mut facts = Facts {
         protocol: 0,
