@@ -66,18 +66,33 @@ pub enum Preset {
     PytorchExpandable,
     /// This crate's own default (see [`AllocatorConfig::default`]).
     Default,
+    /// The default with fewer, larger physical handles: up to 64 MiB, one handle per growth,
+    /// growths of at least 20 MiB (`cca_max_handle_size_mb:64,cca_handle_per_growth:True,`
+    /// `cca_min_growth_mb:20` on top of the default). The point of #11's trade-off curve for
+    /// programs that start often: on an H100 its growth replays the shipped traces cold at
+    /// 0.72–1.05 × PyTorch's own allocator's time (the default: 5.5–22 ×; measured without the
+    /// fast path, which it keeps on like the default), reserving 1.009–1.024 × the peak live
+    /// bytes on those traces on `SimDevice` and up to 1.11 × on the synthetic stress traces (the
+    /// default: ≤ 1.011 everywhere); see `benches/README.md`.
+    LeanFast,
 }
 
 impl Preset {
     /// Every preset, in a stable order.
-    pub const ALL: [Preset; 3] = [Preset::Default, Preset::Pytorch, Preset::PytorchExpandable];
+    pub const ALL: [Preset; 4] = [
+        Preset::Default,
+        Preset::Pytorch,
+        Preset::PytorchExpandable,
+        Preset::LeanFast,
+    ];
 
-    /// The preset's name (`pytorch`, `pytorch-expandable`, `default`).
+    /// The preset's name (`pytorch`, `pytorch-expandable`, `default`, `lean-fast`).
     pub fn name(self) -> &'static str {
         match self {
             Preset::Pytorch => "pytorch",
             Preset::PytorchExpandable => "pytorch-expandable",
             Preset::Default => "default",
+            Preset::LeanFast => "lean-fast",
         }
     }
 
@@ -106,6 +121,12 @@ impl Preset {
                 ..AllocatorConfig::pytorch()
             },
             Preset::Default => AllocatorConfig::default(),
+            Preset::LeanFast => AllocatorConfig {
+                expandable_max_handle_size: Some(64 * MIB),
+                expandable_handle_per_growth: true,
+                expandable_min_growth: 20 * MIB,
+                ..AllocatorConfig::default()
+            },
         }
     }
 }

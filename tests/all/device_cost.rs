@@ -155,4 +155,32 @@ mod shipped {
             );
         }
     }
+
+    /// The `lean-fast` preset on the shipped traces: modeled device time over `pytorch`'s,
+    /// synchronizations and reserved over live may not exceed these (the H100 cold replays put
+    /// its growth at 0.72–1.05 × PyTorch's wall time; `benches/README.md`). With the fast path
+    /// on, gpt2_train reserves 1.0243 × live (1.0194 without).
+    const LEAN_FAST_PRESET_BOUNDS: [(&str, f64, u64, f64); 3] = [
+        ("gpt2_train", 3.05, 0, 1.025),
+        ("resnet50_train", 1.25, 0, 1.01),
+        ("bert_varlen", 1.55, 0, 1.013),
+    ];
+
+    #[test]
+    fn the_lean_fast_preset_stays_near_pytorchs_device_cost() {
+        for (name, max_ratio, max_syncs, max_memory) in LEAN_FAST_PRESET_BOUNDS {
+            let t = load(name);
+            let base = run(&t, AllocatorConfig::pytorch());
+            let r = run(&t, Preset::LeanFast.config());
+            let ratio =
+                r.modeled_device_ns.unwrap() as f64 / base.modeled_device_ns.unwrap() as f64;
+            assert!(ratio <= max_ratio, "{name}: {ratio:.3} x pytorch");
+            assert!(syncs(&r) <= max_syncs, "{name}: {:?}", r.device_calls);
+            assert!(
+                r.reserved_over_live() <= max_memory,
+                "{name}: {:.4}",
+                r.reserved_over_live()
+            );
+        }
+    }
 }
