@@ -561,22 +561,13 @@ impl<H: HostBackend> PinnedCache<H> {
             {
                 continue;
             }
-            let Some(slab) = g.slabs.get(&w.base) else {
+            let Some(merged) = g
+                .slabs
+                .get(&w.base)
+                .and_then(|slab| slab.merged_len(w.addr.saturating_sub(w.base)))
+            else {
                 continue;
             };
-            let off = w.addr.saturating_sub(w.base);
-            let before = slab
-                .free
-                .range(..off)
-                .next_back()
-                .filter(|&(&o, &l)| o.saturating_add(l) == off)
-                .map_or(0, |(_, &l)| l);
-            let after = slab
-                .free
-                .get(&off.saturating_add(w.len))
-                .copied()
-                .unwrap_or(0);
-            let merged = w.len.saturating_add(before).saturating_add(after);
             if merged >= len && !self.fit_refuses(len, merged) {
                 best = Some((w.seq, i));
             }

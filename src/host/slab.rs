@@ -47,23 +47,44 @@ impl Slab {
         }
     }
 
+    /// The free ranges touching the used range `offset..offset + len`: the one ending at
+    /// `offset` and the one starting at its end, as (offset, length).
+    fn free_neighbours(&self, offset: usize, len: usize) -> [Option<(usize, usize)>; 2] {
+        let end = offset.saturating_add(len);
+        let before = self
+            .free
+            .range(..offset)
+            .next_back()
+            .filter(|&(&o, &l)| o.saturating_add(l) == offset)
+            .map(|(&o, &l)| (o, l));
+        let after = self.free.get(&end).map(|&l| (end, l));
+        [before, after]
+    }
+
+    /// The length of the free range the used range at `offset` would become if given back now
+    /// (itself plus its free neighbours); `None` if no used range starts there.
+    pub(super) fn merged_len(&self, offset: usize) -> Option<usize> {
+        let len = *self.used.get(&offset)?;
+        Some(
+            self.free_neighbours(offset, len)
+                .iter()
+                .flatten()
+                .fold(len, |acc, &(_, l)| acc.saturating_add(l)),
+        )
+    }
+
     /// Returns the used range at `offset` to the free ranges, merged with free neighbours.
     /// Returns the ranges that left the free set (merged neighbours) and the merged range.
     pub(super) fn give_back(&mut self, offset: usize) -> Option<Merge> {
         let len = self.used.remove(&offset)?;
-        let mut start = offset;
-        let mut end = offset + len;
-        let mut absorbed = [None, None];
-        if let Some((&p_off, &p_len)) = self.free.range(..offset).next_back() {
-            if p_off + p_len == offset {
-                self.free.remove(&p_off);
-                absorbed[0] = Some((p_off, p_len));
-                start = p_off;
-            }
+        let absorbed = self.free_neighbours(offset, len);
+        let (mut start, mut end) = (offset, offset + len);
+        if let Some((p_off, _)) = absorbed[0] {
+            self.free.remove(&p_off);
+            start = p_off;
         }
-        if let Some(&n_len) = self.free.get(&end) {
-            self.free.remove(&end);
-            absorbed[1] = Some((end, n_len));
+        if let Some((n_off, n_len)) = absorbed[1] {
+            self.free.remove(&n_off);
             end += n_len;
         }
         self.free.insert(start, end - start);
@@ -81,4 +102,27 @@ pub(super) struct Merge {
     pub(super) absorbed: [Option<(usize, usize)>; 2],
     /// The resulting free range (offset, length).
     pub(super) merged: (usize, usize),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merged_len_is_what_give_back_makes() {
+        let mut s = Slab::new(100);
+        assert_eq!(s.take(0, 10), Some((10, 90)));
+        assert_eq!(s.take(10, 20), Some((30, 70)));
+        assert_eq!(s.take(30, 30), Some((60, 40)));
+        // 0..10 free, 10..30 used, 30..60 used, 60..100 free.
+        assert!(s.give_back(0).is_some());
+        assert_eq!(s.merged_len(10), Some(30));
+        assert_eq!(s.merged_len(30), Some(70));
+        assert_eq!(s.merged_len(5), None);
+        let m = s.give_back(10).map(|m| m.merged);
+        assert_eq!(m, Some((0, 30)));
+        assert_eq!(s.merged_len(30), Some(100));
+        assert_eq!(s.give_back(30).map(|m| m.merged), Some((0, 100)));
+        assert!(s.is_idle());
+    }
 }
