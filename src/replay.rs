@@ -11,15 +11,16 @@
 //! base, since a split keeps the front of a block for the request). A hint is used once and only
 //! if that range is free on the simulated device; otherwise the device picks a fresh address.
 //!
-//! May use: `allocator`, `trace`, `backend`.
+//! May use: `allocator`, `trace`, `backend`, `int_hash`.
 #![forbid(unsafe_code)]
 
 use std::time::Instant;
 
-use crate::allocator::{AddrMap, CachingAllocator, FragmentationReport};
+use crate::allocator::{CachingAllocator, FragmentationReport};
 use crate::backend::sim::{SimCounters, SimDevice};
 use crate::backend::{DeviceAddr, DeviceBackend, StreamId};
 use crate::error::AllocError;
+use crate::int_hash::IntMap;
 use crate::stats::MemoryStats;
 use crate::trace::{Trace, TraceOp};
 
@@ -231,7 +232,7 @@ type Observer<'a, B> = &'a mut dyn FnMut(usize, u64, &CachingAllocator<B>);
 /// allocation (a free, `empty_cache` and a fraction change never raise them), so the loop reads
 /// them, under one lock and without copying the statistics, only after an `Alloc` event; the
 /// full statistics and the fragmentation report are taken only at a new reserved peak. The
-/// map of live trace ids uses the allocator's address hasher instead of SipHash.
+/// map of live trace ids uses the integer hasher of `int_hash` instead of SipHash.
 fn replay_loop<B: DeviceBackend>(
     alloc: &CachingAllocator<B>,
     trace: &Trace,
@@ -249,7 +250,7 @@ fn replay_loop<B: DeviceBackend>(
             h(a);
         }
     };
-    let mut live: AddrMap<(DeviceAddr, u64)> = AddrMap::default();
+    let mut live: IntMap<(DeviceAddr, u64)> = IntMap::default();
     let mut failed: std::collections::HashSet<u64> = std::collections::HashSet::new();
     let mut report = ReplayReport {
         events: trace.events.len(),

@@ -26,7 +26,6 @@ use parking_lot::Mutex;
 pub use fragmentation::{FragmentationReport, FreeBucket};
 pub use invariants::InvariantViolation;
 pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
-pub(crate) use state::AddrMap;
 pub use state::{MemPoolId, PoolFilter, capture_filter};
 pub use summary::memory_summary;
 
