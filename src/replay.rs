@@ -258,12 +258,8 @@ fn replay_loop<B: DeviceBackend>(
     };
     let mut live_bytes: u64 = 0;
     let mut times: Vec<u64> = Vec::new();
-    let (mut peak_reserved, mut peak_segments) = alloc.reserved_and_segments();
-    peak_reserved = peak_reserved.max(0);
-    if peak_reserved > 0 {
-        report.stats_at_peak = alloc.memory_stats();
-        report.fragmentation_at_peak = alloc.fragmentation();
-    }
+    let (mut peak_reserved, mut peak_segments) = (0i64, 0i64);
+    note_peak(alloc, &mut report, &mut peak_reserved, &mut peak_segments);
 
     for (index, ev) in trace.events.iter().enumerate() {
         match &ev.op {
@@ -299,13 +295,7 @@ fn replay_loop<B: DeviceBackend>(
                     }
                     Err(source) => return Err(ReplayError::Allocator { index, source }),
                 }
-                let (reserved, segments) = alloc.reserved_and_segments();
-                peak_segments = peak_segments.max(segments);
-                if reserved > peak_reserved {
-                    peak_reserved = reserved;
-                    report.stats_at_peak = alloc.memory_stats();
-                    report.fragmentation_at_peak = alloc.fragmentation();
-                }
+                note_peak(alloc, &mut report, &mut peak_reserved, &mut peak_segments);
             }
             TraceOp::Free { id } => {
                 report.frees += 1;
@@ -381,6 +371,23 @@ fn replay_loop<B: DeviceBackend>(
         });
     }
     Ok(report)
+}
+
+/// Raises the segment peak, and at a new reserved peak takes the statistics and the
+/// fragmentation report (Note [Lean replay loop]).
+fn note_peak<B: DeviceBackend>(
+    alloc: &CachingAllocator<B>,
+    report: &mut ReplayReport,
+    peak_reserved: &mut i64,
+    peak_segments: &mut i64,
+) {
+    let (reserved, segments) = alloc.reserved_and_segments();
+    *peak_segments = (*peak_segments).max(segments);
+    if reserved > *peak_reserved {
+        *peak_reserved = reserved;
+        report.stats_at_peak = alloc.memory_stats();
+        report.fragmentation_at_peak = alloc.fragmentation();
+    }
 }
 
 /// Replays `trace` on an allocator over a [`SimDevice`], honouring `opts.placement`, and reports
