@@ -12,11 +12,14 @@ Workloads (random-weight GPT-2 models from transformers configs; no network):
   fsdp        FSDP2 (`fully_shard`) over NCCL on every visible GPU, varlen
 
 Per run: median step time after warm-up, peak reserved and allocated bytes, device allocations,
-losses (checked against native's within bf16 tolerance). Prints one table per workload and writes
-every run as JSON.
+device calls after warm-up (allocations, frees and all-stream synchronizations the steady state
+made), losses (checked against native's within bf16 tolerance). With `--reps N` every allocator
+runs N times, interleaved in rotated order, and the ratio to native is taken within each repeat
+and reported as the median with its range. Prints one table per workload and writes every run as
+JSON.
 
     python3 clients.py --python-dir gpu-bin/python --library gpu-bin/libcca_torch.so \
-        --workloads sidestream generate ckpt [--json out.json]
+        --workloads sidestream generate ckpt [--reps 3] [--json out.json]
 """
 import argparse
 import json
@@ -69,6 +72,28 @@ def gpt2(torch, layers, embd, heads, seq, seed):
     return GPT2LMHeadModel(cfg)
 
 
+DEVICE_COUNTERS = ("num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+
+def warmup_probe(args, stat, device=0):
+    """Returns (callback, counters): the callback copies the device counters into `counters`
+    before step `args.warmup`, so that the steady state's device calls are the difference."""
+    counters = {}
+
+    def at(i):
+        if i == args.warmup:
+            counters.update({k: stat(k, device) for k in DEVICE_COUNTERS})
+
+    return at, counters
+
+
+def steady_calls(stat, counters, device=0):
+    """Device allocations + frees + all-stream synchronizations after warm-up."""
+    if not counters:
+        return None
+    return sum(stat(k, device) - counters[k] for k in DEVICE_COUNTERS)
+
+
 def lengths(seed, n, lo, hi):
     import random
 
@@ -76,8 +101,10 @@ def lengths(seed, n, lo, hi):
     return [r.randrange(lo, hi + 1, 8) for _ in range(n)]
 
 
-def train_loop(torch, model, opt, steps, batch, seqs, side_stream, rank=0):
-    """Training steps with bf16 autocast; the next batch optionally prefetched on a side stream."""
+def train_loop(torch, model, opt, steps, batch, seqs, side_stream, rank=0, at_warmup=None):
+    """Training steps with bf16 autocast; the next batch optionally prefetched on a side stream.
+    `at_warmup(i)` is called before each step (it reads the device counters at the end of
+    warm-up)."""
     gen = torch.Generator().manual_seed(7 + rank)
     host = [torch.randint(0, 512, (batch, s), generator=gen).pin_memory() for s in seqs[:steps]]
     side = torch.cuda.Stream() if side_stream else None
@@ -94,6 +121,8 @@ def train_loop(torch, model, opt, steps, batch, seqs, side_stream, rank=0):
     nxt = fetch(0)
     for i in range(steps):
         torch.cuda.synchronize()
+        if at_warmup is not None:
+            at_warmup(i)
         t0 = time.perf_counter()
         if side is not None:
             main.wait_stream(side)
@@ -127,15 +156,19 @@ def run_one(args):
             model.gradient_checkpointing_enable()
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
         seqs = lengths(args.seed, args.steps, 128, 1024)
-        losses, times = train_loop(torch, model, opt, args.steps, args.batch, seqs, w == "sidestream")
+        at, counters = warmup_probe(args, stat)
+        losses, times = train_loop(torch, model, opt, args.steps, args.batch, seqs, w == "sidestream",
+                                   at_warmup=at)
     elif w == "generate":
         model = gpt2(torch, args.layers, 768, 12, 1024, args.seed).cuda().eval().to(torch.bfloat16)
         r = lengths(args.seed, args.steps, 16, 512)
         bs = [1 + (x // 8) % 16 for x in lengths(args.seed + 1, args.steps, 8, 1024)]
         gen = torch.Generator().manual_seed(3)
         losses, times = [], []
+        at, counters = warmup_probe(args, stat)
         with torch.no_grad():
             for i in range(args.steps):
+                at(i)
                 prompt = torch.randint(0, 512, (bs[i], r[i]), generator=gen).cuda()
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
@@ -154,7 +187,8 @@ def run_one(args):
                peak_allocated_bytes=stat("allocated_bytes.all.peak"),
                num_device_alloc=stat("num_device_alloc"),
                num_device_free=stat("num_device_free"),
-               num_sync_all_streams=stat("num_sync_all_streams"))
+               num_sync_all_streams=stat("num_sync_all_streams"),
+               steady_device_calls=steady_calls(stat, counters))
     if args.record:
         path = os.path.join(args.record, f"{args.workload}.pickle")
         torch.cuda.memory._dump_snapshot(path)
@@ -186,7 +220,8 @@ def dist_worker(rank, world, args):
         fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     seqs = lengths(args.seed + rank, args.steps, 128, 1024)
-    losses, times = train_loop(torch, model, opt, args.steps, args.batch, seqs, False, rank)
+    at, counters = warmup_probe(args, stat, rank)
+    losses, times = train_loop(torch, model, opt, args.steps, args.batch, seqs, False, rank, at)
     res = {"workload": args.workload, "route": route, "rank": rank, "losses": losses,
            "step_ms_median": 1000 * statistics.median(times[args.warmup:]),
            "step_ms": [1000 * t for t in times],
@@ -194,7 +229,8 @@ def dist_worker(rank, world, args):
            "peak_allocated_bytes": stat("allocated_bytes.all.peak", rank),
            "num_device_alloc": stat("num_device_alloc", rank),
            "num_device_free": stat("num_device_free", rank),
-           "num_sync_all_streams": stat("num_sync_all_streams", rank)}
+           "num_sync_all_streams": stat("num_sync_all_streams", rank),
+           "steady_device_calls": steady_calls(stat, counters, rank)}
     if rank == 0:
         print("RESULT " + json.dumps(res), flush=True)
     dist.destroy_process_group()
@@ -211,59 +247,89 @@ def run_dist(args):
     mp.spawn(dist_worker, args=(world, args), nprocs=world, join=True)
 
 
+def run_child(args, w, label, env_changes, cfg):
+    """One workload under one allocator in a fresh process; its RESULT dict, or None."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", w,
+           "--python-dir", args.python_dir,
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--layers", str(args.layers),
+           "--batch", str(args.batch), "--seed", str(args.seed), "--port", str(args.port)]
+    if cfg is not None:
+        cmd += ["--cca-config", cfg]
+    if args.record:
+        os.makedirs(args.record, exist_ok=True)
+        cmd += ["--record", os.path.abspath(args.record)]
+    if args.library:
+        cmd += ["--library", args.library]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_CACHING_ALLOCATOR_CONF")}
+    env.update(env_changes)
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        print(f"{w} {label}: FAILED (timeout {args.timeout} s)", flush=True)
+        return None
+    lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+    if p.returncode != 0 or not lines:
+        print(f"{w} {label}: FAILED rc={p.returncode}\n{p.stderr[-3000:]}", flush=True)
+        return None
+    r = json.loads(lines[-1][len("RESULT "):])
+    r["process_s"] = time.time() - t0
+    print(f"{w} {label}: {r.get('step_ms_median', r.get('skipped'))} ms ({r['process_s']:.0f} s)",
+          file=sys.stderr, flush=True)
+    return r
+
+
 def compare(args):
+    """Runs every workload under every allocator `args.reps` times, interleaved: repeat k runs
+    the allocators in the order rotated by k, so that drift of the machine (clocks, other
+    tenants) falls on each allocator alike. The ratio to native is taken within each repeat
+    (runs minutes apart) and reported as the median with its range over the repeats."""
     all_results = {}
     ok = True
+    allocators = ALLOCATORS[:1] if args.record else ALLOCATORS
+    reps = 1 if args.record else args.reps
     for w in args.workloads:
-        rows = {}
-        allocators = ALLOCATORS[:1] if args.record else ALLOCATORS
-        for label, env_changes, cfg in allocators:
-            cmd = [sys.executable, os.path.abspath(__file__), "--one", w,
-                   "--python-dir", args.python_dir,
-                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--layers", str(args.layers),
-                   "--batch", str(args.batch), "--seed", str(args.seed), "--port", str(args.port)]
-            if cfg is not None:
-                cmd += ["--cca-config", cfg]
-            if args.record:
-                os.makedirs(args.record, exist_ok=True)
-                cmd += ["--record", os.path.abspath(args.record)]
-            if args.library:
-                cmd += ["--library", args.library]
-            env = {k: v for k, v in os.environ.items()
-                   if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_CACHING_ALLOCATOR_CONF")}
-            env.update(env_changes)
-            t0 = time.time()
-            p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-            lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
-            if p.returncode != 0 or not lines:
-                print(f"{w} {label}: FAILED rc={p.returncode}\n{p.stderr[-3000:]}", flush=True)
-                ok = False
-                continue
-            rows[label] = json.loads(lines[-1][len("RESULT "):])
-            rows[label]["process_s"] = time.time() - t0
-            print(f"{w} {label}: {rows[label].get('step_ms_median', rows[label].get('skipped'))}",
-                  file=sys.stderr, flush=True)
-        all_results[w] = rows
-        n = rows.get("native")
-        if n is None or "skipped" in n:
-            print(f"\n== {w}: {n.get('skipped') if n else 'native failed'}")
+        runs = {label: [] for label, _, _ in allocators}
+        for k in range(reps):
+            order = allocators[k % len(allocators):] + allocators[:k % len(allocators)]
+            for label, env_changes, cfg in order:
+                r = run_child(args, w, label, env_changes, cfg)
+                if r is None:
+                    ok = False
+                runs[label].append(r)
+        all_results[w] = runs
+        first = next((r for r in runs["native"] if r is not None), None)
+        if first is None or "skipped" in first:
+            print(f"\n== {w}: {first.get('skipped') if first else 'native failed'}")
             continue
         gib = 1 << 30
-        print(f"\n== {w} ({args.steps} steps, median after {args.warmup})")
-        print("| allocator | route | median step ms | × native | peak reserved GiB | reserved / peak allocated | device allocs | max rel loss diff |")
-        print("|---|---|---:|---:|---:|---:|---:|---:|")
+        print(f"\n== {w} ({args.steps} steps, median after {args.warmup}; {reps} interleaved repeats)")
+        print("| allocator | route | median step ms (min–max over repeats) | × native, median (min–max) | "
+              "peak reserved GiB | reserved / peak allocated | device allocs | device calls after warm-up | max rel loss diff |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
         for label, _, _ in allocators:
-            c = rows.get(label)
-            if c is None:
-                print(f"| {label} | failed | | | | | | |")
+            mine = runs[label]
+            pairs = [(c, n) for c, n in zip(mine, runs["native"]) if c is not None and n is not None]
+            good_runs = [c for c in mine if c is not None]
+            if not good_runs:
+                print(f"| {label} | failed | | | | | | | |")
                 continue
-            rel = max(abs(a - b) / max(abs(a), 1e-6) for a, b in zip(n["losses"], c["losses"]))
+            steps = [c["step_ms_median"] for c in good_runs]
+            ratios = [c["step_ms_median"] / n["step_ms_median"] for c, n in pairs]
+            rel = max(abs(a - b) / max(abs(a), 1e-6)
+                      for c, n in pairs for a, b in zip(n["losses"], c["losses"]))
             good = rel <= args.rtol
             ok = ok and good
-            c["max_rel_loss_diff"] = rel
-            print(f"| {label} | {c['route']} | {c['step_ms_median']:.2f} | {c['step_ms_median'] / n['step_ms_median']:.3f} | "
-                  f"{c['peak_reserved_bytes'] / gib:.3f} | {c['peak_reserved_bytes'] / max(c['peak_allocated_bytes'], 1):.4f} | "
-                  f"{c['num_device_alloc']} | {rel:.2g}{'' if good else ' MISMATCH'} |")
+            c = good_runs[-1]
+            steady = [x.get("steady_device_calls") for x in good_runs]
+            ratio = (f"{statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f})"
+                     if ratios else "")
+            print(f"| {label} | {c['route']} | {statistics.median(steps):.2f} ({min(steps):.2f}–{max(steps):.2f}) | "
+                  f"{ratio} | {c['peak_reserved_bytes'] / gib:.3f} | "
+                  f"{c['peak_reserved_bytes'] / max(c['peak_allocated_bytes'], 1):.4f} | "
+                  f"{c['num_device_alloc']} | {'/'.join(str(x) for x in steady)} | "
+                  f"{rel:.2g}{'' if good else ' MISMATCH'} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(all_results, f)
@@ -285,6 +351,8 @@ def main():
     p.add_argument("--port", type=int, default=29533)
     p.add_argument("--rtol", type=float, default=3e-2)
     p.add_argument("--timeout", type=int, default=400)
+    p.add_argument("--reps", type=int, default=int(os.environ.get("CCA_CLIENT_REPS", "1")),
+                   help="interleaved repeats of every allocator (default 1, or $CCA_CLIENT_REPS)")
     p.add_argument("--json")
     p.add_argument("--record", metavar="DIR",
                    help="run only PyTorch native, recording each workload's allocation history as "

@@ -148,11 +148,12 @@ for phase in $PHASES; do
     sed -n '/== PyTorch comparison ==/,$p' "$OUT/package_client.log" | tee -a "$S" ;;
   clients) # After `package`: the real-client suite of #11 (gpu/clients.py), each allocator in
     # its own process; CCA_CLIENTS picks the workloads (default: sidestream generate ckpt; ddp
-    # and fsdp need 2 GPUs).
+    # and fsdp need 2 GPUs), CCA_CLIENT_REPS the interleaved repeats, CCA_CLIENT_ARGS more
+    # clients.py arguments (e.g. "--steps 20 --warmup 6").
     PKG_DIR=$(cd /tmp && python3 -c 'import importlib.util as u, os; print(os.path.dirname(os.path.dirname(u.find_spec("cuda_caching_allocator").origin)))')
     CCA_SHIM_BUILD_DIR=/tmp/cca-shim-build step clients timeout "$(left)" python3 \
       "$HERE/clients.py" --python-dir "$PKG_DIR" --workloads ${CCA_CLIENTS:-sidestream generate ckpt} \
-      --json "$OUT/clients.json"
+      --json "$OUT/clients.json" ${CCA_CLIENT_ARGS:-}
     grep -E '^== |^\||FAILED' "$OUT/clients.log" | cut -c1-300 | tee -a "$S" ;;
   record) # PyTorch native runs of the single-GPU clients with PyTorch's memory history on, each
     # dumped as a snapshot pickle (gzipped) under $OUT/traces: our own traces of these workloads,
