@@ -11,7 +11,8 @@
 #                                     # (examples/ports: plain vs cached, memcheck; ports.sh),
 #                                     # package (pip-installs the staged wheel into a venv and runs
 #                                     # the PyTorch conformance script and the safety probes
-#                                     # through it), package_client (after package: the GPT-2
+#                                     # through it), install (only the wheel's pip install),
+#                                     # package_client (after package: the GPT-2
 #                                     # client through the installed package), clients (after
 #                                     # package: the #11 client suite, gpu/clients.py), record
 #                                     # (native runs of the clients recording PyTorch's memory
@@ -126,6 +127,10 @@ for phase in $PHASES; do
   ports) # The port pairs: plain cudarc vs cached outputs compared, cached under memcheck.
     step ports timeout "$(left)" bash "$HERE/ports.sh"
     tail -n 30 "$OUT/ports.log" | tee -a "$S" ;;
+  install) # Only the pip install of the staged wheel that `package` starts with (for `clients`
+    # alone, without the conformance and safety runs).
+    step package_install python3 -m pip install --no-deps --no-index --no-build-isolation \
+      --force-reinstall "$HERE"/cuda_caching_allocator-*.whl ;;
   package) # The PyTorch package from the staged wheel (no Rust, no network), pip-installed into
     # the Python that has torch (as a user would), the C++ shim compiled at the first enable(),
     # then python/tests/torch_conformance.py (one PASS/FAIL line per PyTorch API) and the safety
@@ -146,7 +151,7 @@ for phase in $PHASES; do
       python3 "$HERE/torch_client.py" --so "$PKG_LIB" --json "$OUT/package_client.json"
     grep -E 'package route' "$OUT/package_client.log" | sort | uniq -c | tee -a "$S"
     sed -n '/== PyTorch comparison ==/,$p' "$OUT/package_client.log" | tee -a "$S" ;;
-  clients) # After `package`: the real-client suite of #11 (gpu/clients.py), each allocator in
+  clients) # After `package` or `install`: the real-client suite of #11 (gpu/clients.py), each allocator in
     # its own process; CCA_CLIENTS picks the workloads (default: sidestream generate ckpt; ddp
     # and fsdp need 2 GPUs), CCA_CLIENT_REPS the interleaved repeats, CCA_CLIENT_ARGS more
     # clients.py arguments (e.g. "--steps 20 --warmup 6").
@@ -174,6 +179,6 @@ for phase in $PHASES; do
     grep -E '^(==|--)|^pair|GB/s|cached /|^goal|^(default|tight|frugal|power)' "$OUT/pinned.log" | tee -a "$S"
     step pinned_torch timeout 200 python3 "$HERE/pinned_torch.py" --json "$OUT/pinned_torch.json"
     grep -vE '^\s*$' "$OUT/pinned_torch.log" | tail -20 | tee -a "$S" ;;
-  *) echo "unknown phase $phase (tests example torch safety sanitizer multigpu replay cold ports package package_client clients record bench pinned)" | tee -a "$S" ;;
+  *) echo "unknown phase $phase (tests example torch safety sanitizer multigpu replay cold ports install package package_client clients record bench pinned)" | tee -a "$S" ;;
   esac
 done
