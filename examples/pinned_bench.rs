@@ -14,7 +14,13 @@
 //! 4. the mixed-size workload of `host::mixed_workload` (the one `tests/all/pinned.rs` measures
 //!    on the simulator) on the real host: peak pinned over peak requested for the default,
 //!    `PinnedConfig::tight()` and `PinnedConfig::frugal()`, with the pins and the measured
-//!    pinning time, beside the power-of-two model of PyTorch's policy.
+//!    pinning time, beside the power-of-two model of PyTorch's policy; the default once more
+//!    with every slab from `cuMemHostAlloc` (`PinMethod::HostAlloc`) instead of registered;
+//! 5. pinning and unpinning one slab of 2 MiB, 64 MiB and 1 GiB by each `PinMethod`, as
+//!    `CudaHost` reports it.
+//!
+//! The cached buffer of section 2 (64 MiB) lies in a registered slab under the default
+//! `PinMethod`, so its bandwidth ratio checks registered against `cuMemHostAlloc` memory.
 //!
 //! ```text
 //! cargo run --release --example pinned_bench --features cuda [-- --quick] [--ordinal N]
@@ -28,8 +34,10 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
+use cuda_caching_allocator::backend::cuda::CudaDevice;
 use cuda_caching_allocator::host::{
-    HostOp, PendingPolicy, PinnedConfig, PowerOfTwoModel, mixed_workload,
+    CudaHost, HostBackend, HostOp, PendingPolicy, PinMethod, PinnedConfig, PowerOfTwoModel,
+    mixed_workload,
 };
 use cuda_caching_allocator::interop::{CachedPinned, PinnedAllocator};
 use cudarc::driver::{
@@ -83,6 +91,44 @@ fn run() -> Res<()> {
     bandwidth(&ctx, quick)?;
     pipeline(&ctx, quick)?;
     mixed(&ctx)?;
+    pin_cost(&ctx)?;
+    Ok(())
+}
+
+/// Section 5: one slab pinned and unpinned by each method, three times, median.
+fn pin_cost(ctx: &Arc<CudaContext>) -> Res<()> {
+    println!("-- 5. pin and unpin one slab, by method (median of 3, as CudaHost reports it)");
+    let device = Arc::new(CudaDevice::new(Arc::clone(ctx))?);
+    for size in [2 * MIB, 64 * MIB, 1024 * MIB] {
+        let mut line = format!("{:>5} MiB:", size / MIB);
+        for (name, method) in [
+            ("cuMemHostAlloc", PinMethod::HostAlloc),
+            (
+                "register",
+                PinMethod::Register {
+                    min_size: 0,
+                    touch_threads: 8,
+                },
+            ),
+        ] {
+            let host = CudaHost::with_method(Arc::clone(&device), method);
+            let (mut pins, mut unpins) = (Vec::new(), Vec::new());
+            for _ in 0..3 {
+                let p = host.pin(size)?;
+                pins.push(p.nanos);
+                // SAFETY: pinned just above by this backend, never used.
+                unpins.push(unsafe { host.unpin(p.ptr, size) }?);
+            }
+            pins.sort_unstable();
+            unpins.sort_unstable();
+            line += &format!(
+                "  {name} pin {:.2} ms unpin {:.2} ms",
+                pins[1] as f64 / 1e6,
+                unpins[1] as f64 / 1e6
+            );
+        }
+        println!("{line}");
+    }
     Ok(())
 }
 
@@ -375,12 +421,17 @@ fn mixed(ctx: &Arc<CudaContext>) -> Res<()> {
         "-- 4. mixed workload (seed 42, 4000 steps, 48 slots, 4 KiB - 64 MiB) on the real host"
     );
     let mut model = PowerOfTwoModel::default();
-    for (name, config) in [
-        ("default", PinnedConfig::default()),
-        ("tight", PinnedConfig::tight()),
-        ("frugal", PinnedConfig::frugal()),
+    for (name, config, method) in [
+        ("default", PinnedConfig::default(), PinMethod::default()),
+        (
+            "default/hostalloc",
+            PinnedConfig::default(),
+            PinMethod::HostAlloc,
+        ),
+        ("tight", PinnedConfig::tight(), PinMethod::default()),
+        ("frugal", PinnedConfig::frugal(), PinMethod::default()),
     ] {
-        let p = PinnedAllocator::new(Arc::clone(ctx), config)?;
+        let p = PinnedAllocator::with_method(Arc::clone(ctx), config, method)?;
         let mut live: BTreeMap<usize, (CachedPinned<u8>, usize)> = BTreeMap::new();
         let (mut requested, mut peak) = (0usize, 0usize);
         let t = Instant::now();
@@ -419,7 +470,7 @@ fn mixed(ctx: &Arc<CudaContext>) -> Res<()> {
         let wall = t.elapsed().as_secs_f64() * 1e3;
         let st = p.stats();
         println!(
-            "{name:<8} peak requested {:.1} MiB, peak pinned {:.1} MiB ({:.3}x); {} pins ({:.1} ms), {} unpins ({:.1} ms); wall {wall:.1} ms",
+            "{name:<17} peak requested {:.1} MiB, peak pinned {:.1} MiB ({:.3}x); {} pins ({:.1} ms), {} unpins ({:.1} ms); wall {wall:.1} ms",
             peak as f64 / MIB as f64,
             st.reserved_bytes.peak as f64 / MIB as f64,
             st.reserved_bytes.peak as f64 / peak as f64,

@@ -42,7 +42,7 @@ pub use compare::{HostOp, PowerOfTwoModel, mixed_workload};
 pub use config::{PendingPolicy, PinnedConfig};
 #[cfg(feature = "cuda-unpinned")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda-unpinned")))]
-pub use cuda::CudaHost;
+pub use cuda::{CudaHost, PinMethod};
 pub use error::PinnedError;
 pub use fence::HostFence;
 pub use invariants::PinnedInvariantViolation;

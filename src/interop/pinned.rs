@@ -45,7 +45,7 @@ use parking_lot::Mutex;
 use crate::backend::BackendError;
 use crate::backend::cuda::{CudaDevice, driver};
 use crate::host::{
-    CudaHost, HostBackend, HostFence, HostPtr, PinnedCache, PinnedConfig, PinnedError,
+    CudaHost, HostBackend, HostFence, HostPtr, PinMethod, PinnedCache, PinnedConfig, PinnedError,
     PinnedInvariantViolation, PinnedStats,
 };
 
@@ -155,8 +155,22 @@ impl PinnedAllocator {
     /// [`PinnedError::Backend`] when the device cannot be queried; [`PinnedError::InvalidConfig`]
     /// for a bad configuration.
     pub fn new(ctx: Arc<CudaContext>, config: PinnedConfig) -> Result<Self, PinnedError> {
+        Self::with_method(ctx, config, PinMethod::default())
+    }
+
+    /// Like [`new`](Self::new), pinning slabs with `method` ([`PinMethod`]: `cuMemHostAlloc`, or
+    /// `cuMemHostRegister` over memory touched by several threads, the default for slabs of
+    /// 64 MiB and more).
+    ///
+    /// # Errors
+    /// As [`new`](Self::new).
+    pub fn with_method(
+        ctx: Arc<CudaContext>,
+        config: PinnedConfig,
+        method: PinMethod,
+    ) -> Result<Self, PinnedError> {
         let device = CudaDevice::new(ctx)?;
-        let cache = PinnedCache::new(CudaHost::new(Arc::new(device)), config)?;
+        let cache = PinnedCache::new(CudaHost::with_method(Arc::new(device), method), config)?;
         Ok(PinnedAllocator {
             inner: Arc::new(PinnedInner {
                 cache,

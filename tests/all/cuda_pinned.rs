@@ -14,7 +14,7 @@ use std::sync::{Arc, OnceLock};
 
 use cuda_caching_allocator::AllocatorConfig;
 use cuda_caching_allocator::backend::cuda::CudaDevice;
-use cuda_caching_allocator::host::{CudaHost, PinnedCache, PinnedConfig};
+use cuda_caching_allocator::host::{CudaHost, PinMethod, PinnedCache, PinnedConfig};
 use cuda_caching_allocator::interop::{CudaAllocator, PinnedAllocator};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig, PushKernelArg,
@@ -345,4 +345,64 @@ fn caching_allocator_takes_cached_pinned_buffers() {
     drop(p.pinned_from_slice(&[0u8; 16]).unwrap());
     assert_eq!(p.waiting_blocks(), 0, "returned once the event completed");
     assert_eq!(s.clone_dtoh(&d).unwrap(), pattern(1));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn registered_and_allocated_slabs_both_round_trip() {
+    require_gpu("registered_and_allocated_slabs_both_round_trip");
+    let (ctx, s) = setup(1);
+    for (name, method) in [
+        ("cuMemHostAlloc", PinMethod::HostAlloc),
+        (
+            "register",
+            PinMethod::Register {
+                min_size: 0,
+                touch_threads: 4,
+            },
+        ),
+    ] {
+        // Through the raw cache, to see which way its slabs were pinned.
+        let host =
+            CudaHost::with_method(Arc::new(CudaDevice::new(Arc::clone(&ctx)).unwrap()), method);
+        let cache = PinnedCache::new(host, PinnedConfig::default()).unwrap();
+        let block = cache.alloc(4 * N).unwrap();
+        assert_eq!(
+            cache.host().registered_slabs(),
+            usize::from(name == "register"),
+            "{name}: slabs registered"
+        );
+        cache.check_invariants().unwrap();
+        cache.free(block.ptr).unwrap();
+        assert!(cache.empty_cache().unwrap() > 0, "{name}: nothing unpinned");
+        assert_eq!(
+            cache.host().registered_slabs(),
+            0,
+            "{name}: still registered"
+        );
+        // Through cudarc: htod from a cached buffer, dtoh into another, both in slabs pinned
+        // this way, a slow kernel in front so that the copies are truly asynchronous.
+        let k = kernels(&ctx);
+        let pinned =
+            PinnedAllocator::with_method(Arc::clone(&ctx), PinnedConfig::default(), method)
+                .unwrap();
+        let src = pinned.pinned_from_slice(&pattern(41)).unwrap();
+        delay(&k, &s);
+        let dev = s.clone_htod(&src).unwrap();
+        let mut back = pinned.alloc_pinned_zeros::<u32>(N).unwrap();
+        s.memcpy_dtoh(&dev, &mut back).unwrap();
+        assert_eq!(back.as_slice().unwrap(), &pattern(41)[..], "{name}");
+        assert_eq!(
+            pinned.stats().num_pins,
+            1,
+            "{name}: one slab for both buffers"
+        );
+        drop((src, back));
+        ctx.synchronize().unwrap();
+        pinned.check_invariants().unwrap();
+        assert!(
+            pinned.empty_cache().unwrap() > 0,
+            "{name}: nothing unpinned"
+        );
+    }
 }
