@@ -36,6 +36,13 @@ ALLOCATORS = [
     ("native-expandable", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, None),
     ("cca-pytorch", {}, "cca_preset:pytorch"),
 ]
+# Run only when named with --allocators: the default with PyTorch's expandable page size for the
+# large pool (20 MiB pages instead of 2 MiB), and the lean-fast preset (2 MiB pages in 64 MiB
+# handles), to tell the page and handle size's part in step time.
+EXTRA_ALLOCATORS = [
+    ("cca-default-20m", {}, "cca_preset:default,cca_large_page_size_mb:20"),
+    ("cca-lean-fast", {}, "cca_preset:lean-fast"),
+]
 
 
 def setup(args):
@@ -287,7 +294,17 @@ def compare(args):
     (runs minutes apart) and reported as the median with its range over the repeats."""
     all_results = {}
     ok = True
-    allocators = ALLOCATORS[:1] if args.record else ALLOCATORS
+    if args.record:
+        allocators = ALLOCATORS[:1]
+    elif args.allocators:
+        known = {a[0]: a for a in ALLOCATORS + EXTRA_ALLOCATORS}
+        unknown = [a for a in args.allocators if a not in known]
+        if unknown:
+            raise SystemExit(f"unknown allocators {unknown}; known: {sorted(known)}")
+        # native always runs: every ratio is taken against it.
+        allocators = [ALLOCATORS[0]] + [known[a] for a in args.allocators if a != "native"]
+    else:
+        allocators = ALLOCATORS
     reps = 1 if args.record else args.reps
     for w in args.workloads:
         runs = {label: [] for label, _, _ in allocators}
@@ -351,6 +368,9 @@ def main():
     p.add_argument("--port", type=int, default=29533)
     p.add_argument("--rtol", type=float, default=3e-2)
     p.add_argument("--timeout", type=int, default=400)
+    p.add_argument("--allocators", nargs="*", default=None,
+                   help="labels to run beside native (default: the four of ALLOCATORS; also "
+                        "cca-default-20m, cca-lean-fast)")
     p.add_argument("--reps", type=int, default=int(os.environ.get("CCA_CLIENT_REPS", "1")),
                    help="interleaved repeats of every allocator (default 1, or $CCA_CLIENT_REPS)")
     p.add_argument("--json")
