@@ -11,7 +11,8 @@
 //!   against 489 ms for 1 GiB, unpinning 1.6 ms against 10.2 ms and 21 ms against 103 ms, copies
 //!   at the same bandwidth; at 2 MiB no faster than `cuMemHostAlloc`.
 //!
-//! The default registers slabs of 64 MiB and more and allocates smaller ones. Pin and unpin
+//! The default registers slabs of 64 MiB and more and allocates smaller ones (and any slab whose
+//! registration the host refuses for another reason than memory). Pin and unpin
 //! times are measured here with a monotonic clock and reported to the cache. Events come from the
 //! lent [`CudaDevice`]. May use: `host`, `backend`, cudarc, libc.
 
@@ -46,7 +47,8 @@ pub enum PinMethod {
     HostAlloc,
     /// `cuMemHostRegister(CU_MEMHOSTREGISTER_PORTABLE)` over fresh anonymous memory touched by up
     /// to `touch_threads` threads (one per 8 MiB at most) for slabs of at least `min_size` bytes;
-    /// `cuMemHostAlloc` for smaller ones. Outside Linux every slab is allocated.
+    /// `cuMemHostAlloc` for smaller ones, and for any slab whose registration the host refuses
+    /// for another reason than memory. Outside Linux every slab is allocated.
     Register {
         /// The smallest slab that is registered rather than allocated.
         min_size: usize,
@@ -267,15 +269,28 @@ unsafe impl HostBackend for CudaHost {
             PinMethod::Register {
                 min_size,
                 touch_threads,
-            } if size >= min_size => {
-                let (start, map) = register::pin(size, touch_threads)?;
-                let nanos = nanos_since(t);
-                self.registered.lock().insert(start as u64, map);
-                Ok(Pinned {
-                    ptr: HostPtr(start),
-                    nanos,
-                })
-            }
+            } if size >= min_size => match register::pin(size, touch_threads) {
+                Ok((start, map)) => {
+                    let nanos = nanos_since(t);
+                    self.registered.lock().insert(start as u64, map);
+                    Ok(Pinned {
+                        ptr: HostPtr(start),
+                        nanos,
+                    })
+                }
+                // Out of memory stays out of memory (the cache unpins idle slabs and retries);
+                // a host that refuses registration itself (some virtualised or older platforms
+                // do) gets the slab from `cuMemHostAlloc` instead.
+                Err(BackendError::OutOfMemory) => Err(BackendError::OutOfMemory),
+                Err(e) => {
+                    tracing::debug!(target: "cuda_caching_allocator", error = %e, size, "cuMemHostRegister refused; cuMemHostAlloc instead");
+                    let ptr = Self::alloc_host(size)?;
+                    Ok(Pinned {
+                        ptr,
+                        nanos: nanos_since(t),
+                    })
+                }
+            },
             _ => {
                 let ptr = Self::alloc_host(size)?;
                 Ok(Pinned {
