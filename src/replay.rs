@@ -11,16 +11,15 @@
 //! base, since a split keeps the front of a block for the request). A hint is used once and only
 //! if that range is free on the simulated device; otherwise the device picks a fresh address.
 //!
-//! May use: `allocator`, `trace`, `backend`, `int_hash`.
+//! May use: `allocator`, `trace`, `backend`, `int_hash`, `op_clock`.
 #![forbid(unsafe_code)]
-
-use std::time::Instant;
 
 use crate::allocator::{CachingAllocator, FragmentationReport};
 use crate::backend::sim::{SimCounters, SimDevice};
 use crate::backend::{DeviceAddr, DeviceBackend, StreamId};
 use crate::error::AllocError;
 use crate::int_hash::IntMap;
+use crate::op_clock::{OpClock, OpTimes};
 use crate::stats::MemoryStats;
 use crate::trace::{Trace, TraceOp};
 
@@ -231,8 +230,10 @@ type Observer<'a, B> = &'a mut dyn FnMut(usize, u64, &CachingAllocator<B>);
 /// Note [Lean replay loop]: reserved bytes and the segment count rise only inside an
 /// allocation (a free, `empty_cache` and a fraction change never raise them), so the loop reads
 /// them, under one lock and without copying the statistics, only after an `Alloc` event; the
-/// full statistics and the fragmentation report are taken only at a new reserved peak. The
-/// map of live trace ids uses the integer hasher of `int_hash` instead of SipHash.
+/// full statistics and the fragmentation report are taken only at a new reserved peak. Live
+/// trace ids sit in a table indexed by id ([`LiveIds`]; ids beyond the trace's length in a map
+/// with the integer hasher of `int_hash`), a placement hint is cleared only when one may be pending,
+/// and host times are read from the cheap clock of `op_clock` (Note [Op clock]).
 fn replay_loop<B: DeviceBackend>(
     alloc: &CachingAllocator<B>,
     trace: &Trace,
@@ -245,19 +246,29 @@ fn replay_loop<B: DeviceBackend>(
         .iter()
         .any(|e| matches!(e.op, TraceOp::SegmentAlloc { .. }));
     let faithful = opts.placement == Placement::AddressFaithful && hint.is_some();
-    let set_hint = |a: Option<u64>| {
+    // Whether a placement hint may be pending on the device (set and not yet cleared).
+    let mut hint_pending = true;
+    let mut set_hint = |a: Option<u64>| {
         if let Some(h) = hint {
-            h(a);
+            if a.is_some() || hint_pending {
+                h(a);
+            }
+            hint_pending = a.is_some();
         }
     };
-    let mut live: IntMap<(DeviceAddr, u64)> = IntMap::default();
+    let mut live = LiveIds::new(trace.events.len());
     let mut failed: std::collections::HashSet<u64> = std::collections::HashSet::new();
     let mut report = ReplayReport {
         events: trace.events.len(),
         ..ReplayReport::default()
     };
     let mut live_bytes: u64 = 0;
-    let mut times: Vec<u64> = Vec::new();
+    let clock = opts.timing.then(OpClock::start);
+    let mut times = if opts.timing {
+        OpTimes::new()
+    } else {
+        OpTimes::default()
+    };
     let (mut peak_reserved, mut peak_segments) = (0i64, 0i64);
     note_peak(alloc, &mut report, &mut peak_reserved, &mut peak_segments);
 
@@ -270,16 +281,16 @@ fn replay_loop<B: DeviceBackend>(
                 addr,
             } => {
                 report.allocs += 1;
-                if live.contains_key(id) {
+                if live.contains(*id) {
                     return Err(ReplayError::DuplicateId { index, id: *id });
                 }
                 if faithful && !has_segment_events {
                     set_hint(*addr);
                 }
-                let t0 = opts.timing.then(Instant::now);
+                let t0 = clock.map(|c| c.ticks());
                 let r = alloc.allocate(*size as usize, StreamId(*stream));
-                if let Some(t0) = t0 {
-                    times.push(t0.elapsed().as_nanos() as u64);
+                if let (Some(c), Some(t0)) = (&clock, t0) {
+                    times.push(c.ticks().saturating_sub(t0));
                 }
                 if faithful {
                     set_hint(None);
@@ -299,17 +310,17 @@ fn replay_loop<B: DeviceBackend>(
             }
             TraceOp::Free { id } => {
                 report.frees += 1;
-                let Some((ptr, size)) = live.remove(id) else {
+                let Some((ptr, size)) = live.remove(*id) else {
                     if failed.remove(id) {
                         report.skipped_frees += 1;
                         continue;
                     }
                     return Err(ReplayError::UnknownId { index, id: *id });
                 };
-                let t0 = opts.timing.then(Instant::now);
+                let t0 = clock.map(|c| c.ticks());
                 let r = alloc.free(ptr);
-                if let Some(t0) = t0 {
-                    times.push(t0.elapsed().as_nanos() as u64);
+                if let (Some(c), Some(t0)) = (&clock, t0) {
+                    times.push(c.ticks().saturating_sub(t0));
                 }
                 r.map_err(|source| ReplayError::Allocator { index, source })?;
                 live_bytes -= size;
@@ -352,22 +363,12 @@ fn replay_loop<B: DeviceBackend>(
     report.num_alloc_retries = st.num_alloc_retries as u64;
     report.cross_stream_handovers = alloc.cross_stream_handovers();
     report.final_stats = st;
-    if !times.is_empty() {
-        let mean_ns = times.iter().sum::<u64>() as f64 / times.len() as f64;
-        // Two linear-time selections instead of sorting every time (a sort was a tenth of a
-        // long replay's instructions).
-        let last = times.len() - 1;
-        let mut pct = |p: f64| {
-            *times
-                .select_nth_unstable((last as f64 * p).round() as usize)
-                .1
-        };
-        let (p50_ns, p99_ns) = (pct(0.5), pct(0.99));
-        report.latency = Some(LatencySummary {
-            mean_ns,
-            p50_ns,
-            p99_ns,
-            max_ns: times.iter().copied().max().unwrap_or(0),
+    if let Some(c) = clock {
+        report.latency = times.summary(c.ns_per_tick()).map(|t| LatencySummary {
+            mean_ns: t.mean_ns,
+            p50_ns: t.p50_ns,
+            p99_ns: t.p99_ns,
+            max_ns: t.max_ns,
         });
     }
     Ok(report)
@@ -387,6 +388,72 @@ fn note_peak<B: DeviceBackend>(
         *peak_reserved = reserved;
         report.stats_at_peak = alloc.memory_stats();
         report.fragmentation_at_peak = alloc.fragmentation();
+    }
+}
+
+/// The live allocations of a replay by trace id: `(address, requested size)`.
+///
+/// Importers number allocations from 0, so a trace's ids are below its length: those sit in a
+/// table indexed by id (no hashing; zeroed memory, so only the part the ids reach is ever
+/// touched), any other id in a hash map.
+struct LiveIds {
+    /// Entry `id`: `[address, requested size]`, meaningful while bit `id` of `live` is set.
+    table: Vec<[u64; 2]>,
+    live: Vec<u64>,
+    /// Ids from `table.len()` on.
+    sparse: IntMap<(DeviceAddr, u64)>,
+}
+
+impl LiveIds {
+    fn new(events: usize) -> Self {
+        let n = events.saturating_add(1024);
+        LiveIds {
+            table: vec![[0; 2]; n],
+            live: vec![0; n.div_ceil(64)],
+            sparse: IntMap::default(),
+        }
+    }
+
+    /// Where id `id`'s liveness bit is, when it is in the table.
+    #[inline]
+    fn bit(&self, id: u64) -> Option<(usize, u64)> {
+        let i = usize::try_from(id).ok().filter(|&i| i < self.table.len())?;
+        Some((i, 1u64 << (i % 64)))
+    }
+
+    #[inline]
+    fn contains(&self, id: u64) -> bool {
+        match self.bit(id) {
+            Some((i, b)) => self.live.get(i / 64).is_some_and(|w| w & b != 0),
+            None => self.sparse.contains_key(&id),
+        }
+    }
+
+    #[inline]
+    fn insert(&mut self, id: u64, (addr, size): (DeviceAddr, u64)) {
+        match self.bit(id) {
+            Some((i, b)) => {
+                if let (Some(w), Some(e)) = (self.live.get_mut(i / 64), self.table.get_mut(i)) {
+                    *w |= b;
+                    *e = [addr.0, size];
+                }
+            }
+            None => {
+                self.sparse.insert(id, (addr, size));
+            }
+        }
+    }
+
+    #[inline]
+    fn remove(&mut self, id: u64) -> Option<(DeviceAddr, u64)> {
+        match self.bit(id) {
+            Some((i, b)) => {
+                let w = self.live.get_mut(i / 64).filter(|w| **w & b != 0)?;
+                *w &= !b;
+                self.table.get(i).map(|&[a, s]| (DeviceAddr(a), s))
+            }
+            None => self.sparse.remove(&id),
+        }
     }
 }
 
