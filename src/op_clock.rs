@@ -15,10 +15,10 @@
 use std::time::Instant;
 
 /// Times below this many ticks are counted in a table (one counter each); longer ones are kept
-/// one by one. With ticks near a nanosecond the table covers tens of microseconds: everything
+/// one by one. With ticks near a nanosecond the table covers several microseconds: everything
 /// but the rare slow operations (even under valgrind), so a run's record is the table's touched
 /// pages plus its outliers.
-const TABLE: usize = 1 << 16;
+const TABLE: usize = 1 << 14;
 
 /// A clock for single operations: [`ticks`](Self::ticks), and the nanoseconds per tick over
 /// the run (see Note [Op clock]).
@@ -93,7 +93,7 @@ pub(crate) struct OpSummary {
 }
 
 impl OpTimes {
-    /// An empty record with its table of short times (512 KiB of zeroed memory, touched only
+    /// An empty record with its table of short times (128 KiB of zeroed memory, touched only
     /// where times fall).
     pub(crate) fn new() -> Self {
         OpTimes {

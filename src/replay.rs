@@ -393,52 +393,56 @@ fn note_peak<B: DeviceBackend>(
 
 /// The live allocations of a replay by trace id: `(address, requested size)`.
 ///
-/// Importers number allocations from 0, so a trace's ids are below its length: those sit in a
-/// table indexed by id (no hashing; zeroed memory, so only the part the ids reach is ever
-/// touched), any other id in a hash map.
+/// Importers number allocations from 0 in event order, so a trace's ids are below its length
+/// and mostly come in increasing order: those sit in a table indexed by id that grows at its end
+/// (no hashing, and no memory touched beyond the ids seen), any other id in a hash map.
 struct LiveIds {
-    /// Entry `id`: `[address, requested size]`, meaningful while bit `id` of `live` is set.
+    /// Entry `id`: `[address, requested size]`, or `[_, NOT_LIVE]`.
     table: Vec<[u64; 2]>,
-    live: Vec<u64>,
-    /// Ids from `table.len()` on.
+    /// Ids from `limit` on (and any allocation of `NOT_LIVE` bytes, which none can be).
     sparse: IntMap<(DeviceAddr, u64)>,
+    limit: usize,
 }
+
+/// The size of a table entry whose id is not live.
+const NOT_LIVE: u64 = u64::MAX;
 
 impl LiveIds {
     fn new(events: usize) -> Self {
-        let n = events.saturating_add(1024);
         LiveIds {
-            table: vec![[0; 2]; n],
-            live: vec![0; n.div_ceil(64)],
+            table: Vec::with_capacity((events / 2).saturating_add(4096)),
             sparse: IntMap::default(),
+            limit: events.saturating_add(1024),
         }
     }
 
-    /// Where id `id`'s liveness bit is, when it is in the table.
+    /// The table index of `id`, when the table may hold it.
     #[inline]
-    fn bit(&self, id: u64) -> Option<(usize, u64)> {
-        let i = usize::try_from(id).ok().filter(|&i| i < self.table.len())?;
-        Some((i, 1u64 << (i % 64)))
+    fn index(&self, id: u64) -> Option<usize> {
+        usize::try_from(id).ok().filter(|&i| i < self.limit)
     }
 
     #[inline]
     fn contains(&self, id: u64) -> bool {
-        match self.bit(id) {
-            Some((i, b)) => self.live.get(i / 64).is_some_and(|w| w & b != 0),
-            None => self.sparse.contains_key(&id),
-        }
+        let in_table = self
+            .index(id)
+            .and_then(|i| self.table.get(i))
+            .is_some_and(|e| e[1] != NOT_LIVE);
+        in_table || (!self.sparse.is_empty() && self.sparse.contains_key(&id))
     }
 
     #[inline]
     fn insert(&mut self, id: u64, (addr, size): (DeviceAddr, u64)) {
-        match self.bit(id) {
-            Some((i, b)) => {
-                if let (Some(w), Some(e)) = (self.live.get_mut(i / 64), self.table.get_mut(i)) {
-                    *w |= b;
+        match self.index(id) {
+            Some(i) if size != NOT_LIVE => {
+                if i >= self.table.len() {
+                    self.table.resize(i, [0, NOT_LIVE]);
+                    self.table.push([addr.0, size]);
+                } else if let Some(e) = self.table.get_mut(i) {
                     *e = [addr.0, size];
                 }
             }
-            None => {
+            _ => {
                 self.sparse.insert(id, (addr, size));
             }
         }
@@ -446,13 +450,16 @@ impl LiveIds {
 
     #[inline]
     fn remove(&mut self, id: u64) -> Option<(DeviceAddr, u64)> {
-        match self.bit(id) {
-            Some((i, b)) => {
-                let w = self.live.get_mut(i / 64).filter(|w| **w & b != 0)?;
-                *w &= !b;
-                self.table.get(i).map(|&[a, s]| (DeviceAddr(a), s))
-            }
-            None => self.sparse.remove(&id),
+        let entry = self.index(id).and_then(|i| self.table.get_mut(i));
+        if let Some(e) = entry.filter(|e| e[1] != NOT_LIVE) {
+            let [addr, size] = *e;
+            e[1] = NOT_LIVE;
+            return Some((DeviceAddr(addr), size));
+        }
+        if self.sparse.is_empty() {
+            None
+        } else {
+            self.sparse.remove(&id)
         }
     }
 }
