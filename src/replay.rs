@@ -234,6 +234,8 @@ type Observer<'a, B> = &'a mut dyn FnMut(usize, u64, &CachingAllocator<B>);
 /// trace ids sit in a table indexed by id ([`LiveIds`]; ids beyond the trace's length in a map
 /// with the integer hasher of `int_hash`), a placement hint is cleared only when one may be pending,
 /// and host times are read from the cheap clock of `op_clock` (Note [Op clock]).
+// Out of line: callgrind's `--toggle-collect='*replay_loop*'` measures the loop by this name.
+#[inline(never)]
 fn replay_loop<B: DeviceBackend>(
     alloc: &CachingAllocator<B>,
     trace: &Trace,
