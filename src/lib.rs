@@ -13,6 +13,7 @@ mod int_hash;
 #[cfg(feature = "cuda-unpinned")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda-unpinned")))]
 pub mod interop;
+mod op_clock;
 pub mod replay;
 pub mod size_class;
 pub mod stats;

@@ -11,16 +11,15 @@
 //! base, since a split keeps the front of a block for the request). A hint is used once and only
 //! if that range is free on the simulated device; otherwise the device picks a fresh address.
 //!
-//! May use: `allocator`, `trace`, `backend`, `int_hash`.
+//! May use: `allocator`, `trace`, `backend`, `int_hash`, `op_clock`.
 #![forbid(unsafe_code)]
-
-use std::time::Instant;
 
 use crate::allocator::{CachingAllocator, FragmentationReport};
 use crate::backend::sim::{SimCounters, SimDevice};
 use crate::backend::{DeviceAddr, DeviceBackend, StreamId};
 use crate::error::AllocError;
 use crate::int_hash::IntMap;
+use crate::op_clock::{OpClock, OpTimes};
 use crate::stats::MemoryStats;
 use crate::trace::{Trace, TraceOp};
 
@@ -231,8 +230,12 @@ type Observer<'a, B> = &'a mut dyn FnMut(usize, u64, &CachingAllocator<B>);
 /// Note [Lean replay loop]: reserved bytes and the segment count rise only inside an
 /// allocation (a free, `empty_cache` and a fraction change never raise them), so the loop reads
 /// them, under one lock and without copying the statistics, only after an `Alloc` event; the
-/// full statistics and the fragmentation report are taken only at a new reserved peak. The
-/// map of live trace ids uses the integer hasher of `int_hash` instead of SipHash.
+/// full statistics and the fragmentation report are taken only at a new reserved peak. Live
+/// trace ids sit in a table indexed by id ([`LiveIds`]; ids beyond the trace's length in a map
+/// with the integer hasher of `int_hash`), a placement hint is cleared only when one may be pending,
+/// and host times are read from the cheap clock of `op_clock` (Note [Op clock]).
+// Out of line: callgrind's `--toggle-collect='*replay_loop*'` measures the loop by this name.
+#[inline(never)]
 fn replay_loop<B: DeviceBackend>(
     alloc: &CachingAllocator<B>,
     trace: &Trace,
@@ -245,19 +248,29 @@ fn replay_loop<B: DeviceBackend>(
         .iter()
         .any(|e| matches!(e.op, TraceOp::SegmentAlloc { .. }));
     let faithful = opts.placement == Placement::AddressFaithful && hint.is_some();
-    let set_hint = |a: Option<u64>| {
+    // Whether a placement hint may be pending on the device (set and not yet cleared).
+    let mut hint_pending = true;
+    let mut set_hint = |a: Option<u64>| {
         if let Some(h) = hint {
-            h(a);
+            if a.is_some() || hint_pending {
+                h(a);
+            }
+            hint_pending = a.is_some();
         }
     };
-    let mut live: IntMap<(DeviceAddr, u64)> = IntMap::default();
+    let mut live = LiveIds::new(trace.events.len());
     let mut failed: std::collections::HashSet<u64> = std::collections::HashSet::new();
     let mut report = ReplayReport {
         events: trace.events.len(),
         ..ReplayReport::default()
     };
     let mut live_bytes: u64 = 0;
-    let mut times: Vec<u64> = Vec::new();
+    let clock = opts.timing.then(OpClock::start);
+    let mut times = if opts.timing {
+        OpTimes::new()
+    } else {
+        OpTimes::default()
+    };
     let (mut peak_reserved, mut peak_segments) = (0i64, 0i64);
     note_peak(alloc, &mut report, &mut peak_reserved, &mut peak_segments);
 
@@ -270,16 +283,16 @@ fn replay_loop<B: DeviceBackend>(
                 addr,
             } => {
                 report.allocs += 1;
-                if live.contains_key(id) {
+                if live.contains(*id) {
                     return Err(ReplayError::DuplicateId { index, id: *id });
                 }
                 if faithful && !has_segment_events {
                     set_hint(*addr);
                 }
-                let t0 = opts.timing.then(Instant::now);
+                let t0 = clock.map(|c| c.ticks());
                 let r = alloc.allocate(*size as usize, StreamId(*stream));
-                if let Some(t0) = t0 {
-                    times.push(t0.elapsed().as_nanos() as u64);
+                if let (Some(c), Some(t0)) = (&clock, t0) {
+                    times.push(c.ticks().saturating_sub(t0));
                 }
                 if faithful {
                     set_hint(None);
@@ -299,17 +312,17 @@ fn replay_loop<B: DeviceBackend>(
             }
             TraceOp::Free { id } => {
                 report.frees += 1;
-                let Some((ptr, size)) = live.remove(id) else {
+                let Some((ptr, size)) = live.remove(*id) else {
                     if failed.remove(id) {
                         report.skipped_frees += 1;
                         continue;
                     }
                     return Err(ReplayError::UnknownId { index, id: *id });
                 };
-                let t0 = opts.timing.then(Instant::now);
+                let t0 = clock.map(|c| c.ticks());
                 let r = alloc.free(ptr);
-                if let Some(t0) = t0 {
-                    times.push(t0.elapsed().as_nanos() as u64);
+                if let (Some(c), Some(t0)) = (&clock, t0) {
+                    times.push(c.ticks().saturating_sub(t0));
                 }
                 r.map_err(|source| ReplayError::Allocator { index, source })?;
                 live_bytes -= size;
@@ -352,22 +365,12 @@ fn replay_loop<B: DeviceBackend>(
     report.num_alloc_retries = st.num_alloc_retries as u64;
     report.cross_stream_handovers = alloc.cross_stream_handovers();
     report.final_stats = st;
-    if !times.is_empty() {
-        let mean_ns = times.iter().sum::<u64>() as f64 / times.len() as f64;
-        // Two linear-time selections instead of sorting every time (a sort was a tenth of a
-        // long replay's instructions).
-        let last = times.len() - 1;
-        let mut pct = |p: f64| {
-            *times
-                .select_nth_unstable((last as f64 * p).round() as usize)
-                .1
-        };
-        let (p50_ns, p99_ns) = (pct(0.5), pct(0.99));
-        report.latency = Some(LatencySummary {
-            mean_ns,
-            p50_ns,
-            p99_ns,
-            max_ns: times.iter().copied().max().unwrap_or(0),
+    if let Some(c) = clock {
+        report.latency = times.summary(c.ns_per_tick()).map(|t| LatencySummary {
+            mean_ns: t.mean_ns,
+            p50_ns: t.p50_ns,
+            p99_ns: t.p99_ns,
+            max_ns: t.max_ns,
         });
     }
     Ok(report)
@@ -387,6 +390,79 @@ fn note_peak<B: DeviceBackend>(
         *peak_reserved = reserved;
         report.stats_at_peak = alloc.memory_stats();
         report.fragmentation_at_peak = alloc.fragmentation();
+    }
+}
+
+/// The live allocations of a replay by trace id: `(address, requested size)`.
+///
+/// Importers number allocations from 0 in event order, so a trace's ids are below its length
+/// and mostly come in increasing order: those sit in a table indexed by id that grows at its end
+/// (no hashing, and no memory touched beyond the ids seen), any other id in a hash map.
+struct LiveIds {
+    /// Entry `id`: `[address, requested size]`, or `[_, NOT_LIVE]`.
+    table: Vec<[u64; 2]>,
+    /// Ids from `limit` on (and any allocation of `NOT_LIVE` bytes, which none can be).
+    sparse: IntMap<(DeviceAddr, u64)>,
+    limit: usize,
+}
+
+/// The size of a table entry whose id is not live.
+const NOT_LIVE: u64 = u64::MAX;
+
+impl LiveIds {
+    fn new(events: usize) -> Self {
+        LiveIds {
+            table: Vec::with_capacity((events / 2).saturating_add(4096)),
+            sparse: IntMap::default(),
+            limit: events.saturating_add(1024),
+        }
+    }
+
+    /// The table index of `id`, when the table may hold it.
+    #[inline]
+    fn index(&self, id: u64) -> Option<usize> {
+        usize::try_from(id).ok().filter(|&i| i < self.limit)
+    }
+
+    #[inline]
+    fn contains(&self, id: u64) -> bool {
+        let in_table = self
+            .index(id)
+            .and_then(|i| self.table.get(i))
+            .is_some_and(|e| e[1] != NOT_LIVE);
+        in_table || (!self.sparse.is_empty() && self.sparse.contains_key(&id))
+    }
+
+    #[inline]
+    fn insert(&mut self, id: u64, (addr, size): (DeviceAddr, u64)) {
+        match self.index(id) {
+            Some(i) if size != NOT_LIVE => {
+                if i >= self.table.len() {
+                    self.table.resize(i, [0, NOT_LIVE]);
+                    self.table.push([addr.0, size]);
+                } else if let Some(e) = self.table.get_mut(i) {
+                    *e = [addr.0, size];
+                }
+            }
+            _ => {
+                self.sparse.insert(id, (addr, size));
+            }
+        }
+    }
+
+    #[inline]
+    fn remove(&mut self, id: u64) -> Option<(DeviceAddr, u64)> {
+        let entry = self.index(id).and_then(|i| self.table.get_mut(i));
+        if let Some(e) = entry.filter(|e| e[1] != NOT_LIVE) {
+            let [addr, size] = *e;
+            e[1] = NOT_LIVE;
+            return Some((DeviceAddr(addr), size));
+        }
+        if self.sparse.is_empty() {
+            None
+        } else {
+            self.sparse.remove(&id)
+        }
     }
 }
 

@@ -21,7 +21,9 @@ use std::fmt;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use std::sync::atomic::{AtomicI64, Ordering};
+
+use parking_lot::{Mutex, MutexGuard};
 
 pub use fragmentation::{FragmentationReport, FreeBucket};
 pub use invariants::InvariantViolation;
@@ -73,6 +75,54 @@ pub struct CachingAllocator<B: DeviceBackend> {
     state: Mutex<Locked>,
     /// The per-thread front caches, when `fast_path` is on.
     front: Option<Front>,
+    /// Reserved bytes and segments, copied out at the end of every locked operation.
+    mirror: Mirror,
+}
+
+/// Note [Reserved mirror]: reserved bytes and the segment count change only under the lock
+/// (front caches never change them), so every guard of the lock copies them into two atomics as
+/// it is dropped, before the unlock. A read of the atomics then gives the values as of the end of
+/// the last locked operation, which are the values now: the replay loop reads them after every
+/// allocation without taking the lock ([`CachingAllocator::reserved_and_segments`]).
+#[derive(Debug, Default)]
+struct Mirror {
+    reserved: AtomicI64,
+    segments: AtomicI64,
+}
+
+/// The allocator's lock held: the state, with [`Mirror`] refreshed on drop.
+struct Guard<'a> {
+    guard: MutexGuard<'a, Locked>,
+    mirror: &'a Mirror,
+}
+
+impl Deref for Guard<'_> {
+    type Target = Locked;
+    #[inline]
+    fn deref(&self) -> &Locked {
+        &self.guard
+    }
+}
+
+impl DerefMut for Guard<'_> {
+    #[inline]
+    fn deref_mut(&mut self) -> &mut Locked {
+        &mut self.guard
+    }
+}
+
+impl Drop for Guard<'_> {
+    #[inline]
+    fn drop(&mut self) {
+        let stats = &self.guard.st.stats;
+        self.mirror
+            .reserved
+            .store(stats.memory_reserved(), Ordering::Relaxed);
+        self.mirror.segments.store(
+            stats.segment.get(crate::stats::StatType::All).current,
+            Ordering::Relaxed,
+        );
+    }
 }
 
 /// What the allocator's one lock guards: the core's state and the fast path's bookkeeping.
@@ -97,7 +147,7 @@ impl DerefMut for Locked {
 
 impl<B: DeviceBackend> fmt::Debug for CachingAllocator<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let st = self.state.lock();
+        let st = self.lock();
         f.debug_struct("CachingAllocator")
             .field("device", &self.backend.device_index())
             .field("reserved_bytes", &st.total_allocated_memory)
@@ -125,14 +175,27 @@ impl<B: DeviceBackend> CachingAllocator<B> {
             .total;
         let granularity = backend.vm_granularity();
         let front = config.fast_path.then(|| Front::new(&config));
-        Ok(CachingAllocator {
+        let alloc = CachingAllocator {
             backend,
             state: Mutex::new(Locked {
                 st: State::new(config, total, granularity),
                 front: FrontLocked::default(),
             }),
             front,
-        })
+            mirror: Mirror::default(),
+        };
+        // Fills the mirror (Note [Reserved mirror]).
+        drop(alloc.lock());
+        Ok(alloc)
+    }
+
+    /// Takes the allocator's one lock.
+    #[inline]
+    fn lock(&self) -> Guard<'_> {
+        Guard {
+            guard: self.state.lock(),
+            mirror: &self.mirror,
+        }
     }
 
     /// The backend.
@@ -142,7 +205,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
 
     /// A copy of the configuration in force.
     pub fn config(&self) -> AllocatorConfig {
-        self.state.lock().config.clone()
+        self.lock().config.clone()
     }
 
     /// Allocates `size` bytes for use on `stream`. A request of 0 bytes returns a null pointer and
@@ -166,7 +229,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// hit path keeps a small frame.
     #[inline(never)]
     fn allocate_locked(&self, size: usize, stream: StreamId) -> Result<Allocation> {
-        let mut guard = self.state.lock();
+        let mut guard = self.lock();
         let Locked { st, front: fl } = &mut *guard;
         let r = match &self.front {
             Some(front) => front.alloc_locked(st, fl, &self.backend, size, stream),
@@ -205,7 +268,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// so that the fast path keeps a small frame.
     #[inline(never)]
     fn free_locked(&self, ptr: DeviceAddr) -> Result<()> {
-        let mut guard = self.state.lock();
+        let mut guard = self.lock();
         let Locked { st, front: fl } = &mut *guard;
         let r = match &self.front {
             Some(front) => front.free_locked(st, fl, &self.backend, ptr),
@@ -225,7 +288,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// # Errors
     /// The pointer errors of [`free`](Self::free).
     pub fn record_stream(&self, ptr: DeviceAddr, stream: StreamId) -> Result<()> {
-        let mut guard = self.state.lock();
+        let mut guard = self.lock();
         let Locked { st, front: fl } = &mut *guard;
         match &self.front {
             Some(front) => front.record_stream_locked(st, fl, ptr, stream),
@@ -242,7 +305,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     ///
     /// `release` runs under the cache's lock: it must not call back into this allocator.
     pub fn forget_stream(&self, stream: StreamId, release: impl FnOnce() -> bool) -> bool {
-        let mut guard = self.state.lock();
+        let mut guard = self.lock();
         let st = &mut guard.st;
         if st.stream_referenced(stream) || !release() {
             return false;
@@ -259,7 +322,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// [`AllocError::CaptureUnderway`] while a graph capture is underway (nothing changes);
     /// [`AllocError::Backend`] if a device call failed; what was released before stays released.
     pub fn empty_cache(&self) -> Result<()> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         if st.capture_underway() {
             return Err(AllocError::CaptureUnderway {
                 operation: "empty_cache",
@@ -286,7 +349,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// [`AllocError::InvalidPool`] for the default pool `(0, 0)`, or for a pool that was released
     /// and still holds memory (call [`empty_cache`](Self::empty_cache) first).
     pub fn create_pool(&self, pool: MemPoolId) -> Result<()> {
-        self.state.lock().create_or_incref_pool(pool).map(|_| ())
+        self.lock().create_or_incref_pool(pool).map(|_| ())
     }
 
     /// PyTorch's `beginAllocateToPool`: adds one use to private pool `pool` (making it if new)
@@ -325,7 +388,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
         filter: Option<PoolFilter>,
         capture: Option<u64>,
     ) -> Result<()> {
-        let mut guard = self.state.lock();
+        let mut guard = self.lock();
         guard.begin_allocate_to_pool(pool, filter, capture)?;
         if let Some(front) = &self.front {
             front.set_routing(true);
@@ -342,7 +405,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// [`AllocError::Backend`] when recording a deferred stream event failed (the routing ended
     /// all the same).
     pub fn end_allocate_to_pool(&self, pool: MemPoolId) -> Result<()> {
-        let mut guard = self.state.lock();
+        let mut guard = self.lock();
         let r = guard.end_allocate_to_pool(&self.backend, pool);
         if let Some(front) = &self.front {
             front.set_routing(guard.capture_underway());
@@ -360,19 +423,19 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// [`AllocError::InvalidPool`] for an unknown pool, one still being routed to, or one whose
     /// uses were all given back already.
     pub fn release_pool(&self, pool: MemPoolId) -> Result<()> {
-        self.state.lock().release_pool(pool)
+        self.lock().release_pool(pool)
     }
 
     /// The use count of private pool `pool` (`None` when there is no such pool: never made, or
     /// released and emptied).
     pub fn pool_use_count(&self, pool: MemPoolId) -> Option<u32> {
-        self.state.lock().graph.use_count(pool)
+        self.lock().graph.use_count(pool)
     }
 
     /// Whether a graph capture is underway: some routing to a private pool is active
     /// (PyTorch: `captures_underway` is not empty).
     pub fn capture_underway(&self) -> bool {
-        self.state.lock().capture_underway()
+        self.lock().capture_underway()
     }
 
     /// Caps the bytes this allocator reserves at `fraction × device total` (1.0 lifts the cap).
@@ -384,7 +447,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
         if !(0.0..=1.0).contains(&fraction) {
             return Err(AllocError::InvalidFraction(fraction));
         }
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         if let Some(h) = &mut st.history {
             h.op(TraceOp::SetFraction { fraction });
         }
@@ -394,14 +457,14 @@ impl<B: DeviceBackend> CachingAllocator<B> {
 
     /// The memory fraction in force.
     pub fn memory_fraction(&self) -> f64 {
-        self.state.lock().config.per_process_memory_fraction
+        self.lock().config.per_process_memory_fraction
     }
 
     /// A copy of all statistics. With the fast path on, the per-thread counters are summed in:
     /// a block in a front cache counts as freed (see `benches/README.md` for the exact meaning
     /// of each counter then).
     pub fn memory_stats(&self) -> MemoryStats {
-        let mut guard = self.state.lock();
+        let mut guard = self.lock();
         let Locked { st, front: fl } = &mut *guard;
         match &self.front {
             Some(front) => front.stats(st, fl),
@@ -413,7 +476,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// and one counter read, without the copy of every statistic that
     /// [`memory_stats`](Self::memory_stats) makes. Front caches never change it.
     pub fn memory_reserved(&self) -> i64 {
-        self.state.lock().st.stats.memory_reserved()
+        self.lock().st.stats.memory_reserved()
     }
 
     /// Bytes handed out now (PyTorch's `torch.cuda.memory_allocated()`). Without the fast path
@@ -423,23 +486,22 @@ impl<B: DeviceBackend> CachingAllocator<B> {
         if self.front.is_some() {
             return self.memory_stats().memory_allocated();
         }
-        self.state.lock().st.stats.memory_allocated()
+        self.lock().st.stats.memory_allocated()
     }
 
-    /// Reserved bytes and device segments now, read under one lock (the replay loop's check for
-    /// a new peak after each allocation).
+    /// Reserved bytes and device segments now, without the lock (Note [Reserved mirror]; the
+    /// replay loop's check for a new peak after each allocation).
+    #[inline]
     pub(crate) fn reserved_and_segments(&self) -> (i64, i64) {
-        let guard = self.state.lock();
-        let stats = &guard.st.stats;
         (
-            stats.memory_reserved(),
-            stats.segment.get(crate::stats::StatType::All).current,
+            self.mirror.reserved.load(Ordering::Relaxed),
+            self.mirror.segments.load(Ordering::Relaxed),
         )
     }
 
     /// `reset_peak_memory_stats`.
     pub fn reset_peak_stats(&self) {
-        let mut guard = self.state.lock();
+        let mut guard = self.lock();
         let Locked { st, front: fl } = &mut *guard;
         match &self.front {
             Some(front) => front.reset_peak(st, fl),
@@ -450,7 +512,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// `reset_accumulated_memory_stats` (also resets
     /// [`cross_stream_handovers`](Self::cross_stream_handovers)).
     pub fn reset_accumulated_stats(&self) {
-        let mut guard = self.state.lock();
+        let mut guard = self.lock();
         let Locked { st, front: fl } = &mut *guard;
         st.cross_stream_handovers = 0;
         match &self.front {
@@ -464,7 +526,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// accumulated statistics were last reset. Not one of PyTorch's `memory_stats()` keys
     /// (PyTorch has no such policy); always 0 with the option off.
     pub fn cross_stream_handovers(&self) -> u64 {
-        self.state.lock().cross_stream_handovers
+        self.lock().cross_stream_handovers
     }
 
     /// Gives every block held in the per-thread front caches back to the core (where it merges
@@ -474,7 +536,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     pub fn flush_thread_caches(&self) -> usize {
         match &self.front {
             Some(front) => {
-                let mut guard = self.state.lock();
+                let mut guard = self.lock();
                 let Locked { st, front: fl } = &mut *guard;
                 front.flush(st, fl, &self.backend)
             }
@@ -499,7 +561,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// `1 − largest free/total free`. Costs one walk over the blocks. With the fast path on, the
     /// per-thread front caches are flushed first (their blocks would count as allocated).
     pub fn fragmentation(&self) -> FragmentationReport {
-        let mut guard = self.state.lock();
+        let mut guard = self.lock();
         if let Some(front) = &self.front {
             let Locked { st, front: fl } = &mut *guard;
             front.flush(st, fl, &self.backend);
@@ -515,7 +577,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
 
     /// The segments and their blocks, in address order (PyTorch's `memory_snapshot()`).
     pub fn snapshot(&self) -> Vec<SegmentSnapshot> {
-        let guard = self.state.lock();
+        let guard = self.lock();
         let mut segments = snapshot::take(&guard.st);
         if let Some(front) = &self.front {
             front.annotate(&guard.front, &mut segments);
@@ -527,7 +589,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// oldest are dropped when it is full), discarding any earlier recording. Recording is off by
     /// default and costs one branch per operation while off.
     pub fn record_history(&self, capacity: usize) {
-        let mut guard = self.state.lock();
+        let mut guard = self.lock();
         let Locked { st, front: fl } = &mut *guard;
         if let Some(front) = &self.front {
             front.set_history(st, fl, &self.backend, true);
@@ -537,7 +599,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
 
     /// Stops recording and discards the history.
     pub fn stop_history(&self) {
-        let mut guard = self.state.lock();
+        let mut guard = self.lock();
         let Locked { st, front: fl } = &mut *guard;
         if let Some(front) = &self.front {
             front.set_history(st, fl, &self.backend, false);
@@ -548,7 +610,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// The recorded history as a trace (empty when not recording), and the number of events
     /// dropped from the ring so far. Frees whose allocation was dropped are left out.
     pub fn history(&self) -> (Trace, u64) {
-        match &self.state.lock().history {
+        match &self.lock().history {
             Some(h) => (h.to_trace(), h.dropped),
             None => (Trace::new(TraceSource::Recorded), 0),
         }
@@ -560,7 +622,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// # Errors
     /// The first [`InvariantViolation`] found, naming the invariant.
     pub fn check_invariants(&self) -> std::result::Result<(), InvariantViolation> {
-        let mut guard = self.state.lock();
+        let mut guard = self.lock();
         let Locked { st, front: fl } = &mut *guard;
         invariants::check(st)?;
         match &self.front {

@@ -136,13 +136,17 @@ pub(crate) struct Local {
     index: AddrMap<u32>,
     /// A direct-mapped subset of `index` (the blocks registered or taken last), checked first.
     recent: [Option<(u64, u32)>; RECENT],
-    slots: Box<[Slot]>,
+    slots: Box<[Slot; SLOTS]>,
     /// One bit per slot holding cached blocks.
     occupied: [u64; SLOTS / 64],
     bounds: Bounds,
     pub(crate) cached_bytes: usize,
     pub(crate) cached_count: usize,
     pub(crate) live_count: usize,
+    /// The delta's `current` values (`3 * quantity + pool`): a copy of what the shared counters
+    /// give, kept by their only writer (this thread) as it writes them, so that a hit reads
+    /// no atomics for its peak candidates.
+    cur: [i64; 9],
     /// The largest `cur` values since the last synchronisation.
     pub(crate) hi: [i64; 9],
     /// The user-view values at the last synchronisation, less `cur` then: `base + hi` is the
@@ -173,12 +177,13 @@ impl Local {
             vacant: Vec::new(),
             index: AddrMap::default(),
             recent: [None; RECENT],
-            slots: vec![EMPTY_SLOT; SLOTS].into_boxed_slice(),
+            slots: Box::new([EMPTY_SLOT; SLOTS]),
             occupied: [0; SLOTS / 64],
             bounds,
             cached_bytes: 0,
             cached_count: 0,
             live_count: 0,
+            cur: [0; 9],
             hi: [0; 9],
             base: Five::default(),
             epoch: 0,
@@ -210,11 +215,34 @@ impl Local {
             .map(|c| &c.0[i as usize % CHUNK])
     }
 
-    /// The delta's `current` values (`3 * quantity + pool`), from the shared counters (this
-    /// thread is their only writer).
+    /// The delta's `current` values (`3 * quantity + pool`): what the shared counters give
+    /// (this thread is their only writer; see [`cur`](Self::cur)'s field).
     #[inline(always)]
     pub(crate) fn cur(&self) -> [i64; 9] {
-        self.shared.counters.currents()
+        self.cur
+    }
+
+    /// Counts `v = [count, bytes, requested]` as allocated in pool `p` (1 small, 2 large): in
+    /// the shared counters and in [`cur`](Self::cur).
+    #[inline(always)]
+    fn count_allocated(&mut self, p: usize, v: [i64; 3]) {
+        self.shared.counters.hit(p, v);
+        let p = p % 3;
+        for (q, &x) in v.iter().enumerate() {
+            self.cur[3 * q] += x;
+            self.cur[3 * q + p] += x;
+        }
+    }
+
+    /// Counts `v` as freed in pool `p`: in the shared counters and in [`cur`](Self::cur).
+    #[inline(always)]
+    fn count_freed(&mut self, p: usize, v: [i64; 3]) {
+        self.shared.counters.cache(p, v);
+        let p = p % 3;
+        for (q, &x) in v.iter().enumerate() {
+            self.cur[3 * q] -= x;
+            self.cur[3 * q + p] -= x;
+        }
     }
 
     /// Updates slot `s`'s bit in [`occupied`](Self::occupied).
@@ -274,10 +302,9 @@ impl Local {
         self.window_hits = self.window_hits.wrapping_add(1);
         let p = pool_index(kind);
         let v = [1, bs as i64, req as i64];
-        self.shared.counters.hit(p, v);
+        self.count_allocated(p, v);
         // The peak candidates: a store only when a value passes its high-water mark.
-        let cur = self.cur();
-        for (h, c) in self.hi.iter_mut().zip(cur) {
+        for (h, &c) in self.hi.iter_mut().zip(&self.cur) {
             if c > *h {
                 *h = c;
             }
@@ -308,8 +335,13 @@ impl Local {
         if m.ptr != ptr {
             return Give::Slow;
         }
-        let (bs, rounded, stream, kind, home) =
-            (m.block_size, m.rounded, m.stream, m.kind, m.home as usize);
+        let (bs, rounded, stream, kind, home) = (
+            m.block_size,
+            m.rounded,
+            m.stream,
+            m.kind,
+            m.home as usize % SLOTS,
+        );
         let Some(d) = self
             .chunks
             .get(i as usize / CHUNK)
@@ -370,7 +402,7 @@ impl Local {
         self.dirty = true;
         let p = pool_index(kind);
         let v = [1, bs as i64, req as i64];
-        self.shared.counters.cache(p, v);
+        self.count_freed(p, v);
         Give::Cached
     }
 
@@ -543,7 +575,7 @@ impl Local {
         let d = self.desc(i)?;
         d.transition(CACHED, VACANT).ok()?;
         let v = d.view();
-        self.shared.counters.retire(v.kind, v.contribution(CACHED));
+        self.count_freed(pool_index(v.kind), v.contribution(CACHED));
         self.retired = true;
         self.cached_count -= 1;
         self.cached_bytes -= v.block_size;
@@ -557,7 +589,7 @@ impl Local {
         let d = self.desc(i).ok_or(VACANT)?;
         d.transition(LIVE, VACANT)?;
         let v = d.view();
-        self.shared.counters.retire(v.kind, v.contribution(LIVE));
+        self.count_freed(pool_index(v.kind), v.contribution(LIVE));
         self.retired = true;
         self.live_count -= 1;
         self.forget(i, v.ptr);
@@ -650,7 +682,7 @@ impl Local {
             } else {
                 self.live_count -= 1;
             }
-            self.shared.counters.retire(t.kind, t.contribution);
+            self.count_freed(pool_index(t.kind), t.contribution);
             self.retired = true;
             f(t);
             if let Some(d) = self.desc(i) {
@@ -673,6 +705,13 @@ impl Local {
     /// record; the index and the recent-address cache hold exactly the managed blocks under their
     /// own addresses; the counters match. Call after [`process_taken`](Self::process_taken).
     pub(crate) fn check(&self) -> Result<(), String> {
+        if self.cur != self.shared.counters.currents() {
+            return Err(format!(
+                "the owner's copy of the delta's current values {:?} is not the counters' {:?}",
+                self.cur,
+                self.shared.counters.currents()
+            ));
+        }
         let mut binned = vec![false; self.meta.len()];
         let (mut cached, mut cached_bytes) = (0usize, 0usize);
         for slot in self.slots.iter() {

@@ -224,12 +224,6 @@ impl Counters {
         self.update(p, 1, v);
     }
 
-    /// A block leaves the cache for the core (owner only): its contribution `c` moves from
-    /// `current` to `freed`.
-    pub(crate) fn retire(&self, kind: PoolKind, c: [i64; 3]) {
-        self.cache(pool_index(kind), c);
-    }
-
     /// The twelve counters as they were at one instant between two updates (any thread: see
     /// Note [Consistent counter reads]).
     pub(crate) fn snapshot(&self) -> [i64; 12] {
@@ -280,9 +274,9 @@ impl Counters {
     }
 
     /// The `current` values (`3 * quantity + pool`, pool 0 = `all`), for the owner (the only
-    /// writer, so its plain loads see its own last update whole); other threads use
+    /// writer, so its plain loads see its own last update whole; it keeps a copy of them as it
+    /// writes, which the invariant checker compares with this); other threads use
     /// [`delta`](Self::delta).
-    #[inline(always)]
     pub(crate) fn currents(&self) -> [i64; 9] {
         let mut c = [0; 9];
         for q in 0..3 {

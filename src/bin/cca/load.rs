@@ -293,9 +293,6 @@ pub(crate) fn replay_timed<B: DeviceBackend>(
         ..ReplayOptions::default()
     };
     let total = trace.events.len();
-    let every = total.checked_div(points).map_or(usize::MAX, |e| e.max(1));
-    let mut timeline = Vec::new();
-    let mut bucket = (0u64, 0u64);
     let started = Instant::now();
     let bar = ProgressBar::with_draw_target(Some(total as u64), ProgressDrawTarget::hidden());
     bar.set_style(
@@ -304,30 +301,72 @@ pub(crate) fn replay_timed<B: DeviceBackend>(
             .progress_chars("=> "),
     );
     bar.set_prefix(label.to_string());
-    let mut shown = false;
+    let mut progress = Progress {
+        bar,
+        started,
+        shown: false,
+    };
+    let mut timeline = Timeline {
+        every: total.checked_div(points).map_or(usize::MAX, |e| e.max(1)),
+        total,
+        bucket: (0, 0),
+        points: Vec::new(),
+    };
+    // The observer runs after every event: its common case is two tests, the work is out of line.
     let report = replay_observed(alloc, trace, &opts, hint, &mut |i, _live, alloc| {
         if points > 0 {
-            let (a, r) = (
-                alloc.memory_allocated().max(0) as u64,
-                alloc.memory_reserved().max(0) as u64,
-            );
-            bucket = (bucket.0.max(a), bucket.1.max(r));
-            if (i + 1) % every == 0 || i + 1 == total {
-                timeline.push((i, bucket.0, bucket.1));
-                bucket = (0, 0);
-            }
+            timeline.observe(i, alloc);
         }
         if i % 4096 == 0 {
-            if !shown && !quiet() && started.elapsed() > Duration::from_secs(1) {
-                bar.set_draw_target(ProgressDrawTarget::stderr());
-                shown = true;
-            }
-            bar.set_position(i as u64);
+            progress.tick(i);
         }
     })?;
     let wall = started.elapsed();
-    bar.finish_and_clear();
+    progress.bar.finish_and_clear();
+    let timeline = timeline.points;
     Ok((report, timeline, wall))
+}
+
+/// The progress bar of [`replay_timed`], drawn once the run has lasted a second.
+struct Progress {
+    bar: ProgressBar,
+    started: Instant,
+    shown: bool,
+}
+
+impl Progress {
+    #[inline(never)]
+    fn tick(&mut self, i: usize) {
+        if !self.shown && !quiet() && self.started.elapsed() > Duration::from_secs(1) {
+            self.bar.set_draw_target(ProgressDrawTarget::stderr());
+            self.shown = true;
+        }
+        self.bar.set_position(i as u64);
+    }
+}
+
+/// The timeline of [`replay_timed`]: a point per `every` events, each the maximum of allocated
+/// and reserved bytes over its bucket.
+struct Timeline {
+    every: usize,
+    total: usize,
+    bucket: (u64, u64),
+    points: Vec<(usize, u64, u64)>,
+}
+
+impl Timeline {
+    #[inline(never)]
+    fn observe<B: DeviceBackend>(&mut self, i: usize, alloc: &CachingAllocator<B>) {
+        let (a, r) = (
+            alloc.memory_allocated().max(0) as u64,
+            alloc.memory_reserved().max(0) as u64,
+        );
+        self.bucket = (self.bucket.0.max(a), self.bucket.1.max(r));
+        if (i + 1) % self.every == 0 || i + 1 == self.total {
+            self.points.push((i, self.bucket.0, self.bucket.1));
+            self.bucket = (0, 0);
+        }
+    }
 }
 
 /// `cca convert`.

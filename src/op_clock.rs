@@ -1,0 +1,189 @@
+//! A cheap clock for timing single host operations (the replay's host time per allocation and
+//! free), and an exact, allocation-light record of the times it measured.
+//!
+//! Note [Op clock]: `Instant::now` is a `clock_gettime` call, 20–35 ns each on the machines we
+//! measure on, and the replay read it twice per operation: more than the operations it timed
+//! (a cached pair takes about 60 ns). On x86-64 the clock reads the time-stamp counter instead
+//! (`RDTSC`, one instruction, no system call): its ticks are converted to nanoseconds at the end
+//! with the rate measured over the whole run against `Instant` (modern processors' counters tick
+//! at a constant rate, whatever the core's frequency; Linux uses them as its own clock source).
+//! Elsewhere a tick is a nanosecond of `Instant`. The times of a run stay exact per operation;
+//! only the clock that reads them changed.
+//!
+//! May use: nothing internal.
+
+use std::time::Instant;
+
+/// Times below this many ticks are counted in a table (one counter each); longer ones are kept
+/// one by one. With ticks near a nanosecond the table covers several microseconds: everything
+/// but the rare slow operations (even under valgrind), so a run's record is the table's touched
+/// pages plus its outliers.
+const TABLE: usize = 1 << 14;
+
+/// A clock for single operations: [`ticks`](Self::ticks), and the nanoseconds per tick over
+/// the run (see Note [Op clock]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct OpClock {
+    start: Instant,
+    start_ticks: u64,
+}
+
+impl OpClock {
+    /// A clock started now.
+    pub(crate) fn start() -> Self {
+        let start = Instant::now();
+        let mut c = OpClock {
+            start,
+            start_ticks: 0,
+        };
+        c.start_ticks = c.ticks();
+        c
+    }
+
+    /// The time now, in ticks.
+    #[inline(always)]
+    pub(crate) fn ticks(&self) -> u64 {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let _ = self;
+            // SAFETY: RDTSC only copies the time-stamp counter into two registers: it reads
+            // and writes no memory and has no precondition, and every x86-64 processor has it
+            // (the intrinsic is `unsafe` as every `core::arch` function is).
+            unsafe { core::arch::x86_64::_rdtsc() }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self.start.elapsed().as_nanos() as u64
+        }
+    }
+
+    /// Nanoseconds per tick, measured from the clock's start to now (1 where a tick is a
+    /// nanosecond; 0 when no tick has passed).
+    pub(crate) fn ns_per_tick(&self) -> f64 {
+        let ns = self.start.elapsed().as_nanos() as f64;
+        let ticks = self.ticks().saturating_sub(self.start_ticks);
+        if cfg!(target_arch = "x86_64") {
+            if ticks == 0 { 0.0 } else { ns / ticks as f64 }
+        } else {
+            1.0
+        }
+    }
+}
+
+/// The times of a run's operations, in ticks: a count per short time, and the long ones as they
+/// came. Percentiles come out exactly as from the sorted list of every time.
+#[derive(Debug, Default)]
+pub(crate) struct OpTimes {
+    /// `short[t]`: operations that took `t` ticks (`t < TABLE`).
+    short: Vec<u64>,
+    /// Times of `TABLE` ticks or more.
+    long: Vec<u64>,
+    count: u64,
+    sum: u64,
+    max: u64,
+}
+
+/// Mean, median, 99th percentile and maximum of a run's times, in nanoseconds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct OpSummary {
+    pub(crate) mean_ns: f64,
+    pub(crate) p50_ns: u64,
+    pub(crate) p99_ns: u64,
+    pub(crate) max_ns: u64,
+}
+
+impl OpTimes {
+    /// An empty record with its table of short times (128 KiB of zeroed memory, touched only
+    /// where times fall).
+    pub(crate) fn new() -> Self {
+        OpTimes {
+            short: vec![0; TABLE],
+            ..OpTimes::default()
+        }
+    }
+
+    /// Records one operation that took `ticks`.
+    #[inline]
+    pub(crate) fn push(&mut self, ticks: u64) {
+        self.count += 1;
+        self.sum = self.sum.saturating_add(ticks);
+        self.max = self.max.max(ticks);
+        match self.short.get_mut(ticks as usize) {
+            Some(n) => *n += 1,
+            None => self.long.push(ticks),
+        }
+    }
+
+    /// The time of rank `k` (from 0) in ascending order, in ticks.
+    fn rank(&mut self, k: u64) -> u64 {
+        let mut below = 0u64;
+        let seen = self.short.len().min((self.max as usize).saturating_add(1));
+        for (t, &n) in self.short.iter().take(seen).enumerate() {
+            below += n;
+            if k < below {
+                return t as u64;
+            }
+        }
+        let k = (k - below) as usize;
+        if k < self.long.len() {
+            *self.long.select_nth_unstable(k).1
+        } else {
+            self.max
+        }
+    }
+
+    /// The summary in nanoseconds, `ns_per_tick` converting (see [`OpClock::ns_per_tick`]);
+    /// `None` when nothing was recorded.
+    pub(crate) fn summary(&mut self, ns_per_tick: f64) -> Option<OpSummary> {
+        if self.count == 0 {
+            return None;
+        }
+        let ns = |t: u64| (t as f64 * ns_per_tick).round() as u64;
+        let last = self.count - 1;
+        let pct = |p: f64| (last as f64 * p).round() as u64;
+        let (k50, k99) = (pct(0.5), pct(0.99));
+        Some(OpSummary {
+            mean_ns: self.sum as f64 / self.count as f64 * ns_per_tick,
+            p50_ns: ns(self.rank(k50)),
+            p99_ns: ns(self.rank(k99)),
+            max_ns: ns(self.max),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_are_those_of_the_sorted_times() {
+        let mut all: Vec<u64> = (0..10_000u64)
+            .map(|i| (i * 7919) % 5003 + if i % 97 == 0 { 100_000 + i } else { 0 })
+            .collect();
+        let mut t = OpTimes::new();
+        for &x in &all {
+            t.push(x);
+        }
+        let s = t.summary(1.0).unwrap();
+        all.sort_unstable();
+        let last = all.len() - 1;
+        let at = |p: f64| all[(last as f64 * p).round() as usize];
+        assert_eq!(s.p50_ns, at(0.5));
+        assert_eq!(s.p99_ns, at(0.99));
+        assert_eq!(s.max_ns, *all.last().unwrap());
+        let mean = all.iter().sum::<u64>() as f64 / all.len() as f64;
+        assert!((s.mean_ns - mean).abs() < 1e-6);
+        assert_eq!(OpTimes::default().summary(1.0), None);
+    }
+
+    #[test]
+    fn the_clock_runs_forward() {
+        let c = OpClock::start();
+        let a = c.ticks();
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        let b = c.ticks();
+        assert!(b > a);
+        let r = c.ns_per_tick();
+        assert!(r > 0.0 && r.is_finite(), "{r}");
+    }
+}
