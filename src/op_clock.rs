@@ -78,7 +78,6 @@ pub(crate) struct OpTimes {
     short: Vec<u64>,
     /// Times of `TABLE` ticks or more.
     long: Vec<u64>,
-    count: u64,
     sum: u64,
     max: u64,
 }
@@ -105,7 +104,6 @@ impl OpTimes {
     /// Records one operation that took `ticks`.
     #[inline]
     pub(crate) fn push(&mut self, ticks: u64) {
-        self.count += 1;
         self.sum = self.sum.saturating_add(ticks);
         self.max = self.max.max(ticks);
         match self.short.get_mut(ticks as usize) {
@@ -135,15 +133,16 @@ impl OpTimes {
     /// The summary in nanoseconds, `ns_per_tick` converting (see [`OpClock::ns_per_tick`]);
     /// `None` when nothing was recorded.
     pub(crate) fn summary(&mut self, ns_per_tick: f64) -> Option<OpSummary> {
-        if self.count == 0 {
+        let count = self.short.iter().sum::<u64>() + self.long.len() as u64;
+        if count == 0 {
             return None;
         }
         let ns = |t: u64| (t as f64 * ns_per_tick).round() as u64;
-        let last = self.count - 1;
+        let last = count - 1;
         let pct = |p: f64| (last as f64 * p).round() as u64;
         let (k50, k99) = (pct(0.5), pct(0.99));
         Some(OpSummary {
-            mean_ns: self.sum as f64 / self.count as f64 * ns_per_tick,
+            mean_ns: self.sum as f64 / count as f64 * ns_per_tick,
             p50_ns: ns(self.rank(k50)),
             p99_ns: ns(self.rank(k99)),
             max_ns: ns(self.max),

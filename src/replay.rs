@@ -377,7 +377,9 @@ fn replay_loop<B: DeviceBackend>(
 }
 
 /// Raises the segment peak, and at a new reserved peak takes the statistics and the
-/// fragmentation report (Note [Lean replay loop]).
+/// fragmentation report (Note [Lean replay loop]; the common case is two atomic loads and two
+/// comparisons, in line).
+#[inline(always)]
 fn note_peak<B: DeviceBackend>(
     alloc: &CachingAllocator<B>,
     report: &mut ReplayReport,
@@ -388,9 +390,16 @@ fn note_peak<B: DeviceBackend>(
     *peak_segments = (*peak_segments).max(segments);
     if reserved > *peak_reserved {
         *peak_reserved = reserved;
-        report.stats_at_peak = alloc.memory_stats();
-        report.fragmentation_at_peak = alloc.fragmentation();
+        take_peak(alloc, report);
     }
+}
+
+/// The statistics and the fragmentation report at a new reserved peak.
+#[cold]
+#[inline(never)]
+fn take_peak<B: DeviceBackend>(alloc: &CachingAllocator<B>, report: &mut ReplayReport) {
+    report.stats_at_peak = alloc.memory_stats();
+    report.fragmentation_at_peak = alloc.fragmentation();
 }
 
 /// The live allocations of a replay by trace id: `(address, requested size)`.
