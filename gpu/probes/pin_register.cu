@@ -1,7 +1,7 @@
 // Driver probe for #16: is memory pinned by cuMemHostRegister as fast to copy from as memory
 // from cuMemHostAlloc, and what does each cost? vmm_alias_host.cu found registration 4-6x
 // cheaper than cuMemHostAlloc but htod 46.5 against 54.3 GB/s from 4 KiB pages; this one compares,
-// per size, cuMemHostAlloc(PORTABLE) against registration over anonymous memory with 4 KiB pages
+// per size (2 MiB to 1 GiB), cuMemHostAlloc(PORTABLE) against registration over anonymous memory with 4 KiB pages
 // (MADV_NOHUGEPAGE) and with transparent huge pages (MADV_HUGEPAGE, 2 MiB aligned), touched by
 // 1 or 8 threads. Copies are 64 MiB (or the size, if smaller), checked, 10 each way.
 // Build: nvcc -O2 -o pin_register pin_register.cu -lcuda -lpthread
@@ -74,7 +74,7 @@ int main() {
   char buf[256] = "?";
   if (f) { if (!fgets(buf, sizeof buf, f)) buf[0] = 0; fclose(f); }
   printf("transparent_hugepage/enabled: %s", buf);
-  for (size_t mb : {2, 64, 1024}) {
+  for (size_t mb : {2, 4, 8, 16, 32, 64, 1024}) {
     size_t n = mb * MB;
     {
       void* p = nullptr;
