@@ -160,7 +160,7 @@ impl PinnedAllocator {
 
     /// Like [`new`](Self::new), pinning slabs with `method` ([`PinMethod`]: `cuMemHostAlloc`, or
     /// `cuMemHostRegister` over memory touched by several threads, the default for slabs of
-    /// 64 MiB and more).
+    /// 4 MiB and more).
     ///
     /// # Errors
     /// As [`new`](Self::new).
