@@ -9,7 +9,7 @@
 //!   first, unregistered with `cuMemHostUnregister` and unmapped. Measured on the H100 host
 //!   (`gpu/probes/pin_register.cu`, `docs/pinned.md`): 3.4 ms against 33.7 ms for 64 MiB and 58 ms
 //!   against 489 ms for 1 GiB, unpinning 1.6 ms against 10.2 ms and 21 ms against 103 ms, copies
-//!   at the same bandwidth; from 4 to 32 MiB 1.7–6.7 × faster in a second run; at 2 MiB not
+//!   at the same bandwidth; from 4 to 32 MiB 1.8–6.7 × faster in a second run; at 2 MiB not
 //!   settled (no faster in one run, copies from it slower in another).
 //!
 //! The default registers slabs of 4 MiB and more and allocates smaller ones (and any slab whose
@@ -60,7 +60,7 @@ pub enum PinMethod {
 
 impl Default for PinMethod {
     /// `Register { min_size: 4 MiB, touch_threads: 8 }`: the sizes where registration measured
-    /// 1.7–16 × faster than `cuMemHostAlloc` on the H100 host at the same copy bandwidth, with
+    /// 1.8–16 × faster than `cuMemHostAlloc` on the H100 host at the same copy bandwidth, with
     /// the thread count measured (2 MiB slabs, where the measurements disagree, keep
     /// `cuMemHostAlloc`).
     fn default() -> Self {
