@@ -42,6 +42,7 @@ ALLOCATORS = [
 EXTRA_ALLOCATORS = [
     ("cca-default-20m", {}, "cca_preset:default,cca_large_page_size_mb:20"),
     ("cca-lean-fast", {}, "cca_preset:lean-fast"),
+    ("cca-no-lending", {}, "cca_preset:default,cca_page_lending:False"),
 ]
 
 
@@ -370,7 +371,7 @@ def main():
     p.add_argument("--timeout", type=int, default=400)
     p.add_argument("--allocators", nargs="*", default=None,
                    help="labels to run beside native (default: the four of ALLOCATORS; also "
-                        "cca-default-20m, cca-lean-fast)")
+                        "cca-default-20m, cca-lean-fast, cca-no-lending)")
     p.add_argument("--reps", type=int, default=int(os.environ.get("CCA_CLIENT_REPS", "1")),
                    help="interleaved repeats of every allocator (default 1, or $CCA_CLIENT_REPS)")
     p.add_argument("--json")

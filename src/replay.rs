@@ -87,6 +87,9 @@ pub struct ReplayReport {
     /// Cached segments handed from one stream to another (`cca_cross_stream_reuse`;
     /// [`CachingAllocator::cross_stream_handovers`] at the end).
     pub cross_stream_handovers: u64,
+    /// Runs of pending pages lent to a growth (`cca_page_lending`;
+    /// [`CachingAllocator::page_loans`] at the end).
+    pub page_loans: u64,
     /// Frees skipped because their allocation had failed.
     pub skipped_frees: usize,
     /// Host time per alloc/free, when measured.
@@ -364,6 +367,7 @@ fn replay_loop<B: DeviceBackend>(
     report.num_ooms = st.num_ooms as u64;
     report.num_alloc_retries = st.num_alloc_retries as u64;
     report.cross_stream_handovers = alloc.cross_stream_handovers();
+    report.page_loans = alloc.page_loans();
     report.final_stats = st;
     if let Some(c) = clock {
         report.latency = times.summary(c.ns_per_tick()).map(|t| LatencySummary {

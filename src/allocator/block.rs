@@ -49,6 +49,11 @@ pub(crate) struct Block {
     /// pages only once an event recorded on its stream at this clock or later has completed
     /// (Note [Page fences]).
     pub(crate) free_stamp: u64,
+    /// Unmapped, but its old mapping is still in place: the physical pages were lent to a
+    /// growth while queued work may still use them at this address. Neither free nor in the
+    /// pool's `unmapped` set, never merged; it becomes an ordinary unmapped block once a fence
+    /// shows that work complete and the old mapping is gone (Note [Lent pages]).
+    pub(crate) lent: bool,
 }
 
 impl Block {
@@ -69,6 +74,7 @@ impl Block {
             gc_count_base: 0,
             owner: 0,
             free_stamp: 0,
+            lent: false,
         }
     }
 

@@ -148,6 +148,7 @@ pub(crate) fn check(st: &State) -> Result<(), InvariantViolation> {
     check_no_adjacent_free(st)?;
     check_free_sets(st)?;
     check_unmapped_sets(st)?;
+    check_lent(st)?;
     check_pages(st)?;
     check_active_map(st)?;
     check_pending_events(st)?;
@@ -159,7 +160,7 @@ pub(crate) fn check(st: &State) -> Result<(), InvariantViolation> {
 fn is_free(st: &State, id: BlockId) -> bool {
     st.arena
         .get(id)
-        .is_some_and(|b| !b.allocated && b.event_count == 0 && b.stream_uses.is_empty())
+        .is_some_and(|b| !b.allocated && !b.lent && b.event_count == 0 && b.stream_uses.is_empty())
 }
 
 fn check_segments_tiled(st: &State) -> Result<(), InvariantViolation> {
@@ -338,11 +339,60 @@ fn check_unmapped_sets(st: &State) -> Result<(), InvariantViolation> {
             }
         }
     }
-    let unmapped = st.arena.iter().filter(|(_, b)| !b.mapped).count();
+    let unmapped = st
+        .arena
+        .iter()
+        .filter(|(_, b)| !b.mapped && !b.lent)
+        .count();
     if unmapped != entries {
         return Err(bad(format!(
             "{unmapped} unmapped blocks but {entries} unmapped-set entries"
         )));
+    }
+    Ok(())
+}
+
+/// Lent blocks (Note [Lent pages]) are exactly the blocks of the lent list, each once: unmapped,
+/// expandable, not allocated, with no pending event, and their old mappings lie inside them in
+/// address order.
+fn check_lent(st: &State) -> Result<(), InvariantViolation> {
+    let bad = |detail: String| InvariantViolation::FreeSetMismatch { detail };
+    let flagged = st.arena.iter().filter(|(_, b)| b.lent).count();
+    if flagged != st.lent.len() {
+        return Err(bad(format!(
+            "{flagged} lent blocks but {} lent-list entries",
+            st.lent.len()
+        )));
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for r in &st.lent {
+        let Some(b) = st.arena.get(r.block) else {
+            return Err(bad("lent-list entry for a dead block".into()));
+        };
+        if !seen.insert(r.block)
+            || !b.lent
+            || b.mapped
+            || !b.expandable
+            || b.allocated
+            || b.event_count > 0
+            || r.stream != b.stream
+        {
+            return Err(bad(format!(
+                "lent block {} is listed twice, mapped, allocated, pending or on another stream",
+                DeviceAddr(b.ptr)
+            )));
+        }
+        let mut at = b.ptr;
+        for &(va, bytes, _) in &r.maps {
+            if va < at || va + bytes as u64 > b.end() || bytes == 0 {
+                return Err(bad(format!(
+                    "lent block {}: old mapping {} + {bytes} out of order or outside it",
+                    DeviceAddr(b.ptr),
+                    DeviceAddr(va)
+                )));
+            }
+            at = va + bytes as u64;
+        }
     }
     Ok(())
 }

@@ -510,11 +510,13 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     }
 
     /// `reset_accumulated_memory_stats` (also resets
-    /// [`cross_stream_handovers`](Self::cross_stream_handovers)).
+    /// [`cross_stream_handovers`](Self::cross_stream_handovers) and
+    /// [`page_loans`](Self::page_loans)).
     pub fn reset_accumulated_stats(&self) {
         let mut guard = self.lock();
         let Locked { st, front: fl } = &mut *guard;
         st.cross_stream_handovers = 0;
+        st.page_loans = 0;
         match &self.front {
             Some(front) => front.reset_accumulated(st, fl),
             None => st.stats.reset_accumulated(),
@@ -527,6 +529,15 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// (PyTorch has no such policy); always 0 with the option off.
     pub fn cross_stream_handovers(&self) -> u64 {
         self.lock().cross_stream_handovers
+    }
+
+    /// How many runs of free pages whose queued work was still pending were lent to a growing
+    /// segment (`cca_page_lending`, Note [Lent pages] in `docs/algorithm.md`, step 23b: mapped
+    /// a second time, ordered by an event wait, unmapped at the old address once idle) since
+    /// the allocator was made or the accumulated statistics were last reset. Not one of
+    /// PyTorch's `memory_stats()` keys; always 0 with the option off.
+    pub fn page_loans(&self) -> u64 {
+        self.lock().page_loans
     }
 
     /// Gives every block held in the per-thread front caches back to the core (where it merges

@@ -10,6 +10,7 @@
 
 mod expandable;
 mod handover;
+mod lending;
 mod page_fence;
 mod private_pool;
 
@@ -95,6 +96,10 @@ pub(crate) struct State {
     pub(crate) graph: GraphPools,
     /// Page reuse's event fences and free-stamp clock (Note [Page fences]).
     pub(crate) fences: page_fence::PageFences,
+    /// Lent blocks whose old mappings are still in place, oldest first (Note [Lent pages]).
+    pub(crate) lent: Vec<lending::LentRange>,
+    /// Page runs lent (Note [Lent pages]) since the last reset of the accumulated statistics.
+    pub(crate) page_loans: u64,
 }
 
 impl State {
@@ -149,6 +154,8 @@ impl State {
             handover_events_unsupported: false,
             graph: GraphPools::default(),
             fences: page_fence::PageFences::default(),
+            lent: Vec::new(),
+            page_loans: 0,
         };
         s.apply_fraction(s.config.per_process_memory_fraction);
         s
@@ -613,9 +620,18 @@ impl State {
     fn try_merge_blocks(&mut self, dst: BlockId, src: Option<BlockId>) -> usize {
         let Some(src) = src else { return 0 };
         // Read what the merge needs without cloning the block (its `stream_uses` is a Vec).
-        let dst_mapped = self.block(dst).mapped;
+        let (dst_mapped, dst_lent) = {
+            let d = self.block(dst);
+            (d.mapped, d.lent)
+        };
         let s = self.block(src);
-        if s.allocated || s.event_count > 0 || !s.stream_uses.is_empty() || s.mapped != dst_mapped {
+        if s.allocated
+            || s.event_count > 0
+            || !s.stream_uses.is_empty()
+            || s.mapped != dst_mapped
+            || s.lent
+            || dst_lent
+        {
             return 0;
         }
         let (s_ptr, s_size, s_prev, s_next, s_stream, s_pool, s_mapped, s_stamp) = (
@@ -752,10 +768,9 @@ impl State {
     /// an event recorded on it is outstanding (see `CachingAllocator::forget_stream`).
     pub(crate) fn stream_referenced(&self, stream: StreamId) -> bool {
         self.pending_events.contains_key(&stream)
-            || self
-                .arena
-                .iter()
-                .any(|(_, b)| (b.mapped && b.stream == stream) || b.stream_uses.contains(&stream))
+            || self.arena.iter().any(|(_, b)| {
+                ((b.mapped || b.lent) && b.stream == stream) || b.stream_uses.contains(&stream)
+            })
     }
 
     /// Drops `stream` from the validated streams (the next allocation on it validates it again).
@@ -888,6 +903,8 @@ impl State {
         }
         self.insert_deferred_events(dev)?;
         self.synchronize_and_free_events(dev)?;
+        // Nothing may be released while mapped where it was lent from (Note [Lent pages]).
+        self.settle_lent(dev, true)?;
         let mut released = 0usize;
         for kind in [PoolKind::Large, PoolKind::Small] {
             let ids = self.releasable(kind);

@@ -60,6 +60,11 @@
 //!   stream T at a point that is itself ordered after unit k of S (transitively, over every
 //!   `stream_wait_event` so far). The new owner's work is queued after the hand-out, so this is
 //!   exactly "every use is complete or ordered before the new owner's work".
+//!
+//! The hand-out check also sees through aliases: a handle mapped at two address ranges at once
+//! (as lent pages are, Note [Lent pages] in the allocator) makes a use of one range a use of the
+//! same bytes in the other, for as long as both mappings are in place. (Unmapping one range
+//! takes nothing from the other, and a handle cannot be released while mapped anywhere.)
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -656,6 +661,36 @@ impl Inner {
 
     /// Logs a violation of `kind` for every incomplete use overlapping `[ptr, ptr + len)` that
     /// `allowed` does not excuse; returns how many.
+    /// The physical memory under `[va, va + len)`: (handle, first byte, end byte) of each
+    /// mapping overlapping it, clipped to it.
+    fn physical_pieces(&self, va: u64, len: usize) -> Vec<(u64, u64, u64)> {
+        let end = va.saturating_add(len as u64);
+        let first = self
+            .mappings
+            .range(..=va)
+            .next_back()
+            .map_or(va, |(&s, _)| s);
+        self.mappings
+            .range(first..end)
+            .filter_map(|(&s, &(size, h))| {
+                let (lo, hi) = (s.max(va), (s + size as u64).min(end));
+                (lo < hi).then_some((h, lo - s, hi - s))
+            })
+            .collect()
+    }
+
+    /// Whether `[a, a + a_len)` and `[b, b + b_len)` share physical memory through the current
+    /// mappings (a handle mapped at two ranges: Note [Queued uses], aliases).
+    fn aliases(&self, a: u64, a_len: usize, b: u64, b_len: usize) -> bool {
+        let pa = self.physical_pieces(a, a_len);
+        if pa.is_empty() {
+            return false;
+        }
+        let pb = self.physical_pieces(b, b_len);
+        pa.iter()
+            .any(|&(h, lo, hi)| pb.iter().any(|&(g, l2, h2)| g == h && lo < h2 && l2 < hi))
+    }
+
     fn check_range(
         &mut self,
         kind: SimViolationKind,
@@ -667,7 +702,13 @@ impl Inner {
         let found: Vec<SimViolation> = self
             .uses
             .iter()
-            .filter(|u| u.overlaps(ptr, len) && !allowed(u))
+            .filter(|u| {
+                // Unmapping or freeing one range takes nothing from an alias of it; handing a
+                // range out hands out every alias's bytes too.
+                let alias = matches!(kind, SimViolationKind::Handout { .. })
+                    && self.aliases(u.ptr.0, u.len, ptr, len);
+                (u.overlaps(ptr, len) || alias) && !allowed(u)
+            })
             .map(|&pending| SimViolation {
                 kind,
                 ptr: DeviceAddr(ptr),

@@ -204,6 +204,13 @@ pub struct AllocatorConfig {
     /// later). `false`: by synchronizing the page's stream first, as PyTorch does before it
     /// unmaps. Without page reuse it changes nothing.
     pub page_reuse_fence: bool,
+    /// Whether a growth may take free pages whose fence is still pending by *lending* them
+    /// (crate key `cca_page_lending`; needs `page_reuse_fence`): the page's physical memory is
+    /// mapped a second time where the growth needs it, the growing stream waits for an event
+    /// recorded on the page's stream (stream-ordered, no host wait), and the old mapping is
+    /// unmapped later, once a fence query shows its work complete. `false`: such pages stay
+    /// where they are and the growth creates new memory. See `docs/algorithm.md`, step 23b.
+    pub page_lending: bool,
     /// Whether the fraction cap counts only the physical bytes a growth really creates (crate key
     /// `cca_precise_cap`). PyTorch counts the whole segment size `get_allocation_size` gives,
     /// even when expandable segments map less or reuse pages.
@@ -274,6 +281,7 @@ impl AllocatorConfig {
             page_reuse: PageReuse::Off,
             page_reuse_slack: 0.0,
             page_reuse_fence: false,
+            page_lending: false,
             precise_fraction_cap: false,
             fast_path: false,
             cross_stream_reuse: false,
@@ -465,6 +473,9 @@ impl AllocatorConfig {
                 flag(self.page_reuse_fence)
             ));
         }
+        if self.page_lending != d.page_lending {
+            out.push(format!("cca_page_lending:{}", flag(self.page_lending)));
+        }
         if self.precise_fraction_cap != d.precise_fraction_cap {
             out.push(format!(
                 "cca_precise_cap:{}",
@@ -583,7 +594,8 @@ impl Default for AllocatorConfig {
     /// traces it reserves at most about 1.015 × the peak live bytes (PyTorch: 1.12–2.21×; PyTorch
     /// with expandable segments: 1.01–1.58×). As a configuration string:
     /// `expandable_segments:True,cca_large_page_size_mb:2,cca_page_reuse:device,`
-    /// `cca_page_reuse_slack:0.01,cca_page_reuse_fence:True,cca_precise_cap:True,cca_fast_path:True`. Page reuse is
+    /// `cca_page_reuse_slack:0.01,cca_page_reuse_fence:True,cca_page_lending:True,cca_precise_cap:True,`
+    /// `cca_fast_path:True`. Page reuse is
     /// fenced by events, so the default never synchronizes a stream or the device outside
     /// `empty_cache` and the out-of-memory path.
     ///
@@ -606,6 +618,7 @@ impl Default for AllocatorConfig {
             page_reuse: PageReuse::Device,
             page_reuse_slack: 0.01,
             page_reuse_fence: true,
+            page_lending: true,
             precise_fraction_cap: true,
             fast_path: true,
             ..AllocatorConfig::pytorch()
@@ -723,6 +736,13 @@ impl AllocatorConfigBuilder {
     /// synchronizations.
     pub fn page_reuse_fence(mut self, on: bool) -> Self {
         self.config.page_reuse_fence = on;
+        self
+    }
+
+    /// `cca_page_lending` (crate-specific): let a growth lend free pages whose fence is pending
+    /// (map them a second time, order by an event wait, unmap the old mapping later).
+    pub fn page_lending(mut self, on: bool) -> Self {
+        self.config.page_lending = on;
         self
     }
 

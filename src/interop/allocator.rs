@@ -390,6 +390,11 @@ impl CudaAllocator {
         self.inner.cross_stream_handovers()
     }
 
+    /// [`CachingAllocator::page_loans`].
+    pub fn page_loans(&self) -> u64 {
+        self.inner.page_loans()
+    }
+
     /// The CUDA backend.
     pub fn device(&self) -> &CudaDevice {
         self.inner.backend()

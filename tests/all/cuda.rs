@@ -565,6 +565,67 @@ fn cuda_cross_stream_reuse_orders_the_new_stream_after_the_old() {
     alloc.check_invariants().unwrap();
 }
 
+/// Lent pages on the real driver (Note [Lent pages]): a block of stream T is freed while a long
+/// kernel on T will still write it; a growth for stream S takes its pages while that kernel runs
+/// (mapped a second time, S waiting on an event of T's), S writes its own pattern through the new
+/// mapping, and must read it back: without the event wait, T's late write through the old mapping
+/// would land over it (the same physical bytes). Then the old mapping goes and the cache empties.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn cuda_lent_pages_order_the_new_stream_after_the_old() {
+    let g = gpu("cuda_lent_pages_order_the_new_stream_after_the_old");
+    let alloc = CudaAllocator::new(Arc::clone(&g.ctx), AllocatorConfig::default()).unwrap();
+    let t = g.ctx.new_stream().unwrap();
+    let s = g.ctx.new_stream().unwrap();
+    let n = 5 * MIB; // 20 MiB of u32: ten 2 MiB pages
+    let (seed_t, seed_s) = (0x17, 0x25);
+    let mut buf = uninit::<u32>(&alloc, &t, n);
+    let cycles: i64 = 1_500_000_000; // about 0.75 s at 2 GHz
+    let n64 = n as u64;
+    let mut launch = t.launch_builder(&g.spin_fill);
+    launch.arg(&mut buf).arg(&n64).arg(&seed_t).arg(&cycles);
+    // SAFETY: spin_then_fill(unsigned*, u64, u32, i64) writes `n` values of an `n`-value buffer.
+    unsafe { launch.launch(grid(n)) }.unwrap();
+    let done_t = t.record_event(None).unwrap();
+    drop(buf);
+    alloc.flush_thread_caches();
+    let reserved = alloc.memory_stats().memory_reserved();
+
+    // No free block of S, and the 1 % slack does not cover 20 MiB: the growth lends T's pages.
+    let mut mine = uninit::<u32>(&alloc, &s, n);
+    let running = !done_t.is_complete();
+    assert!(alloc.page_loans() >= 1, "T's pending pages were lent");
+    assert_eq!(
+        alloc.memory_stats().memory_reserved(),
+        reserved,
+        "no new memory for S"
+    );
+    if !running {
+        assert!(
+            under_sanitizer(),
+            "T's kernel finished before the loan: the host waited, or the kernel is too short"
+        );
+    }
+    fill!(g, &s, &mut mine, n, seed_s);
+    s.synchronize().unwrap();
+    assert!(
+        done_t.is_complete(),
+        "S's work finished, so T's kernel before the loan's event did too"
+    );
+    assert_eq!(
+        bad!(g, &alloc, &s, &mine, n, seed_s),
+        0,
+        "S reads its own pattern: T's late write did not land over it"
+    );
+    t.synchronize().unwrap();
+    assert_eq!(bad!(g, &alloc, &s, &mine, n, seed_s), 0);
+    drop(mine);
+    alloc.check_invariants().unwrap();
+    alloc.empty_cache().unwrap();
+    alloc.check_invariants().unwrap();
+    assert_eq!(alloc.memory_stats().memory_reserved(), 0);
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_blocks_belong_to_their_stream() {

@@ -324,12 +324,44 @@ fn fenced_growths(conf: &str, lag: u32, fail_record: bool) -> [(SimCounters, usi
     [first, second]
 }
 
+const NO_LENDING: &str = "cca_preset:default,cca_page_lending:False";
+
+#[test]
+fn pending_pages_are_lent_with_an_event_wait_and_unmapped_once_idle() {
+    // The default: the fence recorded on stream 1 has not completed, so the pages cannot be
+    // unmapped; they are lent instead (Note [Lent pages]): mapped a second time for stream 2,
+    // which waits on the fence's event. Nothing is created, nothing synchronized.
+    let [(c1, r1), (c2, r2)] = fenced_growths("cca_preset:default", 0, false);
+    assert_eq!(
+        (
+            c1.synchronize_calls,
+            c1.stream_synchronize_calls,
+            c1.unmap_calls
+        ),
+        (0, 0, 0),
+        "{c1:?}"
+    );
+    assert_eq!((c1.event_records, c1.stream_waits), (1, 1), "{c1:?}");
+    assert_eq!((c1.create_physical_calls, c1.map_calls), (16, 24), "{c1:?}");
+    assert_eq!(r1, 32, "the 16 MiB came from the pending block");
+    // Once the work completed, the next growth unmaps the old mappings (8 pages) and reuses the
+    // other 8 idle pages of the block; still nothing created or synchronized.
+    assert_eq!(
+        (c2.synchronize_calls, c2.stream_synchronize_calls),
+        (0, 0),
+        "{c2:?}"
+    );
+    assert_eq!(c2.unmap_calls, 16, "{c2:?}");
+    assert_eq!(c2.create_physical_calls, 16, "{c2:?}");
+    assert_eq!(r2, 32);
+}
+
 #[test]
 fn page_reuse_fences_with_events_and_never_synchronizes() {
-    // The default: the fence recorded on stream 1 has not completed, so the pages stay mapped
-    // (unmapping them under the queued work would fault it) and 16 MiB are created; once the
-    // work completes the next growth reuses them. No synchronization anywhere.
-    let [(c1, r1), (c2, r2)] = fenced_growths("cca_preset:default", 0, false);
+    // Without lending: the fence recorded on stream 1 has not completed, so the pages stay
+    // mapped (unmapping them under the queued work would fault it) and 16 MiB are created; once
+    // the work completes the next growth reuses them. No synchronization anywhere.
+    let [(c1, r1), (c2, r2)] = fenced_growths(NO_LENDING, 0, false);
     assert_eq!((c1.synchronize_calls, c1.unmap_calls), (0, 0), "{c1:?}");
     assert_eq!(c1.event_records, 1, "one fence on stream 1: {c1:?}");
     assert_eq!(r1, 48);
@@ -347,9 +379,19 @@ fn page_reuse_fences_with_events_and_never_synchronizes() {
 
 #[test]
 fn a_late_fence_delays_reuse_and_a_failed_one_costs_memory_only() {
-    // The device answers the first two queries of each event late: the second growth still
-    // sees the fence pending and creates its pages too.
+    // The default lends the pending pages at the first growth; at the second the fence is seen
+    // complete (third query) and the rest of the block is reused; the old mappings go at a
+    // later growth or `empty_cache`.
     let [(c1, r1), (c2, r2)] = fenced_growths("cca_preset:default", 2, false);
+    assert_eq!((c1.unmap_calls, c1.stream_waits, r1), (0, 1, 32), "{c1:?}");
+    assert_eq!(
+        (c2.synchronize_calls, c2.unmap_calls, c2.stream_waits, r2),
+        (0, 8, 1, 32),
+        "{c2:?}"
+    );
+    // Without lending, the device answers the first two queries of each event late: the second
+    // growth still sees the fence pending and creates its pages too.
+    let [(c1, r1), (c2, r2)] = fenced_growths(NO_LENDING, 2, false);
     assert_eq!((c1.unmap_calls, r1), (0, 48), "{c1:?}");
     assert_eq!(
         (c2.synchronize_calls, c2.unmap_calls, r2),
@@ -357,14 +399,21 @@ fn a_late_fence_delays_reuse_and_a_failed_one_costs_memory_only() {
         "{c2:?}"
     );
     // One late query only: the fence recorded at the first growth is seen complete at the next.
-    let [_, (c2, r2)] = fenced_growths("cca_preset:default", 1, false);
+    let [_, (c2, r2)] = fenced_growths(NO_LENDING, 1, false);
     assert_eq!(
         (c2.synchronize_calls, c2.unmap_calls, r2),
         (0, 8, 48),
         "{c2:?}"
     );
     // The fence cannot be recorded: no reuse then, no synchronize; the next growth fences.
-    let [(c1, r1), (c2, r2)] = fenced_growths("cca_preset:default", 0, true);
+    // (With lending, the lending step records its own event, which succeeds.)
+    let [(c1, r1), _] = fenced_growths("cca_preset:default", 0, true);
+    assert_eq!(
+        (c1.synchronize_calls, c1.stream_waits, r1),
+        (0, 1, 32),
+        "{c1:?}"
+    );
+    let [(c1, r1), (c2, r2)] = fenced_growths(NO_LENDING, 0, true);
     assert_eq!(
         (c1.synchronize_calls, c1.unmap_calls, r1),
         (0, 0, 48),

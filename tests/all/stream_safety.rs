@@ -208,7 +208,10 @@ fn fast_path_frees_of_declared_blocks_wait_for_their_streams() {
 /// old stream's work is done (it synchronizes that stream), so a use there completes first.
 #[test]
 fn page_reuse_moves_pages_only_after_their_stream_finished() {
-    let a = with_config(64 * MIB, AllocatorConfig::default());
+    let a = with_config(
+        64 * MIB,
+        AllocatorConfig::parse("cca_preset:default,cca_page_lending:False").unwrap(),
+    );
     let sim = a.backend();
     let x = a.allocate(40 * MIB, S0).unwrap();
     let used = sim.use_range(S0, x.ptr, x.size);
@@ -219,6 +222,48 @@ fn page_reuse_moves_pages_only_after_their_stream_finished() {
     assert!(sim.check_handout(y.stream, y.ptr, y.block_size));
     assert!(!sim.pending_uses().contains(&used));
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+}
+
+/// Lent pages (Note [Lent pages]): the pages of a block still used on S0 serve S1 without a
+/// synchronization, through an event wait; their old mapping goes only once the use completed.
+#[test]
+fn lent_pages_are_ordered_by_an_event_wait_and_unmapped_after_their_use() {
+    let a = with_config(64 * MIB, AllocatorConfig::default());
+    let sim = a.backend();
+    let x = a.allocate(40 * MIB, S0).unwrap();
+    let used = sim.use_range(S0, x.ptr, x.size);
+    a.free(x.ptr).unwrap();
+    let before = sim.counters();
+    let y = a.allocate(40 * MIB, S1).unwrap();
+    let c = sim.counters();
+    assert_eq!(
+        (c.synchronize_calls, c.stream_synchronize_calls),
+        (before.synchronize_calls, before.stream_synchronize_calls),
+        "no synchronization: {c:?}"
+    );
+    assert_eq!(c.unmap_calls, before.unmap_calls, "the old mapping stays");
+    assert_eq!(
+        c.stream_waits,
+        before.stream_waits + 1,
+        "S1 waits on S0's event"
+    );
+    assert!(
+        sim.pending_uses().contains(&used),
+        "the use is still queued"
+    );
+    // The same bytes, seen through the new mapping: S1 is ordered after the use.
+    assert!(sim.check_handout(y.stream, y.ptr, y.block_size));
+    // A third stream that waited for nothing would not be.
+    assert!(!sim.check_handout(S2, y.ptr, y.block_size));
+    let caught = sim.violations().len();
+    assert_eq!(caught, 1, "{:?}", sim.violations());
+    a.check_invariants().unwrap();
+    sim.complete_work(S0);
+    a.free(y.ptr).unwrap();
+    a.empty_cache().unwrap();
+    a.check_invariants().unwrap();
+    assert_eq!(sim.violations().len(), caught);
+    assert_eq!(sim.counters().reserved_bytes, 0);
 }
 
 // ---- regressions -----------------------------------------------------------------------------

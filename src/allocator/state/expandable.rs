@@ -126,9 +126,9 @@ pub(crate) struct SparePage {
 
 /// Runs of whole handles of one free block to hand to a growing segment, highest first.
 #[derive(Clone, Debug)]
-struct Reclaim {
-    id: BlockId,
-    runs: Vec<(usize, usize)>,
+pub(super) struct Reclaim {
+    pub(super) id: BlockId,
+    pub(super) runs: Vec<(usize, usize)>,
 }
 
 /// What a growth is for: the address range page reuse must leave alone, the unmapped block being
@@ -163,7 +163,7 @@ impl State {
     /// Free for reuse: not allocated and no pending stream use (mapped or not).
     fn allocatable(&self, id: BlockId) -> bool {
         let b = self.block(id);
-        !b.allocated && b.event_count == 0 && b.stream_uses.is_empty()
+        !b.allocated && !b.lent && b.event_count == 0 && b.stream_uses.is_empty()
     }
 
     /// Removes a free mapped block from its pool's free set.
@@ -187,7 +187,7 @@ impl State {
             let tail = b
                 .next
                 .map(|n| self.block(n))
-                .filter(|n| !n.mapped)
+                .filter(|n| !n.mapped && !n.lent)
                 .map_or(0, |n| n.size);
             b.size + tail
         };
@@ -298,6 +298,12 @@ impl State {
         if self.cannot_fit(dev, size) {
             return Ok(None);
         }
+        if !self.lent.is_empty() && !self.capture_underway() {
+            // Note [Lent pages], step 4: before the growth picks its blocks (ending a loan
+            // merges unmapped blocks).
+            self.poll_fences(dev);
+            self.settle_lent(dev, false)?;
+        }
         let Some(mut cand) = self.find_expandable_block(dev, stream, kind, size)? else {
             return Ok(None);
         };
@@ -316,7 +322,11 @@ impl State {
         }
         while self.block(cand).size < size {
             let remaining = size - self.block(cand).size;
-            let Some(next) = self.block(cand).next.filter(|&n| !self.block(n).mapped) else {
+            let Some(next) = self
+                .block(cand)
+                .next
+                .filter(|&n| !self.block(n).mapped && !self.block(n).lent)
+            else {
                 // find_expandable_block promised free -> unmapped -> ...; nothing else to do.
                 return Ok(None);
             };
@@ -419,7 +429,17 @@ impl State {
         self.spare_pages.extend_from_slice(&handles[mapped..]);
         if at > first {
             let bytes = (at - first) * page;
+            let lent = handles[..mapped]
+                .iter()
+                .any(|sp| self.handle_lent(sp.handle));
             self.mark_mapped(to_map, bytes);
+            if lent {
+                // Note [Lent pages]: the pages' old uses are ordered before this stream's work
+                // only from the event wait on; moving them on needs a fence recorded after it.
+                let t = self.fences.tick();
+                let b = self.block_mut(to_map);
+                b.free_stamp = b.free_stamp.max(t);
+            }
             if let Some(h) = &mut self.history {
                 h.op(TraceOp::SegmentMap {
                     addr: base + (first * page) as u64,
@@ -492,7 +512,8 @@ impl State {
         let mut i = 0;
         while i < self.spare_pages.len() && have < n {
             let sp = self.spare_pages[i];
-            if sp.size % page == 0 && sp.size / page <= n - have {
+            // A handle still mapped where it was lent from may still be in use there.
+            if sp.size % page == 0 && sp.size / page <= n - have && !self.handle_lent(sp.handle) {
                 have += sp.size / page;
                 got.push(self.spare_pages.remove(i));
             } else {
@@ -524,9 +545,25 @@ impl State {
                     .allowed_memory_maximum
                     .is_some_and(|max| st.total_allocated_memory.saturating_add(fresh * page) > max)
         };
+        let mut under_cap = false;
         if reuse && to_reclaim < need && over_cap(self, need - reclaimed) {
             // No slack under the cap: reuse all that can be reused.
             (plan, reclaimed) = self.plan_reuse(dev, base, need, growth);
+            under_cap = true;
+        }
+        // Note [Lent pages]: pages whose fence is pending, instead of new memory.
+        let want = if under_cap { need } else { to_reclaim }.saturating_sub(reclaimed);
+        if want > 0 && reuse && self.lending_on() {
+            let (lend, _, _) = self.reclaim_plan(base, want, growth, true);
+            if !lend.is_empty() {
+                let stream = self
+                    .vm_segments
+                    .get(&base)
+                    .map_or(StreamId::DEFAULT, |s| s.stream);
+                let (pages, bytes) = self.lend_pages(dev, lend, stream);
+                reclaimed += bytes / page;
+                got.extend(pages);
+            }
         }
         let fresh = need - reclaimed;
         if fresh > 0 && over_cap(self, fresh) {
@@ -629,14 +666,14 @@ impl State {
         growth: Growth,
     ) -> (Vec<Reclaim>, usize) {
         if !self.fenced_reuse() {
-            let (plan, got, _) = self.reclaim_plan(base, need, growth);
+            let (plan, got, _) = self.reclaim_plan(base, need, growth, false);
             return (plan, got);
         }
         self.poll_fences(dev);
-        let (plan, got, unfenced) = self.reclaim_plan(base, need, growth);
+        let (plan, got, unfenced) = self.reclaim_plan(base, need, growth, false);
         if got < need && !unfenced.is_empty() && self.record_fences(dev, &unfenced) {
             self.poll_fences(dev);
-            let (plan, got, _) = self.reclaim_plan(base, need, growth);
+            let (plan, got, _) = self.reclaim_plan(base, need, growth, false);
             return (plan, got);
         }
         (plan, got)
@@ -651,12 +688,14 @@ impl State {
     ///
     /// With fenced reuse, only blocks a completed fence covers are taken; the third value names
     /// the streams of the others that hold reusable pages, each with its blocks' highest free
-    /// stamp (where a fence would help).
+    /// stamp (where a fence would help). With `pending`, the opposite: only the blocks whose
+    /// fence has not completed (pages to lend, Note [Lent pages]).
     fn reclaim_plan(
         &self,
         base: u64,
         need: usize,
         growth: Growth,
+        pending: bool,
     ) -> (Vec<Reclaim>, usize, Vec<(StreamId, u64)>) {
         let mut unfenced: Vec<(StreamId, u64)> = Vec::new();
         let Some((page, kind)) = self.vm_segments.get(&base).map(|s| (s.page_size, s.pool)) else {
@@ -704,7 +743,11 @@ impl State {
                 if total == 0 {
                     continue;
                 }
-                if !self.fence_allows(k.id) {
+                if pending {
+                    if !self.fenced_reuse() || self.known_idle(k.id) {
+                        continue;
+                    }
+                } else if !self.fence_allows(k.id) {
                     match unfenced.iter_mut().find(|(s, _)| *s == b.stream) {
                         Some(u) => u.1 = u.1.max(b.free_stamp),
                         None => unfenced.push((b.stream, b.free_stamp)),
@@ -813,6 +856,26 @@ impl State {
     /// `unmap_block`'s surgery: `[start, start + bytes)` of free block `id` lost its pages; the
     /// mapped parts before and after become free blocks of their own. Returns the part before.
     fn mark_unmapped(&mut self, id: BlockId, start: u64, bytes: usize) -> Option<BlockId> {
+        let (stream, kind) = {
+            let b = self.block(id);
+            (b.stream, b.pool)
+        };
+        let below = self.split_out(id, start, bytes);
+        let prev = self.block(id).prev;
+        self.try_merge_blocks(id, prev);
+        let next = self.block(id).next;
+        self.try_merge_blocks(id, next);
+        let ptr = self.block(id).ptr;
+        self.pool(kind).unmapped.insert((stream, ptr, id));
+        self.stats.num_device_free += 1;
+        below
+    }
+
+    /// Cuts free mapped block `id` down to `[start, start + bytes)`, marked unmapped and out of
+    /// the free set; the mapped parts before and after become free blocks of their own (keeping
+    /// the free stamp). Returns the part before. The caller files the block (`mark_unmapped`,
+    /// or `lend_run` for a lent block).
+    pub(super) fn split_out(&mut self, id: BlockId, start: u64, bytes: usize) -> Option<BlockId> {
         self.uncache_block(id);
         let (ptr, size, stream, kind, prev, next, stamp) = {
             let b = self.block(id);
@@ -862,13 +925,6 @@ impl State {
             b.size = bytes;
             b.mapped = false;
         }
-        let prev = self.block(id).prev;
-        self.try_merge_blocks(id, prev);
-        let next = self.block(id).next;
-        self.try_merge_blocks(id, next);
-        let ptr = self.block(id).ptr;
-        self.pool(kind).unmapped.insert((stream, ptr, id));
-        self.stats.num_device_free += 1;
         below
     }
 

@@ -158,7 +158,7 @@ impl State {
         }
         let free = self.segment_blocks(id).iter().all(|&id| {
             let b = self.block(id);
-            !b.allocated && b.event_count == 0 && b.stream_uses.is_empty()
+            !b.allocated && !b.lent && b.event_count == 0 && b.stream_uses.is_empty()
         });
         memo.push((base, free));
         free.then_some(base)

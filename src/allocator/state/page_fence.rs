@@ -67,7 +67,7 @@ impl PageFences {
     }
 
     /// Whether a block of `stream` stamped `stamp` is known idle.
-    fn idle(&self, stream: StreamId, stamp: u64) -> bool {
+    pub(super) fn idle(&self, stream: StreamId, stamp: u64) -> bool {
         stamp == 0 || self.streams.get(&stream).is_some_and(|f| stamp <= f.done)
     }
 
@@ -175,6 +175,34 @@ impl State {
             }
         }
         any
+    }
+
+    /// The event of a fence on `stream` that covers free stamp `stamp`: the oldest pending one
+    /// recorded at or after it, else one recorded now (Note [Lent pages]). `None` when the
+    /// stream is idle up to `stamp` already (nothing to wait for) or no event could be
+    /// recorded.
+    pub(super) fn covering_fence<B: DeviceBackend>(
+        &mut self,
+        dev: &B,
+        stream: StreamId,
+        stamp: u64,
+    ) -> Option<EventHandle> {
+        if self.fences.idle(stream, stamp) {
+            return None;
+        }
+        let find = |f: &PageFences| {
+            f.streams.get(&stream).and_then(|sf| {
+                sf.pending
+                    .iter()
+                    .find(|&&(_, c)| c >= stamp)
+                    .map(|&(ev, _)| ev)
+            })
+        };
+        if let Some(ev) = find(&self.fences) {
+            return Some(ev);
+        }
+        self.record_fences(dev, &[(stream, stamp)]);
+        find(&self.fences)
     }
 
     /// Destroys the events of pending fences (allocator drop).

@@ -1,0 +1,254 @@
+//! Lent pages (crate key `cca_page_lending`, on in the crate's default, off in the PyTorch
+//! presets): how a growing expandable segment takes free pages whose page fence is still
+//! pending, without waiting for them and without creating new memory (`docs/algorithm.md`,
+//! step 23b). May use: `state`, `block`, `expandable`'s page records, `page_fence`, `backend`.
+//!
+//! Note [Lent pages]: page reuse (Note [Page reuse]) unmaps a free page before mapping its
+//! physical memory where a growth needs it, and `cuMemUnmap` is not stream-ordered, so the page
+//! must be idle first (Note [Page fences]); a page whose fence is pending used to stay where it
+//! was while the growth created new memory. But *mapping* is not the problem: a physical handle
+//! may be mapped at two address ranges at once (the driver allows it; `gpu/probes/
+//! vmm_alias_host.cu` measured it on the H100), both views addressing the same bytes. So a
+//! growth may *lend* such a page:
+//!
+//! 1. An event covering the page's free stamp is found among its stream's pending fences, or
+//!    recorded now (it completes once everything queued on that stream before it, including
+//!    every use of the page, is done).
+//! 2. If the growth is for another stream, that stream waits on the event (`stream_wait_event`:
+//!    stream-ordered, the host never blocks). The new owner's work, queued later on the growing
+//!    stream, therefore runs after the page's last use. On the page's own stream, stream order
+//!    gives the same.
+//! 3. The handle leaves the old segment's page table and is mapped again where the growth needs
+//!    it (`map_block`, as for any reused page). The old range becomes a *lent* block: unmapped
+//!    in the cache's books, still mapped on the device, neither free nor in the `unmapped` set,
+//!    never merged with its neighbours, so no growth maps over it and no allocation lands in
+//!    it. Its `LentRange` remembers the old mappings, the stream and the stamp.
+//! 4. Once a fence on that stream covering the stamp is seen complete (polled at each growth,
+//!    never waited for), the old mappings are unmapped and the block becomes an ordinary
+//!    unmapped block, merged with its unmapped neighbours. `empty_cache` and the out-of-memory
+//!    path, which may synchronize, synchronize the stream and unmap what is still lent before
+//!    they release anything (a handle may not be released while mapped).
+//!
+//! Two more rules keep the lent bytes' old uses ordered before every later owner:
+//!
+//! * The block the lent pages are mapped into gets a fresh free stamp (not 0, as fresh memory
+//!   does): moving those pages on again needs a fence on the growing stream recorded after the
+//!   event wait of step 2, which completes only after the old uses too.
+//! * A lent handle that ends up spare (the growth failed after lending) is not taken from the
+//!   spare pages while its old mapping is in place.
+//!
+//! Nothing is lent while a graph capture is underway (page reuse is off then), and nothing is
+//! lent when no event can be recorded: the growth creates new memory instead, as before.
+#![forbid(unsafe_code)]
+
+use super::State;
+use super::expandable::{Reclaim, SparePage};
+use crate::allocator::block::BlockId;
+use crate::allocator::device_calls;
+use crate::backend::{DeviceAddr, DeviceBackend, PhysicalHandle, StreamId};
+use crate::error::{AllocError, Result};
+use crate::trace::TraceOp;
+
+/// A lent block: its old mappings, still in place, and what must complete before they go.
+#[derive(Clone, Debug)]
+pub(crate) struct LentRange {
+    /// The lent block (unmapped in the cache's books, `Block::lent`).
+    pub(crate) block: BlockId,
+    /// The old mappings not yet unmapped: (address, bytes, handle), in address order.
+    pub(crate) maps: Vec<(u64, usize, PhysicalHandle)>,
+    /// The stream whose queued work may still use the old mappings.
+    pub(crate) stream: StreamId,
+    /// The block's free stamp when it was lent: a fence on `stream` at or after it ends the
+    /// old uses.
+    pub(crate) stamp: u64,
+}
+
+impl State {
+    /// Whether a growth may lend pages whose fence is pending (configured, fences in use, and
+    /// no capture underway).
+    pub(super) fn lending_on(&self) -> bool {
+        self.config.page_lending && self.fenced_reuse() && !self.capture_underway()
+    }
+
+    /// Whether `handle` is still mapped at a lent block's old address.
+    pub(super) fn handle_lent(&self, handle: PhysicalHandle) -> bool {
+        self.lent
+            .iter()
+            .any(|r| r.maps.iter().any(|&(_, _, h)| h == handle))
+    }
+
+    /// Lends the pages `plan` names (blocks whose fence is pending) to a growth of `stream`'s
+    /// segment (steps 1–3 of Note [Lent pages]). Returns the handles (counted as reserved in
+    /// their old pool, unmapped nowhere) and how many bytes they hold. A block whose event
+    /// cannot be had or waited on is skipped (nothing changes for it).
+    pub(super) fn lend_pages<B: DeviceBackend>(
+        &mut self,
+        dev: &B,
+        plan: Vec<Reclaim>,
+        stream: StreamId,
+    ) -> (Vec<SparePage>, usize) {
+        let mut got = Vec::new();
+        let mut bytes = 0usize;
+        for r in plan {
+            let (old_stream, stamp) = {
+                let b = self.block(r.id);
+                (b.stream, b.free_stamp)
+            };
+            let Some(ev) = self.covering_fence(dev, old_stream, stamp) else {
+                continue;
+            };
+            if old_stream != stream {
+                if let Err(e) = dev.stream_wait_event(stream, ev) {
+                    tracing::debug!(target: "cuda_caching_allocator", device = dev.device_index(), error = %e, %stream, "page lending: event wait failed");
+                    continue;
+                }
+            }
+            let mut cur = Some(r.id);
+            for (first, count) in r.runs {
+                let Some(id) = cur else { break };
+                let (pages, below) = self.lend_run(id, first, count, old_stream, stamp);
+                bytes += pages.iter().map(|p| p.size).sum::<usize>();
+                got.extend(pages);
+                cur = below;
+            }
+        }
+        (got, bytes)
+    }
+
+    /// Takes the handles tiling pages `[first, first + count)` of free mapped block `id` out of
+    /// its segment's page table, leaving them mapped on the device, and makes that range a lent
+    /// block. Returns the handles and the free block left below the range (if any).
+    fn lend_run(
+        &mut self,
+        id: BlockId,
+        first: usize,
+        count: usize,
+        stream: StreamId,
+        stamp: u64,
+    ) -> (Vec<SparePage>, Option<BlockId>) {
+        let ptr = self.block(id).ptr;
+        let Some(base) = self.vm_segment_of(ptr) else {
+            return (Vec::new(), Some(id));
+        };
+        let Some(seg) = self.vm_segments.get_mut(&base) else {
+            return (Vec::new(), Some(id));
+        };
+        let (page, kind) = (seg.page_size, seg.pool);
+        let mut out = Vec::new();
+        let mut maps = Vec::new();
+        let mut at = first;
+        while at < first + count {
+            let Some((handle, n)) = seg.handles.remove(&at) else {
+                break;
+            };
+            seg.mapped_pages -= n;
+            maps.push((seg.page_addr(at), n * page, handle));
+            out.push(SparePage {
+                handle,
+                size: n * page,
+                pool: kind,
+            });
+            at += n;
+        }
+        if at == first {
+            return (out, Some(id));
+        }
+        let start = base + (first * page) as u64;
+        let below = self.split_out(id, start, (at - first) * page);
+        self.block_mut(id).lent = true;
+        self.page_loans += 1;
+        self.lent.push(LentRange {
+            block: id,
+            maps,
+            stream,
+            stamp,
+        });
+        (out, below)
+    }
+
+    /// Step 4 of Note [Lent pages]: unmaps the old mappings of every lent block whose fence has
+    /// completed (polled by the caller) and returns those blocks to the unmapped set. With
+    /// `synchronize` (only `empty_cache` and the out-of-memory path), waits for the streams of
+    /// the others first, so that nothing stays lent.
+    ///
+    /// # Errors
+    ///
+    /// With `synchronize`, the first failed synchronization or unmap (what was unmapped so far
+    /// stays unmapped, the rest stays lent). Without it, failures leave the block lent for a
+    /// later try and are not errors.
+    pub(super) fn settle_lent<B: DeviceBackend>(
+        &mut self,
+        dev: &B,
+        synchronize: bool,
+    ) -> Result<()> {
+        if self.lent.is_empty() || self.capture_underway() {
+            return Ok(());
+        }
+        let mut synced: Vec<StreamId> = Vec::new();
+        let mut i = 0;
+        while i < self.lent.len() {
+            let (stream, stamp) = (self.lent[i].stream, self.lent[i].stamp);
+            if !self.fences.idle(stream, stamp) {
+                if !synchronize {
+                    i += 1;
+                    continue;
+                }
+                if !synced.contains(&stream) {
+                    dev.synchronize_stream(stream)
+                        .map_err(|source| AllocError::Backend {
+                            operation: "synchronize_stream",
+                            source,
+                        })?;
+                    synced.push(stream);
+                }
+            }
+            while let Some(&(va, bytes, _)) = self.lent[i].maps.last() {
+                match device_calls::unmap_page(dev, DeviceAddr(va), bytes) {
+                    Ok(()) => {
+                        self.lent[i].maps.pop();
+                    }
+                    Err(source) if synchronize => {
+                        return Err(AllocError::Backend {
+                            operation: "unmap",
+                            source,
+                        });
+                    }
+                    Err(e) => {
+                        tracing::debug!(target: "cuda_caching_allocator", device = dev.device_index(), error = %e, "lent page: unmap failed, left lent for now");
+                        break;
+                    }
+                }
+            }
+            if self.lent[i].maps.is_empty() {
+                let r = self.lent.remove(i);
+                self.end_lending(r.block);
+            } else {
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// A lent block whose old mappings are gone becomes an ordinary unmapped block.
+    fn end_lending(&mut self, id: BlockId) {
+        let (ptr, size, stream, kind) = {
+            let b = self.block_mut(id);
+            b.lent = false;
+            (b.ptr, b.size, b.stream, b.pool)
+        };
+        if let Some(h) = &mut self.history {
+            h.op(TraceOp::SegmentUnmap {
+                addr: ptr,
+                size: size as u64,
+                stream: stream.0,
+            });
+        }
+        let prev = self.block(id).prev;
+        self.try_merge_blocks(id, prev);
+        let next = self.block(id).next;
+        self.try_merge_blocks(id, next);
+        let ptr = self.block(id).ptr;
+        self.pool(kind).unmapped.insert((stream, ptr, id));
+        self.stats.num_device_free += 1;
+    }
+}
