@@ -32,6 +32,48 @@ fn growing(sizes: &[usize]) -> Trace {
     t
 }
 
+/// `trace` replayed with every event query answered late `lag` times (a device running behind
+/// the host, `SimDevice::set_event_query_lag`).
+fn run_lagged(trace: &Trace, config: AllocatorConfig, lag: u32) -> ReplayReport {
+    let dev = SimDevice::default();
+    dev.set_event_query_lag(lag);
+    let alloc = CachingAllocator::new(dev, config).unwrap();
+    replay(&alloc, trace, &ReplayOptions::default()).unwrap()
+}
+
+/// Lent pages (`cca_page_lending`, Note [Lent pages]): with fences seen late, the default stays
+/// at ≤ 1.02 × live on the synthetic stress traces without synchronizing; without lending the
+/// memory the pending fences hold back shows (benches/README.md, "Lent pages": 1.12–1.49 on the
+/// transformer and many-stream traces).
+#[test]
+fn lent_pages_keep_the_default_lean_when_fences_complete_late() {
+    use cuda_caching_allocator::synth::Workload;
+    let no_lending = AllocatorConfig::parse("cca_preset:default,cca_page_lending:False").unwrap();
+    for w in [Workload::TransformerVarlen, Workload::ManyStreams] {
+        let t = w.trace(1);
+        for lag in [1, 4] {
+            let r = run_lagged(&t, AllocatorConfig::default(), lag);
+            let syncs = r.device_call("synchronize") + r.device_call("stream_synchronize");
+            assert!(
+                r.reserved_over_live() <= 1.02,
+                "{} lag {lag}: {:.4}",
+                w.name(),
+                r.reserved_over_live()
+            );
+            assert_eq!(syncs, 0, "{} lag {lag}: {:?}", w.name(), r.device_calls);
+            assert!(r.page_loans > 0, "{} lag {lag}: nothing lent", w.name());
+            let without = run_lagged(&t, no_lending.clone(), lag);
+            assert!(
+                without.reserved_over_live() > 1.1,
+                "{} lag {lag} without lending: {:.4}",
+                w.name(),
+                without.reserved_over_live()
+            );
+            assert_eq!(without.page_loans, 0);
+        }
+    }
+}
+
 fn page_reuse_config(extra: &str) -> AllocatorConfig {
     AllocatorConfig::parse(&format!(
         "expandable_segments:True,cca_large_page_size_mb:2,cca_page_reuse:device,\
