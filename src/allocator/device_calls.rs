@@ -45,8 +45,11 @@ pub(crate) fn map_page<B: DeviceBackend>(
     // SAFETY: obligation 1: `va..va+size` is one page of a reservation the cache made
     // (`reserve_address_range`) whose page table (`VmSegment::pages`) records it as unmapped;
     // obligation 2: `handle` came from `create_physical(size)` with the segment's page size and
-    // is mapped nowhere (the cache holds each handle in exactly one place: a segment's page
-    // table or the spare list, and takes it out of the spare list before this call).
+    // is live (the cache holds each handle in exactly one place: a segment's page table or the
+    // spare list, and takes it out of the spare list before this call; it is released only once
+    // mapped nowhere). It may still be mapped at a lent block's old address (Note [Lent pages]):
+    // the driver maps one handle at several ranges, and the new owner's stream was made to wait
+    // for the old uses before this mapping was handed out.
     unsafe { backend.map(va, size, handle) }
 }
 
@@ -57,10 +60,11 @@ pub(crate) fn unmap_page<B: DeviceBackend>(
     size: usize,
 ) -> Result<(), BackendError> {
     // SAFETY: obligation 1: the range is exactly one earlier `map_page` (pages are mapped one
-    // at a time at page-aligned addresses and recorded in the segment's page table);
-    // obligation 2: the caller synchronized the page's stream first and the page lies wholly
-    // inside a free block (no allocated or event-pending block overlaps it), so no queued work
-    // uses it.
+    // at a time at page-aligned addresses and recorded in the segment's page table, or in a
+    // lent block's list of old mappings); obligation 2: the page lies wholly inside a free block
+    // (no allocated or event-pending block overlaps it) or a lent block, and the caller saw a
+    // fence covering the block's free stamp complete or synchronized the page's stream first
+    // (Note [Page fences], Note [Lent pages]), so no queued work uses it.
     unsafe { backend.unmap(va, size) }
 }
 
