@@ -243,6 +243,7 @@ fn run_sim(
         capacity: args.device_memory as usize,
         ..SimConfig::default()
     });
+    device.set_event_query_lag(args.query_lag);
     let alloc = CachingAllocator::new(device, config.clone())?;
     let placement = match args.placement {
         PlacementArg::Faithful => Placement::AddressFaithful,

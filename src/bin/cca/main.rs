@@ -112,6 +112,11 @@ struct TraceArgs {
     /// segments).
     #[arg(long, value_enum, default_value_t = PlacementArg::Faithful)]
     placement: PlacementArg,
+    /// Simulated device only: every event query answers "not complete" this many times first, a
+    /// model of a device running behind the host (its launch-ahead): page fences and
+    /// `record_stream` events are seen complete later (`SimDevice::set_event_query_lag`; 0 = off).
+    #[arg(long, default_value_t = 0)]
+    query_lag: u32,
     /// Skip frees of unknown allocations instead of failing (snapshots with a truncated history).
     #[arg(long)]
     lenient: bool,
