@@ -45,7 +45,7 @@ use super::State;
 use super::expandable::{Reclaim, SparePage};
 use crate::allocator::block::BlockId;
 use crate::allocator::device_calls;
-use crate::backend::{DeviceAddr, DeviceBackend, PhysicalHandle, StreamId};
+use crate::backend::{DeviceAddr, DeviceBackend, EventHandle, PhysicalHandle, StreamId};
 use crate::error::{AllocError, Result};
 use crate::trace::TraceOp;
 
@@ -89,6 +89,7 @@ impl State {
     ) -> (Vec<SparePage>, usize) {
         let mut got = Vec::new();
         let mut bytes = 0usize;
+        let mut waited: Vec<EventHandle> = Vec::new();
         for r in plan {
             let (old_stream, stamp) = {
                 let b = self.block(r.id);
@@ -97,11 +98,12 @@ impl State {
             let Some(ev) = self.covering_fence(dev, old_stream, stamp) else {
                 continue;
             };
-            if old_stream != stream {
+            if old_stream != stream && !waited.contains(&ev) {
                 if let Err(e) = dev.stream_wait_event(stream, ev) {
                     tracing::debug!(target: "cuda_caching_allocator", device = dev.device_index(), error = %e, %stream, "page lending: event wait failed");
                     continue;
                 }
+                waited.push(ev);
             }
             let mut cur = Some(r.id);
             for (first, count) in r.runs {
