@@ -4,11 +4,13 @@
 //! Everything here runs under the allocator's one lock. The steps follow
 //! `DeviceCachingAllocator::malloc` / `free` of PyTorch 2.11 and are numbered in
 //! `docs/algorithm.md`. Expandable (virtual-memory) segments live in the child module
-//! `expandable`; the crate's cross-stream handover (`cca_cross_stream_reuse`) in `handover`.
+//! `expandable` (where they grow beyond the page-reuse slack: `growth_fit`); the crate's
+//! cross-stream handover (`cca_cross_stream_reuse`) in `handover`.
 //! May use: `block`, `pool`, `device_calls`, `size_class`, `stats`, `config`.
 #![forbid(unsafe_code)]
 
 mod expandable;
+mod growth_fit;
 mod handover;
 mod page_fence;
 mod private_pool;
