@@ -547,6 +547,19 @@ impl State {
         }
     }
 
+    /// Whether the allocated block at `ptr` touches a free cached block, so that freeing it would
+    /// merge (the fast path's Note [Cached blocks next to free memory]).
+    pub(crate) fn touches_free_block(&self, ptr: u64) -> bool {
+        let Some(b) = self.active.get(&ptr).and_then(|&id| self.arena.get(id)) else {
+            return false;
+        };
+        [b.prev, b.next]
+            .into_iter()
+            .flatten()
+            .filter_map(|n| self.arena.get(n))
+            .any(|n| !n.allocated && n.mapped && n.event_count == 0 && n.stream_uses.is_empty())
+    }
+
     fn classify_bad_pointer(&self, ptr: DeviceAddr) -> AllocError {
         let seg = self
             .segments
