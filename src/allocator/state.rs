@@ -4,11 +4,13 @@
 //! Everything here runs under the allocator's one lock. The steps follow
 //! `DeviceCachingAllocator::malloc` / `free` of PyTorch 2.11 and are numbered in
 //! `docs/algorithm.md`. Expandable (virtual-memory) segments live in the child module
-//! `expandable`; the crate's cross-stream handover (`cca_cross_stream_reuse`) in `handover`.
+//! `expandable` (where they grow beyond the page-reuse slack: `growth_fit`); the crate's
+//! cross-stream handover (`cca_cross_stream_reuse`) in `handover`.
 //! May use: `block`, `pool`, `device_calls`, `size_class`, `stats`, `config`.
 #![forbid(unsafe_code)]
 
 mod expandable;
+mod growth_fit;
 mod handover;
 mod lending;
 mod page_fence;
@@ -550,6 +552,19 @@ impl State {
             self.free_block(id);
             Ok(())
         }
+    }
+
+    /// Whether the allocated block at `ptr` touches a free cached block, so that freeing it would
+    /// merge (the fast path's Note [Cached blocks next to free memory]).
+    pub(crate) fn touches_free_block(&self, ptr: u64) -> bool {
+        let Some(b) = self.active.get(&ptr).and_then(|&id| self.arena.get(id)) else {
+            return false;
+        };
+        [b.prev, b.next]
+            .into_iter()
+            .flatten()
+            .filter_map(|n| self.arena.get(n))
+            .any(|n| !n.allocated && n.mapped && n.event_count == 0 && n.stream_uses.is_empty())
     }
 
     fn classify_bad_pointer(&self, ptr: DeviceAddr) -> AllocError {

@@ -71,10 +71,10 @@ pub enum Preset {
     /// `cca_min_growth_mb:20` on top of the default). The point of #11's trade-off curve for
     /// programs that start often: on an H100 its growth replays the shipped traces cold at
     /// 0.72–1.05 × PyTorch's own allocator's time (the default: 5.5–22 ×; measured without the
-    /// fast path, which it keeps on like the default), reserving 1.009–1.024 × the peak live
-    /// bytes on those traces on `SimDevice`, but up to 1.12 × on the synthetic stress traces and
-    /// 1.126 × on the recorded `generate` client (`gpu/traces/`), whose peak is small beside its
-    /// 20 MiB growths (the default: ≤ 1.0275 everywhere); see `benches/README.md`.
+    /// fast path, which it keeps on like the default), reserving 1.009–1.019 × the peak live
+    /// bytes on those traces on `SimDevice`, but up to 1.11 × on the synthetic stress traces and
+    /// 1.064 × on the recorded `generate` client (`gpu/traces/`), whose peak is small beside its
+    /// 20 MiB growths (the default: ≤ 1.02 everywhere); see `benches/README.md`.
     LeanFast,
 }
 

@@ -158,6 +158,49 @@ mod shipped {
         ("bert_varlen", 193_000_000, 0),
     ];
 
+    /// Our recorded HF `generate` client (`gpu/traces/generate.pickle.gz`, 458,914 events; its
+    /// peak is reached at event 743, in the first prefill). The default reserves at most 1.02 ×
+    /// its peak live bytes (#11, goal 1): 1.0176 ×, 650,117,120 bytes (310 pages of 2 MiB) for
+    /// 638,850,184 live; it was 1.0275 × before cached large-pool blocks next to free memory went
+    /// back before a miss (Note [Cached blocks next to free memory]) and growths beyond the
+    /// page-reuse slack took the run that maps the fewest pages (Note [Fewest-pages growth]).
+    /// Without the fast path the default stays under 1.02 too, modeled device time under 21 ms
+    /// (21.99 ms before), no synchronization; the `pytorch` preset, PyTorch's own policy, is
+    /// untouched (796,917,760 bytes, 1.2474 ×).
+    #[test]
+    fn the_default_keeps_the_recorded_generate_client_within_two_percent() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/gpu/traces/generate.pickle.gz");
+        let t = read_trace_file(path, &ImportOptions::strict())
+            .unwrap_or_else(|e| panic!("{path}: {e}"))
+            .trace;
+        let r = run(&t, AllocatorConfig::default());
+        assert_eq!(r.peak_live_bytes, 638_850_184);
+        assert!(
+            r.peak_reserved_bytes <= 650_117_120,
+            "generate: {} bytes reserved, {:.4} × live",
+            r.peak_reserved_bytes,
+            r.reserved_over_live()
+        );
+        assert!(r.reserved_over_live() <= 1.02);
+        let ns = r.modeled_device_ns.unwrap();
+        assert!(ns <= 21_000_000, "generate: modeled {ns} ns");
+        assert_eq!(syncs(&r), 0, "{:?}", r.device_calls);
+        let plain = run(
+            &t,
+            AllocatorConfig {
+                fast_path: false,
+                ..AllocatorConfig::default()
+            },
+        );
+        assert!(
+            plain.reserved_over_live() <= 1.02,
+            "generate without the fast path: {:.4}",
+            plain.reserved_over_live()
+        );
+        let pytorch = run(&t, AllocatorConfig::pytorch());
+        assert_eq!(pytorch.peak_reserved_bytes, 796_917_760);
+    }
+
     /// Per shipped trace, under the lean-and-fast growth (64 MiB handles, one per growth, 20 MiB
     /// growths): modeled device time over the `pytorch` preset's, and synchronizations.
     const LEAN_FAST_BOUNDS: [(&str, f64, u64); 3] = [
@@ -231,8 +274,9 @@ mod shipped {
 
     /// The `lean-fast` preset on the shipped traces: modeled device time over `pytorch`'s,
     /// synchronizations and reserved over live may not exceed these (the H100 cold replays put
-    /// its growth at 0.72–1.05 × PyTorch's wall time; `benches/README.md`). With the fast path
-    /// on, gpt2_train reserves 1.0243 × live (1.0194 without).
+    /// its growth at 0.72–1.05 × PyTorch's wall time; `benches/README.md`). gpt2_train reserves
+    /// 1.0194 × live with the fast path as without it (1.0243 before its cached large-pool
+    /// blocks next to free memory went back before a miss).
     const LEAN_FAST_PRESET_BOUNDS: [(&str, f64, u64, f64); 3] = [
         ("gpt2_train", 3.05, 0, 1.025),
         ("resnet50_train", 1.25, 0, 1.01),

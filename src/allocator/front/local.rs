@@ -569,6 +569,54 @@ impl Local {
         }
     }
 
+    /// Takes out of their bins up to `out.len()` cached blocks of `stream` in pool `kind` whose
+    /// address `pred` accepts, for the core (each leaves the delta as in
+    /// [`evict`](Self::evict)); writes their addresses to `out` and returns how many. The
+    /// other blocks keep their bins and their order.
+    pub(crate) fn take_where(
+        &mut self,
+        stream: StreamId,
+        kind: PoolKind,
+        mut pred: impl FnMut(u64) -> bool,
+        out: &mut [u64],
+    ) -> usize {
+        let mut n = 0;
+        if self.cached_count == 0 {
+            return n;
+        }
+        for w in 0..SLOTS / 64 {
+            let mut bits = self.occupied[w];
+            while bits != 0 && n < out.len() {
+                let s = w * 64 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                let slot = self.slots[s];
+                if slot.stream != stream || pool_kind(slot.size) != kind {
+                    continue;
+                }
+                let mut keep = 0;
+                for &i in &slot.idx[..slot.len as usize] {
+                    let take = n < out.len() && self.meta_of(i).is_some_and(|m| pred(m.ptr));
+                    if !take {
+                        self.slots[s].idx[keep] = i;
+                        keep += 1;
+                        continue;
+                    }
+                    if let Some(m) = self.meta_mut(i) {
+                        m.in_bin = false;
+                    }
+                    // `None`: a flush of another thread took it (it returns it to the core).
+                    if let Some(v) = self.evict(i) {
+                        out[n] = v.ptr;
+                        n += 1;
+                    }
+                }
+                self.slots[s].len = keep as u8;
+                self.mark(s);
+            }
+        }
+        n
+    }
+
     /// Takes back an evicted cached block for the core: its contribution leaves the delta.
     /// `None` if it was not cached any more.
     pub(crate) fn evict(&mut self, i: u32) -> Option<DescView> {

@@ -28,6 +28,7 @@
 
 use std::collections::BTreeMap;
 
+use super::growth_fit::MIN_SAVING;
 use super::{SegmentRec, State};
 use crate::allocator::block::{Block, BlockId};
 use crate::allocator::device_calls;
@@ -161,7 +162,7 @@ impl State {
     }
 
     /// Free for reuse: not allocated and no pending stream use (mapped or not).
-    fn allocatable(&self, id: BlockId) -> bool {
+    pub(super) fn allocatable(&self, id: BlockId) -> bool {
         let b = self.block(id);
         !b.allocated && !b.lent && b.event_count == 0 && b.stream_uses.is_empty()
     }
@@ -221,6 +222,13 @@ impl State {
             .take_while(|(s, _, _)| *s == stream)
             .map(|&(_, _, id)| id)
             .collect();
+        let page = expandable_page_size(kind, &self.config);
+        // Note [Fewest-pages growth] (growth_fit.rs): the lowest run with room, or beyond the
+        // page-reuse slack the one that maps the fewest pages.
+        let fewest = self.fewest_pages_growth(size);
+        // (start of the run, pages it maps)
+        let mut lowest: Option<(BlockId, usize)> = None;
+        let mut best: Option<(BlockId, usize)> = None;
         for id in unmapped {
             let mut c = id;
             if let Some(p) = self.block(c).prev {
@@ -228,20 +236,24 @@ impl State {
                     c = p;
                 }
             }
-            let mut bytes = 0usize;
-            let mut cur = Some(c);
-            while let Some(b) = cur {
-                if bytes >= size || !self.allocatable(b) {
-                    break;
-                }
-                bytes += self.block(b).size;
-                cur = self.block(b).next;
-            }
-            if bytes >= size {
+            let Some(pages) = self.run_pages(c, size, page) else {
+                continue;
+            };
+            if !fewest {
                 return Ok(Some(c));
             }
+            lowest.get_or_insert((c, pages));
+            if best.is_none_or(|(_, p)| pages < p) {
+                best = Some((c, pages));
+            }
         }
-        let page = expandable_page_size(kind, &self.config);
+        if let (Some((low, low_pages)), Some((c, pages))) = (lowest, best) {
+            return Ok(Some(if pages + MIN_SAVING <= low_pages {
+                c
+            } else {
+                low
+            }));
+        }
         let total = self.device_total;
         let handles = (total + total / 8)
             .div_ceil(page)
