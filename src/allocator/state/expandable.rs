@@ -868,19 +868,24 @@ impl State {
     /// `unmap_block`'s surgery: `[start, start + bytes)` of free block `id` lost its pages; the
     /// mapped parts before and after become free blocks of their own. Returns the part before.
     fn mark_unmapped(&mut self, id: BlockId, start: u64, bytes: usize) -> Option<BlockId> {
-        let (stream, kind) = {
-            let b = self.block(id);
-            (b.stream, b.pool)
-        };
         let below = self.split_out(id, start, bytes);
+        self.file_unmapped(id);
+        below
+    }
+
+    /// Files unmapped block `id` (not lent): merged with its unmapped neighbours, put in its
+    /// pool's `unmapped` set, counted as one device free (one unmapped range).
+    pub(super) fn file_unmapped(&mut self, id: BlockId) {
         let prev = self.block(id).prev;
         self.try_merge_blocks(id, prev);
         let next = self.block(id).next;
         self.try_merge_blocks(id, next);
-        let ptr = self.block(id).ptr;
+        let (stream, kind, ptr) = {
+            let b = self.block(id);
+            (b.stream, b.pool, b.ptr)
+        };
         self.pool(kind).unmapped.insert((stream, ptr, id));
         self.stats.num_device_free += 1;
-        below
     }
 
     /// Cuts free mapped block `id` down to `[start, start + bytes)`, marked unmapped and out of

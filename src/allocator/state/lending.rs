@@ -233,10 +233,10 @@ impl State {
 
     /// A lent block whose old mappings are gone becomes an ordinary unmapped block.
     fn end_lending(&mut self, id: BlockId) {
-        let (ptr, size, stream, kind) = {
+        let (ptr, size, stream) = {
             let b = self.block_mut(id);
             b.lent = false;
-            (b.ptr, b.size, b.stream, b.pool)
+            (b.ptr, b.size, b.stream)
         };
         if let Some(h) = &mut self.history {
             h.op(TraceOp::SegmentUnmap {
@@ -245,12 +245,6 @@ impl State {
                 stream: stream.0,
             });
         }
-        let prev = self.block(id).prev;
-        self.try_merge_blocks(id, prev);
-        let next = self.block(id).next;
-        self.try_merge_blocks(id, next);
-        let ptr = self.block(id).ptr;
-        self.pool(kind).unmapped.insert((stream, ptr, id));
-        self.stats.num_device_free += 1;
+        self.file_unmapped(id);
     }
 }
