@@ -43,7 +43,13 @@ EXTRA_ALLOCATORS = [
     ("cca-default-20m", {}, "cca_preset:default,cca_large_page_size_mb:20"),
     ("cca-lean-fast", {}, "cca_preset:lean-fast"),
     ("cca-no-lending", {}, "cca_preset:default,cca_page_lending:False"),
+    ("cca-no-fast", {}, "cca_preset:default,cca_fast_path:False"),
 ]
+
+
+# The allocator's own host time (cuda_caching_allocator.torch.host_time, on with --host-timing
+# for the crate's runs), or None.
+HOST_TIME = lambda: None  # noqa: E731
 
 
 def setup(args):
@@ -60,6 +66,8 @@ def setup(args):
             return cca.stat(key, device)
 
         route = cca.route()
+        global HOST_TIME
+        HOST_TIME = cca.host_time
     else:
 
         def stat(key, device=0):
@@ -91,6 +99,7 @@ def warmup_probe(args, stat, device=0):
     def at(i):
         if i == args.warmup:
             counters.update({k: stat(k, device) for k in DEVICE_COUNTERS})
+            counters["_host"] = HOST_TIME()
 
     return at, counters
 
@@ -100,6 +109,17 @@ def steady_calls(stat, counters, device=0):
     if not counters:
         return None
     return sum(stat(k, device) - counters[k] for k in DEVICE_COUNTERS)
+
+
+def steady_host(counters, steps):
+    """The allocator's host time per step after warm-up (µs, allocate + free, every thread of
+    this process) and its allocations per step, when host timing is on; else {}."""
+    before, after = counters.get("_host"), HOST_TIME()
+    if not before or not after or steps <= 0:
+        return {}
+    ns = (after["alloc_ns"] + after["free_ns"]) - (before["alloc_ns"] + before["free_ns"])
+    return {"host_us_per_step": ns / 1000 / steps,
+            "allocs_per_step": (after["alloc_calls"] - before["alloc_calls"]) / steps}
 
 
 def lengths(seed, n, lo, hi):
@@ -196,7 +216,8 @@ def run_one(args):
                num_device_alloc=stat("num_device_alloc"),
                num_device_free=stat("num_device_free"),
                num_sync_all_streams=stat("num_sync_all_streams"),
-               steady_device_calls=steady_calls(stat, counters))
+               steady_device_calls=steady_calls(stat, counters),
+               **steady_host(counters, args.steps - args.warmup))
     if args.record:
         path = os.path.join(args.record, f"{args.workload}.pickle")
         torch.cuda.memory._dump_snapshot(path)
@@ -238,7 +259,8 @@ def dist_worker(rank, world, args):
            "num_device_alloc": stat("num_device_alloc", rank),
            "num_device_free": stat("num_device_free", rank),
            "num_sync_all_streams": stat("num_sync_all_streams", rank),
-           "steady_device_calls": steady_calls(stat, counters, rank)}
+           "steady_device_calls": steady_calls(stat, counters, rank),
+           **steady_host(counters, args.steps - args.warmup)}
     if rank == 0:
         print("RESULT " + json.dumps(res), flush=True)
     dist.destroy_process_group()
@@ -271,6 +293,8 @@ def run_child(args, w, label, env_changes, cfg):
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_CACHING_ALLOCATOR_CONF")}
     env.update(env_changes)
+    if cfg is not None and args.host_timing:
+        env["CCA_HOST_TIMING"] = "1"
     t0 = time.time()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
@@ -324,14 +348,15 @@ def compare(args):
         gib = 1 << 30
         print(f"\n== {w} ({args.steps} steps, median after {args.warmup}; {reps} interleaved repeats)")
         print("| allocator | route | median step ms (min–max over repeats) | × native, median (min–max) | "
-              "peak reserved GiB | reserved / peak allocated | device allocs | device calls after warm-up | max rel loss diff |")
-        print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+              "× native, step by step | peak reserved GiB | reserved / peak allocated | device allocs | "
+              "device calls after warm-up | allocator host µs / step (allocs / step) | max rel loss diff |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for label, _, _ in allocators:
             mine = runs[label]
             pairs = [(c, n) for c, n in zip(mine, runs["native"]) if c is not None and n is not None]
             good_runs = [c for c in mine if c is not None]
             if not good_runs:
-                print(f"| {label} | failed | | | | | | | |")
+                print(f"| {label} | failed | | | | | | | | | |")
                 continue
             steps = [c["step_ms_median"] for c in good_runs]
             ratios = [c["step_ms_median"] / n["step_ms_median"] for c, n in pairs]
@@ -343,10 +368,21 @@ def compare(args):
             steady = [x.get("steady_device_calls") for x in good_runs]
             ratio = (f"{statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f})"
                      if ratios else "")
+            # Step by step: step i has the same inputs (sequence length, batch) under every
+            # allocator, so the ratio of the same step cancels the spread between steps; the
+            # median over the steps after warm-up of each repeat, then over the repeats.
+            per_rep = [statistics.median(a / b for a, b in zip(c["step_ms"][args.warmup:],
+                                                                n["step_ms"][args.warmup:]))
+                       for c, n in pairs if c.get("step_ms") and n.get("step_ms")]
+            stepwise = (f"{statistics.median(per_rep):.3f} ({min(per_rep):.3f}–{max(per_rep):.3f})"
+                        if per_rep else "")
+            hosts = [x for x in good_runs if "host_us_per_step" in x]
+            host = (f"{statistics.median(x['host_us_per_step'] for x in hosts):.0f} "
+                    f"({statistics.median(x['allocs_per_step'] for x in hosts):.0f})" if hosts else "")
             print(f"| {label} | {c['route']} | {statistics.median(steps):.2f} ({min(steps):.2f}–{max(steps):.2f}) | "
-                  f"{ratio} | {c['peak_reserved_bytes'] / gib:.3f} | "
+                  f"{ratio} | {stepwise} | {c['peak_reserved_bytes'] / gib:.3f} | "
                   f"{c['peak_reserved_bytes'] / max(c['peak_allocated_bytes'], 1):.4f} | "
-                  f"{c['num_device_alloc']} | {'/'.join(str(x) for x in steady)} | "
+                  f"{c['num_device_alloc']} | {'/'.join(str(x) for x in steady)} | {host} | "
                   f"{rel:.2g}{'' if good else ' MISMATCH'} |")
     if args.json:
         with open(args.json, "w") as f:
@@ -371,9 +407,12 @@ def main():
     p.add_argument("--timeout", type=int, default=400)
     p.add_argument("--allocators", nargs="*", default=None,
                    help="labels to run beside native (default: the four of ALLOCATORS; also "
-                        "cca-default-20m, cca-lean-fast, cca-no-lending)")
+                        "cca-default-20m, cca-lean-fast, cca-no-lending, cca-no-fast)")
     p.add_argument("--reps", type=int, default=int(os.environ.get("CCA_CLIENT_REPS", "1")),
                    help="interleaved repeats of every allocator (default 1, or $CCA_CLIENT_REPS)")
+    p.add_argument("--host-timing", action="store_true",
+                   help="time the allocator's host path in the crate's runs (CCA_HOST_TIMING=1) "
+                        "and report its µs per step")
     p.add_argument("--json")
     p.add_argument("--record", metavar="DIR",
                    help="run only PyTorch native, recording each workload's allocation history as "

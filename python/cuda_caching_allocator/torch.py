@@ -38,7 +38,8 @@ _NATIVE_MODULE = "cuda_caching_allocator._cca"
 _SHIM_DIR_ENV = "CCA_SHIM_BUILD_DIR"
 _ROUTE_ENV = "CCA_TORCH_ROUTE"
 
-_state = {"lib": None, "allocator": None, "path": None, "graph_hooks": False, "route": None}
+_state = {"lib": None, "allocator": None, "path": None, "graph_hooks": False, "route": None,
+          "shim": None}
 
 
 class EnableError(RuntimeError):
@@ -234,6 +235,7 @@ def enable(config=None, library=None, graphs=True, route="auto", build_dir=None,
             except Exception as e:  # a compiler error, a missing header: say which
                 raise EnableError(f"building the C++ shim failed: {e}") from e
             shim.install(path, cfg)
+            _state["shim"] = shim
             alloc = torch.cuda.memory._get_current_allocator()
             graph_hooks = True
         else:
@@ -277,6 +279,24 @@ def stat(key, device=0):
         raise EnableError("enable() was not called")
     value = lib.cca_memory_stat(device, key.encode())
     return None if value < 0 else value
+
+
+def host_time():
+    """The allocator's host time, summed over every thread since :func:`enable`, when the
+    environment had ``CCA_HOST_TIMING=1`` at :func:`enable` (shim route only): a dict with
+    ``alloc_ns``, ``alloc_calls``, ``free_ns`` and ``free_calls`` (the shim's own work
+    included; each call pays two clock reads for it). ``None`` when timing is off or on the
+    pluggable route, where PyTorch calls the library directly."""
+    if _state["lib"] is None:
+        raise EnableError("enable() was not called")
+    shim = _state.get("shim")
+    if shim is None:
+        return None
+    on, alloc_ns, alloc_calls, free_ns, free_calls = shim.host_time()
+    if not on:
+        return None
+    return {"alloc_ns": alloc_ns, "alloc_calls": alloc_calls, "free_ns": free_ns,
+            "free_calls": free_calls}
 
 
 def summary(device=0):

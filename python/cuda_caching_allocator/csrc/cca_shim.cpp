@@ -27,7 +27,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -58,6 +60,39 @@ using c10::CachingDeviceAllocator::SegmentInfo;
 using c10::CachingDeviceAllocator::TraceEntry;
 
 constexpr int kAbiVersion = 1;
+
+// Host time spent in the allocator, opt-in (CCA_HOST_TIMING=1 in the environment when the shim
+// is created): nanoseconds and calls of allocate (malloc_on) and free (free_ptr), the shim's own
+// work included, summed over every thread. Off, each call pays one relaxed load. It tells how
+// much of a step the allocator's host path takes (docs/pytorch.md, "Host time").
+struct HostTiming {
+  std::atomic<bool> on{false};
+  std::atomic<uint64_t> alloc_ns{0}, alloc_calls{0}, free_ns{0}, free_calls{0};
+};
+HostTiming g_timing;
+
+// Adds the time since `t0` to `ns` and one to `calls` when timing is on.
+class TimedScope {
+ public:
+  TimedScope(std::atomic<uint64_t>& ns, std::atomic<uint64_t>& calls)
+      : ns_(ns), calls_(calls), on_(g_timing.on.load(std::memory_order_relaxed)) {
+    if (on_) t0_ = std::chrono::steady_clock::now();
+  }
+  ~TimedScope() {
+    if (!on_) return;
+    auto d = std::chrono::steady_clock::now() - t0_;
+    ns_.fetch_add(static_cast<uint64_t>(
+                      std::chrono::duration_cast<std::chrono::nanoseconds>(d).count()),
+                  std::memory_order_relaxed);
+    calls_.fetch_add(1, std::memory_order_relaxed);
+  }
+
+ private:
+  std::atomic<uint64_t>& ns_;
+  std::atomic<uint64_t>& calls_;
+  bool on_;
+  std::chrono::steady_clock::time_point t0_;
+};
 
 // ---- the native library's C ABI (python/src/*.rs), resolved with dlsym ----------------------
 
@@ -581,6 +616,7 @@ class Shim : public CCA::CUDAAllocator {
 
   void free_ptr(void* ptr) {
     if (!ptr) return;
+    TimedScope timed(g_timing.free_ns, g_timing.free_calls);
     Live l;
     std::vector<AllocatorTraceTracker> trackers;
     {
@@ -675,6 +711,7 @@ class Shim : public CCA::CUDAAllocator {
   }
 
   void* malloc_on(size_t n, c10::DeviceIndex dev, cudaStream_t stream) {
+    TimedScope timed(g_timing.alloc_ns, g_timing.alloc_calls);
     MempoolId_t pool = routing_.load() ? pool_for(dev, stream) : MempoolId_t{0, 0};
     std::shared_ptr<c10::GatheredContext> ctx;
     CreateContextFn recorder = nullptr;
@@ -749,6 +786,8 @@ void raw_delete_fn(void* ptr) {
 std::shared_ptr<CCA::CUDAAllocator> create(const std::string& library, const std::string& config) {
   TORCH_CHECK(!g_shim, "cuda_caching_allocator: the allocator was already created");
   g_shim = new Shim(load_api(library), config);
+  const char* timing = std::getenv("CCA_HOST_TIMING");
+  g_timing.on.store(timing != nullptr && std::string(timing) == "1");
   // A no-op deleter: PyTorch's reference never destroys it.
   return std::shared_ptr<CCA::CUDAAllocator>(g_shim, [](CCA::CUDAAllocator*) {});
 }
@@ -769,4 +808,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("install", &cca::install, "Loads the native library and makes the allocator PyTorch's "
         "CUDA allocator", pybind11::arg("library"), pybind11::arg("config"));
   m.def("abi_version", []() { return cca::kAbiVersion; });
+  m.def("host_time", []() {
+    auto& t = cca::g_timing;
+    return pybind11::make_tuple(t.on.load(), t.alloc_ns.load(), t.alloc_calls.load(),
+                                t.free_ns.load(), t.free_calls.load());
+  }, "(on, allocate ns, allocate calls, free ns, free calls) of the opt-in host timing");
 }
