@@ -16,7 +16,9 @@
 #                                     # client through the installed package), clients (after
 #                                     # package: the #11 client suite, gpu/clients.py), record
 #                                     # (native runs of the clients recording PyTorch's memory
-#                                     # history as snapshot pickles), bench (gpu_bench --device
+#                                     # history as snapshot pickles), hostpair (after package or
+#                                     # install: host ns per allocate + free through PyTorch,
+#                                     # gpu/host_pair.py), bench (gpu_bench --device
 #                                     # cuda), pinned (the pinned host cache benchmark beside
 #                                     # PyTorch's host cache)
 set -uo pipefail
@@ -164,6 +166,13 @@ for phase in $PHASES; do
       "$HERE/clients.py" --python-dir "$PKG_DIR" --workloads ${CCA_CLIENTS:-sidestream generate ckpt} \
       --json "$OUT/clients.json" ${CCA_CLIENT_ARGS:-}
     grep -E '^== |^\||FAILED' "$OUT/clients.log" | cut -c1-300 | tee -a "$S" ;;
+  hostpair) # After `package` or `install`: host ns per allocate + free through PyTorch's own
+    # entry point, native against the crate's configurations (gpu/host_pair.py), one thread and
+    # across two threads; CCA_HOSTPAIR_REPS interleaved repeats (default 3).
+    PKG_DIR=$(cd /tmp && python3 -c 'import importlib.util as u, os; print(os.path.dirname(os.path.dirname(u.find_spec("cuda_caching_allocator").origin)))')
+    CCA_SHIM_BUILD_DIR=/tmp/cca-shim-build step hostpair timeout "$(left)" python3 \
+      "$HERE/host_pair.py" --python-dir "$PKG_DIR" --reps "${CCA_HOSTPAIR_REPS:-3}" --json "$OUT/host_pair.json"
+    grep -E '^\||FAILED' "$OUT/hostpair.log" | cut -c1-300 | tee -a "$S" ;;
   record) # PyTorch native runs of the single-GPU clients with PyTorch's memory history on, each
     # dumped as a snapshot pickle (gzipped) under $OUT/traces: our own traces of these workloads,
     # for cca replay on SimDevice. Needs no package (native only).
@@ -183,6 +192,6 @@ for phase in $PHASES; do
     grep -E '^(==|--)|^pair|GB/s|cached /|^goal|^(default|tight|frugal|power)| MiB:' "$OUT/pinned.log" | tee -a "$S"
     step pinned_torch timeout "$(( $(left) < 200 ? $(left) : 200 ))" python3 "$HERE/pinned_torch.py" --json "$OUT/pinned_torch.json"
     grep -vE '^\s*$' "$OUT/pinned_torch.log" | tail -20 | tee -a "$S" ;;
-  *) echo "unknown phase $phase (tests example torch safety sanitizer multigpu replay cold ports install package package_client clients record bench pinned)" | tee -a "$S" ;;
+  *) echo "unknown phase $phase (tests example torch safety sanitizer multigpu replay cold ports install package package_client clients hostpair record bench pinned)" | tee -a "$S" ;;
   esac
 done

@@ -84,6 +84,9 @@ pub(crate) struct State {
     event_pool: Vec<EventHandle>,
     /// Set when the last `alloc_block` failed because of the fraction cap.
     cap_rejected: bool,
+    /// Pages page reuse moved since the peak of allocated bytes last rose (Note [Page-move
+    /// budget] in `expandable.rs`).
+    pub(crate) steady_moves: u64,
     /// Reserved bytes when the cap was last set, shrinking as segments are released: lowering
     /// the cap below what is reserved is allowed; growing above it is not.
     pub(crate) cap_grace: usize,
@@ -150,6 +153,7 @@ impl State {
             unsynced: Vec::new(),
             event_pool: Vec::new(),
             cap_rejected: false,
+            steady_moves: 0,
             cap_grace: 0,
             history: None,
             cross_stream_handovers: 0,

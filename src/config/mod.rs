@@ -27,6 +27,7 @@ pub const ROUND_LARGE: usize = 2 * MIB;
 pub const LARGE_BUFFER: usize = 20 * MIB;
 /// Requests of this size or more are rejected outright (1 EiB), as PyTorch rejects them.
 pub const MAX_ALLOCATION_SIZE: u64 = 1 << 60;
+
 /// Number of `roundup_power2_divisions` buckets (1 MiB .. 64 GiB, one per power of two).
 pub const ROUNDUP_POWER2_BUCKETS: usize = 16;
 /// The most `roundup_power2_divisions` a bucket may have: the largest power of two whose
@@ -211,6 +212,13 @@ pub struct AllocatorConfig {
     /// unmapped later, once a fence query shows its work complete. `false`: such pages stay
     /// where they are and the growth creates new memory. See `docs/algorithm.md`, step 23b.
     pub page_lending: bool,
+    /// How many pages page reuse may move while the allocated bytes stay below their peak, as a
+    /// multiple of the pages reserved (crate key `cca_page_move_budget`; 0 = no budget). Once a
+    /// workload that no longer raises its peak has moved that many, growths create the pages
+    /// they lack instead of moving free ones, so a steady workload stops paying an unmap and a
+    /// map per page; the count starts again when the peak rises (Note [Page-move budget];
+    /// `docs/algorithm.md`, step 23d).
+    pub page_move_budget: u64,
     /// Whether the fraction cap counts only the physical bytes a growth really creates (crate key
     /// `cca_precise_cap`). PyTorch counts the whole segment size `get_allocation_size` gives,
     /// even when expandable segments map less or reuse pages.
@@ -282,6 +290,7 @@ impl AllocatorConfig {
             page_reuse_slack: 0.0,
             page_reuse_fence: false,
             page_lending: false,
+            page_move_budget: 0,
             precise_fraction_cap: false,
             fast_path: false,
             cross_stream_reuse: false,
@@ -476,6 +485,9 @@ impl AllocatorConfig {
         if self.page_lending != d.page_lending {
             out.push(format!("cca_page_lending:{}", flag(self.page_lending)));
         }
+        if self.page_move_budget != d.page_move_budget {
+            out.push(format!("cca_page_move_budget:{}", self.page_move_budget));
+        }
         if self.precise_fraction_cap != d.precise_fraction_cap {
             out.push(format!(
                 "cca_precise_cap:{}",
@@ -594,8 +606,8 @@ impl Default for AllocatorConfig {
     /// traces it reserves at most about 1.015 × the peak live bytes (PyTorch: 1.12–2.21×; PyTorch
     /// with expandable segments: 1.01–1.58×). As a configuration string:
     /// `expandable_segments:True,cca_large_page_size_mb:2,cca_page_reuse:device,`
-    /// `cca_page_reuse_slack:0.01,cca_page_reuse_fence:True,cca_page_lending:True,cca_precise_cap:True,`
-    /// `cca_fast_path:True`. Page reuse is
+    /// `cca_page_reuse_slack:0.01,cca_page_reuse_fence:True,cca_page_lending:True,`
+    /// `cca_page_move_budget:8,cca_precise_cap:True,cca_fast_path:True`. Page reuse is
     /// fenced by events, so the default never synchronizes a stream or the device outside
     /// `empty_cache` and the out-of-memory path.
     ///
@@ -619,6 +631,7 @@ impl Default for AllocatorConfig {
             page_reuse_slack: 0.01,
             page_reuse_fence: true,
             page_lending: true,
+            page_move_budget: 8,
             precise_fraction_cap: true,
             fast_path: true,
             ..AllocatorConfig::pytorch()
@@ -743,6 +756,14 @@ impl AllocatorConfigBuilder {
     /// (map them a second time, order by an event wait, unmap the old mapping later).
     pub fn page_lending(mut self, on: bool) -> Self {
         self.config.page_lending = on;
+        self
+    }
+
+    /// `cca_page_move_budget` (crate-specific): below the peak of allocated bytes, page reuse
+    /// moves at most `budget` × the reserved pages before growths create instead (0 = no
+    /// budget). See [`AllocatorConfig::page_move_budget`].
+    pub fn page_move_budget(mut self, budget: u64) -> Self {
+        self.config.page_move_budget = budget;
         self
     }
 

@@ -296,6 +296,11 @@ pub(super) fn apply(
                 i += 2;
                 c.page_lending = t.boolean(i, &key)?;
             }
+            "cca_page_move_budget" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                c.page_move_budget = t.size(i, &key)? as u64;
+            }
             "cca_precise_cap" => {
                 t.expect(i + 1, ":")?;
                 i += 2;
