@@ -175,6 +175,7 @@ fn run_json(label: &Labelled, run: &Run, trace_args: &TraceArgs) -> Value {
         "device_calls": device_calls_json(r),
         "modeled_device_ns": r.modeled_device_ns,
         "ns_per_op": lat.mean_ns,
+        "ns_per_op_timed": lat.timed_ops,
         "ns_per_op_p50": lat.p50_ns,
         "ns_per_op_p99": lat.p99_ns,
         "ns_per_op_max": lat.max_ns,
@@ -381,6 +382,13 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
         format!("{} / {}", lat.p50_ns, lat.p99_ns)
     );
     outln!(o, "{:<26}{:>18}", "host ns max", thousands(lat.max_ns));
+    outln!(
+        o,
+        "{:<26}{:>18}  (host ns: of these operations, one in {} timed)",
+        "host ns timed ops",
+        thousands(lat.timed_ops),
+        a.trace.time_every()
+    );
     outln!(
         o,
         "{:<26}{:>18}",
