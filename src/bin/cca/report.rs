@@ -550,7 +550,11 @@ pub(crate) fn compare(a: &CompareArgs) -> CliResult<()> {
         out!(o, "{:>w$}", format!("{:.0}", r.wall_ns_per_op()));
     }
     outln!(o);
-    outln!(o, "(host and wall times: measured on this machine)");
+    outln!(
+        o,
+        "(host and wall times: measured on this machine; host ns: one operation in {} timed)",
+        a.trace.time_every()
+    );
     if cols
         .iter()
         .zip(&runs)
