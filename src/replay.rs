@@ -19,7 +19,7 @@ use crate::backend::sim::{SimCounters, SimDevice};
 use crate::backend::{DeviceAddr, DeviceBackend, StreamId};
 use crate::error::AllocError;
 use crate::int_hash::IntMap;
-use crate::op_clock::{OpClock, OpTimes};
+use crate::op_clock::{OpClock, OpTimes, Sampler};
 use crate::stats::MemoryStats;
 use crate::trace::{Trace, TraceOp};
 
@@ -40,22 +40,30 @@ pub struct ReplayOptions {
     pub placement: Placement,
     /// Measure host time per operation (makes results timing-dependent; off by default).
     pub timing: bool,
+    /// With `timing`: time one operation in this many, at pseudo-random gaps that are the same
+    /// in every run (0 or 1: every operation). The untimed operations run without a clock read
+    /// around them; [`LatencySummary`] then describes the timed sample and says its size (see
+    /// Note [Sampled op times] in `op_clock.rs`).
+    pub time_one_in: u32,
     /// Stop at the first out-of-memory error instead of counting it and going on.
     pub stop_on_oom: bool,
     /// Run the invariant checker after every event (slow; for tests).
     pub check_invariants: bool,
 }
 
-/// Host time per operation, in nanoseconds.
+/// Host time per operation, in nanoseconds, over the timed operations (all of them, or the
+/// sample [`ReplayOptions::time_one_in`] asks for).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct LatencySummary {
+    /// Operations timed.
+    pub timed_ops: u64,
     /// Mean.
     pub mean_ns: f64,
     /// Median.
     pub p50_ns: u64,
     /// 99th percentile.
     pub p99_ns: u64,
-    /// Maximum.
+    /// Maximum (of the timed operations: with a sample, a lower bound of the run's).
     pub max_ns: u64,
 }
 
@@ -236,7 +244,8 @@ type Observer<'a, B> = &'a mut dyn FnMut(usize, u64, &CachingAllocator<B>);
 /// full statistics and the fragmentation report are taken only at a new reserved peak. Live
 /// trace ids sit in a table indexed by id ([`LiveIds`]; ids beyond the trace's length in a map
 /// with the integer hasher of `int_hash`), a placement hint is cleared only when one may be pending,
-/// and host times are read from the cheap clock of `op_clock` (Note [Op clock]).
+/// and host times are read from the cheap clock of `op_clock` (Note [Op clock]), around the
+/// operations its sampler picks (Note [Sampled op times]).
 // Out of line: callgrind's `--toggle-collect='*replay_loop*'` measures the loop by this name.
 #[inline(never)]
 fn replay_loop<B: DeviceBackend>(
@@ -274,6 +283,9 @@ fn replay_loop<B: DeviceBackend>(
     } else {
         OpTimes::default()
     };
+    let mut sampler = Sampler::one_in(opts.time_one_in);
+    // Whether to time the next operation: with a clock, when the sampler picks it.
+    let mut timed = move || clock.filter(|_| sampler.next());
     let (mut peak_reserved, mut peak_segments) = (0i64, 0i64);
     note_peak(alloc, &mut report, &mut peak_reserved, &mut peak_segments);
 
@@ -292,9 +304,10 @@ fn replay_loop<B: DeviceBackend>(
                 if faithful && !has_segment_events {
                     set_hint(*addr);
                 }
-                let t0 = clock.map(|c| c.ticks());
+                let c = timed();
+                let t0 = c.map(|c| c.ticks());
                 let r = alloc.allocate(*size as usize, StreamId(*stream));
-                if let (Some(c), Some(t0)) = (&clock, t0) {
+                if let (Some(c), Some(t0)) = (c, t0) {
                     times.push(c.ticks().saturating_sub(t0));
                 }
                 if faithful {
@@ -322,9 +335,10 @@ fn replay_loop<B: DeviceBackend>(
                     }
                     return Err(ReplayError::UnknownId { index, id: *id });
                 };
-                let t0 = clock.map(|c| c.ticks());
+                let c = timed();
+                let t0 = c.map(|c| c.ticks());
                 let r = alloc.free(ptr);
-                if let (Some(c), Some(t0)) = (&clock, t0) {
+                if let (Some(c), Some(t0)) = (c, t0) {
                     times.push(c.ticks().saturating_sub(t0));
                 }
                 r.map_err(|source| ReplayError::Allocator { index, source })?;
@@ -371,6 +385,7 @@ fn replay_loop<B: DeviceBackend>(
     report.final_stats = st;
     if let Some(c) = clock {
         report.latency = times.summary(c.ns_per_tick()).map(|t| LatencySummary {
+            timed_ops: t.count,
             mean_ns: t.mean_ns,
             p50_ns: t.p50_ns,
             p99_ns: t.p99_ns,

@@ -272,6 +272,11 @@ fn check_free_sets(st: &State) -> Result<(), InvariantViolation> {
                 .map(move |kind| (slot, kind, p.set_ref(kind)))
         }));
     for (owner, kind, set) in sets {
+        if let Err(detail) = set.blocks.check() {
+            return Err(bad(format!(
+                "{kind:?} free set of pool slot {owner}: {detail}"
+            )));
+        }
         for k in &set.blocks {
             let Some(b) = st.arena.get(k.id) else {
                 return Err(bad(format!(

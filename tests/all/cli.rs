@@ -121,6 +121,42 @@ fn cli_replay_on_the_simulated_device_reports_wall_time() {
     assert!(text.contains("wall ns per op"), "{text}");
 }
 
+/// Host time per operation: by default on the simulated device one operation in 16 is timed
+/// (Note [Sampled op times]), `--time-every 1` times every allocation and free; the allocator's
+/// decisions are the same either way.
+#[test]
+fn replay_times_a_sample_of_operations_or_every_one() {
+    let t = trace();
+    let run = |extra: &[&str]| {
+        let mut args = vec!["replay", t.to_str().unwrap(), "--json"];
+        args.extend_from_slice(extra);
+        let out = cca(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let (every, sampled) = (run(&["--time-every", "1"]), run(&[]));
+    let ops = every["allocs"].as_u64().unwrap() + every["frees"].as_u64().unwrap();
+    assert_eq!(every["ns_per_op_timed"].as_u64().unwrap(), ops);
+    let timed = sampled["ns_per_op_timed"].as_u64().unwrap();
+    assert!(
+        timed > ops / 32 && timed < ops / 8,
+        "{timed} of {ops} timed"
+    );
+    for key in [
+        "peak_reserved_bytes",
+        "peak_allocated_bytes",
+        "num_device_alloc",
+    ] {
+        assert_eq!(every[key], sampled[key], "{key}");
+    }
+    let out = cca(&["replay", t.to_str().unwrap(), "--time-every", "0"]);
+    assert!(!out.status.success());
+}
+
 /// Writes `contents` to a fresh file `name` under the tests' scratch folder.
 fn scratch_file(name: &str, contents: &[u8]) -> PathBuf {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli");

@@ -21,13 +21,14 @@ pub(crate) fn run(
     ordinal: usize,
     label: &str,
     points: usize,
+    time_every: u32,
 ) -> CliResult<Run> {
     // cudarc panics where the driver library lacks a function its bindings name (a driver older
     // than the bindings' CUDA version); turn that into an error instead of a crash.
     let previous = std::panic::take_hook();
     std::panic::set_hook(Box::new(|_| {}));
     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        cuda::run(trace, config, ordinal, label, points)
+        cuda::run(trace, config, ordinal, label, points, time_every)
     }));
     std::panic::set_hook(previous);
     match outcome {
@@ -55,6 +56,7 @@ pub(crate) fn run(
     ordinal: usize,
     _label: &str,
     _points: usize,
+    _time_every: u32,
 ) -> CliResult<Run> {
     Err(format!(
         "--device cuda:{ordinal}: this cca was built without CUDA support; rebuild it with \
@@ -150,6 +152,7 @@ mod cuda {
         ordinal: usize,
         label: &str,
         points: usize,
+        time_every: u32,
     ) -> CliResult<Run> {
         let device = open(ordinal)?;
         let name = device
@@ -159,8 +162,15 @@ mod cuda {
         let total = device.mem_info()?.total;
         let (trace, streams) = map_streams(trace, &device)?;
         let alloc = CachingAllocator::new(&device, config.clone())?;
-        let (report, timeline, wall) =
-            replay_timed(&alloc, &trace, Placement::Fresh, None, label, points)?;
+        let (report, timeline, wall) = replay_timed(
+            &alloc,
+            &trace,
+            Placement::Fresh,
+            None,
+            label,
+            points,
+            time_every,
+        )?;
         match release(&alloc) {
             Ok(0) => {}
             Ok(live) => eprintln!(

@@ -227,7 +227,9 @@ pub(crate) fn run(
 ) -> CliResult<Run> {
     match args.device {
         DeviceArg::Sim => run_sim(trace, config, args, label, points),
-        DeviceArg::Cuda(ordinal) => crate::gpu::run(trace, config, ordinal, label, points),
+        DeviceArg::Cuda(ordinal) => {
+            crate::gpu::run(trace, config, ordinal, label, points, args.time_every())
+        }
     }
 }
 
@@ -255,8 +257,15 @@ fn run_sim(
         None => dev.clear_placement_hint(),
     };
     let before = dev.counters();
-    let (mut report, timeline, wall) =
-        replay_timed(&alloc, trace, placement, Some(&hint), label, points)?;
+    let (mut report, timeline, wall) = replay_timed(
+        &alloc,
+        trace,
+        placement,
+        Some(&hint),
+        label,
+        points,
+        args.time_every(),
+    )?;
     report.add_device_cost(&before, &dev.counters());
     Ok(Run {
         report,
@@ -277,7 +286,8 @@ fn run_sim(
 /// A replay's report, timeline of (event, allocated, reserved) and wall-clock time.
 pub(crate) type Timed = (ReplayReport, Vec<(usize, u64, u64)>, Duration);
 
-/// The replay loop shared by every device: host time per operation, a timeline of `points`
+/// The replay loop shared by every device: host time per operation (of one operation in
+/// `time_every`, Note [Sampled op times] in the library's `op_clock.rs`), a timeline of `points`
 /// points (each the maximum over its bucket of events, so no peak is lost), a progress bar on
 /// stderr once the run has lasted a second, and the loop's wall-clock time.
 pub(crate) fn replay_timed<B: DeviceBackend>(
@@ -287,10 +297,12 @@ pub(crate) fn replay_timed<B: DeviceBackend>(
     hint: Option<&dyn Fn(Option<u64>)>,
     label: &str,
     points: usize,
+    time_every: u32,
 ) -> CliResult<Timed> {
     let opts = ReplayOptions {
         placement,
         timing: true,
+        time_one_in: time_every,
         ..ReplayOptions::default()
     };
     let total = trace.events.len();

@@ -175,6 +175,7 @@ fn run_json(label: &Labelled, run: &Run, trace_args: &TraceArgs) -> Value {
         "device_calls": device_calls_json(r),
         "modeled_device_ns": r.modeled_device_ns,
         "ns_per_op": lat.mean_ns,
+        "ns_per_op_timed": lat.timed_ops,
         "ns_per_op_p50": lat.p50_ns,
         "ns_per_op_p99": lat.p99_ns,
         "ns_per_op_max": lat.max_ns,
@@ -383,6 +384,13 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
     outln!(o, "{:<26}{:>18}", "host ns max", thousands(lat.max_ns));
     outln!(
         o,
+        "{:<26}{:>18}  (host ns: of these operations, one in {} timed)",
+        "host ns timed ops",
+        thousands(lat.timed_ops),
+        a.trace.time_every()
+    );
+    outln!(
+        o,
         "{:<26}{:>18}",
         "wall time",
         format!("{:.3} s", run.wall.as_secs_f64())
@@ -542,7 +550,11 @@ pub(crate) fn compare(a: &CompareArgs) -> CliResult<()> {
         out!(o, "{:>w$}", format!("{:.0}", r.wall_ns_per_op()));
     }
     outln!(o);
-    outln!(o, "(host and wall times: measured on this machine)");
+    outln!(
+        o,
+        "(host and wall times: measured on this machine; host ns: one operation in {} timed)",
+        a.trace.time_every()
+    );
     if cols
         .iter()
         .zip(&runs)
