@@ -112,9 +112,11 @@ pub(crate) enum Give {
     Cached,
     /// The block was already cached: a double free.
     DoubleFree,
-    /// Take the locked path (no room, `record_stream`, caching off for now, or not managed
-    /// here).
+    /// Take the locked path (no room, `record_stream`, caching off for now).
     Slow,
+    /// Not managed here: take the locked path (which need not look again: see
+    /// [`take_not_mine`](Local::take_not_mine)).
+    NotMine,
 }
 
 /// Blocks a slot eviction took out of their bin (descriptor indices).
@@ -166,6 +168,9 @@ pub(crate) struct Local {
     window_misses: u32,
     window_hits: u32,
     paused: u32,
+    /// The address the last free found unmanaged here, until the locked path takes the answer
+    /// or a block is registered.
+    not_mine: Option<u64>,
 }
 
 impl Local {
@@ -194,6 +199,7 @@ impl Local {
             window_misses: 0,
             window_hits: 0,
             paused: 0,
+            not_mine: None,
         }
     }
 
@@ -324,7 +330,10 @@ impl Local {
                     self.recent[h] = Some((ptr, i));
                     i
                 }
-                None => return Give::Slow,
+                None => {
+                    self.not_mine = Some(ptr);
+                    return Give::NotMine;
+                }
             },
         };
         // The descriptor must be the block at `ptr`: a vacant one, or one reused for another
@@ -407,6 +416,13 @@ impl Local {
     }
 
     // ---- locked path (the caller holds the core lock) ---------------------------------------
+
+    /// Whether the last free of this thread found `ptr` unmanaged here (no block was registered
+    /// since: only this thread registers blocks here); forgets the answer.
+    #[inline]
+    pub(crate) fn take_not_mine(&mut self, ptr: u64) -> bool {
+        self.not_mine.take() == Some(ptr)
+    }
 
     /// Counts a miss; returns whether the cache is active (admitting blocks). A cache that got
     /// fewer than [`HITS_PER_MISS`] hits per miss over the last window of [`WINDOW`] misses
@@ -661,6 +677,7 @@ impl Local {
     /// Starts managing a block the core just allocated for a user on this thread; returns its
     /// descriptor index.
     pub(crate) fn register(&mut self, v: &DescView, rounded: usize, stream: StreamId) -> u32 {
+        self.not_mine = None;
         let i = match self.vacant.pop() {
             Some(i) => i,
             None => {
@@ -922,7 +939,7 @@ mod tests {
     fn sentinel_addresses_never_match_a_descriptor() {
         let mut l = local_with_block(0x10_0000);
         for p in [0, u64::MAX, u64::MAX - 511, 0x10_0000 + 512] {
-            assert_eq!(l.give(p, true), Give::Slow, "{p:#x}");
+            assert_eq!(l.give(p, true), Give::NotMine, "{p:#x}");
         }
         assert_eq!(l.cached_count, 0);
         l.check().unwrap();
