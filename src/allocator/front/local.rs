@@ -49,6 +49,10 @@ pub(crate) const WINDOW: u32 = 256;
 pub(crate) const HITS_PER_MISS: f64 = 0.5;
 /// Windows a paused cache admits nothing (and costs almost nothing) before it tries again.
 pub(crate) const PAUSE_WINDOWS: u32 = 8;
+/// The longest pause: each trial window that does not pay doubles the next pause, from
+/// [`PAUSE_WINDOWS`] up to this (a training loop whose sizes come back too rarely pays a trial
+/// window per 64 paused ones instead of per 8).
+pub(crate) const MAX_PAUSE_WINDOWS: u32 = 64;
 
 /// Bounds of one thread cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -168,6 +172,8 @@ pub(crate) struct Local {
     window_misses: u32,
     window_hits: u32,
     paused: u32,
+    /// The length of the last pause (0 after a productive window).
+    pause: u32,
     /// The address the last free found unmanaged here, until the locked path takes the answer
     /// or a block is registered.
     not_mine: Option<u64>,
@@ -199,6 +205,7 @@ impl Local {
             window_misses: 0,
             window_hits: 0,
             paused: 0,
+            pause: 0,
             not_mine: None,
         }
     }
@@ -427,7 +434,8 @@ impl Local {
     /// Counts a miss; returns whether the cache is active (admitting blocks). A cache that got
     /// fewer than [`HITS_PER_MISS`] hits per miss over the last window of [`WINDOW`] misses
     /// (random sizes, or sizes that come back too rarely) pauses for [`PAUSE_WINDOWS`] windows,
-    /// then tries again.
+    /// then tries again; each further trial that does not pay doubles the pause, up to
+    /// [`MAX_PAUSE_WINDOWS`].
     pub(crate) fn note_miss(&mut self) -> bool {
         self.window_misses += 1;
         if self.window_misses >= WINDOW {
@@ -435,7 +443,11 @@ impl Local {
             if self.paused > 0 {
                 self.paused -= 1;
             } else if !productive {
-                self.paused = PAUSE_WINDOWS;
+                // Each unproductive trial doubles the next pause.
+                self.pause = (self.pause * 2).clamp(PAUSE_WINDOWS, MAX_PAUSE_WINDOWS);
+                self.paused = self.pause;
+            } else {
+                self.pause = 0;
             }
             self.window_misses = 0;
             self.window_hits = 0;
