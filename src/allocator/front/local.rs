@@ -287,6 +287,10 @@ impl Local {
         rounded: usize,
         req: usize,
     ) -> Option<(u64, usize)> {
+        // A quiet cache's misses skip the bin look-up.
+        if self.cached_count == 0 {
+            return None;
+        }
         let s = self.find_slot(stream, rounded)?;
         let slot = self.slots.get_mut(s)?;
         let len = slot.len.checked_sub(1)?;
