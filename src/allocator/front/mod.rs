@@ -23,8 +23,9 @@
 //!   `empty_cache`, when the history recorder starts, when the allocator is dropped, and (at the
 //!   next locked operation) when the owner thread has exited. Caches are bounded ([`Bounds`]).
 //! * **It pays or it pauses.** A cache that got fewer hits than half its misses over a window
-//!   (random sizes) stops admitting blocks for a while, so that its misses cost little more than
-//!   the core's (`local::Local::note_miss`).
+//!   (random sizes) stops admitting blocks for a while, longer each time a trial window again
+//!   does not pay, so that its misses cost little more than the core's
+//!   (`local::Local::note_miss`, Note [Misses of a quiet cache]).
 //! * **Statistics** stay exact (`delta.rs`): a block in a front cache counts as *freed* for
 //!   `allocation`, `active`, `allocated_bytes`, `active_bytes` and `requested_bytes` (PyTorch's
 //!   meaning: allocated bytes drop on free). It stays unmerged until it is flushed, so it does
@@ -66,9 +67,11 @@
 //! owner adds blocks to its index, and a registration forgets the answer), so the locked free
 //! does not look again, and it skips the synchronisation after the core's free when that would
 //! do nothing. On the recorded training traces, where 1 allocation in 24 to 27 hits the
-//! front cache, this took the host instructions of the replay from 1.27 × (`ckpt`) and
-//! 1.24 × (`sidestream`) those without the fast path to 1.21 × and 1.18 × (see
-//! `benches/README.md`), with every decision unchanged.
+//! front cache, this and pauses that double while trials do not pay took the host
+//! instructions of the replay from 1.27 × (`ckpt`) and 1.24 × (`sidestream`) those without the
+//! fast path to 1.18 × and 1.15 × (see `benches/README.md`), with every decision unchanged. What
+//! is left is mostly the peak raise of each locked allocation and the fast-path attempts of the
+//! operations that then miss.
 //!
 //! Note [Peaks with several threads]: `current`, `allocated` and `freed` are exact sums of the
 //! core's values and each cache's delta, each delta read whole at one instant of the read (Note
