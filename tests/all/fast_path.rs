@@ -691,7 +691,7 @@ fn front_caches_keep_pytorchs_peak_reserved_on_the_shipped_traces() {
 }
 
 #[test]
-fn a_cache_that_does_not_pay_pauses_and_tries_again() {
+fn a_cache_that_does_not_pay_pauses_and_tries_again_after_longer_pauses() {
     let a = fast_on(1 << 30);
     let misses = |n: usize, from: usize| {
         for k in 0..n {
@@ -713,6 +713,12 @@ fn a_cache_that_does_not_pay_pauses_and_tries_again() {
     // After the pause it tries again.
     misses(8 * 256, 300);
     assert_eq!(pairs(), 1, "active again");
+    // A trial window that does not pay doubles the pause: 16 windows now.
+    misses(300, 3000);
+    misses(14 * 256, 4000);
+    assert_eq!(pairs(), 0, "still paused after 8 windows and more");
+    misses(2 * 256, 8000);
+    assert_eq!(pairs(), 1, "active again after 16 windows");
     a.check_invariants().unwrap();
 }
 

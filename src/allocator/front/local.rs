@@ -49,6 +49,10 @@ pub(crate) const WINDOW: u32 = 256;
 pub(crate) const HITS_PER_MISS: f64 = 0.5;
 /// Windows a paused cache admits nothing (and costs almost nothing) before it tries again.
 pub(crate) const PAUSE_WINDOWS: u32 = 8;
+/// The longest pause: each trial window that does not pay doubles the next pause, from
+/// [`PAUSE_WINDOWS`] up to this (a training loop whose sizes come back too rarely pays a trial
+/// window per 64 paused ones instead of per 8).
+pub(crate) const MAX_PAUSE_WINDOWS: u32 = 64;
 
 /// Bounds of one thread cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -112,9 +116,11 @@ pub(crate) enum Give {
     Cached,
     /// The block was already cached: a double free.
     DoubleFree,
-    /// Take the locked path (no room, `record_stream`, caching off for now, or not managed
-    /// here).
+    /// Take the locked path (no room, `record_stream`, caching off for now).
     Slow,
+    /// Not managed here: take the locked path (which need not look again: see
+    /// [`take_not_mine`](Local::take_not_mine)).
+    NotMine,
 }
 
 /// Blocks a slot eviction took out of their bin (descriptor indices).
@@ -166,6 +172,11 @@ pub(crate) struct Local {
     window_misses: u32,
     window_hits: u32,
     paused: u32,
+    /// The length of the last pause (0 after a productive window).
+    pause: u32,
+    /// The address the last free found unmanaged here, until the locked path takes the answer
+    /// or a block is registered.
+    not_mine: Option<u64>,
 }
 
 impl Local {
@@ -194,6 +205,8 @@ impl Local {
             window_misses: 0,
             window_hits: 0,
             paused: 0,
+            pause: 0,
+            not_mine: None,
         }
     }
 
@@ -274,6 +287,10 @@ impl Local {
         rounded: usize,
         req: usize,
     ) -> Option<(u64, usize)> {
+        // A quiet cache's misses skip the bin look-up.
+        if self.cached_count == 0 {
+            return None;
+        }
         let s = self.find_slot(stream, rounded)?;
         let slot = self.slots.get_mut(s)?;
         let len = slot.len.checked_sub(1)?;
@@ -324,7 +341,10 @@ impl Local {
                     self.recent[h] = Some((ptr, i));
                     i
                 }
-                None => return Give::Slow,
+                None => {
+                    self.not_mine = Some(ptr);
+                    return Give::NotMine;
+                }
             },
         };
         // The descriptor must be the block at `ptr`: a vacant one, or one reused for another
@@ -408,10 +428,18 @@ impl Local {
 
     // ---- locked path (the caller holds the core lock) ---------------------------------------
 
+    /// Whether the last free of this thread found `ptr` unmanaged here (no block was registered
+    /// since: only this thread registers blocks here); forgets the answer.
+    #[inline]
+    pub(crate) fn take_not_mine(&mut self, ptr: u64) -> bool {
+        self.not_mine.take() == Some(ptr)
+    }
+
     /// Counts a miss; returns whether the cache is active (admitting blocks). A cache that got
     /// fewer than [`HITS_PER_MISS`] hits per miss over the last window of [`WINDOW`] misses
     /// (random sizes, or sizes that come back too rarely) pauses for [`PAUSE_WINDOWS`] windows,
-    /// then tries again.
+    /// then tries again; each further trial that does not pay doubles the pause, up to
+    /// [`MAX_PAUSE_WINDOWS`].
     pub(crate) fn note_miss(&mut self) -> bool {
         self.window_misses += 1;
         if self.window_misses >= WINDOW {
@@ -419,7 +447,11 @@ impl Local {
             if self.paused > 0 {
                 self.paused -= 1;
             } else if !productive {
-                self.paused = PAUSE_WINDOWS;
+                // Each unproductive trial doubles the next pause.
+                self.pause = (self.pause * 2).clamp(PAUSE_WINDOWS, MAX_PAUSE_WINDOWS);
+                self.paused = self.pause;
+            } else {
+                self.pause = 0;
             }
             self.window_misses = 0;
             self.window_hits = 0;
@@ -661,6 +693,7 @@ impl Local {
     /// Starts managing a block the core just allocated for a user on this thread; returns its
     /// descriptor index.
     pub(crate) fn register(&mut self, v: &DescView, rounded: usize, stream: StreamId) -> u32 {
+        self.not_mine = None;
         let i = match self.vacant.pop() {
             Some(i) => i,
             None => {
@@ -922,7 +955,7 @@ mod tests {
     fn sentinel_addresses_never_match_a_descriptor() {
         let mut l = local_with_block(0x10_0000);
         for p in [0, u64::MAX, u64::MAX - 511, 0x10_0000 + 512] {
-            assert_eq!(l.give(p, true), Give::Slow, "{p:#x}");
+            assert_eq!(l.give(p, true), Give::NotMine, "{p:#x}");
         }
         assert_eq!(l.cached_count, 0);
         l.check().unwrap();
