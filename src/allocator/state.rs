@@ -567,8 +567,7 @@ impl State {
         [b.prev, b.next]
             .into_iter()
             .flatten()
-            .filter_map(|n| self.arena.get(n))
-            .any(|n| !n.allocated && n.mapped && n.event_count == 0 && n.stream_uses.is_empty())
+            .any(|n| self.arena.get(n).is_some_and(|b| b.mapped) && self.allocatable(n))
     }
 
     fn classify_bad_pointer(&self, ptr: DeviceAddr) -> AllocError {

@@ -27,7 +27,6 @@ pub const ROUND_LARGE: usize = 2 * MIB;
 pub const LARGE_BUFFER: usize = 20 * MIB;
 /// Requests of this size or more are rejected outright (1 EiB), as PyTorch rejects them.
 pub const MAX_ALLOCATION_SIZE: u64 = 1 << 60;
-
 /// Number of `roundup_power2_divisions` buckets (1 MiB .. 64 GiB, one per power of two).
 pub const ROUNDUP_POWER2_BUCKETS: usize = 16;
 /// The most `roundup_power2_divisions` a bucket may have: the largest power of two whose

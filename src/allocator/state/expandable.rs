@@ -547,12 +547,12 @@ impl State {
             }
         }
         let need = n - have;
+        // Allocated bytes after the request, and their peak so far.
+        let after = (self.stats.memory_allocated().max(0) as usize).saturating_add(growth.request);
+        let peak = self.stats.max_memory_allocated().max(0) as usize;
         // Within the slack, new pages are cheaper than moving pages around.
         let allowance = if self.config.page_reuse_slack > 0.0 {
-            let allocated = self.stats.memory_allocated().max(0) as usize;
-            let peak = self.stats.max_memory_allocated().max(0) as usize;
-            let budget = (allocated.saturating_add(growth.request).max(peak) as f64
-                * (1.0 + self.config.page_reuse_slack)) as usize;
+            let budget = (after.max(peak) as f64 * (1.0 + self.config.page_reuse_slack)) as usize;
             budget.saturating_sub(self.total_allocated_memory) / page
         } else {
             0
@@ -562,16 +562,10 @@ impl State {
         let mut to_reclaim = need.saturating_sub(allowance);
         // Note [Page-move budget]: below the peak, moves come from a budget.
         let budget = self.config.page_move_budget;
-        let budgeted = budget > 0 && {
-            let allocated = self.stats.memory_allocated().max(0) as usize;
-            let peak = self.stats.max_memory_allocated().max(0) as usize;
-            if allocated.saturating_add(growth.request) > peak {
-                self.steady_moves = 0;
-                false
-            } else {
-                true
-            }
-        };
+        if after > peak {
+            self.steady_moves = 0;
+        }
+        let budgeted = budget > 0 && after <= peak;
         if budgeted {
             let allowed = budget.saturating_mul((self.total_allocated_memory / page) as u64);
             to_reclaim = to_reclaim.min(allowed.saturating_sub(self.steady_moves) as usize);
