@@ -3,7 +3,7 @@
 # machine: release test binary, examples (cudarc migration, framework storage, ports,
 # pinned_bench, gpu_bench), the `cca` CLI built with CUDA support (features cli,cuda), the PyTorch package as
 # a wheel (maturin, installed there with `pip install --no-deps --no-index`) and its native library
-# alone (libcca_torch.so, for the ctypes phases), the shipped traces, gpu/*.py and gpu/run.sh,
+# alone (libcca_torch.so, for the ctypes phases), the shipped traces, gpu/*.py, gpu/*.cpp and gpu/run.sh,
 # stripped to fit the device tool's 64 MiB transfer limit.
 #
 #   gpu/build.sh [DEST]        # DEST defaults to /work/main/gpu-bin
@@ -45,7 +45,7 @@ rm -rf "$WHEELS"
 strip --strip-debug "$DEST/cuda_tests" "$DEST/cudarc_migration" "$DEST/framework_storage" \
   "$DEST/ports" "$DEST/pinned_bench" "$DEST/gpu_bench" "$DEST/libcca_torch.so"
 strip "$DEST/cca"
-cp gpu/*.py gpu/run.sh gpu/ports.sh "$DEST/"
+cp gpu/*.py gpu/*.cpp gpu/run.sh gpu/ports.sh "$DEST/"
 rm -rf "$DEST/python"
 mkdir -p "$DEST/python"
 cp -r python/cuda_caching_allocator python/tests "$DEST/python/"

@@ -20,6 +20,15 @@ JSON.
 
     python3 clients.py --python-dir gpu-bin/python --library gpu-bin/libcca_torch.so \
         --workloads sidestream generate ckpt [--reps 3] [--json out.json]
+
+With `--ab`, each workload instead runs in one process holding two allocators, PyTorch's native
+one and the crate's (one configuration, `--allocators`, default cca-default), behind
+`gpu/ab_shim.cpp`: every step's input runs twice in a row, once under each allocator, in ABBA
+order, and the table gives the crate's time over native's for the same input a step apart
+(median and quartiles over the steps after warm-up, pooled over `--reps` processes). Drift of
+the host between processes, which moved separate-process ratios by ±20 %, cancels; memory
+figures still come from the separate-process runs (each allocator here keeps its own cache in
+the same device).
 """
 import argparse
 import json
@@ -52,10 +61,52 @@ EXTRA_ALLOCATORS = [
 HOST_TIME = lambda: None  # noqa: E731
 
 
+# The A/B extension (gpu/ab_shim.cpp) in --ab runs, or None.
+AB = None
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def setup_ab(args):
+    """Installs the A/B allocator: PyTorch's native allocator and the crate's shim object under
+    `args.ab_config`, switched by `AB.set_mode` (0 native, 1 the crate)."""
+    import torch
+    from torch.utils import cpp_extension
+
+    sys.path.insert(0, args.python_dir)
+    from cuda_caching_allocator import torch as cca
+
+    path = cca._find_library(args.library)
+    cfg = cca._apply_config(args.ab_config)
+    cca._check_config(cca._load_library(path))
+    shim = cca.build_shim()
+    build = os.path.join(os.environ.get("CCA_SHIM_BUILD_DIR", "/tmp/cca-shim-build"), "ab")
+    os.makedirs(build, exist_ok=True)
+    mod = cpp_extension.load(name="ab_shim", sources=[os.path.join(HERE, "ab_shim.cpp")],
+                             build_directory=build, with_cuda=True, extra_cflags=["-O2"])
+    mod.install(shim.create(path, cfg))
+    global AB, HOST_TIME
+    AB = mod
+
+    def host_time():
+        on, alloc_ns, alloc_calls, free_ns, free_calls = shim.host_time()
+        return ({"alloc_ns": alloc_ns, "alloc_calls": alloc_calls, "free_ns": free_ns,
+                 "free_calls": free_calls} if on else None)
+
+    HOST_TIME = host_time
+
+    def stat(key, device=0):
+        return mod.stats(1, device).get(key, 0)
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return torch, stat, "ab"
+
+
 def setup(args):
     """Installs the allocator (cca runs) before CUDA is touched; returns a stat reader."""
     import torch
 
+    if args.ab_config is not None:
+        return setup_ab(args)
     if args.cca_config is not None:
         sys.path.insert(0, args.python_dir)
         from cuda_caching_allocator import torch as cca
@@ -122,6 +173,51 @@ def steady_host(counters, steps):
             "allocs_per_step": (after["alloc_calls"] - before["alloc_calls"]) / steps}
 
 
+def ab_mode(i):
+    """--ab: the allocator of execution `i` (0 native, 1 the crate). Logical step j runs as
+    executions 2j and 2j + 1, native first when j is even, the crate first when j is odd (ABBA),
+    so that a drift of the host within a pair falls on each allocator alike."""
+    j, second = divmod(i, 2)
+    return (j + second) % 2
+
+
+def ab_probe(args, device=0):
+    """--ab: (callback, counters); the callback sets the allocator of each execution and reads
+    both sides' device counters at the end of warm-up (execution 2 × warmup)."""
+    counters = {}
+
+    def at(i):
+        AB.set_mode(ab_mode(i))
+        if i == 2 * args.warmup:
+            for side in (0, 1):
+                st = AB.stats(side, device)
+                counters[side] = {k: st[k] for k in DEVICE_COUNTERS}
+            counters["_host"] = HOST_TIME()
+
+    return at, counters
+
+
+def ab_result(args, times, counters, device=0):
+    """--ab: per logical step after warm-up, native's and the crate's time for the same input,
+    their ratio, and each side's peaks and device calls after warm-up."""
+    native, crate, crate_first = [], [], []
+    for j in range(args.warmup, len(times) // 2):
+        a, b = times[2 * j], times[2 * j + 1]
+        n, c = (a, b) if ab_mode(2 * j) == 0 else (b, a)
+        native.append(1000 * n)
+        crate.append(1000 * c)
+        crate_first.append(ab_mode(2 * j) == 1)
+    res = {"native_ms": native, "crate_ms": crate, "crate_first": crate_first}
+    for side, name in ((0, "native"), (1, "crate")):
+        st = AB.stats(side, device)
+        res[f"{name}_peak_reserved_bytes"] = st["reserved_bytes.all.peak"]
+        res[f"{name}_peak_allocated_bytes"] = st["allocated_bytes.all.peak"]
+        res[f"{name}_steady_device_calls"] = (
+            sum(st[k] - counters[side][k] for k in DEVICE_COUNTERS) if side in counters else None)
+    res.update(steady_host(counters, args.steps - args.warmup))
+    return res
+
+
 def lengths(seed, n, lo, hi):
     import random
 
@@ -178,24 +274,27 @@ def run_one(args):
         torch.cuda.memory._record_memory_history(context=None, max_entries=20_000_000)
     res = {"workload": args.workload, "route": route}
     w = args.workload
+    # --ab: every input twice, once under each allocator (ab_mode).
+    execs = 2 * args.steps if AB else args.steps
+    twice = (lambda xs: [x for x in xs for _ in (0, 1)]) if AB else (lambda xs: xs)
     if w in ("sidestream", "ckpt"):
         model = gpt2(torch, args.layers, 768, 12, 1024, args.seed).cuda().train()
         if w == "ckpt":
             model.gradient_checkpointing_enable()
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-        seqs = lengths(args.seed, args.steps, 128, 1024)
-        at, counters = warmup_probe(args, stat)
-        losses, times = train_loop(torch, model, opt, args.steps, args.batch, seqs, w == "sidestream",
+        seqs = twice(lengths(args.seed, args.steps, 128, 1024))
+        at, counters = ab_probe(args) if AB else warmup_probe(args, stat)
+        losses, times = train_loop(torch, model, opt, execs, args.batch, seqs, w == "sidestream",
                                    at_warmup=at)
     elif w == "generate":
         model = gpt2(torch, args.layers, 768, 12, 1024, args.seed).cuda().eval().to(torch.bfloat16)
-        r = lengths(args.seed, args.steps, 16, 512)
-        bs = [1 + (x // 8) % 16 for x in lengths(args.seed + 1, args.steps, 8, 1024)]
+        r = twice(lengths(args.seed, args.steps, 16, 512))
+        bs = twice([1 + (x // 8) % 16 for x in lengths(args.seed + 1, args.steps, 8, 1024)])
         gen = torch.Generator().manual_seed(3)
         losses, times = [], []
-        at, counters = warmup_probe(args, stat)
+        at, counters = ab_probe(args) if AB else warmup_probe(args, stat)
         with torch.no_grad():
-            for i in range(args.steps):
+            for i in range(execs):
                 at(i)
                 prompt = torch.randint(0, 512, (bs[i], r[i]), generator=gen).cuda()
                 torch.cuda.synchronize()
@@ -209,6 +308,10 @@ def run_one(args):
         res["total_s"] = sum(times)
     else:
         raise SystemExit(f"unknown workload {w}")
+    if AB:
+        res.update(losses=losses, **ab_result(args, times, counters))
+        print("RESULT " + json.dumps(res), flush=True)
+        return
     res.update(losses=losses, step_ms_median=1000 * statistics.median(times[args.warmup:]),
                step_ms=[1000 * t for t in times],
                peak_reserved_bytes=stat("reserved_bytes.all.peak"),
@@ -249,6 +352,17 @@ def dist_worker(rank, world, args):
         fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     seqs = lengths(args.seed + rank, args.steps, 128, 1024)
+    if AB:
+        # Every rank runs the same schedule: a step's collectives pair executions of one mode.
+        at, counters = ab_probe(args, rank)
+        losses, times = train_loop(torch, model, opt, 2 * args.steps, args.batch,
+                                   [x for x in seqs for _ in (0, 1)], False, rank, at)
+        if rank == 0:
+            res = {"workload": args.workload, "route": route, "rank": rank, "losses": losses,
+                   **ab_result(args, times, counters, rank)}
+            print("RESULT " + json.dumps(res), flush=True)
+        dist.destroy_process_group()
+        return
     at, counters = warmup_probe(args, stat, rank)
     losses, times = train_loop(torch, model, opt, args.steps, args.batch, seqs, False, rank, at)
     res = {"workload": args.workload, "route": route, "rank": rank, "losses": losses,
@@ -284,7 +398,7 @@ def run_child(args, w, label, env_changes, cfg):
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--layers", str(args.layers),
            "--batch", str(args.batch), "--seed", str(args.seed), "--port", str(args.port)]
     if cfg is not None:
-        cmd += ["--cca-config", cfg]
+        cmd += ["--ab-config" if args.ab else "--cca-config", cfg]
     if args.record:
         os.makedirs(args.record, exist_ok=True)
         cmd += ["--record", os.path.abspath(args.record)]
@@ -307,9 +421,81 @@ def run_child(args, w, label, env_changes, cfg):
         return None
     r = json.loads(lines[-1][len("RESULT "):])
     r["process_s"] = time.time() - t0
-    print(f"{w} {label}: {r.get('step_ms_median', r.get('skipped'))} ms ({r['process_s']:.0f} s)",
-          file=sys.stderr, flush=True)
+    shown = r.get("step_ms_median", r.get("skipped"))
+    if "crate_ms" in r:
+        shown = f"native {statistics.median(r['native_ms']):.2f} / crate {statistics.median(r['crate_ms']):.2f}"
+    print(f"{w} {label}: {shown} ms ({r['process_s']:.0f} s)", file=sys.stderr, flush=True)
     return r
+
+
+def quartiles(xs):
+    """(q1, median, q3) of `xs`."""
+    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
+    return q[0], q[1], q[2]
+
+
+def compare_ab(args):
+    """--ab: each workload `args.reps` times, each run one process holding native and one crate
+    configuration; prints the crate's time over native's for the same input, pooled over the
+    repeats, and each repeat's median beside it."""
+    known = {a[0]: a for a in ALLOCATORS + EXTRA_ALLOCATORS if a[2] is not None}
+    labels = [a for a in (args.allocators or ["cca-default"]) if a != "native"]
+    unknown = [a for a in labels if a not in known]
+    if unknown:
+        raise SystemExit(f"unknown allocators {unknown}; known: {sorted(known)}")
+    all_results, ok = {}, True
+    print(f"\n== A/B in one process ({args.steps} steps after {args.warmup} of warm-up, every input "
+          f"under both allocators, ABBA; {args.reps} processes each)")
+    print("| workload | allocator | pairs | crate ÷ native, same input: order-free | "
+          "crate first / second | median (q1–q3) | per process | ratio of means | "
+          "crate slower in | native ms | crate ms | "
+          "device calls after warm-up, native / crate | crate host µs / step (allocs / step) | "
+          "reserved / peak allocated, native / crate |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for w in args.workloads:
+        for label in labels:
+            _, env_changes, cfg = known[label]
+            runs = [run_child(args, w, label, env_changes, cfg) for _ in range(args.reps)]
+            all_results.setdefault(w, {})[label] = runs
+            good = [r for r in runs if r is not None and "crate_ms" in r]
+            if len(good) < len(runs):
+                ok = False
+            if not good:
+                skipped = next((r["skipped"] for r in runs if r and "skipped" in r), "failed")
+                print(f"| {w} | {label} | {skipped} | | | | | | | | | | | |")
+                continue
+            nat = [x for r in good for x in r["native_ms"]]
+            mine = [x for r in good for x in r["crate_ms"]]
+            first = [x for r in good for x in r["crate_first"]]
+            ratios = [c / n for c, n in zip(mine, nat)]
+            q1, med, q3 = quartiles(ratios)
+            # The second run of an input may gain from the first (caches, clocks): the median
+            # with the crate first and with the crate second, and their geometric mean, in
+            # which that order effect cancels.
+            r_first = statistics.median([r for r, f in zip(ratios, first) if f] or [med])
+            r_second = statistics.median([r for r, f in zip(ratios, first) if not f] or [med])
+            order_free = (r_first * r_second) ** 0.5
+            per = "/".join(f"{statistics.median(c / n for c, n in zip(r['crate_ms'], r['native_ms'])):.3f}"
+                           for r in good)
+            finite = all(l == l and abs(l) != float("inf") for r in good for l in r["losses"])
+            ok = ok and finite
+            host = (f"{statistics.median(r['host_us_per_step'] for r in good):.0f} "
+                    f"({statistics.median(r['allocs_per_step'] for r in good):.0f})"
+                    if all("host_us_per_step" in r for r in good) else "")
+            calls = ", ".join(f"{r['native_steady_device_calls']}/{r['crate_steady_device_calls']}"
+                              for r in good)
+            r0 = good[-1]
+            mem = (f"{r0['native_peak_reserved_bytes'] / max(r0['native_peak_allocated_bytes'], 1):.4f} / "
+                   f"{r0['crate_peak_reserved_bytes'] / max(r0['crate_peak_allocated_bytes'], 1):.4f}")
+            print(f"| {w} | {label} | {len(ratios)} | **{order_free:.3f}** | "
+                  f"{r_first:.3f} / {r_second:.3f} | {med:.3f} ({q1:.3f}–{q3:.3f}) | {per} | "
+                  f"{sum(mine) / sum(nat):.3f} | {sum(r > 1 for r in ratios)}/{len(ratios)} | "
+                  f"{statistics.median(nat):.2f} | {statistics.median(mine):.2f} | {calls} | {host} | "
+                  f"{mem}{'' if finite else ' NON-FINITE LOSS'} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(all_results, f)
+    return 0 if ok else 1
 
 
 def compare(args):
@@ -413,6 +599,10 @@ def main():
     p.add_argument("--host-timing", action="store_true",
                    help="time the allocator's host path in the crate's runs (CCA_HOST_TIMING=1) "
                         "and report its µs per step")
+    p.add_argument("--ab", action="store_true",
+                   help="one process per run holding native and one crate configuration "
+                        "(--allocators, default cca-default), every input under both (see above)")
+    p.add_argument("--ab-config", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json")
     p.add_argument("--record", metavar="DIR",
                    help="run only PyTorch native, recording each workload's allocation history as "
@@ -428,7 +618,7 @@ def main():
         else:
             run_one(args)
         return 0
-    return compare(args)
+    return compare_ab(args) if args.ab else compare(args)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@
 #                                     # (native runs of the clients recording PyTorch's memory
 #                                     # history as snapshot pickles), hostpair (after package or
 #                                     # install: host ns per allocate + free through PyTorch,
-#                                     # gpu/host_pair.py), bench (gpu_bench --device
+#                                     # gpu/host_pair.py), ab (after package or install:
+#                                     # clients.py --ab, native and the crate in one process),
+#                                     # bench (gpu_bench --device
 #                                     # cuda), pinned (the pinned host cache benchmark beside
 #                                     # PyTorch's host cache)
 set -uo pipefail
@@ -166,6 +168,15 @@ for phase in $PHASES; do
       "$HERE/clients.py" --python-dir "$PKG_DIR" --workloads ${CCA_CLIENTS:-sidestream generate ckpt} \
       --json "$OUT/clients.json" ${CCA_CLIENT_ARGS:-}
     grep -E '^== |^\||FAILED' "$OUT/clients.log" | cut -c1-300 | tee -a "$S" ;;
+  ab) # After `package` or `install`: clients.py --ab, PyTorch native and one crate configuration
+    # in one process (gpu/ab_shim.cpp), every input under both; CCA_CLIENTS picks the workloads,
+    # CCA_CLIENT_REPS the processes per workload, CCA_CLIENT_ARGS more arguments (e.g.
+    # "--allocators cca-default cca-no-fast --host-timing").
+    PKG_DIR=$(cd /tmp && python3 -c 'import importlib.util as u, os; print(os.path.dirname(os.path.dirname(u.find_spec("cuda_caching_allocator").origin)))')
+    CCA_SHIM_BUILD_DIR=/tmp/cca-shim-build step ab timeout "$(left)" python3 \
+      "$HERE/clients.py" --ab --python-dir "$PKG_DIR" --workloads ${CCA_CLIENTS:-sidestream generate ckpt} \
+      --json "$OUT/ab.json" ${CCA_CLIENT_ARGS:-}
+    grep -E '^== |^\||FAILED' "$OUT/ab.log" | cut -c1-400 | tee -a "$S" ;;
   hostpair) # After `package` or `install`: host ns per allocate + free through PyTorch's own
     # entry point, native against the crate's configurations (gpu/host_pair.py), one thread and
     # across two threads; CCA_HOSTPAIR_REPS interleaved repeats (default 3).
@@ -192,6 +203,6 @@ for phase in $PHASES; do
     grep -E '^(==|--)|^pair|GB/s|cached /|^goal|^(default|tight|frugal|power)| MiB:' "$OUT/pinned.log" | tee -a "$S"
     step pinned_torch timeout "$(( $(left) < 200 ? $(left) : 200 ))" python3 "$HERE/pinned_torch.py" --json "$OUT/pinned_torch.json"
     grep -vE '^\s*$' "$OUT/pinned_torch.log" | tail -20 | tee -a "$S" ;;
-  *) echo "unknown phase $phase (tests example torch safety sanitizer multigpu replay cold ports install package package_client clients hostpair record bench pinned)" | tee -a "$S" ;;
+  *) echo "unknown phase $phase (tests example torch safety sanitizer multigpu replay cold ports install package package_client clients ab hostpair record bench pinned)" | tee -a "$S" ;;
   esac
 done

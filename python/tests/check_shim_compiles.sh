@@ -35,3 +35,10 @@ ${CXX:-c++} -std=c++17 -fsyntax-only -Wall -Werror -DTORCH_EXTENSION_NAME=cca_sh
   -isystem "$CACHE/nvidia/cu13/include" -isystem "$PYINC" \
   python/cuda_caching_allocator/csrc/cca_shim.cpp
 echo "shim compiles against torch $TORCH_VERSION headers ($((SECONDS - t0)) s)"
+# The GPU suite's A/B allocator (gpu/ab_shim.cpp, clients.py --ab) against the same headers.
+${CXX:-c++} -std=c++17 -fsyntax-only -Wall -Werror -DTORCH_EXTENSION_NAME=ab_shim \
+  -DTORCH_API_INCLUDE_EXTENSION_H -D_GLIBCXX_USE_CXX11_ABI=1 \
+  -isystem "$CACHE/torch/include" -isystem "$CACHE/torch/include/torch/csrc/api/include" \
+  -isystem "$CACHE/nvidia/cu13/include" -isystem "$PYINC" \
+  gpu/ab_shim.cpp
+echo "gpu/ab_shim.cpp compiles against torch $TORCH_VERSION headers ($((SECONDS - t0)) s)"
