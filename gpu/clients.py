@@ -23,12 +23,13 @@ JSON.
 
 With `--ab`, each workload instead runs in one process holding two allocators, PyTorch's native
 one and the crate's (one configuration, `--allocators`, default cca-default), behind
-`gpu/ab_shim.cpp`: every step's input runs twice in a row, once under each allocator, in ABBA
-order, and the table gives the crate's time over native's for the same input a step apart
-(median and quartiles over the steps after warm-up, pooled over `--reps` processes). Drift of
-the host between processes, which moved separate-process ratios by ±20 %, cancels; memory
-figures still come from the separate-process runs (each allocator here keeps its own cache in
-the same device).
+`gpu/ab_shim.cpp`: every step's input runs three times in a row, a priming run (the first run
+of a new shape costs 4–6 × a repeat: kernel selection, heuristics) and then once under each
+allocator, in ABBA order; the table gives the crate's time over native's for the same input a
+step apart (median and quartiles over the steps after warm-up, pooled over `--reps` processes),
+and the priming runs' medians by allocator (unpaired). Drift of the host between processes,
+which moved separate-process ratios by ±20 %, cancels; memory figures still come from the
+separate-process runs (each allocator here keeps its own cache in the same device).
 """
 import argparse
 import json
@@ -173,22 +174,29 @@ def steady_host(counters, steps):
             "allocs_per_step": (after["alloc_calls"] - before["alloc_calls"]) / steps}
 
 
+# --ab: executions per input: a priming run, then one under each allocator.
+AB_RUNS = 3
+
+
 def ab_mode(i):
-    """--ab: the allocator of execution `i` (0 native, 1 the crate). Logical step j runs as
-    executions 2j and 2j + 1, native first when j is even, the crate first when j is odd (ABBA),
-    so that a drift of the host within a pair falls on each allocator alike."""
-    j, second = divmod(i, 2)
-    return (j + second) % 2
+    """--ab: the allocator of execution `i` (0 native, 1 the crate). Input j runs as executions
+    3j, 3j + 1 and 3j + 2: first a priming run (native for even j, the crate for odd j), which
+    pays what a process pays once per new shape (measured on an H200: 150–250 ms against
+    25–55 ms for a repeat of a ckpt or side-stream step), then a repeat under each allocator,
+    native first for even j and the crate first for odd j (ABBA), so that a drift of the host
+    within an input falls on each allocator alike."""
+    j, pos = divmod(i, AB_RUNS)
+    return j % 2 if pos == 0 else (j + pos - 1) % 2
 
 
 def ab_probe(args, device=0):
     """--ab: (callback, counters); the callback sets the allocator of each execution and reads
-    both sides' device counters at the end of warm-up (execution 2 × warmup)."""
+    both sides' device counters at the end of warm-up (input `warmup`'s priming run)."""
     counters = {}
 
     def at(i):
         AB.set_mode(ab_mode(i))
-        if i == 2 * args.warmup:
+        if i == AB_RUNS * args.warmup:
             for side in (0, 1):
                 st = AB.stats(side, device)
                 counters[side] = {k: st[k] for k in DEVICE_COUNTERS}
@@ -198,23 +206,27 @@ def ab_probe(args, device=0):
 
 
 def ab_result(args, times, counters, device=0):
-    """--ab: per logical step after warm-up, native's and the crate's time for the same input,
-    their ratio, and each side's peaks and device calls after warm-up."""
-    native, crate, crate_first = [], [], []
-    for j in range(args.warmup, len(times) // 2):
-        a, b = times[2 * j], times[2 * j + 1]
-        n, c = (a, b) if ab_mode(2 * j) == 0 else (b, a)
+    """--ab: per input after warm-up, native's and the crate's time for the same input (the two
+    repeats after its priming run), their order, the priming runs' times by allocator, and each
+    side's peaks and device calls after warm-up."""
+    native, crate, crate_first, prime = [], [], [], {0: [], 1: []}
+    for j in range(args.warmup, len(times) // AB_RUNS):
+        p, a, b = (times[AB_RUNS * j + k] for k in range(3))
+        prime[ab_mode(AB_RUNS * j)].append(1000 * p)
+        n, c = (a, b) if ab_mode(AB_RUNS * j + 1) == 0 else (b, a)
         native.append(1000 * n)
         crate.append(1000 * c)
-        crate_first.append(ab_mode(2 * j) == 1)
-    res = {"native_ms": native, "crate_ms": crate, "crate_first": crate_first}
+        crate_first.append(ab_mode(AB_RUNS * j + 1) == 1)
+    res = {"native_ms": native, "crate_ms": crate, "crate_first": crate_first,
+           "native_prime_ms": prime[0], "crate_prime_ms": prime[1]}
     for side, name in ((0, "native"), (1, "crate")):
         st = AB.stats(side, device)
         res[f"{name}_peak_reserved_bytes"] = st["reserved_bytes.all.peak"]
         res[f"{name}_peak_allocated_bytes"] = st["allocated_bytes.all.peak"]
         res[f"{name}_steady_device_calls"] = (
             sum(st[k] - counters[side][k] for k in DEVICE_COUNTERS) if side in counters else None)
-    res.update(steady_host(counters, args.steps - args.warmup))
+    # The crate's host time covers its priming runs too: about 1.5 of its executions per input.
+    res.update(steady_host(counters, 1.5 * (args.steps - args.warmup)))
     return res
 
 
@@ -274,22 +286,22 @@ def run_one(args):
         torch.cuda.memory._record_memory_history(context=None, max_entries=20_000_000)
     res = {"workload": args.workload, "route": route}
     w = args.workload
-    # --ab: every input twice, once under each allocator (ab_mode).
-    execs = 2 * args.steps if AB else args.steps
-    twice = (lambda xs: [x for x in xs for _ in (0, 1)]) if AB else (lambda xs: xs)
+    # --ab: every input three times, a priming run and once under each allocator (ab_mode).
+    execs = AB_RUNS * args.steps if AB else args.steps
+    runs_of = (lambda xs: [x for x in xs for _ in range(AB_RUNS)]) if AB else (lambda xs: xs)
     if w in ("sidestream", "ckpt"):
         model = gpt2(torch, args.layers, 768, 12, 1024, args.seed).cuda().train()
         if w == "ckpt":
             model.gradient_checkpointing_enable()
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-        seqs = twice(lengths(args.seed, args.steps, 128, 1024))
+        seqs = runs_of(lengths(args.seed, args.steps, 128, 1024))
         at, counters = ab_probe(args) if AB else warmup_probe(args, stat)
         losses, times = train_loop(torch, model, opt, execs, args.batch, seqs, w == "sidestream",
                                    at_warmup=at)
     elif w == "generate":
         model = gpt2(torch, args.layers, 768, 12, 1024, args.seed).cuda().eval().to(torch.bfloat16)
-        r = twice(lengths(args.seed, args.steps, 16, 512))
-        bs = twice([1 + (x // 8) % 16 for x in lengths(args.seed + 1, args.steps, 8, 1024)])
+        r = runs_of(lengths(args.seed, args.steps, 16, 512))
+        bs = runs_of([1 + (x // 8) % 16 for x in lengths(args.seed + 1, args.steps, 8, 1024)])
         gen = torch.Generator().manual_seed(3)
         losses, times = [], []
         at, counters = ab_probe(args) if AB else warmup_probe(args, stat)
@@ -355,8 +367,8 @@ def dist_worker(rank, world, args):
     if AB:
         # Every rank runs the same schedule: a step's collectives pair executions of one mode.
         at, counters = ab_probe(args, rank)
-        losses, times = train_loop(torch, model, opt, 2 * args.steps, args.batch,
-                                   [x for x in seqs for _ in (0, 1)], False, rank, at)
+        losses, times = train_loop(torch, model, opt, AB_RUNS * args.steps, args.batch,
+                                   [x for x in seqs for _ in range(AB_RUNS)], False, rank, at)
         if rank == 0:
             res = {"workload": args.workload, "route": route, "rank": rank, "losses": losses,
                    **ab_result(args, times, counters, rank)}
@@ -449,9 +461,10 @@ def compare_ab(args):
     print("| workload | allocator | pairs | crate ÷ native, same input: order-free | "
           "crate first / second | median (q1–q3) | per process | ratio of means | "
           "crate slower in | native ms | crate ms | "
+          "priming runs ms, native / crate | "
           "device calls after warm-up, native / crate | crate host µs / step (allocs / step) | "
           "reserved / peak allocated, native / crate |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for w in args.workloads:
         for label in labels:
             _, env_changes, cfg = known[label]
@@ -462,7 +475,7 @@ def compare_ab(args):
                 ok = False
             if not good:
                 skipped = next((r["skipped"] for r in runs if r and "skipped" in r), "failed")
-                print(f"| {w} | {label} | {skipped} | | | | | | | | | | | |")
+                print(f"| {w} | {label} | {skipped} | | | | | | | | | | | | |")
                 continue
             nat = [x for r in good for x in r["native_ms"]]
             mine = [x for r in good for x in r["crate_ms"]]
@@ -484,13 +497,18 @@ def compare_ab(args):
                     if all("host_us_per_step" in r for r in good) else "")
             calls = ", ".join(f"{r['native_steady_device_calls']}/{r['crate_steady_device_calls']}"
                               for r in good)
+            pn = [x for r in good for x in r["native_prime_ms"]]
+            pc = [x for r in good for x in r["crate_prime_ms"]]
+            primes = (f"{statistics.median(pn):.1f} / {statistics.median(pc):.1f}"
+                      if pn and pc else "")
             r0 = good[-1]
             mem = (f"{r0['native_peak_reserved_bytes'] / max(r0['native_peak_allocated_bytes'], 1):.4f} / "
                    f"{r0['crate_peak_reserved_bytes'] / max(r0['crate_peak_allocated_bytes'], 1):.4f}")
             print(f"| {w} | {label} | {len(ratios)} | **{order_free:.3f}** | "
                   f"{r_first:.3f} / {r_second:.3f} | {med:.3f} ({q1:.3f}–{q3:.3f}) | {per} | "
                   f"{sum(mine) / sum(nat):.3f} | {sum(r > 1 for r in ratios)}/{len(ratios)} | "
-                  f"{statistics.median(nat):.2f} | {statistics.median(mine):.2f} | {calls} | {host} | "
+                  f"{statistics.median(nat):.2f} | {statistics.median(mine):.2f} | {primes} | "
+                  f"{calls} | {host} | "
                   f"{mem}{'' if finite else ' NON-FINITE LOSS'} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
