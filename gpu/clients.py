@@ -351,6 +351,9 @@ def dist_worker(rank, world, args):
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    if args.record and rank == 0:
+        # Rank 0's history only (the ranks' patterns are alike), as run_one records.
+        torch.cuda.memory._record_memory_history(context=None, max_entries=20_000_000)
     model = gpt2(torch, args.layers, 768, 12, 1024, args.seed).cuda().train()
     if args.workload == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -387,6 +390,11 @@ def dist_worker(rank, world, args):
            "num_sync_all_streams": stat("num_sync_all_streams", rank),
            "steady_device_calls": steady_calls(stat, counters, rank),
            **steady_host(counters, args.steps - args.warmup)}
+    if args.record and rank == 0:
+        path = os.path.join(args.record, f"{args.workload}.pickle")
+        torch.cuda.memory._dump_snapshot(path)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        res["recorded"] = path
     if rank == 0:
         print("RESULT " + json.dumps(res), flush=True)
     dist.destroy_process_group()
