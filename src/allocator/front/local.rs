@@ -172,7 +172,10 @@ pub(crate) struct Local {
     pub(crate) epoch: u64,
     /// A hit or a cached free happened since the last synchronisation.
     pub(crate) dirty: bool,
-    /// The delta changed on the locked path (a block retired) since the last synchronisation.
+    /// The delta changed on the locked path (a block retired) since the last synchronisation,
+    /// or a locked allocation folded the hits in and left the publication to its closing
+    /// synchronisation (Note [One synchronisation per miss] in `front/mod.rs`): either way the
+    /// next synchronisation publishes the delta.
     pub(crate) retired: bool,
     /// No cached block is larger than this (an upper bound; 0 when none is cached).
     max_cached: usize,
