@@ -351,24 +351,37 @@ impl State {
             self.allowed_memory_maximum.is_some() && self.config.garbage_collection_threshold > 0.0;
         let max_split = self.config.max_split_size;
         let max_rounding = self.config.max_non_split_rounding;
+        let walk = self.expandable && owner == 0;
         let pool = self.free_set(owner, kind)?;
         if gc_on {
             pool.get_free_blocks_call_count += 1;
         }
-        let mut key = *pool.blocks.range(FreeKey::search(stream, size)..).next()?;
-        if key.stream != stream {
-            return None;
-        }
-        if self.expandable && owner == 0 {
-            key = self.expandable_best_fit(key, kind);
-        }
+        // One search: the expandable walk goes on from the first fitting key, and the removal
+        // below looks first where the two found the key.
+        let search = FreeKey::search(stream, size);
+        let (key, at) = if walk {
+            let (start, mut keys) = self.pool_ref(kind).blocks.lower_bound(&search);
+            let first = *keys.next()?;
+            if first.stream != stream {
+                return None;
+            }
+            let (key, steps) = self.expandable_best_fit(first, keys);
+            (key, start + steps)
+        } else {
+            let (start, mut keys) = pool.blocks.lower_bound(&search);
+            let key = *keys.next()?;
+            if key.stream != stream {
+                return None;
+            }
+            (key, start)
+        };
         if size < max_split && key.size >= max_split {
             return None;
         }
         if size >= max_split && key.size >= size.saturating_add(max_rounding) {
             return None;
         }
-        self.free_set(owner, kind)?.blocks.remove(&key);
+        self.free_set(owner, kind)?.blocks.remove_hinted(&key, at);
         Some(key.id)
     }
 

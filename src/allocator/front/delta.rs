@@ -191,8 +191,11 @@ impl Five {
     /// Element-wise maximum into `self`.
     #[inline]
     pub(crate) fn raise_to(&mut self, other: &Five) {
+        // A store only where a value passes its peak (most do not).
         for (a, b) in self.0.iter_mut().zip(other.0) {
-            *a = (*a).max(b);
+            if b > *a {
+                *a = b;
+            }
         }
     }
 }

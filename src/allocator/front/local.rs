@@ -102,6 +102,15 @@ const EMPTY_SLOT: Slot = Slot {
     idx: [0; SLOT_CAP],
 };
 
+/// The row of [`Local::occupied`] for a pool.
+#[inline(always)]
+fn kind_row(kind: PoolKind) -> usize {
+    match kind {
+        PoolKind::Small => 0,
+        PoolKind::Large => 1,
+    }
+}
+
 #[inline]
 fn home_slot(stream: StreamId, rounded: usize) -> usize {
     const K: u64 = 0x9e37_79b9_7f4a_7c15;
@@ -143,8 +152,9 @@ pub(crate) struct Local {
     /// A direct-mapped subset of `index` (the blocks registered or taken last), checked first.
     recent: [Option<(u64, u32)>; RECENT],
     slots: Box<[Slot; SLOTS]>,
-    /// One bit per slot holding cached blocks.
-    occupied: [u64; SLOTS / 64],
+    /// One bit per slot holding cached blocks, by the pool of the slot's key
+    /// ([`kind_row`]), so that the scans before a miss visit only that pool's slots.
+    occupied: [[u64; SLOTS / 64]; 2],
     bounds: Bounds,
     pub(crate) cached_bytes: usize,
     pub(crate) cached_count: usize,
@@ -162,7 +172,10 @@ pub(crate) struct Local {
     pub(crate) epoch: u64,
     /// A hit or a cached free happened since the last synchronisation.
     pub(crate) dirty: bool,
-    /// The delta changed on the locked path (a block retired) since the last synchronisation.
+    /// The delta changed on the locked path (a block retired) since the last synchronisation,
+    /// or a locked allocation folded the hits in and left the publication to its closing
+    /// synchronisation (Note [One synchronisation per miss] in `front/mod.rs`): either way the
+    /// next synchronisation publishes the delta.
     pub(crate) retired: bool,
     /// No cached block is larger than this (an upper bound; 0 when none is cached).
     max_cached: usize,
@@ -189,7 +202,7 @@ impl Local {
             index: AddrMap::default(),
             recent: [None; RECENT],
             slots: Box::new([EMPTY_SLOT; SLOTS]),
-            occupied: [0; SLOTS / 64],
+            occupied: [[0; SLOTS / 64]; 2],
             bounds,
             cached_bytes: 0,
             cached_count: 0,
@@ -258,14 +271,16 @@ impl Local {
         }
     }
 
-    /// Updates slot `s`'s bit in [`occupied`](Self::occupied).
+    /// Updates slot `s`'s bit in [`occupied`](Self::occupied) (a slot's key, and so its pool,
+    /// changes only while the slot is empty, so the bit is always in its key's row).
     #[inline(always)]
     fn mark(&mut self, s: usize) {
         let bit = 1u64 << (s % 64);
+        let row = &mut self.occupied[kind_row(pool_kind(self.slots[s].size))];
         if self.slots[s].len > 0 {
-            self.occupied[s / 64] |= bit;
+            row[s / 64] |= bit;
         } else {
-            self.occupied[s / 64] &= !bit;
+            row[s / 64] &= !bit;
         }
     }
 
@@ -307,7 +322,7 @@ impl Local {
             slot.strikes = 0;
         }
         if len == 0 {
-            self.occupied[s / 64] &= !(1u64 << (s % 64));
+            self.occupied[kind_row(pool_kind(rounded))][s / 64] &= !(1u64 << (s % 64));
         }
         let m = self.meta_mut(i)?;
         m.in_bin = false;
@@ -410,7 +425,7 @@ impl Local {
         slot.idx[slot.len as usize] = i;
         slot.len += 1;
         if slot.len == 1 {
-            self.occupied[s / 64] |= 1u64 << (s % 64);
+            self.occupied[kind_row(pool_kind(rounded))][s / 64] |= 1u64 << (s % 64);
         }
         if let Some(m) = self.meta_mut(i) {
             m.in_bin = true;
@@ -535,13 +550,15 @@ impl Local {
         let n = slot.len as usize;
         evicted.idx[..n].copy_from_slice(&slot.idx[..n]);
         evicted.len = n;
-        *slot = Slot {
+        slot.len = 0;
+        // Clears the bit in the old key's row (the new key's pool may differ).
+        self.mark(victim);
+        self.slots[victim] = Slot {
             size: rounded,
             stream,
             seen: self.tick,
             ..EMPTY_SLOT
         };
-        self.mark(victim);
         for k in 0..n {
             if let Some(m) = self.meta_mut(evicted.idx[k]) {
                 m.in_bin = false;
@@ -562,14 +579,14 @@ impl Local {
         if rounded > self.max_cached {
             return mask;
         }
-        let kind = pool_kind(rounded);
+        let row = kind_row(pool_kind(rounded));
         for (w, m) in mask.iter_mut().enumerate() {
-            let mut bits = self.occupied[w];
+            let mut bits = self.occupied[row][w];
             while bits != 0 {
                 let b = bits.trailing_zeros() as usize;
                 bits &= bits - 1;
                 let slot = &self.slots[w * 64 + b];
-                if slot.stream == stream && slot.size >= rounded && pool_kind(slot.size) == kind {
+                if slot.stream == stream && slot.size >= rounded {
                     *m |= 1 << b;
                 }
             }
@@ -616,15 +633,16 @@ impl Local {
         if self.cached_count == 0 {
             return n;
         }
+        let row = kind_row(kind);
         for w in 0..SLOTS / 64 {
-            let mut bits = self.occupied[w];
+            let mut bits = self.occupied[row][w];
             while bits != 0 && n < out.len() {
                 let s = w * 64 + bits.trailing_zeros() as usize;
                 bits &= bits - 1;
-                let slot = self.slots[s];
-                if slot.stream != stream || pool_kind(slot.size) != kind {
+                if self.slots[s].stream != stream {
                     continue;
                 }
+                let slot = self.slots[s];
                 let mut keep = 0;
                 for &i in &slot.idx[..slot.len as usize] {
                     let take = n < out.len() && self.meta_of(i).is_some_and(|m| pred(m.ptr));
@@ -795,7 +813,14 @@ impl Local {
         }
         let mut binned = vec![false; self.meta.len()];
         let (mut cached, mut cached_bytes) = (0usize, 0usize);
-        for slot in self.slots.iter() {
+        for (s, slot) in self.slots.iter().enumerate() {
+            let bit = |row: usize| self.occupied[row][s / 64] >> (s % 64) & 1 == 1;
+            let row = kind_row(pool_kind(slot.size));
+            if bit(row) != (slot.len > 0) || bit(1 - row) {
+                return Err(format!(
+                    "slot {s}'s occupancy bits disagree with its length"
+                ));
+            }
             for &i in &slot.idx[..slot.len as usize] {
                 let m = self.meta_of(i).ok_or("a bin names a vacant descriptor")?;
                 let st = self

@@ -73,6 +73,17 @@
 //! is left is mostly the peak raise of each locked allocation and the fast-path attempts of the
 //! operations that then miss.
 //!
+//! Note [One synchronisation per miss]: a locked allocation of a thread with an active cache
+//! used to synchronise twice: before the core changed (when it had hits or cached frees to fold
+//! in) and after. The first only needs the fold of the peak candidate, which must see the user
+//! view before the core moves; publishing the delta into `known` and starting the new interval
+//! (`base`, `hi`) are left to the synchronisation that ends every such allocation (`retired` set
+//! says the delta is still to be published). Nothing between the two reads what the first would
+//! have written: under the lock only flushes run in between, and they change `known` by
+//! additions that commute with the publication; `base` and `hi` matter only for hits, and the
+//! closing synchronisation sets them whenever a hit may follow. The peaks and every statistic
+//! come out as before (identical replay reports); the miss is ~200 instructions shorter.
+//!
 //! Note [Peaks with several threads]: `current`, `allocated` and `freed` are exact sums of the
 //! core's values and each cache's delta, each delta read whole at one instant of the read (Note
 //! [Consistent counter reads] in `shared.rs`); with other threads hitting their caches meanwhile,
@@ -314,7 +325,8 @@ impl Front {
                     idle = true;
                     return;
                 }
-                self.prologue(l, st, fl);
+                // Note [One synchronisation per miss].
+                self.fold_own(l, fl);
                 let shards_on = fl.shards_on;
                 if active {
                     let mut evicted = Evicted::default();
@@ -669,7 +681,31 @@ impl Front {
         }
     }
 
+    /// `alloc_locked`'s first steps: those of [`prologue`](Self::prologue), but of the
+    /// synchronisation only the fold of the peak candidate; publishing the delta and the new
+    /// interval are left to the synchronisation that ends the allocation (Note [One
+    /// synchronisation per miss]).
+    fn fold_own(&self, l: &mut Local, fl: &mut FrontLocked) {
+        self.process_taken_own(l, fl);
+        if l.dirty {
+            if l.epoch == fl.epoch {
+                let mut candidate = l.base;
+                candidate.add(&Five::of_quantities(&l.hi));
+                fl.peaks.raise_to(&candidate);
+            }
+            l.dirty = false;
+            // The delta changed since it was last published: the closing synchronisation
+            // publishes it.
+            l.retired = true;
+        }
+    }
+
+    #[inline]
     fn process_taken_own(&self, l: &mut Local, fl: &mut FrontLocked) {
+        // Pushers set the flag under the core lock, which the caller holds too.
+        if !l.shared.taken_pending.load(Ordering::Relaxed) {
+            return;
+        }
         let Some(k) = fl.position(&l.shared) else {
             return;
         };

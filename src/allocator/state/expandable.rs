@@ -46,7 +46,7 @@ use super::growth_fit::MIN_SAVING;
 use super::{SegmentRec, State};
 use crate::allocator::block::{Block, BlockId};
 use crate::allocator::device_calls;
-use crate::allocator::pool::FreeKey;
+use crate::allocator::pool::{FreeKey, Range};
 use crate::backend::{BackendError, DeviceAddr, DeviceBackend, PhysicalHandle, StreamId};
 use crate::config::PageReuse;
 use crate::error::{AllocError, Result};
@@ -195,8 +195,9 @@ impl State {
 
     /// `get_free_block`'s expandable walk: from the first fitting key, move on while the next
     /// candidate of the stream has a smaller *expandable size* (its size plus an unmapped block
-    /// right after it), so that best fit counts growable room.
-    pub(super) fn expandable_best_fit(&self, key: FreeKey, kind: PoolKind) -> FreeKey {
+    /// right after it), so that best fit counts growable room. `rest` is the free set's keys
+    /// after `key`, in order; returns the key chosen and how many keys after `key` it is.
+    pub(super) fn expandable_best_fit(&self, key: FreeKey, rest: Range<'_>) -> (FreeKey, usize) {
         let expandable_size = |id: BlockId| {
             let b = self.block(id);
             let tail = b
@@ -207,7 +208,8 @@ impl State {
             b.size + tail
         };
         let mut it = key;
-        for next in self.pool_ref(kind).blocks.range(key..).skip(1) {
+        let mut steps = 0;
+        for next in rest {
             if !self.block(it.id).expandable
                 || next.stream != key.stream
                 || expandable_size(next.id) >= expandable_size(it.id)
@@ -215,8 +217,9 @@ impl State {
                 break;
             }
             it = *next;
+            steps += 1;
         }
-        it
+        (it, steps)
     }
 
     /// `find_expandable_block`: the lowest-addressed run of free and unmapped blocks of `stream`
