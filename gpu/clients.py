@@ -352,8 +352,13 @@ def dist_worker(rank, world, args):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     if args.record and rank == 0:
-        # Rank 0's history only (the ranks' patterns are alike), as run_one records.
-        torch.cuda.memory._record_memory_history(context=None, max_entries=20_000_000)
+        # Rank 0's history only (the ranks' patterns are alike), as run_one records; with
+        # --record-threads, Python stacks too, to tell the threads apart (threaded_csv).
+        if args.record_threads:
+            torch.cuda.memory._record_memory_history(context="all", stacks="python",
+                                                     max_entries=20_000_000)
+        else:
+            torch.cuda.memory._record_memory_history(context=None, max_entries=20_000_000)
     model = gpt2(torch, args.layers, 768, 12, 1024, args.seed).cuda().train()
     if args.workload == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -390,7 +395,12 @@ def dist_worker(rank, world, args):
            "num_sync_all_streams": stat("num_sync_all_streams", rank),
            "steady_device_calls": steady_calls(stat, counters, rank),
            **steady_host(counters, args.steps - args.warmup)}
-    if args.record and rank == 0:
+    if args.record and rank == 0 and args.record_threads:
+        path = os.path.join(args.record, f"{args.workload}-threads.csv")
+        threaded_csv(torch.cuda.memory._snapshot(), rank, path)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        res["recorded"] = path
+    elif args.record and rank == 0:
         path = os.path.join(args.record, f"{args.workload}.pickle")
         torch.cuda.memory._dump_snapshot(path)
         torch.cuda.memory._record_memory_history(enabled=None)
@@ -398,6 +408,25 @@ def dist_worker(rank, world, args):
     if rank == 0:
         print("RESULT " + json.dumps(res), flush=True)
     dist.destroy_process_group()
+
+
+def threaded_csv(snap, device, path):
+    """Writes PyTorch's allocation history of `device` as an RMM-style CSV log whose Thread
+    column tells the training loop's thread (`main`: an event whose Python stack passes through
+    `train_loop`) from the others (`other`: autograd's device thread, which runs the backward
+    pass and its hooks, and any C++ thread; their Python stacks never reach the loop). PyTorch
+    records no thread ids; `cca` replays the log with `--threads` (one replay thread per
+    label)."""
+    rows = ["Thread,Time,Action,Pointer,Size,Stream"]
+    for e in snap["device_traces"][device]:
+        action = {"alloc": "allocate", "free_requested": "free"}.get(e["action"])
+        if action is None:
+            continue
+        frames = e.get("frames") or []
+        thread = "main" if any(f.get("name") == "train_loop" for f in frames) else "other"
+        rows.append(f"{thread},{e['time_us']},{action},{e['addr']:#x},{e['size']},{e['stream']}")
+    with open(path, "w") as f:
+        f.write("\n".join(rows) + "\n")
 
 
 def run_dist(args):
@@ -422,6 +451,8 @@ def run_child(args, w, label, env_changes, cfg):
     if args.record:
         os.makedirs(args.record, exist_ok=True)
         cmd += ["--record", os.path.abspath(args.record)]
+        if args.record_threads:
+            cmd += ["--record-threads"]
     if args.library:
         cmd += ["--library", args.library]
     env = {k: v for k, v in os.environ.items()
@@ -625,6 +656,10 @@ def main():
     p.add_argument("--host-timing", action="store_true",
                    help="time the allocator's host path in the crate's runs (CCA_HOST_TIMING=1) "
                         "and report its µs per step")
+    p.add_argument("--record-threads", action="store_true",
+                   help="with --record, the two-GPU workloads write DIR/<workload>-threads.csv, "
+                        "an RMM-style log whose Thread column tells the training loop's thread "
+                        "from autograd's (from Python stacks)")
     p.add_argument("--ab", action="store_true",
                    help="one process per run holding native and one crate configuration "
                         "(--allocators, default cca-default), every input under both (see above)")
