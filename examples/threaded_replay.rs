@@ -136,7 +136,9 @@ fn one_thread(trace: &Trace, config: AllocatorConfig, lag: u32) -> Outcome {
 
 fn main() {
     let mut args = std::env::args().skip(1);
-    let path = args.next().expect("usage: threaded_replay TRACE [LAG] [CONFIG...]");
+    let path = args
+        .next()
+        .expect("usage: threaded_replay TRACE [LAG] [CONFIG...]");
     let lag: u32 = args.next().map_or(0, |s| s.parse().expect("LAG"));
     let mut configs: Vec<String> = args.collect();
     if configs.is_empty() {
@@ -162,7 +164,10 @@ fn main() {
         let config = AllocatorConfig::parse(c).unwrap();
         for (name, o) in [
             ("one thread", one_thread(&trace, config.clone(), lag)),
-            ("threads of the trace", threaded(&trace, config.clone(), lag)),
+            (
+                "threads of the trace",
+                threaded(&trace, config.clone(), lag),
+            ),
         ] {
             let get = |k: &str| o.calls.iter().find(|(n, _)| *n == k).map_or(0, |v| v.1);
             println!(
