@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""Checks of gpu/clients.py's bookkeeping that need no GPU and no torch (run by
+python/tests/ci.sh): the A/B schedule, the pairing of its step times, the summary table and the
+thread labels of --record-threads. The measurements themselves run on the GPU machine."""
+import contextlib
+import io
+import os
+import sys
+import tempfile
+import types
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import clients  # noqa: E402
+
+COUNTERS = ("num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+
+class FakeAb:
+    """Statistics of the two sides as the A/B extension returns them."""
+
+    def __init__(self):
+        self.calls = {0: 0, 1: 0}
+        self.mode_set = []
+
+    def set_mode(self, mode):
+        self.mode_set.append(mode)
+
+    def stats(self, side, device=0):
+        return {"reserved_bytes.all.peak": 110 if side else 150,
+                "allocated_bytes.all.peak": 100,
+                "num_device_alloc": self.calls[side], "num_device_free": 0,
+                "num_sync_all_streams": 0}
+
+
+def test_schedule():
+    modes = [clients.ab_mode(i) for i in range(4 * clients.AB_RUNS)]
+    # Input j: a priming run (native for even j, the crate for odd j), then ABBA.
+    assert modes == [0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1, 0], modes
+    for j in range(50):
+        measured = {clients.ab_mode(clients.AB_RUNS * j + k) for k in (1, 2)}
+        assert measured == {0, 1}, (j, measured)
+
+
+def test_pairing():
+    ab = FakeAb()
+    clients.AB = ab
+    clients.HOST_TIME = lambda: None
+    args = types.SimpleNamespace(warmup=2, steps=6)
+    at, counters = clients.ab_probe(args)
+    times = []
+    for i in range(clients.AB_RUNS * args.steps):
+        at(i)
+        if i == clients.AB_RUNS * args.warmup:
+            ab.calls[1] = 0  # read at warm-up: calls before it do not count
+        j, pos = divmod(i, clients.AB_RUNS)
+        mode = clients.ab_mode(i)
+        # Priming runs are slow; the crate takes 10 % longer than native on input j's repeats.
+        times.append(1.0 if pos == 0 else (0.1 + j) * (1.1 if mode else 1.0))
+    ab.calls[1] = 3
+    assert ab.mode_set == [clients.ab_mode(i) for i in range(len(times))]
+    r = clients.ab_result(args, times, counters)
+    assert len(r["native_ms"]) == args.steps - args.warmup
+    for n, c in zip(r["native_ms"], r["crate_ms"]):
+        assert abs(c / n - 1.1) < 1e-9, (n, c)
+    assert r["crate_first"] == [False, True, False, True]
+    assert r["native_prime_ms"] == [1000.0, 1000.0] and r["crate_prime_ms"] == [1000.0, 1000.0]
+    assert r["crate_steady_device_calls"] == 3 and r["native_steady_device_calls"] == 0
+
+
+def test_table():
+    ab = FakeAb()
+    clients.AB = ab
+    # The crate 2 % slower when second (order effect), 2 % faster when first: order-free 1.000.
+    n = [100.0] * 8
+    first = [k % 2 == 1 for k in range(8)]
+    c = [98.0 if f else 102.0 for f in first]
+    run = {"native_ms": n, "crate_ms": c, "crate_first": first, "native_prime_ms": [500.0],
+           "crate_prime_ms": [510.0], "losses": [1.0, 0.9],
+           "native_peak_reserved_bytes": 150, "native_peak_allocated_bytes": 100,
+           "crate_peak_reserved_bytes": 101, "crate_peak_allocated_bytes": 100,
+           "native_steady_device_calls": 0, "crate_steady_device_calls": 0}
+    clients.run_child = lambda *a: dict(run)
+    args = types.SimpleNamespace(allocators=None, workloads=["ckpt"], reps=2, steps=10, warmup=2,
+                                 json=None)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = clients.compare_ab(args)
+    assert rc == 0
+    row = [l for l in out.getvalue().splitlines() if l.startswith("| ckpt |")]
+    assert len(row) == 1, out.getvalue()
+    cells = [x.strip() for x in row[0].split("|")]
+    assert cells[3] == "16", cells              # pairs pooled over 2 processes
+    assert cells[4] == "**1.000**", cells        # order-free
+    assert cells[5] == "0.980 / 1.020", cells    # crate first / second
+    assert cells[12] == "500.0 / 510.0", cells   # priming runs
+
+
+def test_thread_labels():
+    frames_loop = [{"name": "forward", "filename": "m.py"}, {"name": "train_loop"}]
+    snap = {"device_traces": [[
+        {"action": "alloc", "addr": 4096, "size": 512, "stream": 0, "time_us": 1,
+         "frames": frames_loop},
+        {"action": "alloc", "addr": 8192, "size": 256, "stream": 7, "time_us": 2,
+         "frames": [{"name": "_pre_backward_hook"}]},
+        {"action": "free_requested", "addr": 4096, "size": 512, "stream": 0, "time_us": 3,
+         "frames": []},
+        {"action": "free_completed", "addr": 4096, "size": 512, "stream": 0, "time_us": 4},
+        {"action": "segment_map", "addr": 0, "size": 2 << 20, "stream": 0, "time_us": 0},
+    ]]}
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "t.csv")
+        clients.threaded_csv(snap, 0, path)
+        with open(path) as f:
+            lines = f.read().splitlines()
+    assert lines == ["Thread,Time,Action,Pointer,Size,Stream",
+                     "main,1,allocate,0x1000,512,0",
+                     "other,2,allocate,0x2000,256,7",
+                     "other,3,free,0x1000,512,0"], lines
+
+
+if __name__ == "__main__":
+    for name, fn in list(globals().items()):
+        if name.startswith("test_"):
+            fn()
+            print(f"ok {name}")
