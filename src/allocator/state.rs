@@ -290,8 +290,17 @@ impl State {
         let alloc_size = segment_size(size, &self.config);
 
         let mut found = self.get_free_block(stream, size, kind, owner);
-        if found.is_none() && before_growth(self, Some(stream)) {
-            found = self.get_free_block(stream, size, kind, owner);
+        if found.is_none() {
+            // Note [Flush before a new peak] (front/mod.rs): other streams' cached blocks are
+            // spared, except before a growth that would raise the reserved peak.
+            let only = if self.growth_sets_reserved_peak(size) {
+                None
+            } else {
+                Some(stream)
+            };
+            if before_growth(self, only) {
+                found = self.get_free_block(stream, size, kind, owner);
+            }
         }
         if found.is_none() && !capture && self.config.cross_stream_reuse {
             found = self.cross_stream_handover(dev, stream, size, kind);

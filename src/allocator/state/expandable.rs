@@ -521,6 +521,20 @@ impl State {
         self.stats.num_device_alloc += 1;
     }
 
+    /// Whether a growth by `size` bytes would raise the allocated bytes past their peak and the
+    /// reserved bytes past the page-reuse slack over them (`(1 + cca_page_reuse_slack) ×
+    /// (allocated + size)`, the allowance of `acquire_pages`), with page reuse on: a growth that
+    /// sets the reserved peak (Note [Flush before a new peak] in `front/mod.rs`).
+    pub(crate) fn growth_sets_reserved_peak(&self, size: usize) -> bool {
+        if self.config.page_reuse == PageReuse::Off || !self.config.expandable_segments {
+            return false;
+        }
+        let after = (self.stats.memory_allocated().max(0) as usize).saturating_add(size);
+        let peak = self.stats.max_memory_allocated().max(0) as usize;
+        let limit = (after as f64 * (1.0 + self.config.page_reuse_slack)) as usize;
+        after > peak && self.total_allocated_memory.saturating_add(size) > limit
+    }
+
     /// Physical handles covering `n` pages of segment `base`, already counted as reserved (each
     /// in the pool its `SparePage` names): spare handles first, then (with page reuse) handles
     /// unmapped from free blocks, then new ones. `Ok(None)`: out of memory or over the cap,
