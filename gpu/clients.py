@@ -415,8 +415,8 @@ def threaded_csv(snap, device, path):
     column tells the training loop's thread (`main`: an event whose Python stack passes through
     `train_loop`) from the others (`other`: autograd's device thread, which runs the backward
     pass and its hooks, and any C++ thread; their Python stacks never reach the loop). PyTorch
-    records no thread ids; `cca` replays the log with `--threads` (one replay thread per
-    label)."""
+    records no thread ids; `examples/threaded_replay.rs` replays the log with one replay thread
+    per label."""
     rows = ["Thread,Time,Action,Pointer,Size,Stream"]
     for e in snap["device_traces"][device]:
         action = {"alloc": "allocate", "free_requested": "free"}.get(e["action"])
