@@ -174,11 +174,12 @@ fn shell_blocks_name_features_examples_tests_and_commands_that_exist() {
                     checked += 1;
                 }
             }
-            // `cca SUB` and `cargo run ... -- SUB`: the subcommand exists; a shipped trace exists.
+            // `cca SUB` and `cargo run ... -- SUB` (of `cca`, not of an example, whose arguments
+            // are its own): the subcommand exists; a shipped trace exists.
             let words: Vec<&str> = line.split_whitespace().collect();
             let sub = match words.as_slice() {
                 ["cca", sub, ..] => Some(*sub),
-                ["cargo", "run", rest @ ..] => rest
+                ["cargo", "run", rest @ ..] if !rest.contains(&"--example") => rest
                     .iter()
                     .position(|w| *w == "--")
                     .and_then(|i| rest.get(i + 1).copied()),
