@@ -391,21 +391,23 @@ impl Local {
         {
             return Give::Slow;
         }
-        let s = {
+        // The bin, whether an empty slot must first take the key, and its length: all decided
+        // before the compare-and-swap, so that nothing is looked at twice after it.
+        let (s, fresh, len) = {
             let (a, b) = (&self.slots[home], &self.slots[home ^ 1]);
             if a.size == rounded && a.stream == stream {
-                home
+                (home, false, a.len as usize)
             } else if b.size == rounded && b.stream == stream {
-                home ^ 1
+                (home ^ 1, false, b.len as usize)
             } else if a.len == 0 {
-                home
+                (home, true, 0)
             } else if b.len == 0 {
-                home ^ 1
+                (home ^ 1, true, 0)
             } else {
                 return Give::Slow;
             }
         };
-        if self.slots[s].len as usize >= SLOT_CAP {
+        if len >= SLOT_CAP {
             return Give::Slow;
         }
         match d.transition(LIVE, CACHED) {
@@ -415,16 +417,18 @@ impl Local {
         }
         let req = d.user_req();
         let slot = &mut self.slots[s];
-        if slot.size != rounded || slot.stream != stream {
+        if fresh {
             *slot = Slot {
                 size: rounded,
                 stream,
                 ..EMPTY_SLOT
             };
         }
-        slot.idx[slot.len as usize] = i;
-        slot.len += 1;
-        if slot.len == 1 {
+        if let Some(e) = slot.idx.get_mut(len) {
+            *e = i;
+        }
+        slot.len = len as u8 + 1;
+        if len == 0 {
             self.occupied[kind_row(pool_kind(rounded))][s / 64] |= 1u64 << (s % 64);
         }
         if let Some(m) = self.meta_mut(i) {
