@@ -310,6 +310,10 @@ impl Local {
         let slot = self.slots.get_mut(s)?;
         let len = slot.len.checked_sub(1)?;
         let i = *slot.idx.get(len as usize)?;
+        // What the hit needs of the block, read before the compare-and-swap (a binned
+        // descriptor always has its record).
+        let m = self.meta.get_mut(i as usize)?.as_mut()?;
+        let (ptr, bs, kind) = (m.ptr, m.block_size, m.kind);
         let d = self
             .chunks
             .get(i as usize / CHUNK)
@@ -317,6 +321,7 @@ impl Local {
         // A flush may have taken it (GONE): the locked path cleans up.
         d.transition(CACHED, LIVE).ok()?;
         d.set_user_req(req);
+        m.in_bin = false;
         slot.len = len;
         if slot.strikes != 0 {
             slot.strikes = 0;
@@ -324,9 +329,6 @@ impl Local {
         if len == 0 {
             self.occupied[kind_row(pool_kind(rounded))][s / 64] &= !(1u64 << (s % 64));
         }
-        let m = self.meta_mut(i)?;
-        m.in_bin = false;
-        let (ptr, bs, kind) = (m.ptr, m.block_size, m.kind);
         self.cached_bytes -= bs;
         self.cached_count -= 1;
         self.live_count += 1;
