@@ -366,7 +366,8 @@ impl Local {
         };
         // The descriptor must be the block at `ptr`: a vacant one, or one reused for another
         // block, never takes the free.
-        let Some(m) = self.meta_of(i) else {
+        // Held (mutably) to the end: the record is marked binned without a second look-up.
+        let Some(m) = self.meta.get_mut(i as usize).and_then(Option::as_mut) else {
             return Give::Slow;
         };
         if m.ptr != ptr {
@@ -433,9 +434,7 @@ impl Local {
         if len == 0 {
             self.occupied[kind_row(pool_kind(rounded))][s / 64] |= 1u64 << (s % 64);
         }
-        if let Some(m) = self.meta_mut(i) {
-            m.in_bin = true;
-        }
+        m.in_bin = true;
         self.cached_bytes += bs;
         self.cached_count += 1;
         self.max_cached = self.max_cached.max(rounded);
