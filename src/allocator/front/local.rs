@@ -310,6 +310,10 @@ impl Local {
         let slot = self.slots.get_mut(s)?;
         let len = slot.len.checked_sub(1)?;
         let i = *slot.idx.get(len as usize)?;
+        // What the hit needs of the block, read before the compare-and-swap (a binned
+        // descriptor always has its record).
+        let m = self.meta.get_mut(i as usize)?.as_mut()?;
+        let (ptr, bs, kind) = (m.ptr, m.block_size, m.kind);
         let d = self
             .chunks
             .get(i as usize / CHUNK)
@@ -317,6 +321,7 @@ impl Local {
         // A flush may have taken it (GONE): the locked path cleans up.
         d.transition(CACHED, LIVE).ok()?;
         d.set_user_req(req);
+        m.in_bin = false;
         slot.len = len;
         if slot.strikes != 0 {
             slot.strikes = 0;
@@ -324,9 +329,6 @@ impl Local {
         if len == 0 {
             self.occupied[kind_row(pool_kind(rounded))][s / 64] &= !(1u64 << (s % 64));
         }
-        let m = self.meta_mut(i)?;
-        m.in_bin = false;
-        let (ptr, bs, kind) = (m.ptr, m.block_size, m.kind);
         self.cached_bytes -= bs;
         self.cached_count -= 1;
         self.live_count += 1;
@@ -364,7 +366,8 @@ impl Local {
         };
         // The descriptor must be the block at `ptr`: a vacant one, or one reused for another
         // block, never takes the free.
-        let Some(m) = self.meta_of(i) else {
+        // Held (mutably) to the end: the record is marked binned without a second look-up.
+        let Some(m) = self.meta.get_mut(i as usize).and_then(Option::as_mut) else {
             return Give::Slow;
         };
         if m.ptr != ptr {
@@ -391,21 +394,23 @@ impl Local {
         {
             return Give::Slow;
         }
-        let s = {
+        // The bin, whether an empty slot must first take the key, and its length: all decided
+        // before the compare-and-swap, so that nothing is looked at twice after it.
+        let (s, fresh, len) = {
             let (a, b) = (&self.slots[home], &self.slots[home ^ 1]);
             if a.size == rounded && a.stream == stream {
-                home
+                (home, false, a.len as usize)
             } else if b.size == rounded && b.stream == stream {
-                home ^ 1
+                (home ^ 1, false, b.len as usize)
             } else if a.len == 0 {
-                home
+                (home, true, 0)
             } else if b.len == 0 {
-                home ^ 1
+                (home ^ 1, true, 0)
             } else {
                 return Give::Slow;
             }
         };
-        if self.slots[s].len as usize >= SLOT_CAP {
+        if len >= SLOT_CAP {
             return Give::Slow;
         }
         match d.transition(LIVE, CACHED) {
@@ -415,21 +420,21 @@ impl Local {
         }
         let req = d.user_req();
         let slot = &mut self.slots[s];
-        if slot.size != rounded || slot.stream != stream {
+        if fresh {
             *slot = Slot {
                 size: rounded,
                 stream,
                 ..EMPTY_SLOT
             };
         }
-        slot.idx[slot.len as usize] = i;
-        slot.len += 1;
-        if slot.len == 1 {
+        if let Some(e) = slot.idx.get_mut(len) {
+            *e = i;
+        }
+        slot.len = len as u8 + 1;
+        if len == 0 {
             self.occupied[kind_row(pool_kind(rounded))][s / 64] |= 1u64 << (s % 64);
         }
-        if let Some(m) = self.meta_mut(i) {
-            m.in_bin = true;
-        }
+        m.in_bin = true;
         self.cached_bytes += bs;
         self.cached_count += 1;
         self.max_cached = self.max_cached.max(rounded);
