@@ -700,16 +700,23 @@ impl Front {
     fn fold_own(&self, l: &mut Local, fl: &mut FrontLocked) {
         self.process_taken_own(l, fl);
         if l.dirty {
-            if l.epoch == fl.epoch {
-                let mut candidate = l.base;
-                candidate.add(&Five::of_quantities(&l.hi));
-                fl.peaks.raise_to(&candidate);
-            }
-            l.dirty = false;
+            Self::fold_candidate(l, fl);
             // The delta changed since it was last published: the closing synchronisation
             // publishes it.
             l.retired = true;
         }
+    }
+
+    /// Folds the peak candidate of the owner's interval since its last synchronisation (when
+    /// it belongs to the current epoch) and marks the interval folded.
+    #[inline]
+    fn fold_candidate(l: &mut Local, fl: &mut FrontLocked) {
+        if l.epoch == fl.epoch {
+            let mut candidate = l.base;
+            candidate.add(&Five::of_quantities(&l.hi));
+            fl.peaks.raise_to(&candidate);
+        }
+        l.dirty = false;
     }
 
     #[inline]
@@ -731,12 +738,7 @@ impl Front {
     fn sync_own(&self, l: &mut Local, core: &MemoryStats, fl: &mut FrontLocked, grew: bool) {
         let changed = l.dirty || l.retired;
         if l.dirty {
-            if l.epoch == fl.epoch {
-                let mut candidate = l.base;
-                candidate.add(&Five::of_quantities(&l.hi));
-                fl.peaks.raise_to(&candidate);
-            }
-            l.dirty = false;
+            Self::fold_candidate(l, fl);
         }
         l.retired = false;
         let manages = l.may_hit();

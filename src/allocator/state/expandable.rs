@@ -42,7 +42,7 @@
 
 use std::collections::BTreeMap;
 
-use super::growth_fit::MIN_SAVING;
+use super::growth_fit::{MIN_SAVING, SlackLimit};
 use super::{SegmentRec, State};
 use crate::allocator::block::{Block, BlockId};
 use crate::allocator::device_calls;
@@ -529,10 +529,8 @@ impl State {
         if self.config.page_reuse == PageReuse::Off || !self.config.expandable_segments {
             return false;
         }
-        let after = (self.stats.memory_allocated().max(0) as usize).saturating_add(size);
-        let peak = self.stats.max_memory_allocated().max(0) as usize;
-        let limit = (after as f64 * (1.0 + self.config.page_reuse_slack)) as usize;
-        after > peak && self.total_allocated_memory.saturating_add(size) > limit
+        let s = self.slack_limit(size);
+        s.after > s.peak && self.total_allocated_memory.saturating_add(size) > s.limit
     }
 
     /// Physical handles covering `n` pages of segment `base`, already counted as reserved (each
@@ -565,12 +563,10 @@ impl State {
         }
         let need = n - have;
         // Allocated bytes after the request, and their peak so far.
-        let after = (self.stats.memory_allocated().max(0) as usize).saturating_add(growth.request);
-        let peak = self.stats.max_memory_allocated().max(0) as usize;
+        let SlackLimit { after, peak, limit } = self.slack_limit(growth.request);
         // Within the slack, new pages are cheaper than moving pages around.
         let allowance = if self.config.page_reuse_slack > 0.0 {
-            let budget = (after.max(peak) as f64 * (1.0 + self.config.page_reuse_slack)) as usize;
-            budget.saturating_sub(self.total_allocated_memory) / page
+            limit.saturating_sub(self.total_allocated_memory) / page
         } else {
             0
         };

@@ -38,6 +38,17 @@ use crate::config::PageReuse;
 /// Pages a run must save over the lowest run to be taken instead (Note [Fewest-pages growth]).
 pub(super) const MIN_SAVING: usize = 2;
 
+/// What [`State::slack_limit`] measures.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct SlackLimit {
+    /// Allocated bytes after the request.
+    pub(super) after: usize,
+    /// Peak allocated bytes so far.
+    pub(super) peak: usize,
+    /// Reserved bytes the page-reuse slack allows.
+    pub(super) limit: usize,
+}
+
 impl State {
     /// Whether a growth for `size` bytes takes the fewest-pages run (Note [Fewest-pages growth]):
     /// page reuse is on, no minimum growth is set, and creating the request's bytes would take
@@ -46,11 +57,18 @@ impl State {
         if self.config.page_reuse == PageReuse::Off || self.config.expandable_min_growth > 0 {
             return false;
         }
-        let allocated = self.stats.memory_allocated().max(0) as usize;
+        self.total_allocated_memory.saturating_add(size) > self.slack_limit(size).limit
+    }
+
+    /// The allocated bytes after a request of `size` bytes, their peak so far, and the reserved
+    /// bytes the page-reuse slack allows: `(1 + cca_page_reuse_slack) × max(after, peak)`. The
+    /// one measure behind the slack's rules (`acquire_pages`, Note [Fewest-pages growth], Note
+    /// [Flush before a new peak]).
+    pub(super) fn slack_limit(&self, size: usize) -> SlackLimit {
+        let after = (self.stats.memory_allocated().max(0) as usize).saturating_add(size);
         let peak = self.stats.max_memory_allocated().max(0) as usize;
-        let budget = (allocated.saturating_add(size).max(peak) as f64
-            * (1.0 + self.config.page_reuse_slack)) as usize;
-        self.total_allocated_memory.saturating_add(size) > budget
+        let limit = (after.max(peak) as f64 * (1.0 + self.config.page_reuse_slack)) as usize;
+        SlackLimit { after, peak, limit }
     }
 
     /// The pages of `page` bytes a growth of `size` bytes starting at free-or-unmapped block
