@@ -61,6 +61,15 @@ EXTRA_ALLOCATORS = [
 # for the crate's runs), or None.
 HOST_TIME = lambda: None  # noqa: E731
 
+# Device-call kinds whose host time the crate reports (the `device_ns.KIND` keys of
+# cuda_caching_allocator.torch.stat); the tables name the largest three.
+CALL_KINDS = ("map", "set_access", "unmap", "create", "event_query", "event_record",
+              "stream_wait_event", "stream_synchronize", "synchronize", "release")
+
+# The crate's host nanoseconds inside device calls so far, by kind (a dict, "all" included), or
+# None on runs without the crate.
+DEVICE_NS = lambda: None  # noqa: E731
+
 
 # The A/B extension (gpu/ab_shim.cpp) in --ab runs, or None.
 AB = None
@@ -94,6 +103,13 @@ def setup_ab(args):
                  "free_calls": free_calls} if on else None)
 
     HOST_TIME = host_time
+    lib = cca._load_library(path)
+
+    def device_ns():
+        return {k: lib.cca_memory_stat(0, f"device_ns.{k}".encode()) for k in CALL_KINDS + ("all",)}
+
+    global DEVICE_NS
+    DEVICE_NS = device_ns
 
     def stat(key, device=0):
         return mod.stats(1, device).get(key, 0)
@@ -118,8 +134,13 @@ def setup(args):
             return cca.stat(key, device)
 
         route = cca.route()
-        global HOST_TIME
+        global HOST_TIME, DEVICE_NS
         HOST_TIME = cca.host_time
+
+        def device_ns():
+            return {k: cca.stat(f"device_ns.{k}") for k in CALL_KINDS + ("all",)}
+
+        DEVICE_NS = device_ns
     else:
 
         def stat(key, device=0):
@@ -152,6 +173,7 @@ def warmup_probe(args, stat, device=0):
         if i == args.warmup:
             counters.update({k: stat(k, device) for k in DEVICE_COUNTERS})
             counters["_host"] = HOST_TIME()
+            counters["_device"] = DEVICE_NS()
 
     return at, counters
 
@@ -170,8 +192,40 @@ def steady_host(counters, steps):
     if not before or not after or steps <= 0:
         return {}
     ns = (after["alloc_ns"] + after["free_ns"]) - (before["alloc_ns"] + before["free_ns"])
-    return {"host_us_per_step": ns / 1000 / steps,
-            "allocs_per_step": (after["alloc_calls"] - before["alloc_calls"]) / steps}
+    res = {"host_us_per_step": ns / 1000 / steps,
+           "allocs_per_step": (after["alloc_calls"] - before["alloc_calls"]) / steps}
+    res.update(steady_device(counters.get("_device"), DEVICE_NS(), steps))
+    return res
+
+
+def steady_device(before, after, steps):
+    """The part of the allocator's host time per step spent inside device calls (µs; the crate's
+    `device_ns.KIND` figures), in all and by kind, between two readings of DEVICE_NS; {} when
+    either reading is missing or a figure is unknown (a library without them)."""
+    if not before or not after or steps <= 0:
+        return {}
+    if any(v is None or v < 0 for v in list(before.values()) + list(after.values())):
+        return {}
+    per = {k: (after[k] - before[k]) / 1000 / steps for k in after if k in before}
+    return {"device_us_per_step": per.pop("all", 0.0), "device_us_by_kind": per}
+
+
+def host_cell(rows):
+    """The table cell of the allocator's host time: µs per step (allocations per step), and,
+    when measured, the µs per step inside device calls with the three largest kinds."""
+    rows = [r for r in rows if "host_us_per_step" in r]
+    if not rows:
+        return ""
+    cell = (f"{statistics.median(r['host_us_per_step'] for r in rows):.0f} "
+            f"({statistics.median(r['allocs_per_step'] for r in rows):.0f})")
+    dev = [r for r in rows if "device_us_per_step" in r]
+    if dev:
+        kinds = {k: statistics.median(r["device_us_by_kind"].get(k, 0.0) for r in dev)
+                 for k in CALL_KINDS}
+        top = sorted(((v, k) for k, v in kinds.items() if v >= 1), reverse=True)[:3]
+        cell += (f"; device calls {statistics.median(r['device_us_per_step'] for r in dev):.0f}"
+                 + "".join(f", {k} {v:.0f}" for v, k in top))
+    return cell
 
 
 # --ab: executions per input: a priming run, then one under each allocator.
@@ -201,6 +255,7 @@ def ab_probe(args, device=0):
                 st = AB.stats(side, device)
                 counters[side] = {k: st[k] for k in DEVICE_COUNTERS}
             counters["_host"] = HOST_TIME()
+            counters["_device"] = DEVICE_NS()
 
     return at, counters
 
@@ -501,7 +556,7 @@ def compare_ab(args):
           "crate first / second | median (q1–q3) | per process | ratio of means | "
           "crate slower in | native ms | crate ms | "
           "priming runs ms, native / crate | "
-          "device calls after warm-up, native / crate | crate host µs / step (allocs / step) | "
+          "device calls after warm-up, native / crate | crate host µs / step (allocs / step; in device calls) | "
           "reserved / peak allocated, native / crate |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for w in args.workloads:
@@ -531,9 +586,7 @@ def compare_ab(args):
                            for r in good)
             finite = all(l == l and abs(l) != float("inf") for r in good for l in r["losses"])
             ok = ok and finite
-            host = (f"{statistics.median(r['host_us_per_step'] for r in good):.0f} "
-                    f"({statistics.median(r['allocs_per_step'] for r in good):.0f})"
-                    if all("host_us_per_step" in r for r in good) else "")
+            host = host_cell(good) if all("host_us_per_step" in r for r in good) else ""
             calls = ", ".join(f"{r['native_steady_device_calls']}/{r['crate_steady_device_calls']}"
                               for r in good)
             pn = [x for r in good for x in r["native_prime_ms"]]
@@ -592,7 +645,7 @@ def compare(args):
         print(f"\n== {w} ({args.steps} steps, median after {args.warmup}; {reps} interleaved repeats)")
         print("| allocator | route | median step ms (min–max over repeats) | × native, median (min–max) | "
               "× native, step by step | peak reserved GiB | reserved / peak allocated | device allocs | "
-              "device calls after warm-up | allocator host µs / step (allocs / step) | max rel loss diff |")
+              "device calls after warm-up | allocator host µs / step (allocs / step; in device calls) | max rel loss diff |")
         print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for label, _, _ in allocators:
             mine = runs[label]
@@ -619,9 +672,7 @@ def compare(args):
                        for c, n in pairs if c.get("step_ms") and n.get("step_ms")]
             stepwise = (f"{statistics.median(per_rep):.3f} ({min(per_rep):.3f}–{max(per_rep):.3f})"
                         if per_rep else "")
-            hosts = [x for x in good_runs if "host_us_per_step" in x]
-            host = (f"{statistics.median(x['host_us_per_step'] for x in hosts):.0f} "
-                    f"({statistics.median(x['allocs_per_step'] for x in hosts):.0f})" if hosts else "")
+            host = host_cell(good_runs)
             print(f"| {label} | {c['route']} | {statistics.median(steps):.2f} ({min(steps):.2f}–{max(steps):.2f}) | "
                   f"{ratio} | {stepwise} | {c['peak_reserved_bytes'] / gib:.3f} | "
                   f"{c['peak_reserved_bytes'] / max(c['peak_allocated_bytes'], 1):.4f} | "

@@ -118,6 +118,23 @@ def test_thread_labels():
                      "other,3,free,0x1000,512,0"], lines
 
 
+def test_device_time_cell():
+    """The host-time cell adds the time inside device calls and names the largest kinds; a
+    library without the figures (-1 or None) leaves them out."""
+    before = {k: 0 for k in clients.CALL_KINDS + ("all",)}
+    after = dict(before, map=2_000_000, unmap=6_000_000, set_access=4_000_000, all=12_500_000)
+    dev = clients.steady_device(before, after, 2)
+    assert dev["device_us_per_step"] == 6250.0, dev
+    assert dev["device_us_by_kind"]["unmap"] == 3000.0, dev
+    row = {"host_us_per_step": 9000.0, "allocs_per_step": 100.0, **dev}
+    assert clients.host_cell([row]) == (
+        "9000 (100); device calls 6250, unmap 3000, set_access 2000, map 1000"), clients.host_cell([row])
+    assert clients.steady_device(before, dict(after, map=-1), 2) == {}
+    assert clients.steady_device(None, after, 2) == {}
+    assert clients.host_cell([{"host_us_per_step": 10.0, "allocs_per_step": 2.0}]) == "10 (2)"
+    assert clients.host_cell([{}]) == ""
+
+
 if __name__ == "__main__":
     for name, fn in list(globals().items()):
         if name.startswith("test_"):

@@ -25,6 +25,7 @@ pub use allocator::{
     InvariantViolation, MemPoolId, OwnedAllocation, PoolFilter, SegmentSnapshot, capture_filter,
     memory_summary,
 };
+pub use backend::call_times::{CALL_KINDS, DeviceCallTimes};
 pub use backend::sim::{
     FaultKind, SimCaptureMode, SimCaptureViolation, SimConfig, SimCosts, SimCounters, SimDevice,
     SimEventCall, SimStreamWait, SimUse, SimViolation, SimViolationKind,

@@ -273,7 +273,14 @@ def library():
 
 def stat(key, device=0):
     """One statistic of ``device``'s cache by its ``torch.cuda.memory_stats()`` key, or ``None``
-    when the key is unknown or the device's cache was never used."""
+    when the key is unknown or the device's cache was never used.
+
+    Beyond PyTorch's keys, ``device_calls.KIND`` counts the driver calls the cache made and
+    ``device_ns.KIND`` the host nanoseconds spent inside them, ``KIND`` one of ``map``,
+    ``set_access``, ``unmap``, ``create``, ``release``, ``reserve``, ``release_range``,
+    ``allocate``, ``free``, ``synchronize``, ``stream_synchronize``, ``event_create``,
+    ``event_record``, ``event_query``, ``stream_wait_event``, or ``all``: where the allocator's
+    own time goes when a step is slower than expected."""
     lib = _state["lib"]
     if lib is None:
         raise EnableError("enable() was not called")

@@ -136,7 +136,10 @@ pub unsafe extern "C" fn cca_device_stats(device: c_int, out: *mut CcaDeviceStat
 }
 
 /// One statistic of `device`'s cache by its `torch.cuda.memory_stats()` key (for example
-/// `"reserved_bytes.all.peak"`); -1 when the key is unknown or the device's cache is unused.
+/// `"reserved_bytes.all.peak"`), or one of the crate's own device-call figures:
+/// `"device_calls.KIND"` (calls made) and `"device_ns.KIND"` (host nanoseconds spent inside
+/// them), `KIND` one of `cuda_caching_allocator::CALL_KINDS` or `all`; -1 when the key is
+/// unknown or the device's cache is unused.
 ///
 /// # Safety
 /// `key` is null or a valid NUL-terminated string.
@@ -150,7 +153,21 @@ pub unsafe extern "C" fn cca_memory_stat(device: c_int, key: *const c_char) -> i
         let Ok(key) = unsafe { CStr::from_ptr(key) }.to_str() else {
             return -1;
         };
-        ordinal(device)
+        let device = ordinal(device);
+        if let Some((what, kind)) = key.split_once('.') {
+            let pick: Option<fn((u64, u64)) -> u64> = match what {
+                "device_calls" => Some(|(calls, _)| calls),
+                "device_ns" => Some(|(_, ns)| ns),
+                _ => None,
+            };
+            if let Some(pick) = pick {
+                return device
+                    .and_then(cuda_caching_allocator::interop::raw::device_call_times)
+                    .and_then(|t| t.get(kind))
+                    .map_or(-1, |v| i64::try_from(pick(v)).unwrap_or(i64::MAX));
+            }
+        }
+        device
             .and_then(cuda_caching_allocator::interop::raw::memory_stats)
             .and_then(|s| s.get(key))
             .unwrap_or(-1)

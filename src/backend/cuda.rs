@@ -43,6 +43,7 @@ use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::{CudaContext, CudaStream, sys};
 use parking_lot::{Mutex, RwLock};
 
+use super::call_times::{CallClock, CallKind, DeviceCallTimes};
 use super::{
     BackendError, DeviceAddr, DeviceBackend, EventHandle, MemInfo, PhysicalHandle, StreamId,
 };
@@ -316,6 +317,8 @@ pub struct CudaDevice {
     streams: RwLock<HashMap<u64, Option<Arc<CudaStream>>>>,
     /// Live events created by this device.
     events: Mutex<HashSet<u64>>,
+    /// Host time spent in each kind of driver call ([`CudaDevice::call_times`]).
+    clock: CallClock,
 }
 
 impl fmt::Debug for CudaDevice {
@@ -373,7 +376,15 @@ impl CudaDevice {
             granularity,
             streams: RwLock::new(HashMap::new()),
             events: Mutex::new(HashSet::new()),
+            clock: CallClock::default(),
         })
+    }
+
+    /// The driver calls the cache made through this device so far and the host time spent
+    /// inside them, by kind (each timed whole: context binding and argument checks included).
+    /// Two readings and [`DeviceCallTimes::since`] give an interval's figures.
+    pub fn call_times(&self) -> DeviceCallTimes {
+        self.clock.snapshot()
     }
 
     /// A backend on device `ordinal`, through its primary context (the one the CUDA runtime and
@@ -592,6 +603,7 @@ unsafe impl DeviceBackend for CudaDevice {
                 reason: "size 0".into(),
             });
         }
+        let _timed = self.clock.start(CallKind::Allocate);
         let _bound = self.bind()?;
         let _relaxed = RelaxedCaptureMode::enter()?;
         // SAFETY: the context is bound to this thread (above); `size` is non-zero. The returned
@@ -612,6 +624,7 @@ unsafe impl DeviceBackend for CudaDevice {
         _size: usize,
         _stream: StreamId,
     ) -> Result<(), BackendError> {
+        let _timed = self.clock.start(CallKind::Free);
         let _bound = self.bind()?;
         // SAFETY: the caller's obligation 1 makes `ptr` a live `cuMemAlloc` pointer of this
         // context (bound above); obligation 2 says no queued work still uses it (and `cuMemFree`
@@ -620,6 +633,7 @@ unsafe impl DeviceBackend for CudaDevice {
     }
 
     fn synchronize(&self) -> Result<(), BackendError> {
+        let _timed = self.clock.start(CallKind::Synchronize);
         let _bound = self.bind()?;
         result::ctx::synchronize().map_err(|e| driver("cuCtxSynchronize", e))
     }
@@ -673,6 +687,7 @@ unsafe impl DeviceBackend for CudaDevice {
     }
 
     fn synchronize_stream(&self, stream: StreamId) -> Result<(), BackendError> {
+        let _timed = self.clock.start(CallKind::StreamSynchronize);
         self.check_stream(stream)?;
         let _bound = self.bind()?;
         // SAFETY: `check_stream` passed, so `stream` is a default stream or an admitted live
@@ -682,6 +697,7 @@ unsafe impl DeviceBackend for CudaDevice {
     }
 
     fn create_event(&self) -> Result<EventHandle, BackendError> {
+        let _timed = self.clock.start(CallKind::EventCreate);
         let _bound = self.bind()?;
         let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
             .map_err(|e| driver("cuEventCreate", e))?;
@@ -691,6 +707,7 @@ unsafe impl DeviceBackend for CudaDevice {
     }
 
     fn record_event(&self, event: EventHandle, stream: StreamId) -> Result<(), BackendError> {
+        let _timed = self.clock.start(CallKind::EventRecord);
         self.check_event(event, "cuEventRecord")?;
         self.check_stream(stream)?;
         let _bound = self.bind()?;
@@ -701,6 +718,7 @@ unsafe impl DeviceBackend for CudaDevice {
     }
 
     fn query_event(&self, event: EventHandle) -> Result<bool, BackendError> {
+        let _timed = self.clock.start(CallKind::EventQuery);
         self.check_event(event, "cuEventQuery")?;
         let _bound = self.bind()?;
         // SAFETY: the event is live (checked above).
@@ -712,6 +730,7 @@ unsafe impl DeviceBackend for CudaDevice {
     }
 
     fn synchronize_event(&self, event: EventHandle) -> Result<(), BackendError> {
+        let _timed = self.clock.start(CallKind::StreamSynchronize);
         self.check_event(event, "cuEventSynchronize")?;
         let _bound = self.bind()?;
         // SAFETY: the event is live (checked above).
@@ -720,6 +739,7 @@ unsafe impl DeviceBackend for CudaDevice {
     }
 
     fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> Result<(), BackendError> {
+        let _timed = self.clock.start(CallKind::StreamWaitEvent);
         self.check_event(event, "cuStreamWaitEvent")?;
         self.check_stream(stream)?;
         let _bound = self.bind()?;
@@ -762,6 +782,7 @@ unsafe impl DeviceBackend for CudaDevice {
                 reason: format!("size {size} is not a positive multiple of the granularity {gran}"),
             });
         }
+        let _timed = self.clock.start(CallKind::Reserve);
         let _bound = self.bind()?;
         let _relaxed = RelaxedCaptureMode::enter()?;
         let mut base: sys::CUdeviceptr = 0;
@@ -776,6 +797,7 @@ unsafe impl DeviceBackend for CudaDevice {
         base: DeviceAddr,
         size: usize,
     ) -> Result<(), BackendError> {
+        let _timed = self.clock.start(CallKind::ReleaseRange);
         let _bound = self.bind()?;
         // SAFETY: the caller's obligations: `base`/`size` are one live reservation of this device
         // and nothing is mapped in it.
@@ -794,6 +816,7 @@ unsafe impl DeviceBackend for CudaDevice {
                 reason: format!("size {size} is not a positive multiple of the granularity {gran}"),
             });
         }
+        let _timed = self.clock.start(CallKind::Create);
         let _bound = self.bind()?;
         let _relaxed = RelaxedCaptureMode::enter()?;
         let prop = device_alloc_prop(self.ordinal);
@@ -810,6 +833,7 @@ unsafe impl DeviceBackend for CudaDevice {
         handle: PhysicalHandle,
         _size: usize,
     ) -> Result<(), BackendError> {
+        let _timed = self.clock.start(CallKind::Release);
         let _bound = self.bind()?;
         // SAFETY: the caller's obligations: `handle` is a live handle of this device, mapped
         // nowhere.
@@ -824,6 +848,7 @@ unsafe impl DeviceBackend for CudaDevice {
         size: usize,
         handle: PhysicalHandle,
     ) -> Result<(), BackendError> {
+        let mapping = self.clock.start(CallKind::Map);
         let _bound = self.bind()?;
         let _relaxed = RelaxedCaptureMode::enter()?;
         // SAFETY: the caller's obligations: `[va, va + size)` lies in one reservation of this
@@ -831,6 +856,8 @@ unsafe impl DeviceBackend for CudaDevice {
         unsafe { sys::cuMemMap(va.0, size, 0, handle.0, 0) }
             .result()
             .map_err(|e| driver("cuMemMap", e))?;
+        drop(mapping);
+        let _timed = self.clock.start(CallKind::SetAccess);
         let access = sys::CUmemAccessDesc {
             location: device_location(self.ordinal),
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
@@ -850,6 +877,7 @@ unsafe impl DeviceBackend for CudaDevice {
     }
 
     unsafe fn unmap(&self, va: DeviceAddr, size: usize) -> Result<(), BackendError> {
+        let _timed = self.clock.start(CallKind::Unmap);
         let _bound = self.bind()?;
         // SAFETY: the caller's obligations: the range is exactly one earlier `map` of this device
         // and no queued work uses it.

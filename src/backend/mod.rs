@@ -18,6 +18,7 @@
 
 use std::fmt;
 
+pub mod call_times;
 #[cfg(feature = "cuda-unpinned")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda-unpinned")))]
 pub mod cuda;

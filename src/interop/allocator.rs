@@ -17,6 +17,7 @@ use super::pinned::{CachedPinned, PinnedAllocator};
 use super::slice::managing;
 use super::{driver_error, registry::AllocatorRegistry, slice::CachedSlice};
 use crate::allocator::{FragmentationReport, InvariantViolation, SegmentSnapshot};
+use crate::backend::call_times::DeviceCallTimes;
 use crate::backend::cuda::CudaDevice;
 use crate::host::{PinnedConfig, PinnedError};
 use crate::trace::Trace;
@@ -277,6 +278,13 @@ impl CudaAllocator {
     /// PyTorch's `memory_stats()`; see [`CachingAllocator::memory_stats`].
     pub fn memory_stats(&self) -> MemoryStats {
         self.inner.memory_stats()
+    }
+
+    /// The driver calls this cache made so far and the host time spent inside them, by kind
+    /// ([`CudaDevice::call_times`]): where the allocator's own time goes, beside the counts of
+    /// [`memory_stats`](Self::memory_stats) (`num_device_alloc` / `num_device_free`).
+    pub fn device_call_times(&self) -> DeviceCallTimes {
+        self.inner.backend().call_times()
     }
 
     /// Resets the peak statistics.

@@ -8,7 +8,7 @@
 //! May use: `interop::registry`, `backend::cuda`, the core.
 
 use super::registry::AllocatorRegistry;
-use crate::{AllocError, Allocation, DeviceAddr, MemoryStats, Result, StreamId};
+use crate::{AllocError, Allocation, DeviceAddr, DeviceCallTimes, MemoryStats, Result, StreamId};
 
 /// Allocates `size` bytes on device `device` for use on `stream`, from the device's shared
 /// cache. A `size` of 0 returns an allocation with the null pointer.
@@ -99,6 +99,17 @@ pub fn memory_stats(device: usize) -> Option<MemoryStats> {
         AllocatorRegistry::global()
             .get_if_created(device)?
             .memory_stats(),
+    )
+}
+
+/// The driver calls device `device`'s shared cache made and the host time spent inside them, by
+/// kind ([`CudaDevice::call_times`](crate::backend::cuda::CudaDevice::call_times)), or `None`
+/// when the cache was never used.
+pub fn device_call_times(device: usize) -> Option<DeviceCallTimes> {
+    Some(
+        AllocatorRegistry::global()
+            .get_if_created(device)?
+            .device_call_times(),
     )
 }
 

@@ -1042,6 +1042,71 @@ fn cuda_expandable_growth_keeps_data_and_empty_cache_returns_pages() {
     }
 }
 
+/// The driver calls the cache makes are counted and timed by kind: a growth of the default
+/// (2 MiB pages) shows as creates, maps and access settings matching PyTorch's `num_device_alloc`
+/// count of mapped ranges and the pages mapped, each with host time; cached reuse adds none; and
+/// `empty_cache` shows as unmaps and releases.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn cuda_device_call_times_count_and_time_every_driver_call() {
+    let g = gpu("cuda_device_call_times_count_and_time_every_driver_call");
+    let alloc = CudaAllocator::new(Arc::clone(&g.ctx), AllocatorConfig::default()).unwrap();
+    let stream = g.ctx.default_stream();
+    let t0 = alloc.device_call_times();
+    let a = uninit::<u8>(&alloc, &stream, 40 * MIB);
+    let b = uninit::<u8>(&alloc, &stream, 3 * MIB);
+    let grown = alloc.device_call_times().since(&t0);
+    let pages = alloc.memory_stats().memory_reserved() as u64 / (2 * MIB as u64);
+    let (creates, create_ns) = grown.get("create").unwrap();
+    let (maps, map_ns) = grown.get("map").unwrap();
+    let (access, access_ns) = grown.get("set_access").unwrap();
+    println!(
+        "growth to {pages} pages: create {creates} ({create_ns} ns), map {maps} ({map_ns} ns), \
+         set_access {access} ({access_ns} ns), all {:?}",
+        grown.total()
+    );
+    assert!(
+        pages >= 22,
+        "40 + 3 MiB need at least 22 pages of 2 MiB, got {pages}"
+    );
+    assert_eq!(creates, pages, "one create per 2 MiB page");
+    assert_eq!(maps, pages, "one map per page");
+    assert_eq!(access, pages, "access set once per mapped page");
+    assert!(create_ns > 0 && map_ns > 0 && access_ns > 0);
+    assert!(grown.total().1 >= create_ns + map_ns + access_ns);
+    drop(a);
+    drop(b);
+    let before_reuse = alloc.device_call_times();
+    let again = uninit::<u8>(&alloc, &stream, 40 * MIB);
+    let reused = alloc.device_call_times().since(&before_reuse);
+    assert_eq!(
+        reused.get("create").unwrap().0 + reused.get("map").unwrap().0,
+        0,
+        "a cached block makes no driver call: {reused:?}"
+    );
+    drop(again);
+    stream.synchronize().unwrap();
+    let before_empty = alloc.device_call_times();
+    alloc.empty_cache().unwrap();
+    let emptied = alloc.device_call_times().since(&before_empty);
+    assert_eq!(
+        emptied.get("unmap").unwrap().0,
+        pages,
+        "every page unmapped"
+    );
+    assert_eq!(
+        emptied.get("release").unwrap().0,
+        pages,
+        "every page released"
+    );
+    assert!(emptied.get("unmap").unwrap().1 > 0);
+    let via_registry = raw::device_call_times(usize::MAX);
+    assert!(
+        via_registry.is_none(),
+        "no cache for a device that does not exist"
+    );
+}
+
 /// The out-of-memory path with expandable segments on a real device: a fraction cap stops growth
 /// with a clear error, the allocator stays usable, and an absurd request is refused cleanly.
 #[test]
