@@ -7,6 +7,8 @@
 //! The kinds and their names are those of `cca replay --json`'s `device_calls`
 //! ([`SimCounters::call_counts`](super::sim::SimCounters::call_counts)), so a replay's modeled
 //! figures and a real run's measured ones line up. May use: nothing internal.
+// `CudaDevice` is the clock's one user: without the CUDA features only the report type is used.
+#![cfg_attr(not(feature = "cuda-unpinned"), allow(dead_code))]
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
