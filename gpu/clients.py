@@ -87,7 +87,8 @@ def setup_ab(args):
 
     path = cca._find_library(args.library)
     cfg = cca._apply_config(args.ab_config)
-    cca._check_config(cca._load_library(path))
+    lib = cca._load_library(path)
+    cca._check_config(lib)
     shim = cca.build_shim()
     build = os.path.join(os.environ.get("CCA_SHIM_BUILD_DIR", "/tmp/cca-shim-build"), "ab")
     os.makedirs(build, exist_ok=True)
@@ -103,7 +104,6 @@ def setup_ab(args):
                  "free_calls": free_calls} if on else None)
 
     HOST_TIME = host_time
-    lib = cca._load_library(path)
 
     def device_ns():
         return {k: lib.cca_memory_stat(0, f"device_ns.{k}".encode()) for k in CALL_KINDS + ("all",)}

@@ -4,9 +4,10 @@
 //! how often but not how long. `CallClock` is what the backend keeps (two relaxed atomic adds
 //! per call, next to calls that cost microseconds); [`DeviceCallTimes`] is what it reports.
 //!
-//! The kinds and their names are those of `cca replay --json`'s `device_calls`
-//! ([`SimCounters::call_counts`](super::sim::SimCounters::call_counts)), so a replay's modeled
-//! figures and a real run's measured ones line up. May use: nothing internal.
+//! The kinds and their names ([`CALL_KINDS`]) are also those under which the simulated device
+//! reports its calls ([`SimCounters::call_counts`](super::sim::SimCounters::call_counts), `cca
+//! replay --json`'s `device_calls`), so a replay's modeled figures and a real run's measured
+//! ones line up. May use: nothing internal.
 // `CudaDevice` is the clock's one user: without the CUDA features only the report type is used.
 #![cfg_attr(not(feature = "cuda-unpinned"), allow(dead_code))]
 

@@ -70,6 +70,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use parking_lot::Mutex;
 
+use super::call_times::CALL_KINDS;
 use super::{
     BackendError, DeviceAddr, DeviceBackend, EventHandle, MemInfo, PhysicalHandle, StreamId,
 };
@@ -409,26 +410,26 @@ impl SimCounters {
     /// The count of each kind of device call, under the names `cca replay --json` reports
     /// (`device_calls`), in a fixed order.
     pub fn call_counts(&self) -> [(&'static str, u64); 15] {
-        [
-            ("allocate", self.allocate_calls),
-            ("free", self.free_calls),
-            ("reserve", self.reserve_calls),
-            ("release_range", self.release_range_calls),
-            ("create", self.create_physical_calls),
-            ("map", self.map_calls),
-            ("set_access", self.set_access_calls),
-            ("unmap", self.unmap_calls),
-            ("release", self.release_physical_calls),
-            (
-                "synchronize",
-                self.synchronize_calls - self.stream_synchronize_calls,
-            ),
-            ("stream_synchronize", self.stream_synchronize_calls),
-            ("event_create", self.events_created),
-            ("event_record", self.event_records),
-            ("event_query", self.event_queries),
-            ("stream_wait_event", self.stream_waits),
-        ]
+        // In the order of `CALL_KINDS`, whose names these are (one list for measured and modeled
+        // figures).
+        let counts = [
+            self.allocate_calls,
+            self.free_calls,
+            self.reserve_calls,
+            self.release_range_calls,
+            self.create_physical_calls,
+            self.map_calls,
+            self.set_access_calls,
+            self.unmap_calls,
+            self.release_physical_calls,
+            self.synchronize_calls - self.stream_synchronize_calls,
+            self.stream_synchronize_calls,
+            self.events_created,
+            self.event_records,
+            self.event_queries,
+            self.stream_waits,
+        ];
+        std::array::from_fn(|i| (CALL_KINDS[i], counts[i]))
     }
 }
 
