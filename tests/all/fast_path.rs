@@ -722,6 +722,36 @@ fn a_cache_that_does_not_pay_pauses_and_tries_again_after_longer_pauses() {
     a.check_invariants().unwrap();
 }
 
+/// A cache pays when it hits at least twice per miss over a window (`HITS_PER_MISS`): one hit
+/// per miss is not enough (on FSDP2 such caches held blocks out of page reuse's reach and cost
+/// more in page moves than their hits saved), three hits per miss are.
+#[test]
+fn a_cache_pays_only_at_two_hits_per_miss() {
+    for (hits, active) in [(1, false), (3, true)] {
+        let a = fast_on(1 << 30);
+        for k in 0..300 {
+            let m = a.allocate(4096 + 512 * k, S0).unwrap();
+            a.free(m.ptr).unwrap();
+            for _ in 0..hits {
+                let h = a.allocate(1000, S1).unwrap();
+                a.free(h.ptr).unwrap();
+            }
+        }
+        a.flush_thread_caches();
+        for _ in 0..4 {
+            let x = a.allocate(1000, S1).unwrap();
+            a.free(x.ptr).unwrap();
+        }
+        assert_eq!(
+            a.flush_thread_caches(),
+            usize::from(active),
+            "{hits} hit(s) per miss: the cache is {}",
+            if active { "active" } else { "paused" }
+        );
+        a.check_invariants().unwrap();
+    }
+}
+
 /// Note [Stream-sparing flush]: a growth of stream S0 takes back only S0's cached blocks. Under
 /// the default (device-wide page reuse), taking another thread's S1 block would let the growth
 /// move its pages, and that thread would miss and grow in turn.

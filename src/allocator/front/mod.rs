@@ -22,8 +22,9 @@
 //!   garbage collection, any device allocation, and the OOM path's release-and-retry chain), on
 //!   `empty_cache`, when the history recorder starts, when the allocator is dropped, and (at the
 //!   next locked operation) when the owner thread has exited. Caches are bounded ([`Bounds`]).
-//! * **It pays or it pauses.** A cache that got fewer hits than half its misses over a window
-//!   (random sizes) stops admitting blocks for a while, longer each time a trial window again
+//! * **It pays or it pauses.** A cache that got fewer hits than twice its misses over a window
+//!   (random sizes, or sizes that recur too rarely to pay for the blocks it holds back from
+//!   page reuse) stops admitting blocks for a while, longer each time a trial window again
 //!   does not pay, so that its misses cost little more than the core's
 //!   (`local::Local::note_miss`, Note [Misses of a quiet cache]).
 //! * **Statistics** stay exact (`delta.rs`): a block in a front cache counts as *freed* for
