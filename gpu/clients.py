@@ -54,6 +54,7 @@ EXTRA_ALLOCATORS = [
     ("cca-lean-fast", {}, "cca_preset:lean-fast"),
     ("cca-no-lending", {}, "cca_preset:default,cca_page_lending:False"),
     ("cca-no-fast", {}, "cca_preset:default,cca_fast_path:False"),
+    ("cca-borrow", {}, "cca_preset:default,cca_borrow_blocks:True"),
 ]
 
 

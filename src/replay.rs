@@ -98,6 +98,9 @@ pub struct ReplayReport {
     /// Runs of pending pages lent to a growth (`cca_page_lending`;
     /// [`CachingAllocator::page_loans`] at the end).
     pub page_loans: u64,
+    /// Allocations that borrowed another stream's idle free block (`cca_borrow_blocks`;
+    /// [`CachingAllocator::blocks_borrowed`] at the end).
+    pub blocks_borrowed: u64,
     /// Frees skipped because their allocation had failed.
     pub skipped_frees: usize,
     /// Host time per alloc/free, when measured.
@@ -382,6 +385,7 @@ fn replay_loop<B: DeviceBackend>(
     report.num_alloc_retries = st.num_alloc_retries as u64;
     report.cross_stream_handovers = alloc.cross_stream_handovers();
     report.page_loans = alloc.page_loans();
+    report.blocks_borrowed = alloc.blocks_borrowed();
     report.final_stats = st;
     if let Some(c) = clock {
         report.latency = times.summary(c.ns_per_tick()).map(|t| LatencySummary {

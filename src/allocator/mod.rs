@@ -510,13 +510,14 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     }
 
     /// `reset_accumulated_memory_stats` (also resets
-    /// [`cross_stream_handovers`](Self::cross_stream_handovers) and
-    /// [`page_loans`](Self::page_loans)).
+    /// [`cross_stream_handovers`](Self::cross_stream_handovers),
+    /// [`page_loans`](Self::page_loans) and [`blocks_borrowed`](Self::blocks_borrowed)).
     pub fn reset_accumulated_stats(&self) {
         let mut guard = self.lock();
         let Locked { st, front: fl } = &mut *guard;
         st.cross_stream_handovers = 0;
         st.page_loans = 0;
+        st.blocks_borrowed = 0;
         match &self.front {
             Some(front) => front.reset_accumulated(st, fl),
             None => st.stats.reset_accumulated(),
@@ -538,6 +539,14 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// PyTorch's `memory_stats()` keys; always 0 with the option off.
     pub fn page_loans(&self) -> u64 {
         self.lock().page_loans
+    }
+
+    /// How many allocations borrowed an idle free block of another stream where it lay
+    /// (`cca_borrow_blocks`, Note [Borrowed blocks] in `docs/algorithm.md`, step 27b) since the
+    /// allocator was made or the accumulated statistics were last reset. Not one of PyTorch's
+    /// `memory_stats()` keys; always 0 with the option off.
+    pub fn blocks_borrowed(&self) -> u64 {
+        self.lock().blocks_borrowed
     }
 
     /// Gives every block held in the per-thread front caches back to the core (where it merges

@@ -9,6 +9,7 @@
 //! May use: `block`, `pool`, `device_calls`, `size_class`, `stats`, `config`.
 #![forbid(unsafe_code)]
 
+mod borrow;
 mod expandable;
 mod growth_fit;
 mod handover;
@@ -105,6 +106,12 @@ pub(crate) struct State {
     pub(crate) lent: Vec<lending::LentRange>,
     /// Page runs lent (Note [Lent pages]) since the last reset of the accumulated statistics.
     pub(crate) page_loans: u64,
+    /// Blocks borrowed across streams (Note [Borrowed blocks]) since the last reset of the
+    /// accumulated statistics.
+    pub(crate) blocks_borrowed: u64,
+    /// Whether the last successful `malloc` borrowed its block (the fast path leaves such a
+    /// block to the core).
+    pub(crate) last_borrowed: bool,
 }
 
 impl State {
@@ -162,6 +169,8 @@ impl State {
             fences: page_fence::PageFences::default(),
             lent: Vec::new(),
             page_loans: 0,
+            blocks_borrowed: 0,
+            last_borrowed: false,
         };
         s.apply_fraction(s.config.per_process_memory_fraction);
         s
@@ -253,6 +262,7 @@ impl State {
         stream: StreamId,
         before_growth: &mut dyn FnMut(&mut State, Option<StreamId>) -> bool,
     ) -> Result<Allocation> {
+        self.last_borrowed = false;
         if orig_size == 0 {
             return Ok(Allocation {
                 ptr: DeviceAddr::NULL,
@@ -305,6 +315,12 @@ impl State {
         if found.is_none() && !capture && self.config.cross_stream_reuse {
             found = self.cross_stream_handover(dev, stream, size, kind);
         }
+        // Note [Borrowed blocks] (borrow.rs).
+        let mut borrowed = false;
+        if found.is_none() && !capture && owner == 0 {
+            found = self.borrow_block(dev, stream, size, kind);
+            borrowed = found.is_some();
+        }
         if found.is_none() {
             if !capture
                 && self.allowed_memory_maximum.is_some()
@@ -341,7 +357,15 @@ impl State {
             });
         };
         let split = self.should_split(id, size);
-        Ok(self.alloc_found_block(id, size, orig_size, split))
+        let mut a = self.alloc_found_block(id, size, orig_size, split);
+        self.last_borrowed = borrowed;
+        if borrowed {
+            if let Some(&id) = self.active.get(&a.ptr.0) {
+                self.lend_block_to(id, stream);
+            }
+            a.stream = stream;
+        }
+        Ok(a)
     }
 
     /// Best fit: the smallest free block of `stream` in the pool with at least `size` bytes,

@@ -234,6 +234,16 @@ pub struct AllocatorConfig {
     /// (no host synchronization), then the segment belongs to the new stream. Opt-in: off in
     /// every preset (see `docs/algorithm.md`, "Cross-stream reuse").
     pub cross_stream_reuse: bool,
+    /// Whether an allocation may *borrow* a free block of another stream of the same pool where
+    /// it lies (crate key `cca_borrow_blocks`; needs expandable segments): when no free block of
+    /// its own stream fits, before the cache grows, the best-fitting free large-pool block of
+    /// another stream serves it once that stream's queued work on the block is known complete
+    /// (a completed page fence) or ordered before the borrower's (the borrowing stream waits on
+    /// an event: stream-ordered, no host wait). The block stays in its segment; its free records
+    /// an event on the borrowing stream, and it returns to its own stream once that completes.
+    /// No page is unmapped or mapped. Opt-in: off in every preset. See `docs/algorithm.md`,
+    /// step 27b.
+    pub borrow_blocks: bool,
     /// The original configuration string, when parsed from one.
     pub settings: String,
 }
@@ -293,6 +303,7 @@ impl AllocatorConfig {
             precise_fraction_cap: false,
             fast_path: false,
             cross_stream_reuse: false,
+            borrow_blocks: false,
             settings: String::new(),
         }
     }
@@ -502,6 +513,9 @@ impl AllocatorConfig {
                 flag(self.cross_stream_reuse)
             ));
         }
+        if self.borrow_blocks != d.borrow_blocks {
+            out.push(format!("cca_borrow_blocks:{}", flag(self.borrow_blocks)));
+        }
         out.join(",")
     }
 
@@ -609,6 +623,11 @@ impl Default for AllocatorConfig {
     /// `cca_page_move_budget:8,cca_precise_cap:True,cca_fast_path:True`. Page reuse is
     /// fenced by events, so the default never synchronizes a stream or the device outside
     /// `empty_cache` and the out-of-memory path.
+    ///
+    /// Borrowed blocks (`cca_borrow_blocks:True`) stay off: on `SimDevice` they cut the FSDP2
+    /// recording's page moves by two thirds at the same peak, but on two H200s the FSDP2 client
+    /// was no faster with them (1.023 × native against 1.014 without, in one run) and made as
+    /// many page moves per step after warm-up (`benches/README.md`, "Borrowed blocks").
     ///
     /// The per-thread fast path (`cca_fast_path:True`) is on: per-thread front caches serve cache
     /// hits without the lock, and a growth takes back only its own stream's cached blocks, so
@@ -790,6 +809,15 @@ impl AllocatorConfigBuilder {
     /// wait) before the cache grows.
     pub fn cross_stream_reuse(mut self, on: bool) -> Self {
         self.config.cross_stream_reuse = on;
+        self
+    }
+
+    /// `cca_borrow_blocks` (crate-specific): an allocation that finds no free block of its own
+    /// stream borrows another stream's free large-pool block where it lies (ordered by a
+    /// completed fence or an event wait) before the cache grows. See
+    /// [`AllocatorConfig::borrow_blocks`].
+    pub fn borrow_blocks(mut self, on: bool) -> Self {
+        self.config.borrow_blocks = on;
         self
     }
 

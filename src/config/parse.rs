@@ -291,6 +291,11 @@ pub(super) fn apply(
                 i += 2;
                 c.page_reuse_fence = t.boolean(i, &key)?;
             }
+            "cca_borrow_blocks" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                c.borrow_blocks = t.boolean(i, &key)?;
+            }
             "cca_page_lending" => {
                 t.expect(i + 1, ":")?;
                 i += 2;

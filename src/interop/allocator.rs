@@ -403,6 +403,11 @@ impl CudaAllocator {
         self.inner.page_loans()
     }
 
+    /// [`CachingAllocator::blocks_borrowed`].
+    pub fn blocks_borrowed(&self) -> u64 {
+        self.inner.blocks_borrowed()
+    }
+
     /// The CUDA backend.
     pub fn device(&self) -> &CudaDevice {
         self.inner.backend()

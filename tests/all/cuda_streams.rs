@@ -164,6 +164,90 @@ fn reuse_after_read(tracking: bool) -> (usize, usize) {
     (wrong, reused)
 }
 
+/// Hazard (c), a borrowed block (Note [Borrowed blocks]): s1 leaves an idle free block; s2,
+/// which has no free block of its own, borrows it, fills it, and a slow kernel on s2 copies it
+/// out; the block is dropped at once and s1 allocates the same size and overwrites what it gets.
+/// Event tracking is off, so only the allocator orders anything. In the `control` arm the block
+/// is allocated on s1 itself (no borrowing, the use on s2 undeclared): the overwrite must show
+/// there, or the probe proves nothing. Returns the trials whose copy saw the overwrite, the
+/// trials that borrowed, and the trials whose overwrite landed on the block just used.
+fn borrowed_reuse(control: bool) -> (usize, usize, usize) {
+    let (ctx, s1, s2) = setup(false);
+    let k = kernels(&ctx);
+    let config = AllocatorConfig::parse("cca_preset:default,cca_borrow_blocks:True").unwrap();
+    let alloc = CudaAllocator::new(Arc::clone(&ctx), config).unwrap();
+    let n = N as u64;
+    let zero = 0i64;
+    let (mut wrong, mut borrowed, mut same) = (0, 0, 0);
+    for trial in 0..TRIALS {
+        let v = 1000 * trial as u32 + 13;
+        // s2's output first: s2 then holds no free block of this size.
+        let mut z: CachedSlice<u32> = unsafe_uninit(&alloc, &s2);
+        let x = unsafe_uninit(&alloc, &s1);
+        s1.synchronize().unwrap();
+        drop(x);
+        // In the core, not in this thread's front cache, so that the next miss can see it.
+        alloc.flush_thread_caches();
+        let before = alloc.blocks_borrowed();
+        let mut y = unsafe_uninit(&alloc, if control { &s1 } else { &s2 });
+        if alloc.blocks_borrowed() > before {
+            borrowed += 1;
+        }
+        let mut fill = s2.launch_builder(&k.spin_fill);
+        fill.arg(&mut y).arg(&n).arg(&v).arg(&zero);
+        // SAFETY: spin_fill(unsigned*, u64, u32, i64) writes `N` values of an `N`-value buffer.
+        unsafe { fill.launch(grid()) }.unwrap();
+        let mut copy = s2.launch_builder(&k.spin_copy);
+        copy.arg(&y).arg(&mut z).arg(&n).arg(&SPIN);
+        // SAFETY: spin_copy(const unsigned*, unsigned*, u64, i64) reads and writes `N` values of
+        // two `N`-value buffers.
+        unsafe { copy.launch(spin_grid()) }.unwrap();
+        let used = y.device_ptr_raw();
+        drop(y);
+        let mut x2 = unsafe_uninit(&alloc, &s1);
+        if x2.device_ptr_raw() == used {
+            same += 1;
+        }
+        let junk = 0xDEAD_0000u32;
+        let mut over = s1.launch_builder(&k.spin_fill);
+        over.arg(&mut x2).arg(&n).arg(&junk).arg(&zero);
+        // SAFETY: as above.
+        unsafe { over.launch(grid()) }.unwrap();
+        s2.synchronize().unwrap();
+        let got = z.to_vec().unwrap();
+        if got != expected(v) {
+            wrong += 1;
+        }
+        ctx.synchronize().unwrap();
+    }
+    alloc.check_invariants().unwrap();
+    (wrong, borrowed, same)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn a_borrowed_block_returns_only_after_the_borrowers_work() {
+    require_gpu("a_borrowed_block_returns_only_after_the_borrowers_work");
+    let probe = borrowed_reuse(false);
+    let control = borrowed_reuse(true);
+    println!(
+        "borrowed-block probe, {TRIALS} trials: borrowed {}, overwrite seen {}, s1 got the used block at once {}; control (own stream, undeclared use): overwrite seen {}, same block {}",
+        probe.1, probe.0, probe.2, control.0, control.2
+    );
+    assert_eq!(
+        probe.1, TRIALS,
+        "every trial must borrow, or the probe tests nothing"
+    );
+    assert_eq!(
+        probe.0, 0,
+        "reuse of a borrowed block before the borrower's work ended"
+    );
+    if !under_sanitizer() {
+        assert!(control.2 > 0, "control arm never reused the block");
+        assert!(control.0 > 0, "control arm: the reuse race did not show");
+    }
+}
+
 fn unsafe_uninit(alloc: &CudaAllocator, s: &Arc<CudaStream>) -> CachedSlice<u32> {
     // SAFETY: `u32` is valid for every bit pattern; the probe overwrites it before reading.
     unsafe { alloc.alloc::<u32>(s, N) }.unwrap()

@@ -4,6 +4,7 @@
 // `util`'s helpers are `pub` for the sibling modules.
 #![allow(clippy::unwrap_used, unreachable_pub)]
 
+mod borrow;
 mod caching;
 mod chaos;
 mod cli;

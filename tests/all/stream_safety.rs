@@ -9,9 +9,9 @@
 //! `record_stream` or ordered back by an event wait, frees, `empty_cache`, fraction changes,
 //! work completed on streams in random order, synchronizes. They run with every configuration
 //! family (PyTorch, PyTorch with expandable segments, the crate's default with page reuse, the
-//! fast path, cross-stream reuse, and all of them at once), single-threaded with the model's
-//! checks after every step, and multi-threaded on the fast path with threads freeing each
-//! other's blocks.
+//! fast path, cross-stream reuse, borrowed blocks, and all of them at once), single-threaded
+//! with the model's checks after every step, and multi-threaded on the fast path with threads
+//! freeing each other's blocks.
 
 use cuda_caching_allocator::*;
 use proptest::prelude::*;
@@ -30,11 +30,12 @@ const CONFIGS: &[&str] = &[
     "cca_preset:pytorch-expandable",
     "cca_preset:default",
     "cca_preset:default,cca_page_reuse:segment",
+    "cca_preset:default,cca_borrow_blocks:True",
     "cca_preset:pytorch,cca_fast_path:True",
     "cca_preset:pytorch,cca_cross_stream_reuse:True",
     "cca_preset:default,cca_cross_stream_reuse:True",
     "cca_preset:default,cca_fast_path:True,cca_cross_stream_reuse:True",
-    "cca_preset:default,cca_fast_path:True,cca_cross_stream_reuse:True,cca_large_page_size_mb:4,cca_max_handle_size_mb:12",
+    "cca_preset:default,cca_fast_path:True,cca_cross_stream_reuse:True,cca_borrow_blocks:True,cca_large_page_size_mb:4,cca_max_handle_size_mb:12",
 ];
 
 fn config_strategy() -> impl Strategy<Value = AllocatorConfig> {

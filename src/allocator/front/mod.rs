@@ -391,8 +391,14 @@ impl Front {
                 self.process_taken_own(l, fl);
                 if let Ok(a) = &r {
                     // Only exact blocks: one with an unsplit tail goes back to the core on free
-                    // and merges, as without the fast path (so no slack is kept).
-                    if claimed && a.block_size == rounded && rounded < self.bounds.max_split_size {
+                    // and merges, as without the fast path (so no slack is kept). A borrowed
+                    // block belongs to another stream's segment: the core's (Note [Borrowed
+                    // blocks]).
+                    if claimed
+                        && !st.last_borrowed
+                        && a.block_size == rounded
+                        && rounded < self.bounds.max_split_size
+                    {
                         let v = DescView {
                             ptr: a.ptr.0,
                             block_size: a.block_size,
