@@ -302,8 +302,8 @@ impl State {
         let mut found = self.get_free_block(stream, size, kind, owner);
         if found.is_none() {
             // Note [Flush before a new peak] (front/mod.rs): other streams' cached blocks are
-            // spared, except before a growth that would raise the reserved peak.
-            let only = if self.growth_sets_reserved_peak(size) {
+            // spared, except before a large-pool growth that would raise the reserved peak.
+            let only = if kind == PoolKind::Large && self.growth_sets_reserved_peak(size) {
                 None
             } else {
                 Some(stream)

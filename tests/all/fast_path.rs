@@ -821,3 +821,56 @@ fn the_oom_path_takes_other_streams_front_cached_blocks() {
     });
     a.check_invariants().unwrap();
 }
+
+/// Note [Flush before a new peak], its limit to the large pool: 16 threads, each on its own
+/// stream, doing 1 MiB (small-pool) pairs at once, in rounds of fresh threads on one allocator
+/// (as `gpu_bench` and `examples/thread_settling.rs` run them). Once a round's threads have
+/// warmed up behind a barrier, their pairs are cache hits and make no device call. When every
+/// small-pool growth that raised the reserved peak flushed all the other threads' caches, page
+/// reuse moved the flushed blocks' pages to the growing stream and the next thread missed and
+/// grew in turn: device calls in every round's timed part.
+#[test]
+fn many_streams_at_the_floor_settle_without_moving_pages_while_warm() {
+    use std::sync::{Barrier, Mutex};
+    const THREADS: usize = 16;
+    let a = with_config(1 << 30, AllocatorConfig::default());
+    let mut timed_calls = 0u64;
+    for _round in 0..4 {
+        let (warm, start, end) = (
+            Barrier::new(THREADS),
+            Barrier::new(THREADS),
+            Barrier::new(THREADS),
+        );
+        let calls = Mutex::new((0u64, 0u64));
+        std::thread::scope(|s| {
+            for t in 0..THREADS {
+                let (warm, start, end, calls, a) = (&warm, &start, &end, &calls, &a);
+                s.spawn(move || {
+                    let stream = StreamId(1 + t as u64);
+                    for barrier in [warm, start] {
+                        for _ in 0..16 {
+                            let x = a.allocate(MIB, stream).unwrap();
+                            a.free(x.ptr).unwrap();
+                        }
+                        barrier.wait();
+                    }
+                    if t == 0 {
+                        calls.lock().unwrap().0 = a.backend().counters().device_calls;
+                    }
+                    for _ in 0..2000 {
+                        let x = a.allocate(MIB, stream).unwrap();
+                        a.free(x.ptr).unwrap();
+                    }
+                    end.wait();
+                    if t == 0 {
+                        calls.lock().unwrap().1 = a.backend().counters().device_calls;
+                    }
+                });
+            }
+        });
+        let (before, after) = calls.into_inner().unwrap();
+        timed_calls += after - before;
+    }
+    assert_eq!(timed_calls, 0, "device calls while every thread was warm");
+    a.check_invariants().unwrap();
+}

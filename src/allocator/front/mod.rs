@@ -70,6 +70,16 @@
 //! other recorded, shipped and synthetic trace replays identically. New peaks are rare after
 //! warm-up, so the flushes that starve other threads' caches stay rare too.
 //!
+//! Only large-pool growths flush that way. A small-pool growth maps one 2 MiB page at most,
+//! which the page-reuse slack covers on any real workload, and with many threads each on its
+//! own stream at the memory floor the flush fed on itself: 16 threads doing 1 MiB (small-pool)
+//! pairs each raised the reserved peak by a page, flushed the other 15 caches, and page reuse
+//! then moved the flushed blocks' pages to the growing stream, so the next thread missed and
+//! grew in turn, round after round (on two H200s, 180 driver calls and 7.6 ms under the lock in
+//! the first round of `examples/thread_settling.rs`; `gpu_bench` 3.1 × one thread's pairs at 16
+//! threads). Limited to the large pool, every recorded, shipped and synthetic trace replays as
+//! before at query lags 0, 1 and 4, and the threads' rounds make no device call once warm.
+//!
 //! Note [Misses of a quiet cache]: a cache that is paused ("it pays or it pauses") or has
 //! nothing cached and no hit to fold in is *quiet*: its thread's misses and frees do the core's
 //! work plus what the user view needs, and no more. The locked allocation looks the cache up
