@@ -1,6 +1,7 @@
-//! Borrowed blocks (crate key `cca_borrow_blocks`, opt-in, off in every preset): an allocation that finds no free block of its own stream uses another
-//! stream's idle free block where it lies, instead of growing (`docs/algorithm.md`, step 27b).
-//! May use: `state`, `block`, `pool`, `page_fence`, `backend`.
+//! Borrowed blocks (crate key `cca_borrow_blocks`, opt-in, off in every preset): an allocation
+//! that finds no free block of its own stream uses another stream's idle free block where it
+//! lies, instead of growing (`docs/algorithm.md`, step 27b). May use: `state`, `block`, `pool`,
+//! `page_fence`, `backend`.
 //!
 //! Note [Borrowed blocks]: with page reuse, a stream that lacks memory while another stream's
 //! free blocks sit idle takes their *pages*: it unmaps them there and maps them where it grows
@@ -31,9 +32,10 @@
 //!
 //! Why it is opt-in: on `SimDevice` the FSDP2 recording moves 553 pages instead of 1,777 at the
 //! same peak, but on two H200s the FSDP2 client made as many page moves per step after warm-up
-//! with it as without, and was no faster (`benches/README.md`, "Borrowed blocks"): with the GPU
-//! behind the host, the buffers a stream frees are rarely known idle when another stream misses,
-//! and no single idle block fits where page reuse gathers pages from several.
+//! with it as without, and was no faster (`benches/README.md`, "Borrowed blocks"). Likely
+//! reasons, not isolated: with the GPU behind the host, the buffers a stream frees are rarely
+//! known idle when another stream misses, and where page reuse gathers pages from several free
+//! blocks no single idle block fits.
 #![forbid(unsafe_code)]
 
 use super::State;
