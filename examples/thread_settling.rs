@@ -4,9 +4,10 @@
 //! pairs). Prints, per round, the aggregate ns per pair (wall time from the first thread's start
 //! to the last one's end, over all pairs), the slowest and fastest thread's time, and the driver
 //! calls made during the timed part with the host time inside them (`CudaDevice::call_times`;
-//! on `SimDevice`, its device calls and their modeled time). `gpu_bench` reports one median over its rounds; this shows
-//! whether a slow figure is the steady state or the rounds in which the streams' memory is
-//! still being rearranged (pages moved between the streams' segments at the memory floor).
+//! on `SimDevice`, its device calls and their modeled time). `gpu_bench` reports one median over
+//! its rounds; this shows whether a slow figure is the steady state or the rounds in which the
+//! streams' memory is still being rearranged (pages moved between the streams' segments at the
+//! memory floor).
 //!
 //! ```text
 //! cargo run --release --example thread_settling -- [sim|cuda] [THREADS] [PAIRS] [CONFIG]
