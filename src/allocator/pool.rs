@@ -174,6 +174,25 @@ impl FreeSet {
         self.iter().next()
     }
 
+    /// The streams that have keys here, in order: one ordered look-up per stream.
+    pub(crate) fn streams(&self) -> impl Iterator<Item = StreamId> + '_ {
+        let mut next = self.first().map(|k| k.stream);
+        std::iter::from_fn(move || {
+            let t = next?;
+            next =
+                t.0.checked_add(1)
+                    .and_then(|n| self.range(FreeKey::search(StreamId(n), 0)..).next())
+                    .map(|k| k.stream);
+            Some(t)
+        })
+    }
+
+    /// `stream`'s keys of at least `size` bytes, smallest first (best fit's order).
+    pub(crate) fn fits(&self, stream: StreamId, size: usize) -> impl Iterator<Item = &FreeKey> {
+        self.range(FreeKey::search(stream, size)..)
+            .take_while(move |k| k.stream == stream)
+    }
+
     /// The representation's own invariant (Note [Small free sets]): the keys in strictly
     /// increasing order, in exactly one of the two forms, the vector no longer than `VEC_MAX`
     /// and the tree longer than `VEC_MIN`.

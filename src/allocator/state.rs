@@ -360,8 +360,10 @@ impl State {
         let mut a = self.alloc_found_block(id, size, orig_size, split);
         self.last_borrowed = borrowed;
         if borrowed {
+            // Note [Borrowed blocks], step 2: the block's stream stays its segment's; the
+            // borrower is a recorded use, so the block returns after an event on it.
             if let Some(&id) = self.active.get(&a.ptr.0) {
-                self.lend_block_to(id, stream);
+                self.add_stream_use(id, stream);
             }
             a.stream = stream;
         }
@@ -382,8 +384,6 @@ impl State {
     ) -> Option<BlockId> {
         let gc_on =
             self.allowed_memory_maximum.is_some() && self.config.garbage_collection_threshold > 0.0;
-        let max_split = self.config.max_split_size;
-        let max_rounding = self.config.max_non_split_rounding;
         let walk = self.expandable && owner == 0;
         let pool = self.free_set(owner, kind)?;
         if gc_on {
@@ -408,14 +408,25 @@ impl State {
             }
             (key, start)
         };
-        if size < max_split && key.size >= max_split {
-            return None;
-        }
-        if size >= max_split && key.size >= size.saturating_add(max_rounding) {
+        if !self.best_fit_accepts(size, key.size) {
             return None;
         }
         self.free_set(owner, kind)?.blocks.remove_hinted(&key, at);
         Some(key.id)
+    }
+
+    /// Whether best fit takes a free block of `block_size` bytes for a request of `size`: never
+    /// an oversize block for a normal request, nor one more than `max_non_split_rounding` larger
+    /// for an oversize request. The refusals grow with the block size, so along one stream's
+    /// fits (smallest first) the first refusal ends the walk.
+    #[inline]
+    pub(super) fn best_fit_accepts(&self, size: usize, block_size: usize) -> bool {
+        let max_split = self.config.max_split_size;
+        if size < max_split {
+            block_size < max_split
+        } else {
+            block_size < size.saturating_add(self.config.max_non_split_rounding)
+        }
     }
 
     fn should_split(&self, id: BlockId, size: usize) -> bool {
@@ -739,11 +750,17 @@ impl State {
         let Some(&id) = self.active.get(&ptr.0) else {
             return Err(self.classify_bad_pointer(ptr));
         };
+        self.add_stream_use(id, stream);
+        Ok(())
+    }
+
+    /// Lists `stream` among allocated block `id`'s uses (unless it is the block's own stream):
+    /// its free then records an event there and the block waits for it.
+    fn add_stream_use(&mut self, id: BlockId, stream: StreamId) {
         let b = self.block_mut(id);
         if stream != b.stream && !b.stream_uses.contains(&stream) {
             b.stream_uses.push(stream);
         }
-        Ok(())
     }
 
     fn get_event<B: DeviceBackend>(

@@ -7,7 +7,7 @@
 
 use cuda_caching_allocator::*;
 
-use crate::util::{MIB, with_config};
+use crate::util::{MIB, segment_stream, with_config};
 
 const T: StreamId = StreamId(1);
 const S: StreamId = StreamId(2);
@@ -15,15 +15,6 @@ const S: StreamId = StreamId(2);
 /// The crate's default with borrowing on.
 fn borrowing() -> AllocatorConfig {
     AllocatorConfig::parse("cca_preset:default,cca_borrow_blocks:True").unwrap()
-}
-
-/// The stream of the segment holding `ptr`.
-fn segment_stream(a: &CachingAllocator<SimDevice>, ptr: DeviceAddr) -> StreamId {
-    a.snapshot()
-        .iter()
-        .find(|s| ptr.0 >= s.address.0 && ptr.0 < s.address.0 + s.total_size as u64)
-        .unwrap()
-        .stream
 }
 
 #[test]

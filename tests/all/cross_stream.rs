@@ -10,7 +10,7 @@ use cuda_caching_allocator::*;
 use proptest::prelude::*;
 
 use crate::programs::{Mix, Op, Run, random_program};
-use crate::util::{MIB, with_config};
+use crate::util::{MIB, segment_stream, with_config};
 
 const T: StreamId = StreamId(1);
 const S: StreamId = StreamId(2);
@@ -32,14 +32,6 @@ fn free_segment_on(a: &CachingAllocator<SimDevice>, size: usize, stream: StreamI
     let x = a.allocate(size, stream).unwrap();
     a.free(x.ptr).unwrap();
     x.ptr
-}
-
-fn segment_stream(a: &CachingAllocator<SimDevice>, ptr: DeviceAddr) -> StreamId {
-    a.snapshot()
-        .iter()
-        .find(|s| ptr.0 >= s.address.0 && ptr.0 < s.address.0 + s.total_size as u64)
-        .unwrap()
-        .stream
 }
 
 #[test]

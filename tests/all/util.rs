@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests.
 
-use cuda_caching_allocator::{AllocatorConfig, CachingAllocator, SimConfig, SimDevice};
+use cuda_caching_allocator::{
+    AllocatorConfig, CachingAllocator, DeviceAddr, SimConfig, SimDevice, StreamId,
+};
 
 pub const MIB: usize = 1 << 20;
 
@@ -23,6 +25,15 @@ pub fn with_config(capacity: usize, config: AllocatorConfig) -> CachingAllocator
         config,
     )
     .unwrap()
+}
+
+/// The stream of the segment holding `ptr` (from the snapshot).
+pub fn segment_stream(a: &CachingAllocator<SimDevice>, ptr: DeviceAddr) -> StreamId {
+    a.snapshot()
+        .iter()
+        .find(|s| ptr.0 >= s.address.0 && ptr.0 < s.address.0 + s.total_size as u64)
+        .unwrap()
+        .stream
 }
 
 /// Fails `test` unless a CUDA device works. The GPU tests are `#[ignore]`d (with the reason), so

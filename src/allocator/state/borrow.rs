@@ -84,33 +84,14 @@ impl State {
         stream: StreamId,
         size: usize,
     ) -> (Option<FreeKey>, Vec<(StreamId, u64)>) {
-        let max_split = self.config.max_split_size;
-        let max_rounding = self.config.max_non_split_rounding;
-        // Best fit's refusals grow with the block size, so a refused block ends a stream's walk.
-        let acceptable = |k: &FreeKey| {
-            if size < max_split {
-                k.size < max_split
-            } else {
-                k.size < size.saturating_add(max_rounding)
-            }
-        };
         let pool = &self.large.blocks;
         let mut best: Option<FreeKey> = None;
         let mut waiting: Vec<(StreamId, u64)> = Vec::new();
-        let mut next = pool.first().map(|k| k.stream);
-        while let Some(t) = next {
-            next =
-                t.0.checked_add(1)
-                    .and_then(|n| pool.range(FreeKey::search(StreamId(n), 0)..).next())
-                    .map(|k| k.stream);
-            if t == stream {
-                continue;
-            }
-            for k in pool
-                .range(FreeKey::search(t, size)..)
-                .take_while(|k| k.stream == t)
-            {
-                if !acceptable(k) || best.is_some_and(|b| (b.size, b.ptr) <= (k.size, k.ptr)) {
+        for t in pool.streams().filter(|&t| t != stream) {
+            for k in pool.fits(t, size) {
+                if !self.best_fit_accepts(size, k.size)
+                    || best.is_some_and(|b| (b.size, b.ptr) <= (k.size, k.ptr))
+                {
                     break;
                 }
                 if self.known_idle(k.id) {
@@ -125,15 +106,5 @@ impl State {
             }
         }
         (best, waiting)
-    }
-
-    /// Makes allocated block `id`, borrowed for `stream`, return to its own stream only after
-    /// an event on `stream` shows the borrower's work on it done (Note [Borrowed blocks], step
-    /// 2).
-    pub(super) fn lend_block_to(&mut self, id: BlockId, stream: StreamId) {
-        let b = self.block_mut(id);
-        if b.stream != stream && !b.stream_uses.contains(&stream) {
-            b.stream_uses.push(stream);
-        }
     }
 }

@@ -104,34 +104,12 @@ impl State {
         size: usize,
         kind: PoolKind,
     ) -> Option<Candidate> {
-        let max_split = self.config.max_split_size;
-        let max_rounding = self.config.max_non_split_rounding;
-        // Best fit's refusals grow with the block size, so a refused block ends a stream's walk.
-        let acceptable = |k: &FreeKey| {
-            if size < max_split {
-                k.size < max_split
-            } else {
-                k.size < size.saturating_add(max_rounding)
-            }
-        };
         let pool = self.pool_ref(kind);
         let mut best: Option<Candidate> = None;
         let mut whole: Vec<(u64, bool)> = Vec::new();
-        let mut next = pool.blocks.first().map(|k| k.stream);
-        while let Some(t) = next {
-            next =
-                t.0.checked_add(1)
-                    .and_then(|n| pool.blocks.range(FreeKey::search(StreamId(n), 0)..).next())
-                    .map(|k| k.stream);
-            if t == stream {
-                continue;
-            }
-            for k in pool
-                .blocks
-                .range(FreeKey::search(t, size)..)
-                .take_while(|k| k.stream == t)
-            {
-                if !acceptable(k)
+        for t in pool.blocks.streams().filter(|&t| t != stream) {
+            for k in pool.blocks.fits(t, size) {
+                if !self.best_fit_accepts(size, k.size)
                     || best.is_some_and(|b| (b.key.size, b.key.ptr) <= (k.size, k.ptr))
                 {
                     break;
