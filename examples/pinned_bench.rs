@@ -143,8 +143,28 @@ fn fresh<T: cudarc::driver::DeviceRepr>(
 
 fn alloc_free(ctx: &Arc<CudaContext>, quick: bool) -> Res<()> {
     println!("-- 1. allocate + free, ns per pair");
-    let p = PinnedAllocator::new(Arc::clone(ctx), PinnedConfig::default())?;
     let pairs = if quick { 20_000 } else { 200_000 };
+    for (name, p) in [
+        (
+            "slabs",
+            PinnedAllocator::new(Arc::clone(ctx), PinnedConfig::default())?,
+        ),
+        (
+            "host pages",
+            PinnedAllocator::host_pages(Arc::clone(ctx), 4)?,
+        ),
+    ] {
+        alloc_free_with(ctx, name, &p, pairs)?;
+    }
+    Ok(())
+}
+
+fn alloc_free_with(
+    ctx: &Arc<CudaContext>,
+    name: &str,
+    p: &PinnedAllocator,
+    pairs: usize,
+) -> Res<()> {
     for size in [4096usize, MIB, 16 * MIB] {
         for _ in 0..1000 {
             // SAFETY: never read.
@@ -164,7 +184,7 @@ fn alloc_free(ctx: &Arc<CudaContext>, quick: bool) -> Res<()> {
         }
         let uncached = t.elapsed().as_nanos() as f64 / fresh_pairs as f64;
         println!(
-            "pair {:>8} B: cached {cached:>8.1} ns ({} pins while timing), cuMemHostAlloc+cuMemFreeHost {:>12.1} ns",
+            "{name:<10} pair {:>8} B: cached {cached:>8.1} ns ({} pins while timing), cuMemHostAlloc+cuMemFreeHost {:>12.1} ns",
             size,
             p.stats().num_pins - pins,
             uncached
@@ -218,6 +238,21 @@ fn bandwidth(ctx: &Arc<CudaContext>, quick: bool) -> Res<()> {
         "cached / fresh: htod {:.3}, dtoh {:.3}; pinning the fresh 64 MiB took {pin_ms:.2} ms",
         a / b,
         c / d
+    );
+    let pages = PinnedAllocator::host_pages(Arc::clone(ctx), 4)?;
+    let t = Instant::now();
+    let mut paged = pages.alloc_pinned_zeros::<u8>(n)?;
+    let page_ms = t.elapsed().as_secs_f64() * 1e3;
+    let e = time("htod from cached host pages", &mut || {
+        Ok(s.memcpy_htod(&paged, &mut dev)?)
+    })?;
+    let f = time("dtoh into cached host pages", &mut || {
+        Ok(s.memcpy_dtoh(&dev, &mut paged)?)
+    })?;
+    println!(
+        "host pages / fresh: htod {:.3}, dtoh {:.3}; mapping and zeroing its 64 MiB took {page_ms:.2} ms",
+        e / b,
+        f / d
     );
     Ok(())
 }
@@ -319,11 +354,18 @@ fn pipeline(ctx: &Arc<CudaContext>, quick: bool) -> Res<()> {
     // Cached, under each pending policy: warm-up batches (untimed; the first slab is pinned
     // there), then the timed batches, counting the pins made while timing.
     let mut cached = Vec::new();
-    for (name, pending) in [("wait", PendingPolicy::Wait), ("grow", PendingPolicy::Grow)] {
-        let p = PinnedAllocator::new(
-            Arc::clone(ctx),
-            PinnedConfig::default().with_pending(pending),
-        )?;
+    for name in ["wait", "grow", "host pages"] {
+        let p = match name {
+            "host pages" => PinnedAllocator::host_pages(Arc::clone(ctx), 4)?,
+            _ => PinnedAllocator::new(
+                Arc::clone(ctx),
+                PinnedConfig::default().with_pending(if name == "wait" {
+                    PendingPolicy::Wait
+                } else {
+                    PendingPolicy::Grow
+                }),
+            )?,
+        };
         let mut scratch: CudaSlice<u64> = comp_s.alloc_zeros(1)?;
         let mut acc: CudaSlice<u64> = comp_s.alloc_zeros(1)?;
         pipe.cached(&p, 0, warm, &mut scratch)?;
@@ -375,11 +417,11 @@ fn pipeline(ctx: &Arc<CudaContext>, quick: bool) -> Res<()> {
     }
     // The goal, for the default policy (wait): the fixed buffers' bandwidth (a ratio
     // near 1.0; 0.9 leaves room for timing noise) and no pin after warm-up.
-    if let Some((_, run)) = cached.first() {
+    for (name, run) in cached.iter().filter(|(n, _)| *n != "grow") {
         let ratio = fixed_s / run.secs;
         let met = ratio >= 0.9 && run.pins_late == 0;
         println!(
-            "goal pipeline (default policy): bandwidth ratio {ratio:.3} (>= 0.9), pins after warm-up {} (0): {}",
+            "goal pipeline ({name}): bandwidth ratio {ratio:.3} (>= 0.9), pins after warm-up {} (0): {}",
             run.pins_late,
             if met { "met" } else { "NOT met" }
         );
@@ -422,6 +464,7 @@ fn mixed(ctx: &Arc<CudaContext>) -> Res<()> {
     );
     let mut model = PowerOfTwoModel::default();
     for (name, config, method) in [
+        ("host pages", PinnedConfig::default(), PinMethod::default()),
         ("default", PinnedConfig::default(), PinMethod::default()),
         (
             "default/hostalloc",
@@ -431,7 +474,11 @@ fn mixed(ctx: &Arc<CudaContext>) -> Res<()> {
         ("tight", PinnedConfig::tight(), PinMethod::default()),
         ("frugal", PinnedConfig::frugal(), PinMethod::default()),
     ] {
-        let p = PinnedAllocator::with_method(Arc::clone(ctx), config, method)?;
+        let p = if name == "host pages" {
+            PinnedAllocator::host_pages(Arc::clone(ctx), 4)?
+        } else {
+            PinnedAllocator::with_method(Arc::clone(ctx), config, method)?
+        };
         let mut live: BTreeMap<usize, (CachedPinned<u8>, usize)> = BTreeMap::new();
         let (mut requested, mut peak) = (0usize, 0usize);
         let t = Instant::now();
@@ -479,6 +526,14 @@ fn mixed(ctx: &Arc<CudaContext>) -> Res<()> {
             st.num_unpins,
             st.unpin_nanos as f64 / 1e6
         );
+        if let Some(times) = p.host_page_call_times() {
+            let calls: Vec<String> = times
+                .iter()
+                .filter(|&(_, n, _)| n > 0)
+                .map(|(kind, n, ns)| format!("{kind} {n} ({:.1} ms)", ns as f64 / 1e6))
+                .collect();
+            println!("host page driver calls: {}", calls.join(", "));
+        }
         if name == "default" {
             println!(
                 "power-of-two model: {:.1} MiB ({:.3}x), {} pins",

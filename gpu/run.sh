@@ -200,7 +200,7 @@ for phase in $PHASES; do
     # double-buffered pipeline, the mixed workload; then PyTorch's own caching host allocator on
     # that workload.
     step pinned timeout "$(( $(left) < 300 ? $(left) : 300 ))" "$HERE/pinned_bench"
-    grep -E '^(==|--)|^pair|GB/s|cached /|^goal|^(default|tight|frugal|power)| MiB:' "$OUT/pinned.log" | tee -a "$S"
+    grep -E '^(==|--)|pair|GB/s|cached /|host pages|^goal|^(default|tight|frugal|power)| MiB:' "$OUT/pinned.log" | tee -a "$S"
     step pinned_torch timeout "$(( $(left) < 200 ? $(left) : 200 ))" python3 "$HERE/pinned_torch.py" --json "$OUT/pinned_torch.json"
     grep -vE '^\s*$' "$OUT/pinned_torch.log" | tail -20 | tee -a "$S" ;;
   *) echo "unknown phase $phase (tests example torch safety sanitizer multigpu replay cold ports install package package_client clients ab hostpair record bench pinned)" | tee -a "$S" ;;

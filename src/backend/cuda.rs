@@ -285,15 +285,48 @@ fn device_location(ordinal: i32) -> sys::CUmemLocation {
     location
 }
 
-/// Allocation properties for pinned device memory on device `ordinal`.
-fn device_alloc_prop(ordinal: i32) -> sys::CUmemAllocationProp {
+/// A `CUmemLocation` naming the host (`CU_MEM_LOCATION_TYPE_HOST`, whose id the driver ignores).
+fn host_location() -> sys::CUmemLocation {
+    let mut location = device_location(0);
+    location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST;
+    location
+}
+
+/// Allocation properties for pinned memory on device `ordinal`, or page-locked host memory when
+/// `host` is set.
+fn alloc_prop(ordinal: i32, host: bool) -> sys::CUmemAllocationProp {
     // SAFETY: `CUmemAllocationProp` is plain old data (integers, enums with a zero variant, a null
     // pointer, a byte array); all-zero bytes are a valid value: no shareable handle types, no
     // compression, no flags.
     let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
     prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location = device_location(ordinal);
+    prop.location = if host {
+        host_location()
+    } else {
+        device_location(ordinal)
+    };
     prop
+}
+
+/// The host's memory as `/proc/meminfo` reports it: (`MemAvailable`, `MemTotal`) in bytes.
+fn host_mem_info() -> Result<MemInfo, BackendError> {
+    let unsupported = || BackendError::Unsupported("host memory figures (/proc/meminfo)");
+    let text = std::fs::read_to_string("/proc/meminfo").map_err(|_| unsupported())?;
+    let field = |name: &str| -> Option<usize> {
+        let line = text.lines().find(|l| l.starts_with(name))?;
+        let kib: usize = line[name.len()..]
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .ok()?;
+        kib.checked_mul(1024)
+    };
+    let total = field("MemTotal:").ok_or_else(unsupported)?;
+    let free = field("MemAvailable:")
+        .or_else(|| field("MemFree:"))
+        .ok_or_else(unsupported)?;
+    Ok(MemInfo { free, total })
 }
 
 /// One CUDA device as a [`DeviceBackend`]. See the module documentation.
@@ -319,6 +352,8 @@ pub struct CudaDevice {
     events: Mutex<HashSet<u64>>,
     /// Host time spent in each kind of driver call ([`CudaDevice::call_times`]).
     clock: CallClock,
+    /// Hands out page-locked host memory instead of device memory ([`CudaDevice::host_pages`]).
+    host: bool,
 }
 
 impl fmt::Debug for CudaDevice {
@@ -327,6 +362,7 @@ impl fmt::Debug for CudaDevice {
             .field("ordinal", &self.ordinal)
             .field("total", &self.total)
             .field("vm_granularity", &self.granularity)
+            .field("host_memory", &self.host)
             .field("admitted_streams", &self.streams.read().len())
             .field("live_events", &self.events.lock().len())
             .finish_non_exhaustive()
@@ -339,22 +375,59 @@ impl CudaDevice {
     /// # Errors
     /// A driver error when the context cannot be bound or the device queried.
     pub fn new(ctx: Arc<CudaContext>) -> Result<Self, BackendError> {
+        Self::with_memory(ctx, false)
+    }
+
+    /// A backend on the context of `ctx` whose memory is **page-locked host memory**: the same
+    /// streams, events and address reservations as [`new`](Self::new)'s, but physical pages are
+    /// created on the host (`cuMemCreate` with `CU_MEM_LOCATION_TYPE_HOST`) and mapped with
+    /// read-write access for both this device and the host, so a mapped address is a host
+    /// pointer that asynchronous copies of the context use at pinned bandwidth; plain segments
+    /// come from `cuMemHostAlloc` and [`mem_info`](DeviceBackend::mem_info) reports the host's
+    /// memory (`/proc/meminfo`). A [`CachingAllocator`](crate::CachingAllocator) over it is a
+    /// pinned host cache whose expandable segments move host pages
+    /// ([`PagedPinnedCache`](crate::host::PagedPinnedCache)); it does not know that the host
+    /// writes the memory outside stream order, so it needs that wrapper's fenced frees.
+    ///
+    /// # Errors
+    /// As [`new`](Self::new); [`BackendError::Unsupported`] when the device cannot map host
+    /// pages (no virtual memory management) or the host's memory cannot be read.
+    pub fn host_pages(ctx: Arc<CudaContext>) -> Result<Self, BackendError> {
+        let device = Self::with_memory(ctx, true)?;
+        if device.granularity.is_none() {
+            return Err(BackendError::Unsupported(
+                "host pages (the device has no virtual memory management)",
+            ));
+        }
+        Ok(device)
+    }
+
+    /// Whether this backend hands out host memory ([`host_pages`](Self::host_pages)).
+    pub fn is_host_memory(&self) -> bool {
+        self.host
+    }
+
+    fn with_memory(ctx: Arc<CudaContext>, host: bool) -> Result<Self, BackendError> {
         let bound = ContextGuard::bind(&ctx)?;
         let ordinal = i32::try_from(ctx.ordinal()).map_err(|_| BackendError::InvalidArgument {
             operation: "CudaDevice::new",
             reason: format!("device ordinal {} out of range", ctx.ordinal()),
         })?;
-        let total = ctx.total_mem().map_err(|e| driver("cuDeviceTotalMem", e))?;
+        let total = if host {
+            host_mem_info()?.total
+        } else {
+            ctx.total_mem().map_err(|e| driver("cuDeviceTotalMem", e))?
+        };
         let vmm = ctx
             .attribute(
                 sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
             )
             .map_err(|e| driver("cuDeviceGetAttribute", e))?;
         let granularity = if vmm > 0 {
-            let prop = device_alloc_prop(ordinal);
+            let prop = alloc_prop(ordinal, host);
             let mut granularity = 0usize;
             // SAFETY: both pointers point to live locals of the right types for the call's
-            // duration; `prop` is a valid property value (see `device_alloc_prop`).
+            // duration; `prop` is a valid property value (see `alloc_prop`).
             let r = unsafe {
                 sys::cuMemGetAllocationGranularity(
                     &mut granularity,
@@ -377,6 +450,7 @@ impl CudaDevice {
             streams: RwLock::new(HashMap::new()),
             events: Mutex::new(HashSet::new()),
             clock: CallClock::default(),
+            host,
         })
     }
 
@@ -580,7 +654,11 @@ impl CudaDevice {
 // it is disjoint from all segments. (2) Memory from `cuMemAlloc` or mapped with read-write access
 // for this device stays valid for work on every stream of the context until it is freed or
 // unmapped, which only the cache's unsafe calls do. (3) `mem_info().total` is the device's total
-// memory as `cuMemGetInfo` reports it, a constant of the hardware.
+// memory as `cuMemGetInfo` reports it, a constant of the hardware. In host mode
+// (`CudaDevice::host_pages`) the same holds with `cuMemHostAlloc` / `cuMemFreeHost` for
+// `cuMemAlloc` / `cuMemFree` (page-aligned, PORTABLE, so usable by every stream of the context),
+// host pages for device pages (mapped read-write for this device), and the host's total memory,
+// read once at construction, for the device's.
 unsafe impl DeviceBackend for CudaDevice {
     fn device_index(&self) -> usize {
         self.ctx.ordinal()
@@ -591,6 +669,13 @@ unsafe impl DeviceBackend for CudaDevice {
     }
 
     fn mem_info(&self) -> Result<MemInfo, BackendError> {
+        if self.host {
+            // The total must stay the constant of `new`'s reading (contract 3).
+            return host_mem_info().map(|m| MemInfo {
+                free: m.free.min(self.total),
+                total: self.total,
+            });
+        }
         let _bound = self.bind()?;
         let (free, total) = result::mem_get_info().map_err(|e| driver("cuMemGetInfo", e))?;
         Ok(MemInfo { free, total })
@@ -606,9 +691,18 @@ unsafe impl DeviceBackend for CudaDevice {
         let _timed = self.clock.start(CallKind::Allocate);
         let _bound = self.bind()?;
         let _relaxed = RelaxedCaptureMode::enter()?;
-        // SAFETY: the context is bound to this thread (above); `size` is non-zero. The returned
-        // memory is owned by the caller until `free`.
-        let ptr = unsafe { result::malloc_sync(size) }.map_err(|e| driver("cuMemAlloc", e))?;
+        let ptr = if self.host {
+            // SAFETY: the context is bound to this thread (above); `size` is non-zero. PORTABLE
+            // makes the memory usable by every context; with unified addressing (every device
+            // with virtual memory management) the host pointer is also the device pointer.
+            let p = unsafe { result::malloc_host(size, sys::CU_MEMHOSTALLOC_PORTABLE) }
+                .map_err(|e| driver("cuMemHostAlloc", e))?;
+            p as u64
+        } else {
+            // SAFETY: the context is bound to this thread (above); `size` is non-zero. The
+            // returned memory is owned by the caller until `free`.
+            unsafe { result::malloc_sync(size) }.map_err(|e| driver("cuMemAlloc", e))?
+        };
         if ptr == 0 {
             return Err(BackendError::InvalidArgument {
                 operation: "cuMemAlloc",
@@ -626,6 +720,12 @@ unsafe impl DeviceBackend for CudaDevice {
     ) -> Result<(), BackendError> {
         let _timed = self.clock.start(CallKind::Free);
         let _bound = self.bind()?;
+        if self.host {
+            // SAFETY: the caller's obligation 1 makes `ptr` a live `cuMemHostAlloc` pointer of
+            // this backend (`allocate` in host mode); obligation 2 says no queued work uses it.
+            return unsafe { result::free_host(ptr.0 as usize as *mut std::ffi::c_void) }
+                .map_err(|e| driver("cuMemFreeHost", e));
+        }
         // SAFETY: the caller's obligation 1 makes `ptr` a live `cuMemAlloc` pointer of this
         // context (bound above); obligation 2 says no queued work still uses it (and `cuMemFree`
         // itself waits for the device).
@@ -819,10 +919,11 @@ unsafe impl DeviceBackend for CudaDevice {
         let _timed = self.clock.start(CallKind::Create);
         let _bound = self.bind()?;
         let _relaxed = RelaxedCaptureMode::enter()?;
-        let prop = device_alloc_prop(self.ordinal);
+        let prop = alloc_prop(self.ordinal, self.host);
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: `handle` and `prop` are live locals; `prop` describes pinned memory on this
-        // device; `size` is a positive multiple of the granularity (checked above).
+        // device or on the host; `size` is a positive multiple of the granularity (checked
+        // above, the granularity of that same kind of memory).
         let r = unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) };
         r.result().map_err(|e| driver("cuMemCreate", e))?;
         Ok(PhysicalHandle(handle))
@@ -858,12 +959,22 @@ unsafe impl DeviceBackend for CudaDevice {
             .map_err(|e| driver("cuMemMap", e))?;
         drop(mapping);
         let _timed = self.clock.start(CallKind::SetAccess);
-        let access = sys::CUmemAccessDesc {
-            location: device_location(self.ordinal),
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        // SAFETY: the range was mapped just above; `access` is a live local describing one entry.
-        let r = unsafe { sys::cuMemSetAccess(va.0, size, &access, 1) };
+        let rw = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        let access = [
+            sys::CUmemAccessDesc {
+                location: device_location(self.ordinal),
+                flags: rw,
+            },
+            sys::CUmemAccessDesc {
+                location: host_location(),
+                flags: rw,
+            },
+        ];
+        // Host pages are granted to the host as well, so the mapped address is a host pointer.
+        let entries = if self.host { 2 } else { 1 };
+        // SAFETY: the range was mapped just above; `access` is a live local array of at least
+        // `entries` descriptors.
+        let r = unsafe { sys::cuMemSetAccess(va.0, size, access.as_ptr(), entries) };
         if let Err(e) = r.result() {
             // SAFETY: undoes the mapping made above, which no work can have used yet (it had no
             // access rights). A failure here leaves the mapping, which the error reports.

@@ -51,6 +51,10 @@ pub enum PinnedError {
         #[source]
         source: BackendError,
     },
+    /// The allocator under a [`PagedPinnedCache`](super::PagedPinnedCache) failed: out of
+    /// memory (its report says why), a refused block or a driver error. Nothing was lost.
+    #[error("pinned host pages: {0}")]
+    Allocator(crate::error::AllocError),
     /// The host backend failed (pinning ran out of memory, a driver error, an injected fault).
     #[error("pinned host backend: {0}")]
     Backend(#[from] BackendError),

@@ -20,7 +20,8 @@
 //! Files: `backend.rs` (the trait and its values), `config.rs`, `error.rs`, `fence.rs`
 //! (completions handed in at a free), `slab.rs` (one slab's
 //! free ranges), `cache.rs` (the cache), `stats.rs` (statistics and the summary line),
-//! `invariants.rs`, `sim.rs` (`SimHost`), `compare.rs` (a mixed workload and a model of PyTorch's
+//! `invariants.rs`, `pages.rs` ([`PagedPinnedCache`]: the device allocator over host pages, with
+//! fenced frees), `sim.rs` (`SimHost`), `compare.rs` (a mixed workload and a model of PyTorch's
 //! power-of-two policy), `cuda.rs` (feature `cuda`).
 
 mod backend;
@@ -32,6 +33,7 @@ mod cuda;
 mod error;
 mod fence;
 mod invariants;
+mod pages;
 mod sim;
 mod slab;
 mod stats;
@@ -46,5 +48,6 @@ pub use cuda::{CudaHost, PinMethod};
 pub use error::PinnedError;
 pub use fence::HostFence;
 pub use invariants::PinnedInvariantViolation;
+pub use pages::PagedPinnedCache;
 pub use sim::{SimHost, SimHostConfig, SimHostCounters, SimHostFault};
 pub use stats::PinnedStats;

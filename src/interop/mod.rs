@@ -79,7 +79,8 @@ impl From<AllocError> for cudarc::driver::DriverError {
 /// A pinned-cache error as cudarc's `DriverError` (only the code survives, as for
 /// `AllocError`): a cap or out-of-memory is `CUDA_ERROR_OUT_OF_MEMORY`, a bad request or
 /// configuration or an unknown block `CUDA_ERROR_INVALID_VALUE`, a backend or fence error its
-/// driver code (`CUDA_ERROR_UNKNOWN` when it has none).
+/// driver code (`CUDA_ERROR_UNKNOWN` when it has none), an allocator error (host pages) as the
+/// table above.
 impl From<crate::host::PinnedError> for cudarc::driver::DriverError {
     fn from(e: crate::host::PinnedError) -> Self {
         use crate::host::PinnedError as P;
@@ -90,6 +91,7 @@ impl From<crate::host::PinnedError> for cudarc::driver::DriverError {
                 R::CUDA_ERROR_INVALID_VALUE
             }
             P::Fence { source, .. } | P::Backend(source) => backend_code(source),
+            P::Allocator(a) => result_code(a),
         })
     }
 }

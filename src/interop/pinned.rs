@@ -44,10 +44,14 @@ use parking_lot::Mutex;
 
 use crate::backend::BackendError;
 use crate::backend::cuda::{CudaDevice, driver};
+use crate::config::AllocatorConfig;
 use crate::host::{
-    CudaHost, HostBackend, HostFence, HostPtr, PinMethod, PinnedCache, PinnedConfig, PinnedError,
-    PinnedInvariantViolation, PinnedStats,
+    CudaHost, HostBackend, HostFence, HostPtr, PagedPinnedCache, PinMethod, PinnedCache,
+    PinnedConfig, PinnedError, PinnedInvariantViolation, PinnedStats,
 };
+
+/// The alignment of every host-pages block: the device allocator rounds sizes to 512 bytes.
+const PAGES_ALIGNMENT: usize = 512;
 
 /// Most events a pool keeps; an event returned to a full pool is destroyed.
 const EVENT_POOL_CAP: usize = 4096;
@@ -110,8 +114,43 @@ impl Drop for EventFence {
     }
 }
 
+/// Where a [`PinnedAllocator`]'s memory comes from.
+enum Engine {
+    /// Exact-size blocks of pinned slabs ([`PinnedCache`] over [`CudaHost`]).
+    Slabs(Box<PinnedCache<CudaHost>>),
+    /// The device allocator's default over host pages ([`PagedPinnedCache`] over
+    /// [`CudaDevice::host_pages`]); `stream` is the admitted stream no work runs on.
+    Pages {
+        cache: Box<PagedPinnedCache<CudaDevice>>,
+        stream: Arc<CudaStream>,
+    },
+}
+
+impl Engine {
+    fn alloc(&self, bytes: usize) -> Result<HostPtr, PinnedError> {
+        match self {
+            Engine::Slabs(c) => c.alloc(bytes).map(|b| b.ptr),
+            Engine::Pages { cache, .. } => cache.alloc(bytes),
+        }
+    }
+
+    fn free(&self, ptr: HostPtr) -> Result<(), PinnedError> {
+        match self {
+            Engine::Slabs(c) => c.free(ptr),
+            Engine::Pages { cache, .. } => cache.free(ptr),
+        }
+    }
+
+    fn free_after(&self, ptr: HostPtr, fence: Box<dyn HostFence>) -> Result<(), PinnedError> {
+        match self {
+            Engine::Slabs(c) => c.free_after(ptr, fence),
+            Engine::Pages { cache, .. } => cache.free_after(ptr, fence),
+        }
+    }
+}
+
 struct PinnedInner {
-    cache: PinnedCache<CudaHost>,
+    engine: Engine,
     events: Arc<EventPool>,
 }
 
@@ -143,7 +182,8 @@ pub struct PinnedAllocator {
 impl fmt::Debug for PinnedAllocator {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PinnedAllocator")
-            .field("stats", &self.inner.cache.stats())
+            .field("host_pages", &self.is_host_pages())
+            .field("stats", &self.stats())
             .finish_non_exhaustive()
     }
 }
@@ -171,42 +211,103 @@ impl PinnedAllocator {
     ) -> Result<Self, PinnedError> {
         let device = CudaDevice::new(ctx)?;
         let cache = PinnedCache::new(CudaHost::with_method(Arc::new(device), method), config)?;
-        Ok(PinnedAllocator {
+        Ok(Self::from_engine(Engine::Slabs(Box::new(cache))))
+    }
+
+    /// A pinned cache on `ctx` whose memory is **host pages reused page by page**: the crate's
+    /// device allocator (its default configuration: expandable segments, 2 MiB pages, page
+    /// reuse) over [`CudaDevice::host_pages`], behind a [`PagedPinnedCache`] that reuses a
+    /// dropped buffer only after its last copy and waits for up to `max_pending_waits` pending
+    /// buffers before it maps more. It keeps the pinned bytes near the bytes in use where slabs
+    /// strand memory (`docs/pinned.md`), at the cost of page moves. The buffers, their event
+    /// rules and the statistics are the same as [`new`](Self::new)'s; in the statistics a *pin*
+    /// is a growth of the allocator's mapped pages.
+    ///
+    /// # Errors
+    /// [`PinnedError::Backend`] when the device cannot map host pages or a stream cannot be
+    /// created.
+    pub fn host_pages(ctx: Arc<CudaContext>, max_pending_waits: u32) -> Result<Self, PinnedError> {
+        let device = CudaDevice::host_pages(Arc::clone(&ctx))?;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| PinnedError::Backend(driver("cuStreamCreate", e)))?;
+        let id = device.admit_stream(&stream)?;
+        let cache = Box::new(PagedPinnedCache::new(
+            device,
+            id,
+            AllocatorConfig::default(),
+            max_pending_waits,
+        )?);
+        Ok(Self::from_engine(Engine::Pages { cache, stream }))
+    }
+
+    fn from_engine(engine: Engine) -> Self {
+        PinnedAllocator {
             inner: Arc::new(PinnedInner {
-                cache,
+                engine,
                 events: Arc::new(EventPool::default()),
             }),
-        })
+        }
+    }
+
+    /// Whether the memory is host pages ([`host_pages`](Self::host_pages)) rather than slabs.
+    pub fn is_host_pages(&self) -> bool {
+        matches!(self.inner.engine, Engine::Pages { .. })
     }
 
     /// The cudarc context the events and the pinning calls use.
     pub fn context(&self) -> &Arc<CudaContext> {
-        self.inner.cache.host().device().context()
+        match &self.inner.engine {
+            Engine::Slabs(c) => c.host().device().context(),
+            Engine::Pages { stream, .. } => stream.context(),
+        }
+    }
+
+    /// The driver calls made for host pages and the host time inside them
+    /// ([`CudaDevice::call_times`]); `None` for slabs.
+    pub fn host_page_call_times(&self) -> Option<crate::DeviceCallTimes> {
+        match &self.inner.engine {
+            Engine::Slabs(_) => None,
+            Engine::Pages { cache, .. } => Some(cache.core().backend().call_times()),
+        }
     }
 
     /// A copy of the statistics ([`PinnedStats`]).
     pub fn stats(&self) -> PinnedStats {
-        self.inner.cache.stats()
+        match &self.inner.engine {
+            Engine::Slabs(c) => c.stats(),
+            Engine::Pages { cache, .. } => cache.stats(),
+        }
     }
 
     /// The statistics as one line.
     pub fn summary(&self) -> String {
-        self.inner.cache.summary()
+        self.stats().summary()
     }
 
     /// Resets every peak statistic to its current value.
     pub fn reset_peak_stats(&self) {
-        self.inner.cache.reset_peak_stats()
+        match &self.inner.engine {
+            Engine::Slabs(c) => c.reset_peak_stats(),
+            Engine::Pages { cache, .. } => cache.reset_peak_stats(),
+        }
     }
 
-    /// The configuration in force.
+    /// The configuration in force (for host pages: the default slab configuration, of which
+    /// only the alignment, 512 bytes, applies).
     pub fn config(&self) -> PinnedConfig {
-        self.inner.cache.config()
+        match &self.inner.engine {
+            Engine::Slabs(c) => c.config(),
+            Engine::Pages { .. } => PinnedConfig::default().with_alignment(PAGES_ALIGNMENT),
+        }
     }
 
     /// Freed buffers whose last copy has not been seen complete yet.
     pub fn waiting_blocks(&self) -> usize {
-        self.inner.cache.waiting_blocks()
+        match &self.inner.engine {
+            Engine::Slabs(c) => c.waiting_blocks(),
+            Engine::Pages { cache, .. } => cache.waiting_blocks(),
+        }
     }
 
     /// Events kept for the next buffers (each a CUDA event).
@@ -214,13 +315,16 @@ impl PinnedAllocator {
         self.inner.events.events.lock().len()
     }
 
-    /// Unpins every wholly free slab and destroys the kept events; returns the bytes unpinned.
-    /// Blocks still waiting for their copies stay pinned.
+    /// Unpins every wholly free slab (unmaps every free host page) and destroys the kept events;
+    /// returns the bytes released. Blocks still waiting for their copies stay pinned.
     ///
     /// # Errors
     /// As [`PinnedCache::empty_cache`].
     pub fn empty_cache(&self) -> Result<usize, PinnedError> {
-        let freed = self.inner.cache.empty_cache();
+        let freed = match &self.inner.engine {
+            Engine::Slabs(c) => c.empty_cache(),
+            Engine::Pages { cache, .. } => cache.empty_cache(),
+        };
         let events = std::mem::take(&mut *self.inner.events.events.lock());
         drop(events);
         freed
@@ -231,7 +335,10 @@ impl PinnedAllocator {
     /// # Errors
     /// The first violated invariant.
     pub fn check_invariants(&self) -> Result<(), PinnedInvariantViolation> {
-        self.inner.cache.check_invariants()
+        match &self.inner.engine {
+            Engine::Slabs(c) => c.check_invariants(),
+            Engine::Pages { cache, .. } => cache.check_invariants(),
+        }
     }
 
     fn event(&self) -> Result<CudaEvent, PinnedError> {
@@ -287,23 +394,23 @@ impl PinnedAllocator {
             )));
         }
         let event = self.event()?;
-        let block = match self.inner.cache.alloc(bytes) {
+        let block = match self.inner.engine.alloc(bytes) {
             Ok(b) => b,
             Err(e) => {
                 self.inner.events.put(event);
                 return Err(e);
             }
         };
-        let Some(ptr) = NonNull::new(block.ptr.addr() as *mut T) else {
+        let Some(ptr) = NonNull::new(block.addr() as *mut T) else {
             // Unreachable by the backend's contract (ranges are never null); give it back.
-            let _ = self.inner.cache.free(block.ptr);
+            let _ = self.inner.engine.free(block);
             self.inner.events.put(event);
             return Err(PinnedError::InvalidRequest("null pinned block".into()));
         };
         Ok(CachedPinned {
             ptr,
             len,
-            block: Some(block.ptr),
+            block: Some(block),
             event: Some(event),
             used: AtomicBool::new(false),
             lazy: AtomicBool::new(false),
@@ -561,7 +668,7 @@ impl<T> Drop for CachedPinned<T> {
         let Some(block) = self.block else {
             return;
         };
-        let cache = &self.alloc.inner.cache;
+        let cache = &self.alloc.inner.engine;
         let pool = &self.alloc.inner.events;
         let Some(ev) = self.event.take() else {
             return;

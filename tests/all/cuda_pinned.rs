@@ -13,8 +13,11 @@
 use std::sync::{Arc, OnceLock};
 
 use cuda_caching_allocator::AllocatorConfig;
+use cuda_caching_allocator::BackendError;
 use cuda_caching_allocator::backend::cuda::CudaDevice;
-use cuda_caching_allocator::host::{CudaHost, PinMethod, PinnedCache, PinnedConfig};
+use cuda_caching_allocator::host::{
+    CudaHost, HostFence, PagedPinnedCache, PinMethod, PinnedCache, PinnedConfig,
+};
 use cuda_caching_allocator::interop::{CudaAllocator, PinnedAllocator};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig, PushKernelArg,
@@ -100,11 +103,16 @@ fn setup(streams: usize) -> (Arc<CudaContext>, Arc<CudaStream>) {
 /// second buffer got the first one's address).
 /// With `default_first`, the buffer is first copied on the legacy default stream too, so that its
 /// event must cover a blocking and a non-blocking stream at once.
-fn cached_probe(streams: usize, default_first: bool) -> (usize, usize) {
+/// With `pages`, the buffers come from [`PinnedAllocator::host_pages`].
+fn cached_probe(streams: usize, default_first: bool, pages: bool) -> (usize, usize) {
     let (ctx, s) = setup(streams);
     let legacy = ctx.default_stream();
     let k = kernels(&ctx);
-    let pinned = PinnedAllocator::new(Arc::clone(&ctx), PinnedConfig::default()).unwrap();
+    let pinned = if pages {
+        PinnedAllocator::host_pages(Arc::clone(&ctx), 4).unwrap()
+    } else {
+        PinnedAllocator::new(Arc::clone(&ctx), PinnedConfig::default()).unwrap()
+    };
     let (mut wrong, mut reused) = (0, 0);
     for trial in 0..TRIALS {
         let v = 1000 * trial as u32 + 3;
@@ -187,9 +195,9 @@ fn results() -> &'static [(usize, usize); 5] {
     static R: OnceLock<[(usize, usize); 5]> = OnceLock::new();
     R.get_or_init(|| {
         let r = [
-            cached_probe(2, false),
-            cached_probe(0, false),
-            cached_probe(2, true),
+            cached_probe(2, false, false),
+            cached_probe(0, false, false),
+            cached_probe(2, true, false),
             raw_probe(true),
             raw_probe(false),
         ];
@@ -234,6 +242,162 @@ fn a_freed_pinned_buffer_is_reused_only_after_its_copy() {
             "control arm: the reuse-after-copy race did not show"
         );
     }
+}
+
+/// The probe through a raw [`PagedPinnedCache`] over host pages: `fenced` frees with a fence
+/// (an event recorded behind the copy), the control arm frees at once. Returns (wrong, reused).
+fn paged_raw_probe(fenced: bool) -> (usize, usize) {
+    let (ctx, s) = setup(1);
+    let k = kernels(&ctx);
+    let device = CudaDevice::host_pages(Arc::clone(&ctx)).unwrap();
+    let own = ctx.new_stream().unwrap();
+    let id = device.admit_stream(&own).unwrap();
+    let cache = PagedPinnedCache::new(device, id, AllocatorConfig::default(), 0).unwrap();
+    let bytes = N * std::mem::size_of::<u32>();
+    let (mut wrong, mut reused) = (0, 0);
+    for trial in 0..TRIALS {
+        let v = 1000 * trial as u32 + 7;
+        let a = cache.alloc(bytes).unwrap();
+        // SAFETY: the block holds `bytes` bytes of host pages handed to this test alone, mapped
+        // with host access.
+        let host = unsafe { std::slice::from_raw_parts_mut(a.addr() as *mut u32, N) };
+        host.copy_from_slice(&pattern(v));
+        let mut dev: CudaSlice<u32> = s.alloc_zeros(N).unwrap();
+        s.synchronize().unwrap();
+        delay(&k, &s);
+        {
+            let (dptr, _record) = dev.device_ptr_mut(&s);
+            // SAFETY: `dptr` holds `N` values; `host` is `N` values of host pages, kept mapped
+            // (by the cache) until the stream is synchronized below.
+            unsafe { result::memcpy_htod_async(dptr, &host[..], s.cu_stream()) }.unwrap();
+        }
+        if fenced {
+            let ev = ctx.new_event(None).unwrap();
+            ev.record(&s).unwrap();
+            cache.free_after(a, Box::new(EventFence(ev))).unwrap();
+        } else {
+            cache.free(a).unwrap();
+        }
+        let b = cache.alloc(bytes).unwrap();
+        if b == a {
+            reused += 1;
+        }
+        // SAFETY: as in `raw_probe`: the control arm races the queued copy on purpose.
+        unsafe { std::slice::from_raw_parts_mut(b.addr() as *mut u32, N) }.fill(0xDEAD_BEEF);
+        let got = s.clone_dtoh(&dev).unwrap();
+        if got != pattern(v) {
+            wrong += 1;
+        }
+        cache.free(b).unwrap();
+        ctx.synchronize().unwrap();
+    }
+    cache.check_invariants().unwrap();
+    (wrong, reused)
+}
+
+/// A CUDA event as the paged cache's fence.
+#[derive(Debug)]
+struct EventFence(cudarc::driver::CudaEvent);
+
+impl HostFence for EventFence {
+    fn query(&mut self) -> Result<bool, BackendError> {
+        self.0.try_is_complete().map_err(|e| BackendError::Driver {
+            operation: "cuEventQuery",
+            source: Box::new(e),
+        })
+    }
+
+    fn wait(&mut self) -> Result<(), BackendError> {
+        self.0.synchronize().map_err(|e| BackendError::Driver {
+            operation: "cuEventSynchronize",
+            source: Box::new(e),
+        })
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn a_freed_host_pages_buffer_is_reused_only_after_its_copy() {
+    require_gpu("a_freed_host_pages_buffer_is_reused_only_after_its_copy");
+    let r = [
+        cached_probe(2, false, true),
+        cached_probe(0, false, true),
+        cached_probe(2, true, true),
+        paged_raw_probe(true),
+        paged_raw_probe(false),
+    ];
+    println!(
+        "host pages reuse-after-copy probes, {TRIALS} trials each (wrong, reused): CachedPinned managed {:?}, single-stream {:?}, managed after a default-stream copy {:?}, raw paged cache with a fence {:?}; control (raw, no fence) {:?}",
+        r[0], r[1], r[2], r[3], r[4]
+    );
+    for (i, what) in [
+        "managed",
+        "single stream",
+        "default stream, then another",
+        "raw with a fence",
+    ]
+    .iter()
+    .enumerate()
+    {
+        assert_eq!(
+            r[i].0, 0,
+            "host pages ({what}): the copy saw the new owner's data"
+        );
+        assert_eq!(
+            r[i].1, 0,
+            "host pages ({what}): reused before its copy ended"
+        );
+    }
+    if !under_sanitizer() {
+        assert!(r[4].1 > 0, "control arm never reused the block");
+        assert!(
+            r[4].0 > 0,
+            "control arm: the reuse-after-copy race did not show"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn host_pages_round_trip_across_pages_and_page_moves() {
+    require_gpu("host_pages_round_trip_across_pages_and_page_moves");
+    let ctx = CudaContext::new(0).unwrap();
+    let s = ctx.new_stream().unwrap();
+    let pinned = PinnedAllocator::host_pages(Arc::clone(&ctx), 4).unwrap();
+    assert!(pinned.is_host_pages());
+    // Sizes that span many 2 MiB pages and, freed and asked for in another order, make the
+    // allocator move free pages (unmap, map elsewhere): every buffer must still carry its data
+    // through the device and back.
+    let mut held = Vec::new();
+    for round in 0..6u32 {
+        for (j, &n) in [3 * N, N / 3 + 5, 5 * N + 17, 1000].iter().enumerate() {
+            let v = round * 100 + j as u32;
+            let src: Vec<u32> = (0..n as u32).map(|i| v.wrapping_mul(7919) ^ i).collect();
+            let h = pinned.pinned_from_slice(&src).unwrap();
+            let d = s.clone_htod(&h).unwrap();
+            let mut back = pinned.alloc_pinned_zeros::<u32>(n).unwrap();
+            s.memcpy_dtoh(&d, &mut back).unwrap();
+            assert_eq!(back.as_slice().unwrap(), &src[..], "round {round} size {n}");
+            if (round + j as u32) % 2 == 0 {
+                held.push(h);
+            }
+        }
+        if round % 2 == 1 {
+            held.drain(..held.len() / 2);
+        }
+    }
+    drop(held);
+    pinned.check_invariants().unwrap();
+    let st = pinned.stats();
+    let calls = pinned.host_page_call_times().unwrap();
+    println!(
+        "host pages round trip: {}; unmaps {:?}",
+        st.summary(),
+        calls.get("unmap")
+    );
+    assert!(st.num_pins > 0);
+    assert!(pinned.empty_cache().unwrap() > 0);
+    assert_eq!(pinned.stats().reserved_bytes.current, 0);
 }
 
 #[test]

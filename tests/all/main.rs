@@ -29,6 +29,7 @@ mod limits;
 mod names;
 mod package;
 mod pinned;
+mod pinned_pages;
 mod ports;
 mod programs;
 mod props;
