@@ -19,7 +19,7 @@ use super::{driver_error, registry::AllocatorRegistry, slice::CachedSlice};
 use crate::allocator::{FragmentationReport, InvariantViolation, SegmentSnapshot};
 use crate::backend::call_times::DeviceCallTimes;
 use crate::backend::cuda::CudaDevice;
-use crate::host::{PinnedConfig, PinnedError};
+use crate::host::PinnedError;
 use crate::trace::Trace;
 use crate::{
     AllocError, Allocation, AllocatorConfig, CachingAllocator, DeviceAddr, MemPoolId, MemoryStats,
@@ -443,8 +443,10 @@ impl CudaAllocator {
         Ok(id)
     }
 
-    /// The pinned host cache of this allocator's context (default [`PinnedConfig`]), made on
-    /// first use and shared by every clone of the handle.
+    /// The pinned host cache of this allocator's context ([`PinnedAllocator::with_defaults`]:
+    /// host pages where the device maps them, else slabs of the default
+    /// [`PinnedConfig`](crate::host::PinnedConfig)), made
+    /// on first use and shared by every clone of the handle.
     ///
     /// # Errors
     /// [`PinnedError::Backend`] when the device cannot be queried.
@@ -452,7 +454,7 @@ impl CudaAllocator {
         if let Some(p) = self.pinned.get() {
             return Ok(p);
         }
-        let made = PinnedAllocator::new(Arc::clone(self.context()), PinnedConfig::default())?;
+        let made = PinnedAllocator::with_defaults(Arc::clone(self.context()))?;
         // A racing thread may have set it first: then `made` is dropped unused.
         let _ = self.pinned.set(made);
         self.pinned.get().ok_or_else(|| {

@@ -38,7 +38,7 @@ mod view;
 
 pub use allocator::CudaAllocator;
 pub use capture::{CapturedGraph, GraphPool};
-pub use pinned::{CachedPinned, PinnedAllocator};
+pub use pinned::{CachedPinned, DEFAULT_PENDING_WAITS, PinnedAllocator};
 pub use registry::AllocatorRegistry;
 pub use slice::CachedSlice;
 pub use view::{CachedView, CachedViewMut};

@@ -53,6 +53,10 @@ use crate::host::{
 /// The alignment of every host-pages block: the device allocator rounds sizes to 512 bytes.
 const PAGES_ALIGNMENT: usize = 512;
 
+/// Host waits for pending buffers an allocation of [`PinnedAllocator::with_defaults`] makes before
+/// it maps more host pages (as [`PinnedConfig`]'s default `max_pending_waits`).
+pub const DEFAULT_PENDING_WAITS: u32 = 4;
+
 /// Most events a pool keeps; an event returned to a full pool is destroyed.
 const EVENT_POOL_CAP: usize = 4096;
 
@@ -239,6 +243,24 @@ impl PinnedAllocator {
             max_pending_waits,
         )?);
         Ok(Self::from_engine(Engine::Pages { cache, stream }))
+    }
+
+    /// The crate's default pinned cache on `ctx`: [`host_pages`](Self::host_pages) with
+    /// [`DEFAULT_PENDING_WAITS`] waits where the device can map host pages (it keeps the pinned
+    /// bytes within a few percent of those in use, `docs/pinned.md`), else slabs
+    /// ([`new`](Self::new) with the default [`PinnedConfig`]).
+    ///
+    /// # Errors
+    /// As [`new`](Self::new).
+    pub fn with_defaults(ctx: Arc<CudaContext>) -> Result<Self, PinnedError> {
+        match Self::host_pages(Arc::clone(&ctx), DEFAULT_PENDING_WAITS) {
+            Ok(p) => Ok(p),
+            Err(PinnedError::Backend(BackendError::Unsupported(what))) => {
+                tracing::debug!(target: "cuda_caching_allocator", what, "host pages unsupported; pinned slabs instead");
+                Self::new(ctx, PinnedConfig::default())
+            }
+            Err(e) => Err(e),
+        }
     }
 
     fn from_engine(engine: Engine) -> Self {

@@ -100,7 +100,7 @@ fn setup(streams: usize) -> (Arc<CudaContext>, Arc<CudaStream>) {
 }
 
 /// The probe through `CachedPinned`: returns (trials whose copy saw the overwrite, trials whose
-/// second buffer got the first one's address).
+/// second buffer got the first one's address without a host wait for the copy).
 /// With `default_first`, the buffer is first copied on the legacy default stream too, so that its
 /// event must cover a blocking and a non-blocking stream at once.
 /// With `pages`, the buffers come from [`PinnedAllocator::host_pages`].
@@ -127,8 +127,11 @@ fn cached_probe(streams: usize, default_first: bool, pages: bool) -> (usize, usi
         s.memcpy_htod(&src, &mut dev).unwrap();
         let before = src.host_ptr();
         drop(src);
+        let waits = pinned.stats().num_pending_waits;
         let mut again = pinned.alloc_pinned_zeros::<u32>(N).unwrap();
-        if again.host_ptr() == before {
+        // Reuse after a host wait for the copy (`PendingPolicy::Wait`, the paged cache's wait) is
+        // the rule working; reuse without one is the bug this probe looks for.
+        if again.host_ptr() == before && pinned.stats().num_pending_waits == waits {
             reused += 1;
         }
         again.as_mut_slice().unwrap().fill(0xDEAD_BEEF);
