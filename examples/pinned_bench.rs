@@ -371,10 +371,22 @@ fn pipeline(ctx: &Arc<CudaContext>, quick: bool) -> Res<()> {
         pipe.cached(&p, 0, warm, &mut scratch)?;
         ctx.synchronize()?;
         let (pins, waits) = (p.stats().num_pins, p.stats().num_pending_waits);
+        let maps = |p: &PinnedAllocator| {
+            p.host_page_call_times()
+                .and_then(|c| c.get("map"))
+                .map_or(0, |(n, _)| n)
+        };
+        let maps_before = maps(&p);
         let t = Instant::now();
         pipe.cached(&p, 0, batches, &mut acc)?;
         ctx.synchronize()?;
         let secs = t.elapsed().as_secs_f64();
+        if p.is_host_pages() {
+            println!(
+                "host pages: {} page maps after warm-up (pages created or moved)",
+                maps(&p) - maps_before
+            );
+        }
         let st = p.stats();
         let run = PipeRun {
             secs,

@@ -1,5 +1,6 @@
 //! Cached pinned host buffers for cudarc: [`PinnedAllocator`] (a handle to a
-//! [`PinnedCache`] over [`CudaHost`]) and [`CachedPinned<T>`], a page-locked buffer that cudarc
+//! [`PinnedCache`] over [`CudaHost`], or to a [`PagedPinnedCache`] over host pages from
+//! [`CudaDevice::host_pages`]) and [`CachedPinned<T>`], a page-locked buffer that cudarc
 //! takes wherever it takes a `HostSlice` (`memcpy_htod`, `memcpy_dtoh`, `clone_htod`) and whose
 //! memory returns to the cache when dropped.
 //!
@@ -294,11 +295,29 @@ impl PinnedAllocator {
         }
     }
 
-    /// A copy of the statistics ([`PinnedStats`]).
+    /// A copy of the statistics ([`PinnedStats`]). For host pages the pinning figures are the
+    /// driver's: a *pin* is a host page created (`cuMemCreate`), an *unpin* one released, and
+    /// their times are the host time inside every call that makes pages usable (create, map,
+    /// access: also for pages moved to where a block grows) and unusable (unmap, release).
     pub fn stats(&self) -> PinnedStats {
         match &self.inner.engine {
             Engine::Slabs(c) => c.stats(),
-            Engine::Pages { cache, .. } => cache.stats(),
+            Engine::Pages { cache, .. } => {
+                let mut st = cache.stats();
+                let calls = cache.core().backend().call_times();
+                let count = |kind: &str| calls.get(kind).map_or(0, |(n, _)| n);
+                let nanos = |kinds: &[&str]| -> u64 {
+                    kinds
+                        .iter()
+                        .map(|k| calls.get(k).map_or(0, |(_, ns)| ns))
+                        .sum()
+                };
+                st.num_pins = count("create");
+                st.num_unpins = count("release");
+                st.pin_nanos = nanos(&["reserve", "create", "map", "set_access"]);
+                st.unpin_nanos = nanos(&["unmap", "release", "release_range"]);
+                st
+            }
         }
     }
 
