@@ -231,6 +231,21 @@ impl<B: DeviceBackend> PagedPinnedCache<B> {
             .map_err(PinnedError::Allocator)
     }
 
+    /// Caps the pinned bytes (mapped host pages) at `cap` bytes, `None` for no cap: the core's
+    /// fraction cap, set to `cap` over the backend's total memory. An allocation that would map
+    /// past it first releases free pages, then fails with an out-of-memory error whose report
+    /// names the cap; nothing already mapped is taken away.
+    ///
+    /// # Errors
+    /// [`PinnedError::Backend`] when the backend cannot report its memory.
+    pub fn set_max_pinned(&self, cap: Option<usize>) -> Result<(), PinnedError> {
+        let total = self.core.backend().mem_info()?.total.max(1);
+        let fraction = cap.map_or(1.0, |c| ((c as f64 + 0.5) / total as f64).min(1.0));
+        self.core
+            .set_memory_fraction(fraction)
+            .map_err(PinnedError::Allocator)
+    }
+
     /// Blocks freed but still waiting for their fences.
     pub fn waiting_blocks(&self) -> usize {
         self.waiting.load(Ordering::Acquire)

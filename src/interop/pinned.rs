@@ -273,6 +273,21 @@ impl PinnedAllocator {
         }
     }
 
+    /// Caps the pinned bytes of a host-pages cache ([`PagedPinnedCache::set_max_pinned`]).
+    ///
+    /// # Errors
+    /// [`PinnedError::InvalidConfig`] for a slab cache (its cap is
+    /// [`PinnedConfig::max_pinned`], fixed at construction); as
+    /// [`PagedPinnedCache::set_max_pinned`] otherwise.
+    pub fn set_max_pinned(&self, cap: Option<usize>) -> Result<(), PinnedError> {
+        match &self.inner.engine {
+            Engine::Slabs(_) => Err(PinnedError::InvalidConfig(
+                "a slab cache takes its cap from PinnedConfig::max_pinned at construction".into(),
+            )),
+            Engine::Pages { cache, .. } => cache.set_max_pinned(cap),
+        }
+    }
+
     /// Whether the memory is host pages ([`host_pages`](Self::host_pages)) rather than slabs.
     pub fn is_host_pages(&self) -> bool {
         matches!(self.inner.engine, Engine::Pages { .. })

@@ -186,6 +186,72 @@ fn empty_cache_returns_free_pages_and_keeps_waiting_ones() {
     c.check_invariants().unwrap();
 }
 
+#[test]
+fn the_cap_bounds_mapped_pages_with_an_error_naming_it() {
+    let (_, c) = cache(4);
+    c.set_max_pinned(Some(16 * MIB)).unwrap();
+    let a = c.alloc(10 * MIB).unwrap();
+    let err = c.alloc(10 * MIB).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        matches!(&err, PinnedError::Allocator(e) if e.is_out_of_memory()),
+        "{text}"
+    );
+    assert!(text.contains("fraction") || text.contains("cap"), "{text}");
+    assert!(c.stats().reserved_bytes.current <= 16 * MIB as i64);
+    c.check_invariants().unwrap();
+    // Nothing was lost: the live block is intact and the cap can be lifted.
+    c.set_max_pinned(None).unwrap();
+    let b = c.alloc(10 * MIB).unwrap();
+    c.free(a).unwrap();
+    c.free(b).unwrap();
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn threads_with_fenced_frees_never_share_memory() {
+    let (_, c) = cache(4);
+    // Every block handed out and not yet seen complete: address → (size, its fence once freed).
+    // A fence the cache waited for completes at once (`FlagFence::wait`), so a block whose flag
+    // is done may be handed out again and is not checked against.
+    type Live = BTreeMap<usize, (usize, Arc<Flag>)>;
+    let live = std::sync::Mutex::new(Live::new());
+    std::thread::scope(|s| {
+        for t in 0..4usize {
+            let (c, live) = (&c, &live);
+            s.spawn(move || {
+                let mut mine: Vec<(HostPtr, Arc<Flag>)> = Vec::new();
+                for i in 0..400usize {
+                    let size = 512 + ((i * 7919 + t * 104_729) % (3 * MIB));
+                    let p = c.alloc(size).unwrap();
+                    let (flag, f) = fence();
+                    {
+                        let mut g = live.lock().unwrap();
+                        let lo = p.addr();
+                        for (&a, (n, fl)) in g.range(..lo + size) {
+                            if a + n > lo && !fl.done.load(Ordering::SeqCst) {
+                                panic!("{p:?} ({size}) overlaps {a:#x} ({n}), still in use");
+                            }
+                        }
+                        g.insert(lo, (size, flag.clone()));
+                    }
+                    c.free_after(p, f).unwrap();
+                    mine.push((p, flag));
+                    if i % 3 == 0 {
+                        for (_, flag) in mine.drain(..) {
+                            flag.done.store(true, Ordering::SeqCst);
+                        }
+                    }
+                }
+                for (_, flag) in mine.drain(..) {
+                    flag.done.store(true, Ordering::SeqCst);
+                }
+            });
+        }
+    });
+    c.check_invariants().unwrap();
+}
+
 /// A fence over a `SimDevice` event recorded after a block's last copy, as `CachedPinned`'s drop
 /// hands one over.
 #[derive(Debug)]
