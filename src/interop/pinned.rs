@@ -256,8 +256,10 @@ impl PinnedAllocator {
     pub fn with_defaults(ctx: Arc<CudaContext>) -> Result<Self, PinnedError> {
         match Self::host_pages(Arc::clone(&ctx), DEFAULT_PENDING_WAITS) {
             Ok(p) => Ok(p),
-            Err(PinnedError::Backend(BackendError::Unsupported(what))) => {
-                tracing::debug!(target: "cuda_caching_allocator", what, "host pages unsupported; pinned slabs instead");
+            // Nothing was allocated yet: a device or driver that cannot map host pages (no
+            // virtual memory management, a driver older than host locations) gets slabs.
+            Err(PinnedError::Backend(e)) => {
+                tracing::debug!(target: "cuda_caching_allocator", %e, "host pages unavailable; pinned slabs instead");
                 Self::new(ctx, PinnedConfig::default())
             }
             Err(e) => Err(e),
