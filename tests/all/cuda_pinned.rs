@@ -16,7 +16,7 @@ use cuda_caching_allocator::AllocatorConfig;
 use cuda_caching_allocator::BackendError;
 use cuda_caching_allocator::backend::cuda::CudaDevice;
 use cuda_caching_allocator::host::{
-    CudaHost, HostFence, PagedPinnedCache, PinMethod, PinnedCache, PinnedConfig,
+    CudaHost, HostFence, HostPtr, PagedPinnedCache, PinMethod, PinnedCache, PinnedConfig,
 };
 use cuda_caching_allocator::interop::{CudaAllocator, PinnedAllocator};
 use cudarc::driver::{
@@ -145,6 +145,33 @@ fn cached_probe(streams: usize, default_first: bool, pages: bool) -> (usize, usi
     (wrong, reused)
 }
 
+/// Writes `pattern(v)` into the `N` values at `host`, then queues their copy to a new device
+/// buffer on `s` behind the delay kernel; returns the buffer.
+///
+/// # Safety
+/// `host` holds `N` values of pinned memory owned by the caller, which stays allocated until `s`
+/// is synchronized.
+unsafe fn copy_behind_delay(
+    k: &Kernels,
+    s: &Arc<CudaStream>,
+    host: HostPtr,
+    v: u32,
+) -> CudaSlice<u32> {
+    // SAFETY: the caller's obligation: `N` values owned by the caller.
+    let values = unsafe { std::slice::from_raw_parts_mut(host.addr() as *mut u32, N) };
+    values.copy_from_slice(&pattern(v));
+    let mut dev: CudaSlice<u32> = s.alloc_zeros(N).unwrap();
+    s.synchronize().unwrap();
+    delay(k, s);
+    {
+        let (dptr, _record) = dev.device_ptr_mut(s);
+        // SAFETY: `dptr` holds `N` values; `values` stays allocated until `s` is synchronized
+        // (the caller's obligation).
+        unsafe { result::memcpy_htod_async(dptr, &values[..], s.cu_stream()) }.unwrap();
+    }
+    dev
+}
+
 /// The probe through the raw cache: `fenced` declares the copy's stream before the free, the
 /// control arm does not. Returns (wrong, reused) as `cached_probe`.
 fn raw_probe(fenced: bool) -> (usize, usize) {
@@ -158,18 +185,9 @@ fn raw_probe(fenced: bool) -> (usize, usize) {
     for trial in 0..TRIALS {
         let v = 1000 * trial as u32 + 5;
         let a = cache.alloc(bytes).unwrap();
-        // SAFETY: the block holds `bytes` bytes of pinned memory handed to this test alone.
-        let host = unsafe { std::slice::from_raw_parts_mut(a.ptr.addr() as *mut u32, N) };
-        host.copy_from_slice(&pattern(v));
-        let mut dev: CudaSlice<u32> = s.alloc_zeros(N).unwrap();
-        s.synchronize().unwrap();
-        delay(&k, &s);
-        {
-            let (dptr, _record) = dev.device_ptr_mut(&s);
-            // SAFETY: `dptr` holds `N` values; `host` is pinned memory of `N` values, kept
-            // allocated (by the cache) until the stream is synchronized below.
-            unsafe { result::memcpy_htod_async(dptr, &host[..], s.cu_stream()) }.unwrap();
-        }
+        // SAFETY: the block holds `bytes` bytes of pinned memory handed to this test alone, kept
+        // allocated (by the cache) until the stream is synchronized at the end of the trial.
+        let dev = unsafe { copy_behind_delay(&k, &s, a.ptr, v) };
         if fenced {
             cache.record_stream(a.ptr, stream).unwrap();
         }
@@ -261,19 +279,10 @@ fn paged_raw_probe(fenced: bool) -> (usize, usize) {
     for trial in 0..TRIALS {
         let v = 1000 * trial as u32 + 7;
         let a = cache.alloc(bytes).unwrap();
-        // SAFETY: the block holds `bytes` bytes of host pages handed to this test alone, mapped
-        // with host access.
-        let host = unsafe { std::slice::from_raw_parts_mut(a.addr() as *mut u32, N) };
-        host.copy_from_slice(&pattern(v));
-        let mut dev: CudaSlice<u32> = s.alloc_zeros(N).unwrap();
-        s.synchronize().unwrap();
-        delay(&k, &s);
-        {
-            let (dptr, _record) = dev.device_ptr_mut(&s);
-            // SAFETY: `dptr` holds `N` values; `host` is `N` values of host pages, kept mapped
-            // (by the cache) until the stream is synchronized below.
-            unsafe { result::memcpy_htod_async(dptr, &host[..], s.cu_stream()) }.unwrap();
-        }
+        // SAFETY: the block holds `bytes` bytes of host pages (mapped with host access) handed
+        // to this test alone, kept mapped until the stream is synchronized at the end of the
+        // trial.
+        let dev = unsafe { copy_behind_delay(&k, &s, a, v) };
         if fenced {
             let ev = ctx.new_event(None).unwrap();
             ev.record(&s).unwrap();

@@ -7,10 +7,12 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use cuda_caching_allocator::host::{
-    HostFence, HostOp, PinnedInvariantViolation, PowerOfTwoModel, SimHostFault, mixed_workload,
+    HostOp, PinnedInvariantViolation, PowerOfTwoModel, SimHostFault, mixed_workload,
 };
 use cuda_caching_allocator::*;
 use proptest::prelude::*;
+
+use crate::util::{Flag, FlagFence};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -250,38 +252,6 @@ fn no_event_is_polled_when_none_is_pending() {
     let s = c.stats();
     assert_eq!((s.num_event_records, s.num_event_queries), (0, 0));
     assert_eq!(s.num_cache_hits, 9);
-}
-
-/// A caller's fence (`HostFence`) over a flag, counting queries and waits.
-#[derive(Debug, Default)]
-struct Flag {
-    done: std::sync::atomic::AtomicBool,
-    queries: std::sync::atomic::AtomicUsize,
-    waits: std::sync::atomic::AtomicUsize,
-    /// `wait` fails (and leaves the flag as it is).
-    fail_wait: std::sync::atomic::AtomicBool,
-}
-
-#[derive(Debug)]
-struct FlagFence(Arc<Flag>);
-
-impl HostFence for FlagFence {
-    fn query(&mut self) -> Result<bool, BackendError> {
-        self.0.queries.fetch_add(1, Ordering::SeqCst);
-        Ok(self.0.done.load(Ordering::SeqCst))
-    }
-
-    fn wait(&mut self) -> Result<(), BackendError> {
-        self.0.waits.fetch_add(1, Ordering::SeqCst);
-        if self.0.fail_wait.load(Ordering::SeqCst) {
-            return Err(BackendError::Injected {
-                operation: "fence wait",
-                call: 0,
-            });
-        }
-        self.0.done.store(true, Ordering::SeqCst);
-        Ok(())
-    }
 }
 
 #[test]

@@ -5,11 +5,13 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 
 use cuda_caching_allocator::host::{HostFence, HostOp, PagedPinnedCache, mixed_workload};
 use cuda_caching_allocator::*;
 use proptest::prelude::*;
+
+use crate::util::{Flag, FlagFence};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -22,30 +24,6 @@ fn cache(waits: u32) -> (Arc<SimDevice>, PagedPinnedCache<Arc<SimDevice>>) {
     let dev = Arc::new(SimDevice::with_capacity(8 << 30));
     let c = PagedPinnedCache::new(dev.clone(), HOST, AllocatorConfig::default(), waits).unwrap();
     (dev, c)
-}
-
-/// A fence over a flag, counting queries and waits; `wait` sets the flag.
-#[derive(Debug, Default)]
-struct Flag {
-    done: AtomicBool,
-    queries: AtomicUsize,
-    waits: AtomicUsize,
-}
-
-#[derive(Debug)]
-struct FlagFence(Arc<Flag>);
-
-impl HostFence for FlagFence {
-    fn query(&mut self) -> Result<bool, BackendError> {
-        self.0.queries.fetch_add(1, Ordering::SeqCst);
-        Ok(self.0.done.load(Ordering::SeqCst))
-    }
-
-    fn wait(&mut self) -> Result<(), BackendError> {
-        self.0.waits.fetch_add(1, Ordering::SeqCst);
-        self.0.done.store(true, Ordering::SeqCst);
-        Ok(())
-    }
 }
 
 fn fence() -> (Arc<Flag>, Box<dyn HostFence>) {

@@ -63,3 +63,39 @@ pub fn load_module(
     let ptx = cudarc::nvrtc::compile_ptx(source).unwrap();
     ctx.load_module(ptx).unwrap()
 }
+
+/// A caller's fence (`HostFence`) over a flag, counting queries and waits; `wait` sets the flag
+/// (the work it stands for is then done) unless `fail_wait` is set.
+#[derive(Debug, Default)]
+pub struct Flag {
+    pub done: std::sync::atomic::AtomicBool,
+    pub queries: std::sync::atomic::AtomicUsize,
+    pub waits: std::sync::atomic::AtomicUsize,
+    /// `wait` fails (and leaves the flag as it is).
+    pub fail_wait: std::sync::atomic::AtomicBool,
+}
+
+/// The fence a pinned cache holds for a [`Flag`].
+#[derive(Debug)]
+pub struct FlagFence(pub std::sync::Arc<Flag>);
+
+impl cuda_caching_allocator::host::HostFence for FlagFence {
+    fn query(&mut self) -> Result<bool, cuda_caching_allocator::BackendError> {
+        use std::sync::atomic::Ordering;
+        self.0.queries.fetch_add(1, Ordering::SeqCst);
+        Ok(self.0.done.load(Ordering::SeqCst))
+    }
+
+    fn wait(&mut self) -> Result<(), cuda_caching_allocator::BackendError> {
+        use std::sync::atomic::Ordering;
+        self.0.waits.fetch_add(1, Ordering::SeqCst);
+        if self.0.fail_wait.load(Ordering::SeqCst) {
+            return Err(cuda_caching_allocator::BackendError::Injected {
+                operation: "fence wait",
+                call: 0,
+            });
+        }
+        self.0.done.store(true, Ordering::SeqCst);
+        Ok(())
+    }
+}
