@@ -1,5 +1,6 @@
 // Driver probe for #16: what fork() does to pinned host memory, for each way the pinned cache
-// pins a slab. Registered memory is ordinary anonymous memory of the process: after a fork its
+// pins a slab, and for host pages (cuMemCreate with CU_MEM_LOCATION_TYPE_HOST, 2 MiB handles
+// mapped side by side with access for the device and the host: PinnedAllocator's default). Registered memory is ordinary anonymous memory of the process: after a fork its
 // pages are shared copy-on-write with the child unless the kernel copies pinned pages early, and
 // a parent write that broke the sharing would leave the GPU copying from the old page (stale
 // data, silently). cuMemHostAlloc memory is the driver's own mapping. For each of
@@ -39,12 +40,32 @@ int main() {
   CUdeviceptr d;
   CK(cuMemAlloc(&d, n));
   std::vector<unsigned char> back(n);
-  const char* names[3] = {"cuMemHostAlloc(PORTABLE)", "register (anonymous, THP)", "register + MADV_DONTFORK"};
-  for (int m = 0; m < 3; m++) {
+  const char* names[4] = {"cuMemHostAlloc(PORTABLE)", "register (anonymous, THP)", "register + MADV_DONTFORK",
+                          "host pages (cuMemCreate HOST)"};
+  const size_t page = 2 * MB;
+  std::vector<CUmemGenericAllocationHandle> handles(n / page);
+  CUdeviceptr va = 0;
+  for (int m = 0; m < 4; m++) {
     unsigned char* p = nullptr;
     void* raw = nullptr;
     if (m == 0) {
       CK(cuMemHostAlloc((void**)&p, n, CU_MEMHOSTALLOC_PORTABLE));
+    } else if (m == 3) {
+      CUmemAllocationProp prop = {};
+      prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+      prop.location.type = CU_MEM_LOCATION_TYPE_HOST;
+      CUmemAccessDesc acc[2] = {};
+      acc[0].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      acc[0].location.id = 0;
+      acc[0].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+      acc[1].location.type = CU_MEM_LOCATION_TYPE_HOST;
+      acc[1].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+      if (!CK(cuMemAddressReserve(&va, n, 0, 0, 0))) continue;
+      bool ok = true;
+      for (size_t i = 0; ok && i < handles.size(); i++)
+        ok = CK(cuMemCreate(&handles[i], page, &prop, 0)) && CK(cuMemMap(va + i * page, page, 0, handles[i], 0));
+      if (!ok || !CK(cuMemSetAccess(va, n, acc, 2))) continue;
+      p = (unsigned char*)(uintptr_t)va;
     } else {
       raw = mmap(nullptr, n + 2 * MB, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
       p = (unsigned char*)(((uintptr_t)raw + 2 * MB - 1) / (2 * MB) * (2 * MB));
@@ -82,6 +103,10 @@ int main() {
            names[m], ok && stale == 0 ? "ok" : "STALE", stale, n / 4096, ok && lost == 0 ? "ok" : "LOST", lost, cview, code);
     if (m == 0) {
       CK(cuMemFreeHost(p));
+    } else if (m == 3) {
+      CK(cuMemUnmap(va, n));
+      for (auto h : handles) CK(cuMemRelease(h));
+      CK(cuMemAddressFree(va, n));
     } else {
       CK(cuMemHostUnregister(p));
       munmap(raw, n + 2 * MB);
