@@ -354,6 +354,9 @@ pub struct CudaDevice {
     clock: CallClock,
     /// Hands out page-locked host memory instead of device memory ([`CudaDevice::host_pages`]).
     host: bool,
+    /// A stream this device created through the driver and destroys when dropped
+    /// ([`CudaDevice::quiet_stream`]).
+    quiet: Option<u64>,
 }
 
 impl fmt::Debug for CudaDevice {
@@ -366,6 +369,24 @@ impl fmt::Debug for CudaDevice {
             .field("admitted_streams", &self.streams.read().len())
             .field("live_events", &self.events.lock().len())
             .finish_non_exhaustive()
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        let Some(quiet) = self.quiet else {
+            return;
+        };
+        let Ok(_bound) = ContextGuard::bind(&self.ctx) else {
+            tracing::warn!(target: "cuda_caching_allocator", "could not bind the context to destroy the host-pages stream; it is leaked");
+            return;
+        };
+        // SAFETY: `quiet` is the stream `with_memory` created on this context and nobody else
+        // owns; the allocator that used it owned this device and is gone (the device drops last),
+        // and the driver finishes any work still queued on it before freeing it.
+        if let Err(e) = unsafe { result::stream::destroy(to_stream(StreamId(quiet))) } {
+            tracing::warn!(target: "cuda_caching_allocator", %e, "cuStreamDestroy of the host-pages stream failed");
+        }
     }
 }
 
@@ -407,6 +428,15 @@ impl CudaDevice {
         self.host
     }
 
+    /// The admitted stream a host-pages backend ([`host_pages`](Self::host_pages)) places its
+    /// blocks on: a non-blocking stream created through the driver (`cuStreamCreate`), not
+    /// through cudarc, so the context's stream count, and with it cudarc's event tracking, stays
+    /// as the program left it; nothing is queued on it but the allocator's own event records.
+    /// Destroyed with the device. `None` for device memory.
+    pub fn quiet_stream(&self) -> Option<StreamId> {
+        self.quiet.map(StreamId)
+    }
+
     fn with_memory(ctx: Arc<CudaContext>, host: bool) -> Result<Self, BackendError> {
         let bound = ContextGuard::bind(&ctx)?;
         let ordinal = i32::try_from(ctx.ordinal()).map_err(|_| BackendError::InvalidArgument {
@@ -441,16 +471,29 @@ impl CudaDevice {
         } else {
             None
         };
+        let mut streams = HashMap::new();
+        let quiet = if host {
+            // The context is bound (above). A stream of our own, not cudarc's: see
+            // `quiet_stream`.
+            let raw = result::stream::create(result::stream::StreamKind::NonBlocking)
+                .map_err(|e| driver("cuStreamCreate", e))?;
+            let id = raw.addr() as u64;
+            streams.insert(id, None);
+            Some(id)
+        } else {
+            None
+        };
         drop(bound);
         Ok(CudaDevice {
             ctx,
             ordinal,
             total,
             granularity,
-            streams: RwLock::new(HashMap::new()),
+            streams: RwLock::new(streams),
             events: Mutex::new(HashSet::new()),
             clock: CallClock::default(),
             host,
+            quiet,
         })
     }
 

@@ -124,10 +124,10 @@ enum Engine {
     /// Exact-size blocks of pinned slabs ([`PinnedCache`] over [`CudaHost`]).
     Slabs(Box<PinnedCache<CudaHost>>),
     /// The device allocator's default over host pages ([`PagedPinnedCache`] over
-    /// [`CudaDevice::host_pages`]); `stream` is the admitted stream no work runs on.
+    /// [`CudaDevice::host_pages`], its blocks on the device's quiet stream).
     Pages {
         cache: Box<PagedPinnedCache<CudaDevice>>,
-        stream: Arc<CudaStream>,
+        ctx: Arc<CudaContext>,
     },
 }
 
@@ -233,17 +233,18 @@ impl PinnedAllocator {
     /// created.
     pub fn host_pages(ctx: Arc<CudaContext>, max_pending_waits: u32) -> Result<Self, PinnedError> {
         let device = CudaDevice::host_pages(Arc::clone(&ctx))?;
-        let stream = ctx
-            .new_stream()
-            .map_err(|e| PinnedError::Backend(driver("cuStreamCreate", e)))?;
-        let id = device.admit_stream(&stream)?;
+        let id = device
+            .quiet_stream()
+            .ok_or(PinnedError::Backend(BackendError::Unsupported(
+                "host pages without their stream",
+            )))?;
         let cache = Box::new(PagedPinnedCache::new(
             device,
             id,
             AllocatorConfig::default(),
             max_pending_waits,
         )?);
-        Ok(Self::from_engine(Engine::Pages { cache, stream }))
+        Ok(Self::from_engine(Engine::Pages { cache, ctx }))
     }
 
     /// The crate's default pinned cache on `ctx`: [`host_pages`](Self::host_pages) with
@@ -299,7 +300,7 @@ impl PinnedAllocator {
     pub fn context(&self) -> &Arc<CudaContext> {
         match &self.inner.engine {
             Engine::Slabs(c) => c.host().device().context(),
-            Engine::Pages { stream, .. } => stream.context(),
+            Engine::Pages { ctx, .. } => ctx,
         }
     }
 

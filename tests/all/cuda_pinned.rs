@@ -374,9 +374,15 @@ fn a_freed_host_pages_buffer_is_reused_only_after_its_copy() {
 fn host_pages_round_trip_across_pages_and_page_moves() {
     require_gpu("host_pages_round_trip_across_pages_and_page_moves");
     let ctx = CudaContext::new(0).unwrap();
-    let s = ctx.new_stream().unwrap();
     let pinned = PinnedAllocator::host_pages(Arc::clone(&ctx), 4).unwrap();
     assert!(pinned.is_host_pages());
+    // The cache's own stream is the driver's, not cudarc's: a context with no stream of its own
+    // stays in single-stream mode (cudarc's event tracking unchanged).
+    assert!(
+        !ctx.is_in_multi_stream_mode(),
+        "building the host-pages cache switched the context to multi-stream mode"
+    );
+    let s = ctx.new_stream().unwrap();
     // Sizes that span many 2 MiB pages and, freed and asked for in another order, make the
     // allocator move free pages (unmap, map elsewhere): every buffer must still carry its data
     // through the device and back.
