@@ -225,8 +225,8 @@ impl PinnedAllocator {
     /// dropped buffer only after its last copy and waits for up to `max_pending_waits` pending
     /// buffers before it maps more. It keeps the pinned bytes near the bytes in use where slabs
     /// strand memory (`docs/pinned.md`), at the cost of page moves. The buffers, their event
-    /// rules and the statistics are the same as [`new`](Self::new)'s; in the statistics a *pin*
-    /// is a growth of the allocator's mapped pages.
+    /// rules and the statistics are the same as [`new`](Self::new)'s (see [`stats`](Self::stats)
+    /// for what a pin is here).
     ///
     /// # Errors
     /// [`PinnedError::Backend`] when the device cannot map host pages or a stream cannot be
@@ -314,9 +314,10 @@ impl PinnedAllocator {
     }
 
     /// A copy of the statistics ([`PinnedStats`]). For host pages the pinning figures are the
-    /// driver's: a *pin* is a host page created (`cuMemCreate`), an *unpin* one released, and
-    /// their times are the host time inside every call that makes pages usable (create, map,
-    /// access: also for pages moved to where a block grows) and unusable (unmap, release).
+    /// driver's: a *pin* is a host page mapped where a block needs it (created, or moved from
+    /// where it lay free), an *unpin* a page unmapped (moved away or returned), and their times
+    /// are the host time inside every call that makes pages usable (create, map, access) and
+    /// unusable (unmap, release).
     pub fn stats(&self) -> PinnedStats {
         match &self.inner.engine {
             Engine::Slabs(c) => c.stats(),
@@ -330,8 +331,8 @@ impl PinnedAllocator {
                         .map(|k| calls.get(k).map_or(0, |(_, ns)| ns))
                         .sum()
                 };
-                st.num_pins = count("create");
-                st.num_unpins = count("release");
+                st.num_pins = count("map");
+                st.num_unpins = count("unmap");
                 st.pin_nanos = nanos(&["reserve", "create", "map", "set_access"]);
                 st.unpin_nanos = nanos(&["unmap", "release", "release_range"]);
                 st
