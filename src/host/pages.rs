@@ -26,10 +26,11 @@
 //!
 //! May use: `allocator`, `backend`, `config`, `stats`, `host` values.
 
+#![forbid(unsafe_code)]
+
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::time::Instant;
 
 use parking_lot::Mutex;
 
@@ -69,8 +70,6 @@ pub struct PagedPinnedCache<B: DeviceBackend> {
     num_frees: AtomicU64,
     num_queries: AtomicU64,
     num_waits: AtomicU64,
-    grow_nanos: AtomicU64,
-    shrink_nanos: AtomicU64,
 }
 
 impl<B: DeviceBackend> fmt::Debug for PagedPinnedCache<B> {
@@ -112,8 +111,6 @@ impl<B: DeviceBackend> PagedPinnedCache<B> {
             num_frees: AtomicU64::new(0),
             num_queries: AtomicU64::new(0),
             num_waits: AtomicU64::new(0),
-            grow_nanos: AtomicU64::new(0),
-            shrink_nanos: AtomicU64::new(0),
         })
     }
 
@@ -150,16 +147,10 @@ impl<B: DeviceBackend> PagedPinnedCache<B> {
             }
             waits += 1;
         }
-        let before = self.core.memory_reserved();
-        let start = Instant::now();
         let a = self
             .core
             .allocate(size, self.stream)
             .map_err(PinnedError::Allocator)?;
-        if self.core.memory_reserved() > before {
-            let ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-            self.grow_nanos.fetch_add(ns, Ordering::Relaxed);
-        }
         self.book.lock().live.insert(a.ptr.0 as usize, size);
         self.num_allocs.fetch_add(1, Ordering::Relaxed);
         Ok(HostPtr(a.ptr.0 as usize))
@@ -259,18 +250,18 @@ impl<B: DeviceBackend> PagedPinnedCache<B> {
     pub fn empty_cache(&self) -> Result<usize, PinnedError> {
         self.reap();
         let before = self.core.memory_reserved();
-        let start = Instant::now();
         self.core.empty_cache().map_err(PinnedError::Allocator)?;
-        let ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        self.shrink_nanos.fetch_add(ns, Ordering::Relaxed);
         Ok(usize::try_from(before - self.core.memory_reserved()).unwrap_or(0))
     }
 
     /// The statistics in the pinned cache's vocabulary: *reserved* bytes are the mapped host
     /// pages; *allocated* and *requested* bytes count blocks waiting for their fences too (the
-    /// core holds them until then; `pending_bytes` says how many); `slabs` counts the core's growths still mapped (`num_device_alloc -
-    /// num_device_free`); a *pin* is a growth (`num_device_alloc`), an *unpin* a release, and
-    /// their times are the host time of the allocations that grew and of `empty_cache`.
+    /// core holds them until then; `pending_bytes` says how many); `slabs` counts the core's
+    /// growths still mapped (`num_device_alloc - num_device_free`); a *pin* is a growth
+    /// (`num_device_alloc`), an *unpin* a release. The
+    /// pinning times are 0: a generic backend has no clock the cache could read without making
+    /// results depend on the machine (`PinnedAllocator::stats` fills them, and the pins, from
+    /// the driver's call times).
     pub fn stats(&self) -> PinnedStats {
         let m = self.core.memory_stats();
         let book = self.book.lock();
@@ -292,8 +283,8 @@ impl<B: DeviceBackend> PagedPinnedCache<B> {
             num_frees: self.num_frees.load(Ordering::Relaxed),
             num_pins: grew,
             num_unpins: u64::try_from(m.num_device_free).unwrap_or(0),
-            pin_nanos: self.grow_nanos.load(Ordering::Relaxed),
-            unpin_nanos: self.shrink_nanos.load(Ordering::Relaxed),
+            pin_nanos: 0,
+            unpin_nanos: 0,
             num_event_records: 0,
             num_event_queries: self.num_queries.load(Ordering::Relaxed),
             num_stream_syncs: u64::try_from(m.num_sync_all_streams).unwrap_or(0),
