@@ -1,4 +1,5 @@
-//! The pinned host cache on a real GPU (issue #16), in one run:
+//! The pinned host cache on a real GPU (issue #16), in one run, for slabs (`PinnedAllocator::new`)
+//! and host pages (`PinnedAllocator::host_pages`, the default of `CudaAllocator::alloc_pinned`):
 //!
 //! 1. cached allocate + free, ns per pair (`PinnedAllocator::alloc_pinned` and drop, 4 KiB,
 //!    1 MiB and 16 MiB), beside a fresh `cuMemHostAlloc` + `cuMemFreeHost` per pair (cudarc's
@@ -12,7 +13,8 @@
 //!    calls (must be 0 with `Wait`), host waits, the bandwidth ratio to the fixed buffers, and a
 //!    checksum of what the kernels saw;
 //! 4. the mixed-size workload of `host::mixed_workload` (the one `tests/all/pinned.rs` measures
-//!    on the simulator) on the real host: peak pinned over peak requested for the default,
+//!    on the simulator) on the real host: peak pinned over peak requested for host pages (with
+//!    their driver calls) and for the slab default,
 //!    `PinnedConfig::tight()` and `PinnedConfig::frugal()`, with the pins and the measured
 //!    pinning time, beside the power-of-two model of PyTorch's policy; the default once more
 //!    with every slab from `cuMemHostAlloc` (`PinMethod::HostAlloc`) instead of registered;
