@@ -237,12 +237,11 @@ pub struct AllocatorConfig {
     /// Whether an allocation may *borrow* a free block of another stream of the same pool where
     /// it lies (crate key `cca_borrow_blocks`; needs expandable segments): when no free block of
     /// its own stream fits, before the cache grows, the best-fitting free large-pool block of
-    /// another stream serves it once that stream's queued work on the block is known complete
-    /// (a completed page fence) or ordered before the borrower's (the borrowing stream waits on
-    /// an event: stream-ordered, no host wait). The block stays in its segment; its free records
-    /// an event on the borrowing stream, and it returns to its own stream once that completes.
-    /// No page is unmapped or mapped. Opt-in: off in every preset. See `docs/algorithm.md`,
-    /// step 27b.
+    /// another stream serves it if that stream's queued work on the block is known complete (a
+    /// completed page fence; a block still pending is left where it is: no wait of any kind).
+    /// The block stays in its segment; its free records an event on the borrowing stream, and it
+    /// returns to its own stream once that completes. No page is unmapped or mapped. Opt-in: off
+    /// in every preset. See `docs/algorithm.md`, step 27b.
     pub borrow_blocks: bool,
     /// The original configuration string, when parsed from one.
     pub settings: String,
@@ -813,9 +812,8 @@ impl AllocatorConfigBuilder {
     }
 
     /// `cca_borrow_blocks` (crate-specific): an allocation that finds no free block of its own
-    /// stream borrows another stream's free large-pool block where it lies (ordered by a
-    /// completed fence or an event wait) before the cache grows. See
-    /// [`AllocatorConfig::borrow_blocks`].
+    /// stream borrows another stream's free large-pool block where it lies (one whose page fence
+    /// has completed) before the cache grows. See [`AllocatorConfig::borrow_blocks`].
     pub fn borrow_blocks(mut self, on: bool) -> Self {
         self.config.borrow_blocks = on;
         self
