@@ -162,6 +162,17 @@ def gpt2(torch, layers, embd, heads, seq, seed):
     return GPT2LMHeadModel(cfg)
 
 
+def upload(torch, res, model):
+    """`model.cuda()`, its wall time in `res["upload_ms"]` (the weights' first device memory: part
+    of a cold start)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    model = model.cuda()
+    torch.cuda.synchronize()
+    res["upload_ms"] = 1000 * (time.perf_counter() - t0)
+    return model
+
+
 DEVICE_COUNTERS = ("num_device_alloc", "num_device_free", "num_sync_all_streams")
 
 
@@ -346,7 +357,7 @@ def run_one(args):
     execs = AB_RUNS * args.steps if AB else args.steps
     runs_of = (lambda xs: [x for x in xs for _ in range(AB_RUNS)]) if AB else (lambda xs: xs)
     if w in ("sidestream", "ckpt"):
-        model = gpt2(torch, args.layers, 768, 12, 1024, args.seed).cuda().train()
+        model = upload(torch, res, gpt2(torch, args.layers, 768, 12, 1024, args.seed)).train()
         if w == "ckpt":
             model.gradient_checkpointing_enable()
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
@@ -355,7 +366,8 @@ def run_one(args):
         losses, times = train_loop(torch, model, opt, execs, args.batch, seqs, w == "sidestream",
                                    at_warmup=at)
     elif w == "generate":
-        model = gpt2(torch, args.layers, 768, 12, 1024, args.seed).cuda().eval().to(torch.bfloat16)
+        model = upload(torch, res, gpt2(torch, args.layers, 768, 12, 1024, args.seed)).eval()
+        model = model.to(torch.bfloat16)
         r = runs_of(lengths(args.seed, args.steps, 16, 512))
         bs = runs_of([1 + (x // 8) % 16 for x in lengths(args.seed + 1, args.steps, 8, 1024)])
         gen = torch.Generator().manual_seed(3)
@@ -415,7 +427,8 @@ def dist_worker(rank, world, args):
                                                      max_entries=20_000_000)
         else:
             torch.cuda.memory._record_memory_history(context=None, max_entries=20_000_000)
-    model = gpt2(torch, args.layers, 768, 12, 1024, args.seed).cuda().train()
+    cold = {}
+    model = upload(torch, cold, gpt2(torch, args.layers, 768, 12, 1024, args.seed)).train()
     if args.workload == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -441,7 +454,7 @@ def dist_worker(rank, world, args):
         return
     at, counters = warmup_probe(args, stat, rank)
     losses, times = train_loop(torch, model, opt, args.steps, args.batch, seqs, False, rank, at)
-    res = {"workload": args.workload, "route": route, "rank": rank, "losses": losses,
+    res = {"workload": args.workload, "route": route, "rank": rank, "losses": losses, **cold,
            "step_ms_median": 1000 * statistics.median(times[args.warmup:]),
            "step_ms": [1000 * t for t in times],
            "peak_reserved_bytes": stat("reserved_bytes.all.peak", rank),
@@ -609,6 +622,26 @@ def compare_ab(args):
     return 0 if ok else 1
 
 
+def cold_cell(pairs, warmup):
+    """The cold start of (crate run, native run) pairs of one repeat each: the model's upload plus
+    the first step, in ms (median over the repeats), and its ratio to native's within each repeat
+    (median, range); then the ratio of the first `warmup` steps' total (median)."""
+    firsts, ratios, warm = [], [], []
+    for c, n in pairs:
+        if not (c.get("step_ms") and n.get("step_ms") and "upload_ms" in c and "upload_ms" in n):
+            continue
+        a = c["upload_ms"] + c["step_ms"][0]
+        b = n["upload_ms"] + n["step_ms"][0]
+        firsts.append(a)
+        ratios.append(a / b)
+        warm.append((c["upload_ms"] + sum(c["step_ms"][:warmup]))
+                    / (n["upload_ms"] + sum(n["step_ms"][:warmup])))
+    if not firsts:
+        return ""
+    return (f"{statistics.median(firsts):.1f}, {statistics.median(ratios):.3f} "
+            f"({min(ratios):.3f}–{max(ratios):.3f}) ({statistics.median(warm):.3f})")
+
+
 def compare(args):
     """Runs every workload under every allocator `args.reps` times, interleaved: repeat k runs
     the allocators in the order rotated by k, so that drift of the machine (clocks, other
@@ -645,15 +678,15 @@ def compare(args):
         gib = 1 << 30
         print(f"\n== {w} ({args.steps} steps, median after {args.warmup}; {reps} interleaved repeats)")
         print("| allocator | route | median step ms (min–max over repeats) | × native, median (min–max) | "
-              "× native, step by step | peak reserved GiB | reserved / peak allocated | device allocs | "
+              "× native, step by step | cold: upload + first step ms, × native (first `warmup` steps × native) | peak reserved GiB | reserved / peak allocated | device allocs | "
               "device calls after warm-up | allocator host µs / step (allocs / step; in device calls) | max rel loss diff |")
-        print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for label, _, _ in allocators:
             mine = runs[label]
             pairs = [(c, n) for c, n in zip(mine, runs["native"]) if c is not None and n is not None]
             good_runs = [c for c in mine if c is not None]
             if not good_runs:
-                print(f"| {label} | failed | | | | | | | | | |")
+                print(f"| {label} | failed | | | | | | | | | | |")
                 continue
             steps = [c["step_ms_median"] for c in good_runs]
             ratios = [c["step_ms_median"] / n["step_ms_median"] for c, n in pairs]
@@ -674,8 +707,9 @@ def compare(args):
             stepwise = (f"{statistics.median(per_rep):.3f} ({min(per_rep):.3f}–{max(per_rep):.3f})"
                         if per_rep else "")
             host = host_cell(good_runs)
+            cold = cold_cell(pairs, args.warmup)
             print(f"| {label} | {c['route']} | {statistics.median(steps):.2f} ({min(steps):.2f}–{max(steps):.2f}) | "
-                  f"{ratio} | {stepwise} | {c['peak_reserved_bytes'] / gib:.3f} | "
+                  f"{ratio} | {stepwise} | {cold} | {c['peak_reserved_bytes'] / gib:.3f} | "
                   f"{c['peak_reserved_bytes'] / max(c['peak_allocated_bytes'], 1):.4f} | "
                   f"{c['num_device_alloc']} | {'/'.join(str(x) for x in steady)} | {host} | "
                   f"{rel:.2g}{'' if good else ' MISMATCH'} |")

@@ -135,6 +135,19 @@ def test_device_time_cell():
     assert clients.host_cell([{}]) == ""
 
 
+def test_cold_cell():
+    """The cold cell: upload + first step (median ms), its ratio to native within each repeat,
+    and the ratio of the warm-up steps' totals; runs without the figures are left out."""
+    native = {"upload_ms": 10.0, "step_ms": [90.0, 50.0, 50.0, 40.0]}
+    slow = {"upload_ms": 20.0, "step_ms": [130.0, 55.0, 45.0, 40.0]}
+    fast = {"upload_ms": 10.0, "step_ms": [90.0, 50.0, 50.0, 40.0]}
+    cell = clients.cold_cell([(slow, native), (fast, native), ({"step_ms": [1.0]}, native)], 3)
+    # upload + first step: 150 and 100 (median 125); ratios 1.5 and 1.0; warm-up totals
+    # (20 + 230) / 200 = 1.25 and 1.0.
+    assert cell == "125.0, 1.250 (1.000–1.500) (1.125)", cell
+    assert clients.cold_cell([], 3) == ""
+
+
 if __name__ == "__main__":
     for name, fn in list(globals().items()):
         if name.startswith("test_"):
