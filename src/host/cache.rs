@@ -687,7 +687,8 @@ impl<H: HostBackend> PinnedCache<H> {
         let pinned = match self.host.pin(slab_len) {
             Ok(p) => p,
             Err(e) if e.is_out_of_memory() => {
-                let freed = self.release_idle(g).unwrap_or(0);
+                // Retry when any slab was unpinned, also when another one failed to unpin.
+                let freed = self.release_idle_partial(g).0;
                 if freed == 0 {
                     return Err(e.into());
                 }
@@ -763,6 +764,13 @@ impl<H: HostBackend> PinnedCache<H> {
     /// Unpins every idle slab; returns the bytes unpinned, or the first unpin error (after
     /// trying every slab).
     fn release_idle(&self, g: &mut State) -> Result<usize, PinnedError> {
+        let (freed, first_err) = self.release_idle_partial(g);
+        first_err.map_or(Ok(freed), Err)
+    }
+
+    /// Unpins every idle slab; returns the bytes unpinned and the first unpin error, if any
+    /// (every slab is tried: the bytes count those that were unpinned).
+    fn release_idle_partial(&self, g: &mut State) -> (usize, Option<PinnedError>) {
         let idle: Vec<(usize, usize)> = g
             .slabs
             .iter()
@@ -781,7 +789,7 @@ impl<H: HostBackend> PinnedCache<H> {
                 }
             }
         }
-        first_err.map_or(Ok(freed), Err)
+        (freed, first_err)
     }
 }
 

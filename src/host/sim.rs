@@ -208,7 +208,12 @@ unsafe impl HostBackend for SimHost {
             }
             at = a + l;
         }
-        g.cursor = at + len;
+        // No room left in the simulated address space (a capacity near `usize::MAX`).
+        let Some(end) = at.checked_add(len) else {
+            g.counters.failures += 1;
+            return Err(BackendError::OutOfMemory);
+        };
+        g.cursor = end;
         g.live.insert(at, len);
         g.counters.pins += 1;
         g.counters.pinned_bytes += len;

@@ -198,6 +198,48 @@ fn pin_faults_and_out_of_memory_retry() {
 }
 
 #[test]
+fn out_of_memory_retries_when_some_idle_slabs_unpinned_and_one_did_not() {
+    let (_, c) = cache_with(small());
+    let (a, b) = (c.alloc(MIB).unwrap(), c.alloc(MIB).unwrap());
+    c.free(a.ptr).unwrap();
+    c.free(b.ptr).unwrap();
+    // The pin runs out of memory; of the two idle slabs one unpins and one fails to: the
+    // freed slab is enough, so pinning is tried once more and succeeds.
+    c.host().fail_next(SimHostFault::PinOutOfMemory);
+    c.host().fail_next(SimHostFault::UnpinError);
+    let big = c.alloc(2 * MIB).unwrap();
+    let s = c.stats();
+    assert_eq!((s.num_pins, s.num_unpins, s.slabs.current), (3, 1, 2));
+    ok(&c);
+    c.free(big.ptr).unwrap();
+    assert_eq!(c.empty_cache().unwrap(), 3 * MIB);
+    ok(&c);
+}
+
+#[test]
+fn a_host_whose_address_space_would_overflow_reports_out_of_memory() {
+    let dev = Arc::new(SimDevice::with_capacity(1 << 30));
+    let host = SimHost::new(
+        dev,
+        SimHostConfig {
+            capacity: usize::MAX,
+            ..SimHostConfig::default()
+        },
+    );
+    let c = PinnedCache::new(host, PinnedConfig::default()).unwrap();
+    let r = c.alloc(usize::MAX - MIB);
+    assert!(
+        matches!(&r, Err(PinnedError::Backend(BackendError::OutOfMemory))),
+        "{:?}",
+        r.map(|b| b.ptr)
+    );
+    ok(&c);
+    let a = c.alloc(MIB).unwrap();
+    c.free(a.ptr).unwrap();
+    ok(&c);
+}
+
+#[test]
 fn pin_time_comes_from_the_backend_and_the_summary_reports_it() {
     let (_, c) = cache_with(small());
     let a = c.alloc(10).unwrap();
