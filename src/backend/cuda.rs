@@ -163,15 +163,24 @@ impl Drop for ContextGuard {
 }
 
 /// The calling thread's stream-capture mode exchanged to relaxed until the guard drops (PyTorch's
-/// `CUDAStreamCaptureModeGuard`), so that allocation calls made while some stream is capturing do
-/// not invalidate the capture.
+/// `CUDAStreamCaptureModeGuard`), so that allocation calls, and queries of and waits on events
+/// and streams that take no part in a capture, made while another thread captures in global mode
+/// do not invalidate that capture. In the thread's default mode each of them fails with
+/// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and invalidates the other thread's capture; relaxed,
+/// each succeeds and the capture ends well (`gpu/probes/capture_queries.cu`, H200, driver 580).
+/// A captured event or a capturing stream stays illegal to query in any mode; the allocator never
+/// queries those (Note [Capture underway]).
 #[must_use = "the capture mode is restored when the guard drops"]
-struct RelaxedCaptureMode {
+pub(crate) struct RelaxedCaptureMode {
     previous: sys::CUstreamCaptureMode,
 }
 
 impl RelaxedCaptureMode {
-    fn enter() -> Result<Self, BackendError> {
+    /// Exchanges the calling thread's capture mode to relaxed until the guard drops.
+    ///
+    /// # Errors
+    /// [`BackendError::Driver`] if the driver refuses the exchange.
+    pub(crate) fn enter() -> Result<Self, BackendError> {
         let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
         // SAFETY: `mode` is a live local holding a valid mode; the driver writes the thread's
         // previous mode into it.
@@ -833,6 +842,7 @@ unsafe impl DeviceBackend for CudaDevice {
         let _timed = self.clock.start(CallKind::StreamSynchronize);
         self.check_stream(stream)?;
         let _bound = self.bind()?;
+        let _relaxed = RelaxedCaptureMode::enter()?;
         // SAFETY: `check_stream` passed, so `stream` is a default stream or an admitted live
         // stream of this context (bound above).
         unsafe { result::stream::synchronize(to_stream(stream)) }
@@ -864,6 +874,7 @@ unsafe impl DeviceBackend for CudaDevice {
         let _timed = self.clock.start(CallKind::EventQuery);
         self.check_event(event, "cuEventQuery")?;
         let _bound = self.bind()?;
+        let _relaxed = RelaxedCaptureMode::enter()?;
         // SAFETY: the event is live (checked above).
         match unsafe { result::event::query(to_event(event)) } {
             Ok(()) => Ok(true),
@@ -876,6 +887,7 @@ unsafe impl DeviceBackend for CudaDevice {
         let _timed = self.clock.start(CallKind::StreamSynchronize);
         self.check_event(event, "cuEventSynchronize")?;
         let _bound = self.bind()?;
+        let _relaxed = RelaxedCaptureMode::enter()?;
         // SAFETY: the event is live (checked above).
         unsafe { result::event::synchronize(to_event(event)) }
             .map_err(|e| driver("cuEventSynchronize", e))

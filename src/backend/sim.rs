@@ -229,10 +229,16 @@ pub struct SimCaptureViolation {
 /// How a call behaves under capture.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum CaptureClass {
-    /// Synchronizes, queries or releases: illegal during any global or thread-local capture.
+    /// Synchronizes the device, frees or releases: illegal during any global or thread-local
+    /// capture.
     Unsafe,
     /// Allocates or maps: legal when made in relaxed mode.
     Allocation,
+    /// Queries or waits on an event or a stream: legal in relaxed mode when the event was not
+    /// recorded in a capture still underway and the stream is not capturing (`captured`);
+    /// otherwise illegal in any mode, as the driver refuses to query a captured event or a
+    /// capturing stream.
+    Query { captured: bool },
 }
 
 /// Static description of a simulated device.
@@ -484,7 +490,8 @@ struct Inner {
     /// Events recorded in a capture: event → capture id.
     captured_events: BTreeMap<u64, u64>,
     last_capture: u64,
-    /// Allocation and map calls are made in relaxed capture mode (as `CudaDevice` does).
+    /// Allocation and map calls, and queries and waits outside a capture, are made in relaxed
+    /// capture mode (as `CudaDevice` does).
     relaxed_allocation_calls: bool,
     capture_violations: Vec<SimCaptureViolation>,
     /// Queries an event recorded from now on answers "not complete" first
@@ -751,11 +758,33 @@ impl Inner {
         frontier
     }
 
+    /// Whether `event` was last recorded in a capture that is still underway.
+    fn in_capture(&self, event: u64) -> bool {
+        self.captured_events
+            .get(&event)
+            .is_some_and(|&id| self.captures.values().any(|c| c.0 == id))
+    }
+
     /// Logs `operation` as a violation if a global or thread-local capture is underway and the
     /// call is illegal then.
     fn capture_call(&mut self, operation: &'static str, class: CaptureClass) {
-        if class == CaptureClass::Allocation && self.relaxed_allocation_calls {
-            return;
+        let relaxed = self.relaxed_allocation_calls;
+        match class {
+            CaptureClass::Allocation | CaptureClass::Query { captured: false } if relaxed => {
+                return;
+            }
+            CaptureClass::Query { captured: true } => {
+                // Illegal in any mode: report the capture it belongs to, whatever its mode.
+                if let Some(&(capture, mode, _)) = self.captures.values().next() {
+                    self.capture_violations.push(SimCaptureViolation {
+                        operation,
+                        capture,
+                        mode,
+                    });
+                }
+                return;
+            }
+            _ => {}
         }
         let strict = self
             .captures
@@ -1058,16 +1087,19 @@ impl SimDevice {
         Ok(id)
     }
 
-    /// Whether allocation and map calls are made in relaxed capture mode (on by default, as
-    /// `CudaDevice` makes them); tests switch it off to see the violations a backend without
-    /// the mode exchange would cause.
+    /// Whether allocation and map calls, and queries of and waits on events and streams outside
+    /// a capture, are made in relaxed capture mode (on by default, as `CudaDevice` makes them);
+    /// tests switch it off to see the violations a backend without the mode exchange would
+    /// cause.
     pub fn set_relaxed_allocation_calls(&self, relaxed: bool) {
         self.inner.lock().relaxed_allocation_calls = relaxed;
     }
 
     /// Every call so far that was illegal under a global or thread-local capture underway at the
-    /// time (a synchronization, an event query, a free, unmap or release; an allocation or map
-    /// not made in relaxed mode), in order.
+    /// time (a device synchronization, a free, unmap or release; an allocation, a map, or a query
+    /// of or wait on an event or stream not made in relaxed mode), and every query of or wait
+    /// on an event recorded in a capture still underway or a capturing stream, in any mode, in
+    /// order.
     pub fn capture_violations(&self) -> Vec<SimCaptureViolation> {
         self.inner.lock().capture_violations.clone()
     }
@@ -1207,7 +1239,8 @@ unsafe impl DeviceBackend for SimDevice {
 
     fn synchronize_stream(&self, stream: StreamId) -> Result<(), BackendError> {
         let mut g = self.inner.lock();
-        g.capture_call("synchronize_stream", CaptureClass::Unsafe);
+        let captured = g.captures.contains_key(&stream);
+        g.capture_call("synchronize_stream", CaptureClass::Query { captured });
         g.counters.synchronize_calls += 1;
         g.counters.stream_synchronize_calls += 1;
         g.sync_fault("synchronize_stream")?;
@@ -1262,7 +1295,8 @@ unsafe impl DeviceBackend for SimDevice {
 
     fn query_event(&self, event: EventHandle) -> Result<bool, BackendError> {
         let mut g = self.inner.lock();
-        g.capture_call("query_event", CaptureClass::Unsafe);
+        let captured = g.in_capture(event.0);
+        g.capture_call("query_event", CaptureClass::Query { captured });
         g.counters.event_queries += 1;
         g.bill(|c| c.event_query_ns);
         match g.events.get(&event.0) {
@@ -1286,7 +1320,8 @@ unsafe impl DeviceBackend for SimDevice {
 
     fn synchronize_event(&self, event: EventHandle) -> Result<(), BackendError> {
         let mut g = self.inner.lock();
-        g.capture_call("synchronize_event", CaptureClass::Unsafe);
+        let captured = g.in_capture(event.0);
+        g.capture_call("synchronize_event", CaptureClass::Query { captured });
         match g.events.get(&event.0).copied() {
             Some(Some((stream, at, seq))) => {
                 g.finish(stream, at, seq);

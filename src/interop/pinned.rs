@@ -44,7 +44,7 @@ use cudarc::driver::{
 use parking_lot::Mutex;
 
 use crate::backend::BackendError;
-use crate::backend::cuda::{CudaDevice, driver};
+use crate::backend::cuda::{CudaDevice, RelaxedCaptureMode, driver};
 use crate::config::AllocatorConfig;
 use crate::host::{
     CudaHost, HostBackend, HostFence, HostPtr, PagedPinnedCache, PinMethod, PinnedCache,
@@ -95,16 +95,26 @@ impl fmt::Debug for EventFence {
 }
 
 impl HostFence for EventFence {
+    /// Queried (and waited on) in relaxed capture mode: in the thread's default mode the call
+    /// would invalidate a global-mode capture running on another thread
+    /// (`gpu/probes/capture_queries.cu`). An event recorded inside a capture stays illegal to
+    /// query in any mode.
     fn query(&mut self) -> Result<bool, BackendError> {
         match &self.event {
-            Some(e) => e.try_is_complete().map_err(|e| driver("cuEventQuery", e)),
+            Some(e) => {
+                let _relaxed = RelaxedCaptureMode::enter()?;
+                e.try_is_complete().map_err(|e| driver("cuEventQuery", e))
+            }
             None => Ok(true),
         }
     }
 
     fn wait(&mut self) -> Result<(), BackendError> {
         match &self.event {
-            Some(e) => e.synchronize().map_err(|e| driver("cuEventSynchronize", e)),
+            Some(e) => {
+                let _relaxed = RelaxedCaptureMode::enter()?;
+                e.synchronize().map_err(|e| driver("cuEventSynchronize", e))
+            }
             None => Ok(()),
         }
     }

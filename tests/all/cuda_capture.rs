@@ -6,9 +6,14 @@
 
 use std::sync::{Arc, OnceLock};
 
+use std::sync::Barrier;
+
+use cuda_caching_allocator::backend::cuda::CudaDevice;
 use cuda_caching_allocator::interop::{CachedSlice, CudaAllocator};
-use cuda_caching_allocator::{AllocatorConfig, AllocatorConfigBuilder, DeviceAddr};
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, sys};
+use cuda_caching_allocator::{AllocatorConfig, AllocatorConfigBuilder, DeviceAddr, DeviceBackend};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaStream, DriverError, LaunchConfig, PushKernelArg, result, sys,
+};
 
 const KERNELS: &str = r#"
 __device__ unsigned int mix(unsigned int x) {
@@ -245,4 +250,78 @@ fn cuda_capture_replays_with_private_pool_default_fast_path() {
             .build()
             .unwrap(),
     );
+}
+
+/// Runs `call` on this thread while another thread holds a global-mode capture of a kernel on a
+/// stream of its own; returns how that capture ended.
+fn during_a_global_capture(g: &Gpu, call: &dyn Fn()) -> Result<bool, DriverError> {
+    let cap = g.ctx.new_stream().unwrap();
+    let n = 1usize << 20;
+    let mut buf = cap.alloc_zeros::<u32>(n).unwrap();
+    cap.synchronize().unwrap();
+    let (begun, called) = (Barrier::new(2), Barrier::new(2));
+    std::thread::scope(|s| {
+        let t = s.spawn(|| {
+            cap.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
+                .unwrap();
+            let (n64, seed) = (n as u64, 5u32);
+            let mut b = cap.launch_builder(&g.fill);
+            b.arg(&mut buf).arg(&n64).arg(&seed);
+            // SAFETY: fill_pattern(unsigned*, u64, u32) writes the `n` values `buf` holds.
+            let launched = unsafe { b.launch(grid(n)) };
+            begun.wait();
+            called.wait();
+            let ended = cap.end_capture(sys::CUgraphInstantiate_flags(0));
+            launched.and(ended).map(|graph| graph.is_some())
+        });
+        begun.wait();
+        call();
+        called.wait();
+        t.join().unwrap()
+    })
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn cuda_event_queries_during_another_threads_global_capture_leave_it_valid() {
+    let g = gpu("cuda_event_queries_during_another_threads_global_capture_leave_it_valid");
+    let dev = CudaDevice::new(Arc::clone(&g.ctx)).unwrap();
+    let other = g.ctx.new_stream().unwrap();
+    let other_id = dev.admit_stream(&other).unwrap();
+    let ev = dev.create_event().unwrap();
+    let raw = g.ctx.new_event(None).unwrap();
+    let work = || {
+        let mut w = other.alloc_zeros::<u32>(1 << 22).unwrap();
+        other.memset_zeros(&mut w).unwrap();
+        dev.record_event(ev, other_id).unwrap();
+        raw.record(&other).unwrap();
+        w
+    };
+    // The control: a query in the thread's default mode invalidates the other thread's capture
+    // (so this test can fail).
+    let _w = work();
+    let control = during_a_global_capture(g, &|| {
+        // SAFETY: `raw` is a live event of this context.
+        let r = unsafe { result::event::query(raw.cu_event()) };
+        assert!(
+            r.is_err(),
+            "a default-mode query during a global capture: {r:?}"
+        );
+    });
+    assert!(
+        control.is_err(),
+        "the control query should have invalidated the capture: {control:?}"
+    );
+    // The backend's queries, waits and stream synchronizations are made in relaxed mode.
+    let _w = work();
+    let ended = during_a_global_capture(g, &|| {
+        dev.query_event(ev).unwrap();
+        dev.synchronize_event(ev).unwrap();
+        dev.synchronize_stream(other_id).unwrap();
+    });
+    assert_eq!(ended, Ok(true), "the capture must end with its graph");
+    other.synchronize().unwrap();
+    // SAFETY: the event was made by this backend, and its only record has completed (the
+    // stream was synchronized); nothing uses it afterwards.
+    unsafe { dev.destroy_event(ev) }.unwrap();
 }

@@ -5,6 +5,7 @@
 //! a property test of programs mixing captured and uncaptured work.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use cuda_caching_allocator::*;
 use proptest::prelude::*;
@@ -315,6 +316,8 @@ fn busy_program_during_capture(a: &CachingAllocator<SimDevice>) -> Vec<Allocatio
     }
     let pool = MemPoolId::new_graph();
     capture(a, S0, pool);
+    let quiet = |c: SimCounters| (c.event_queries, c.synchronize_calls);
+    let before = quiet(sim.counters());
     for i in 0..40usize {
         let s = [1000, 64 << 10, 3 * MIB, 11 * MIB, 30 * MIB][i % 5];
         let stream = if i % 3 == 0 { S2 } else { S0 };
@@ -331,6 +334,10 @@ fn busy_program_during_capture(a: &CachingAllocator<SimDevice>) -> Vec<Allocatio
         a.empty_cache(),
         Err(AllocError::CaptureUnderway { .. })
     ));
+    // Legal or not (a relaxed query of an event recorded outside the capture is legal), the
+    // cache neither queries nor synchronizes while a capture is underway (Note [Capture
+    // underway], PyTorch's rule).
+    assert_eq!(quiet(sim.counters()), before);
     end(a, S0, pool);
     live
 }
@@ -380,6 +387,67 @@ fn the_violation_log_catches_allocation_calls_made_outside_relaxed_mode() {
     relaxed.begin_capture(S0, SimCaptureMode::Relaxed).unwrap();
     relaxed.synchronize().unwrap();
     assert!(relaxed.capture_violations().is_empty());
+}
+
+#[test]
+fn queries_outside_a_capture_are_legal_in_relaxed_mode_and_captured_events_never() {
+    // `gpu/probes/capture_queries.cu`: while another thread captures in global mode, an event
+    // query, an event wait or a stream query in the thread's default mode invalidates the
+    // capture; exchanged to relaxed (as `CudaDevice` does) each is legal, as long as the event
+    // was not recorded in the capture and the stream is not capturing.
+    let sim = SimDevice::default();
+    let e = sim.create_event().unwrap();
+    sim.submit_work(S1);
+    sim.record_event(e, S1).unwrap();
+    sim.begin_capture(S0, SimCaptureMode::Global).unwrap();
+    sim.query_event(e).unwrap();
+    sim.synchronize_event(e).unwrap();
+    sim.synchronize_stream(S1).unwrap();
+    assert!(sim.capture_violations().is_empty());
+    // A backend without the exchange would be caught.
+    sim.set_relaxed_allocation_calls(false);
+    sim.query_event(e).unwrap();
+    sim.set_relaxed_allocation_calls(true);
+    let v = sim.capture_violations();
+    assert_eq!((v.len(), v[0].operation), (1, "query_event"), "{v:?}");
+    // An event recorded in the capture, or the capturing stream itself: illegal in any mode.
+    let inside = sim.create_event().unwrap();
+    sim.record_event(inside, S0).unwrap();
+    sim.query_event(inside).unwrap();
+    sim.synchronize_stream(S0).unwrap();
+    let ops: Vec<_> = sim.capture_violations()[1..]
+        .iter()
+        .map(|v| v.operation)
+        .collect();
+    assert_eq!(ops, ["query_event", "synchronize_stream"]);
+    sim.end_capture(S0).unwrap();
+    // Once the capture has ended its events may be queried again.
+    sim.query_event(inside).unwrap();
+    assert_eq!(sim.capture_violations().len(), 3);
+}
+
+#[test]
+fn a_pinned_allocation_during_another_threads_capture_is_legal() {
+    // A block of the pinned cache waits for a copy's event; a global-mode capture starts on
+    // another stream; the next pinned allocation polls (and, with waits, waits on) the event,
+    // which the backend does in relaxed mode: no capture violation (found by a review).
+    let dev = Arc::new(SimDevice::with_capacity(1 << 30));
+    let host = SimHost::new(dev.clone(), SimHostConfig::default());
+    let c = PinnedCache::new(host, PinnedConfig::default().with_slab_size(MIB)).unwrap();
+    let a = c.alloc(MIB).unwrap();
+    dev.use_range(S1, DeviceAddr(a.ptr.addr() as u64), MIB);
+    c.record_stream(a.ptr, S1).unwrap();
+    c.free(a.ptr).unwrap();
+    dev.begin_capture(S2, SimCaptureMode::Global).unwrap();
+    let b = c.alloc(MIB).unwrap();
+    assert!(
+        dev.capture_violations().is_empty(),
+        "{:?}",
+        dev.capture_violations()
+    );
+    dev.end_capture(S2).unwrap();
+    c.free(b.ptr).unwrap();
+    c.check_invariants().unwrap();
 }
 
 #[test]
