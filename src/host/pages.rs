@@ -242,13 +242,14 @@ impl<B: DeviceBackend> PagedPinnedCache<B> {
         self.waiting.load(Ordering::Acquire)
     }
 
-    /// Returns every free page to the host (the core's `empty_cache`; blocks still waiting for
-    /// their fences stay mapped) and the bytes it released.
+    /// Returns every free page to the host (the core's `empty_cache`, after freeing every
+    /// waiting block whose fence has completed, whatever its place in the queue; blocks still
+    /// waiting for their fences stay mapped) and the bytes it released.
     ///
     /// # Errors
     /// [`PinnedError::Allocator`] from the core.
     pub fn empty_cache(&self) -> Result<usize, PinnedError> {
-        self.reap();
+        self.reap_all();
         let before = self.core.memory_reserved();
         self.core.empty_cache().map_err(PinnedError::Allocator)?;
         Ok(usize::try_from(before - self.core.memory_reserved()).unwrap_or(0))
@@ -355,6 +356,34 @@ impl<B: DeviceBackend> PagedPinnedCache<B> {
                     done.push(w);
                 }
             }
+            self.waiting.store(book.waiting.len(), Ordering::Release);
+        }
+        for w in done {
+            self.give_back(w);
+        }
+    }
+
+    /// Frees every waiting block whose fence now says complete, whatever its place: fences of
+    /// different copy streams complete in no common order, so one that never completes must not
+    /// keep finished blocks behind it mapped (`empty_cache`). One query per waiting block.
+    fn reap_all(&self) {
+        if self.waiting.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let mut done = Vec::new();
+        {
+            let mut book = self.book.lock();
+            let mut keep = VecDeque::with_capacity(book.waiting.len());
+            while let Some(mut w) = book.waiting.pop_front() {
+                self.num_queries.fetch_add(1, Ordering::Relaxed);
+                if matches!(w.fence.query(), Ok(true)) {
+                    book.pending_bytes.decrease(w.size as i64);
+                    done.push(w);
+                } else {
+                    keep.push_back(w);
+                }
+            }
+            book.waiting = keep;
             self.waiting.store(book.waiting.len(), Ordering::Release);
         }
         for w in done {

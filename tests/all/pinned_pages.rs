@@ -165,6 +165,24 @@ fn empty_cache_returns_free_pages_and_keeps_waiting_ones() {
 }
 
 #[test]
+fn empty_cache_frees_a_finished_block_behind_a_pending_one() {
+    // Fences of two copy streams: the older never completes, the newer has. `empty_cache`
+    // returns the newer block's pages all the same (found by a review: it stopped at the first
+    // pending fence).
+    let (_, c) = cache(0);
+    let (a, b) = (c.alloc(8 * MIB).unwrap(), c.alloc(8 * MIB).unwrap());
+    let (_older, fa) = fence();
+    let (newer, fb) = fence();
+    c.free_after(a, fa).unwrap();
+    c.free_after(b, fb).unwrap();
+    newer.done.store(true, Ordering::SeqCst);
+    let released = c.empty_cache().unwrap();
+    assert!(released >= 8 * MIB, "released {released}");
+    assert_eq!(c.stats().pending_bytes.current, 8 * MIB as i64);
+    c.check_invariants().unwrap();
+}
+
+#[test]
 fn the_cap_bounds_mapped_pages_with_an_error_naming_it() {
     let (_, c) = cache(4);
     c.set_max_pinned(Some(16 * MIB)).unwrap();
