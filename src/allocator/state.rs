@@ -861,8 +861,14 @@ impl State {
 
     /// Frees blocks whose events completed; per stream, stops at the first pending event.
     pub(crate) fn process_events<B: DeviceBackend>(&mut self, dev: &B) -> Result<()> {
+        // A block whose stream could be neither fenced nor waited for stays parked (out of the
+        // cache) when the retry fails again; the allocation that retried goes on, since its
+        // request has nothing to do with that stream (`empty_cache` and the out-of-memory
+        // release still report the failure).
         if !self.unsynced.is_empty() {
-            self.retry_unsynced(dev)?;
+            if let Err(e) = self.retry_unsynced(dev) {
+                tracing::warn!(target: "cuda_caching_allocator", device = dev.device_index(), error = %e, parked = self.unsynced.len(), "a freed block's stream could still not be fenced or synchronized; the block stays out of the cache");
+            }
         }
         let streams: Vec<StreamId> = self.pending_events.keys().copied().collect();
         for s in streams {

@@ -305,6 +305,35 @@ fn a_free_whose_event_and_synchronizes_fail_keeps_the_block_out_of_the_cache() {
     }
 }
 
+/// When the retry of such a parked block fails again at the next allocation, that allocation
+/// (on another stream, with room) still succeeds: the block stays parked, and `empty_cache`
+/// reports the failure (found by a review: the allocation failed with the retry's error).
+#[test]
+fn a_parked_blocks_failed_retry_does_not_fail_an_unrelated_allocation() {
+    for config in [AllocatorConfig::pytorch(), all_on()] {
+        let a = with_config(256 * MIB, config);
+        let sim = a.backend();
+        let x = a.allocate(4096, S0).unwrap();
+        sim.use_range(S1, x.ptr, x.size);
+        a.record_stream(x.ptr, S1).unwrap();
+        for _ in 0..2 {
+            sim.fail_next_event_call(SimEventCall::Record);
+            sim.fail_next_synchronize();
+            sim.fail_next_synchronize();
+        }
+        assert!(a.free(x.ptr).is_err(), "parked");
+        let y = a.allocate(8 * MIB, S2).unwrap();
+        assert!(sim.check_handout(y.stream, y.ptr, y.block_size));
+        a.check_invariants().unwrap();
+        sim.complete_work(S1);
+        a.free(y.ptr).unwrap();
+        a.empty_cache().unwrap();
+        assert_eq!(a.memory_stats().memory_reserved(), 0);
+        assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+        a.check_invariants().unwrap();
+    }
+}
+
 /// `forget_stream` (how the cudarc interop releases streams nothing holds any more) forgets a
 /// stream only once nothing in the cache refers to it: not while a block of the stream is
 /// allocated or cached, nor while a block lists it as a user, nor while an event recorded on it
