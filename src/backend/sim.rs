@@ -235,10 +235,12 @@ enum CaptureClass {
     /// Allocates or maps: legal when made in relaxed mode.
     Allocation,
     /// Queries or waits on an event or a stream: legal in relaxed mode when the event was not
-    /// recorded in a capture still underway and the stream is not capturing (`captured`);
-    /// otherwise illegal in any mode, as the driver refuses to query a captured event or a
-    /// capturing stream.
-    Query { captured: bool },
+    /// recorded in a capture still underway and the stream is not capturing; otherwise (the
+    /// capture's id and mode in `capture`) illegal in any mode, as the driver refuses to query a
+    /// captured event or a capturing stream.
+    Query {
+        capture: Option<(u64, SimCaptureMode)>,
+    },
 }
 
 /// Static description of a simulated device.
@@ -758,11 +760,18 @@ impl Inner {
         frontier
     }
 
-    /// Whether `event` was last recorded in a capture that is still underway.
-    fn in_capture(&self, event: u64) -> bool {
-        self.captured_events
-            .get(&event)
-            .is_some_and(|&id| self.captures.values().any(|c| c.0 == id))
+    /// The capture still underway (id, mode) that `event` was last recorded in, if any.
+    fn event_capture(&self, event: u64) -> Option<(u64, SimCaptureMode)> {
+        let id = *self.captured_events.get(&event)?;
+        self.captures
+            .values()
+            .find(|c| c.0 == id)
+            .map(|&(id, mode, _)| (id, mode))
+    }
+
+    /// The capture (id, mode) `stream` takes part in, if any.
+    fn stream_capture(&self, stream: StreamId) -> Option<(u64, SimCaptureMode)> {
+        self.captures.get(&stream).map(|&(id, mode, _)| (id, mode))
     }
 
     /// Logs `operation` as a violation if a global or thread-local capture is underway and the
@@ -770,18 +779,18 @@ impl Inner {
     fn capture_call(&mut self, operation: &'static str, class: CaptureClass) {
         let relaxed = self.relaxed_allocation_calls;
         match class {
-            CaptureClass::Allocation | CaptureClass::Query { captured: false } if relaxed => {
+            CaptureClass::Allocation | CaptureClass::Query { capture: None } if relaxed => {
                 return;
             }
-            CaptureClass::Query { captured: true } => {
-                // Illegal in any mode: report the capture it belongs to, whatever its mode.
-                if let Some(&(capture, mode, _)) = self.captures.values().next() {
-                    self.capture_violations.push(SimCaptureViolation {
-                        operation,
-                        capture,
-                        mode,
-                    });
-                }
+            CaptureClass::Query {
+                capture: Some((capture, mode)),
+            } => {
+                // Illegal in any mode: the capture the event or stream belongs to.
+                self.capture_violations.push(SimCaptureViolation {
+                    operation,
+                    capture,
+                    mode,
+                });
                 return;
             }
             _ => {}
@@ -1239,8 +1248,8 @@ unsafe impl DeviceBackend for SimDevice {
 
     fn synchronize_stream(&self, stream: StreamId) -> Result<(), BackendError> {
         let mut g = self.inner.lock();
-        let captured = g.captures.contains_key(&stream);
-        g.capture_call("synchronize_stream", CaptureClass::Query { captured });
+        let capture = g.stream_capture(stream);
+        g.capture_call("synchronize_stream", CaptureClass::Query { capture });
         g.counters.synchronize_calls += 1;
         g.counters.stream_synchronize_calls += 1;
         g.sync_fault("synchronize_stream")?;
@@ -1295,8 +1304,8 @@ unsafe impl DeviceBackend for SimDevice {
 
     fn query_event(&self, event: EventHandle) -> Result<bool, BackendError> {
         let mut g = self.inner.lock();
-        let captured = g.in_capture(event.0);
-        g.capture_call("query_event", CaptureClass::Query { captured });
+        let capture = g.event_capture(event.0);
+        g.capture_call("query_event", CaptureClass::Query { capture });
         g.counters.event_queries += 1;
         g.bill(|c| c.event_query_ns);
         match g.events.get(&event.0) {
@@ -1320,8 +1329,8 @@ unsafe impl DeviceBackend for SimDevice {
 
     fn synchronize_event(&self, event: EventHandle) -> Result<(), BackendError> {
         let mut g = self.inner.lock();
-        let captured = g.in_capture(event.0);
-        g.capture_call("synchronize_event", CaptureClass::Query { captured });
+        let capture = g.event_capture(event.0);
+        g.capture_call("synchronize_event", CaptureClass::Query { capture });
         match g.events.get(&event.0).copied() {
             Some(Some((stream, at, seq))) => {
                 g.finish(stream, at, seq);

@@ -135,7 +135,7 @@ impl<B: DeviceBackend> PagedPinnedCache<B> {
         if size == 0 {
             return Err(PinnedError::InvalidRequest("size 0".into()));
         }
-        self.reap();
+        self.reap(false);
         let mut waits = 0;
         while waits < self.max_pending_waits && self.waiting.load(Ordering::Acquire) > 0 {
             let cached = self.core.memory_reserved() - self.core.memory_allocated();
@@ -249,7 +249,7 @@ impl<B: DeviceBackend> PagedPinnedCache<B> {
     /// # Errors
     /// [`PinnedError::Allocator`] from the core.
     pub fn empty_cache(&self) -> Result<usize, PinnedError> {
-        self.reap_all();
+        self.reap(true);
         let before = self.core.memory_reserved();
         self.core.empty_cache().map_err(PinnedError::Allocator)?;
         Ok(usize::try_from(before - self.core.memory_reserved()).unwrap_or(0))
@@ -337,52 +337,33 @@ impl<B: DeviceBackend> PagedPinnedCache<B> {
         Ok(())
     }
 
-    /// Frees the oldest waiting blocks whose fences now say complete, stopping at the first that
-    /// does not (copies complete in order on a stream). Makes no query when none wait.
-    fn reap(&self) {
+    /// Frees waiting blocks whose fences now say complete. `every`: all of them, whatever their
+    /// place (`empty_cache`: fences of different copy streams complete in no common order, so one
+    /// that never completes must not keep finished blocks behind it mapped); otherwise the oldest
+    /// ones, stopping at the first that is not complete (one query on the allocation path).
+    /// Makes no query when none wait.
+    fn reap(&self, every: bool) {
         if self.waiting.load(Ordering::Acquire) == 0 {
             return;
         }
         let mut done = Vec::new();
         {
             let mut book = self.book.lock();
-            while let Some(w) = book.waiting.front_mut() {
-                self.num_queries.fetch_add(1, Ordering::Relaxed);
-                if !matches!(w.fence.query(), Ok(true)) {
-                    break;
-                }
-                if let Some(w) = book.waiting.pop_front() {
-                    book.pending_bytes.decrease(w.size as i64);
-                    done.push(w);
-                }
-            }
-            self.waiting.store(book.waiting.len(), Ordering::Release);
-        }
-        for w in done {
-            self.give_back(w);
-        }
-    }
-
-    /// Frees every waiting block whose fence now says complete, whatever its place: fences of
-    /// different copy streams complete in no common order, so one that never completes must not
-    /// keep finished blocks behind it mapped (`empty_cache`). One query per waiting block.
-    fn reap_all(&self) {
-        if self.waiting.load(Ordering::Acquire) == 0 {
-            return;
-        }
-        let mut done = Vec::new();
-        {
-            let mut book = self.book.lock();
-            let mut keep = VecDeque::with_capacity(book.waiting.len());
+            let mut keep = VecDeque::new();
             while let Some(mut w) = book.waiting.pop_front() {
                 self.num_queries.fetch_add(1, Ordering::Relaxed);
                 if matches!(w.fence.query(), Ok(true)) {
                     book.pending_bytes.decrease(w.size as i64);
                     done.push(w);
-                } else {
+                } else if every {
                     keep.push_back(w);
+                } else {
+                    book.waiting.push_front(w);
+                    break;
                 }
             }
+            // The pending ones kept in order, ahead of any not looked at.
+            keep.append(&mut book.waiting);
             book.waiting = keep;
             self.waiting.store(book.waiting.len(), Ordering::Release);
         }

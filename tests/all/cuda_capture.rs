@@ -4,9 +4,7 @@
 //! `--ignored` runs them on a machine with a GPU.
 #![cfg(feature = "cuda")]
 
-use std::sync::{Arc, OnceLock};
-
-use std::sync::Barrier;
+use std::sync::{Arc, Barrier, OnceLock};
 
 use cuda_caching_allocator::backend::cuda::CudaDevice;
 use cuda_caching_allocator::interop::{CachedSlice, CudaAllocator};

@@ -399,7 +399,7 @@ fn queries_outside_a_capture_are_legal_in_relaxed_mode_and_captured_events_never
     let e = sim.create_event().unwrap();
     sim.submit_work(S1);
     sim.record_event(e, S1).unwrap();
-    sim.begin_capture(S0, SimCaptureMode::Global).unwrap();
+    let cap = sim.begin_capture(S0, SimCaptureMode::Global).unwrap();
     sim.query_event(e).unwrap();
     sim.synchronize_event(e).unwrap();
     sim.synchronize_stream(S1).unwrap();
@@ -420,6 +420,7 @@ fn queries_outside_a_capture_are_legal_in_relaxed_mode_and_captured_events_never
         .map(|v| v.operation)
         .collect();
     assert_eq!(ops, ["query_event", "synchronize_stream"]);
+    assert!(sim.capture_violations().iter().all(|v| v.capture == cap));
     sim.end_capture(S0).unwrap();
     // Once the capture has ended its events may be queried again.
     sim.query_event(inside).unwrap();
