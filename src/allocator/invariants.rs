@@ -758,6 +758,21 @@ fn check_stats(st: &State) -> Result<(), InvariantViolation> {
             recount: want.reserved_bytes.get(StatType::All).current,
         });
     }
+    // One handle per fixed segment and per physical handle mapped in an expandable segment or
+    // spare (a lent handle's old mappings are the same handle, counted where it is mapped now).
+    let handles = st.segments.values().filter(|r| !r.expandable).count()
+        + st.vm_segments
+            .values()
+            .map(|seg| seg.handles.len())
+            .sum::<usize>()
+        + st.spare_pages.len();
+    if st.handles.current != handles as i64 {
+        return Err(InvariantViolation::StatsMismatch {
+            key: "memory_handles.current".into(),
+            recorded: st.handles.current,
+            recount: handles as i64,
+        });
+    }
     for (key, have, recount) in [
         (
             "oversize_allocations.current",

@@ -34,7 +34,7 @@ pub use summary::memory_summary;
 use crate::backend::{DeviceAddr, DeviceBackend, StreamId};
 use crate::config::AllocatorConfig;
 use crate::error::{AllocError, Result};
-use crate::stats::MemoryStats;
+use crate::stats::{MemoryStats, Stat};
 use crate::trace::{Trace, TraceOp, TraceSource};
 use front::{FastFree, Front, FrontLocked};
 use history::History;
@@ -503,6 +503,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     pub fn reset_peak_stats(&self) {
         let mut guard = self.lock();
         let Locked { st, front: fl } = &mut *guard;
+        st.handles.reset_peak();
         match &self.front {
             Some(front) => front.reset_peak(st, fl),
             None => st.stats.reset_peak(),
@@ -518,6 +519,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
         st.cross_stream_handovers = 0;
         st.page_loans = 0;
         st.blocks_borrowed = 0;
+        st.handles.reset_accumulated();
         match &self.front {
             Some(front) => front.reset_accumulated(st, fl),
             None => st.stats.reset_accumulated(),
@@ -539,6 +541,18 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// PyTorch's `memory_stats()` keys; always 0 with the option off.
     pub fn page_loans(&self) -> u64 {
         self.lock().page_loans
+    }
+
+    /// Device memory allocations backing [`memory_reserved`](Self::memory_reserved): one per
+    /// segment of fixed size (a `cudaMalloc`), one per physical handle of an expandable segment
+    /// (a `cuMemCreate`, mapped or spare), with their peak and the counts made and given back
+    /// since the allocator was made or the accumulated statistics were last reset. The driver's
+    /// costs are per handle rather than per byte (`benches/README.md`, device cost), so this
+    /// says what a growth or an `empty_cache` costs. Not one of PyTorch's `memory_stats()` keys
+    /// (its `segment` statistic counts fixed segments only; expandable segments do not touch
+    /// it).
+    pub fn memory_handles(&self) -> Stat {
+        self.lock().handles
     }
 
     /// How many allocations borrowed an idle free block of another stream where it lay

@@ -28,7 +28,7 @@ use crate::backend::{BackendError, DeviceAddr, DeviceBackend, EventHandle, Strea
 use crate::config::{AllocatorConfig, MAX_ALLOCATION_SIZE};
 use crate::error::{AllocError, OomReport, OomVerdict, Result};
 use crate::size_class::{PoolKind, expandable_page_size, pool_kind, round_size, segment_size};
-use crate::stats::MemoryStats;
+use crate::stats::{MemoryStats, Stat};
 
 pub(crate) use expandable::{SparePage, VmSegment};
 pub(crate) use private_pool::GraphPools;
@@ -70,6 +70,10 @@ pub(crate) struct State {
     /// with a granularity that divides both page sizes).
     pub(crate) expandable: bool,
     pub(crate) stats: MemoryStats,
+    /// Device memory allocations backing the reserved bytes: one per fixed segment, one per
+    /// physical handle of an expandable segment (mapped, lent or spare). Not one of PyTorch's
+    /// statistics; `CachingAllocator::memory_handles`.
+    pub(crate) handles: Stat,
     /// Bytes reserved from the device (PyTorch's `total_allocated_memory`).
     pub(crate) total_allocated_memory: usize,
     /// The fraction cap in bytes (`None`: no cap).
@@ -152,6 +156,7 @@ impl State {
             spare_pages: Vec::new(),
             expandable,
             stats,
+            handles: Stat::default(),
             total_allocated_memory: 0,
             allowed_memory_maximum: None,
             device_total,
@@ -490,6 +495,7 @@ impl State {
             p.segments += 1;
         }
         self.stats.segment.increase(kind, 1);
+        self.handles.increase(1);
         self.stats.reserved_bytes.increase(kind, size as i64);
         if size >= self.config.max_split_size {
             self.stats.oversize_segments.increase(1);
@@ -934,6 +940,7 @@ impl State {
         self.total_allocated_memory -= b.size;
         self.cap_grace = self.cap_grace.min(self.total_allocated_memory);
         self.stats.segment.decrease(b.pool, 1);
+        self.handles.decrease(1);
         self.stats.reserved_bytes.decrease(b.pool, b.size as i64);
         if b.size >= self.config.max_split_size {
             self.stats.oversize_segments.decrease(1);

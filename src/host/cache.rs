@@ -68,6 +68,9 @@ struct Waiting {
     /// An allocation took this block's events and fences out to wait for them without the lock
     /// (`Claim`); the block stays waiting until that allocation gives them back.
     claimed: bool,
+    /// A host wait for its events or fences failed: allocations no longer wait for it (a
+    /// failure such as an event recorded inside a graph capture repeats); queries still free it.
+    wait_failed: bool,
 }
 
 /// The events and fences of one waiting block, taken out of the state by an allocation that
@@ -403,6 +406,7 @@ impl<H: HostBackend> PinnedCache<H> {
                 unfenced,
                 seq,
                 claimed: false,
+                wait_failed: false,
             });
         }
         self.after_op(&g, "free");
@@ -555,6 +559,7 @@ impl<H: HostBackend> PinnedCache<H> {
         let mut best: Option<(u64, usize)> = None;
         for (i, w) in g.waiting.iter().enumerate() {
             if w.claimed
+                || w.wait_failed
                 || !w.unfenced.is_empty()
                 || (w.events.is_empty() && w.fences.is_empty())
                 || best.is_some_and(|(seq, _)| seq <= w.seq)
@@ -612,7 +617,10 @@ impl<H: HostBackend> PinnedCache<H> {
     /// Gives a claimed block back its unfinished events and fences; if none is left, the block
     /// returns to the free ranges.
     fn settle(&self, g: &mut State, s: Settled) {
-        g.stats.num_pending_waits += 1;
+        let failed = !s.events.is_empty() || !s.fences.is_empty();
+        if !failed {
+            g.stats.num_pending_waits += 1;
+        }
         g.spare_events.extend(s.done);
         let Some(i) = g.waiting.iter().position(|w| w.claimed && w.addr == s.addr) else {
             // Cannot happen (a claimed block leaves `waiting` only here); keep the events.
@@ -622,6 +630,7 @@ impl<H: HostBackend> PinnedCache<H> {
         let finished = match g.waiting.get_mut(i) {
             Some(w) => {
                 w.claimed = false;
+                w.wait_failed |= failed;
                 w.events.extend(s.events);
                 w.fences.extend(s.fences);
                 w.is_done()

@@ -45,6 +45,9 @@ struct Waiting {
     ptr: usize,
     size: usize,
     fence: Box<dyn HostFence>,
+    /// A host wait for the fence failed: allocations no longer wait for it (a failure such as
+    /// an event recorded inside a graph capture repeats); queries still free it.
+    wait_failed: bool,
 }
 
 #[derive(Default)]
@@ -194,6 +197,7 @@ impl<B: DeviceBackend> PagedPinnedCache<B> {
                     ptr: ptr.addr(),
                     size,
                     fence,
+                    wait_failed: false,
                 });
                 self.waiting.store(book.waiting.len(), Ordering::Release);
                 self.num_frees.fetch_add(1, Ordering::Relaxed);
@@ -257,9 +261,10 @@ impl<B: DeviceBackend> PagedPinnedCache<B> {
 
     /// The statistics in the pinned cache's vocabulary: *reserved* bytes are the mapped host
     /// pages; *allocated* and *requested* bytes count blocks waiting for their fences too (the
-    /// core holds them until then; `pending_bytes` says how many); `slabs` counts the core's
-    /// growths still mapped (`num_device_alloc - num_device_free`); a *pin* is a growth
-    /// (`num_device_alloc`), an *unpin* a release. The
+    /// core holds them until then; `pending_bytes` says how many); `slabs` counts the host page
+    /// handles held, mapped or spare ([`CachingAllocator::memory_handles`]; its peak is the most
+    /// held at once); a *pin* is a growth (`num_device_alloc`), an *unpin* an unmapped range
+    /// (`num_device_free`). The
     /// pinning times are 0: a generic backend has no clock the cache could read without making
     /// results depend on the machine (`PinnedAllocator::stats` fills them, and the pins, from
     /// the driver's call times).
@@ -273,12 +278,7 @@ impl<B: DeviceBackend> PagedPinnedCache<B> {
             requested_bytes: *m.requested_bytes.get(StatType::All),
             reserved_bytes: *m.reserved_bytes.get(StatType::All),
             pending_bytes: book.pending_bytes,
-            slabs: Stat {
-                current: m.num_device_alloc - m.num_device_free,
-                peak: m.num_device_alloc,
-                allocated: m.num_device_alloc,
-                freed: m.num_device_free,
-            },
+            slabs: self.core.memory_handles(),
             num_allocs: allocs,
             num_cache_hits: allocs.saturating_sub(grew),
             num_frees: self.num_frees.load(Ordering::Relaxed),
@@ -372,12 +372,18 @@ impl<B: DeviceBackend> PagedPinnedCache<B> {
         }
     }
 
-    /// Takes the oldest waiting block, waits for its fence without any lock held and frees it.
-    /// `false` when none waits or the wait failed (the block then waits again, at the back).
+    /// Takes the oldest waiting block whose wait has not failed before, waits for its fence
+    /// without any lock held and frees it. `false` when none is left to wait for or the wait
+    /// failed (the block then waits for a query to say complete, at the back, and is not waited
+    /// for again).
     fn wait_oldest(&self) -> bool {
         let Some(mut w) = ({
             let mut book = self.book.lock();
-            let w = book.waiting.pop_front();
+            let w = book
+                .waiting
+                .iter()
+                .position(|w| !w.wait_failed)
+                .and_then(|i| book.waiting.remove(i));
             if let Some(w) = &w {
                 book.pending_bytes.decrease(w.size as i64);
             }
@@ -387,6 +393,7 @@ impl<B: DeviceBackend> PagedPinnedCache<B> {
             return false;
         };
         if w.fence.wait().is_err() {
+            w.wait_failed = true;
             let mut book = self.book.lock();
             book.pending_bytes.increase(w.size as i64);
             book.waiting.push_back(w);

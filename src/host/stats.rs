@@ -19,7 +19,8 @@ pub struct PinnedStats {
     pub reserved_bytes: Stat,
     /// Bytes of blocks freed by the user but waiting for stream events before reuse.
     pub pending_bytes: Stat,
-    /// Number of slabs.
+    /// Number of slabs pinned (for a `PagedPinnedCache`: host page handles held, mapped or
+    /// spare).
     pub slabs: Stat,
     /// Successful allocations.
     pub num_allocs: u64,

@@ -20,8 +20,8 @@ use cuda_caching_allocator::host::{
 };
 use cuda_caching_allocator::interop::{CudaAllocator, PinnedAllocator};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig, PushKernelArg,
-    result,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+    PushKernelArg, result, sys,
 };
 
 use crate::util::{require_gpu, under_sanitizer};
@@ -586,5 +586,92 @@ fn registered_and_allocated_slabs_both_round_trip() {
             pinned.empty_cache().unwrap() > 0,
             "{name}: nothing unpinned"
         );
+    }
+}
+
+/// A copy from a pinned buffer captured into a CUDA graph reads the buffer again at every launch
+/// of the graph, so the cache must never hand that memory out again. cudarc records the buffer's
+/// event after the copy, inside the capture; a query of an event last recorded in a capture fails
+/// (`CUDA_ERROR_CAPTURED_EVENT`) for as long as it is not recorded again, and the cache takes a
+/// failed query as "not yet". Probe, for both engines: capture a copy from the buffer, drop the
+/// buffer, allocate and overwrite buffers of the same size, launch the graph, and check what it
+/// copied. The control arm copies outside a capture: the next buffer of that size then gets
+/// the same address (so the address check can fail).
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn a_pinned_buffer_copied_inside_a_capture_is_never_reused() {
+    require_gpu("a_pinned_buffer_copied_inside_a_capture_is_never_reused");
+    for pages in [false, true] {
+        let (ctx, s) = setup(2);
+        let pinned = if pages {
+            PinnedAllocator::host_pages(Arc::clone(&ctx), 4).unwrap()
+        } else {
+            PinnedAllocator::new(Arc::clone(&ctx), PinnedConfig::default()).unwrap()
+        };
+        // Control: a copy outside a capture, waited for; the buffer's memory comes back.
+        let c = pinned.pinned_from_slice(&pattern(1)).unwrap();
+        let scratch = s.clone_htod(&c).unwrap();
+        s.synchronize().unwrap();
+        let c_addr = c.host_ptr();
+        drop(c);
+        let again = pinned.pinned_from_slice(&pattern(2)).unwrap();
+        assert_eq!(
+            again.host_ptr(),
+            c_addr,
+            "pages {pages}: control: a buffer whose copy is done is the best fit again"
+        );
+        drop((again, scratch));
+        s.synchronize().unwrap();
+
+        let src = pinned.pinned_from_slice(&pattern(7)).unwrap();
+        let src_addr = src.host_ptr();
+        let mut dev: CudaSlice<u32> = s.alloc_zeros(N).unwrap();
+        // Read back through the raw pointer: cudarc's own events on `dev` are recorded inside
+        // the capture too.
+        let raw = {
+            let (p, _record) = dev.device_ptr(&s);
+            p
+        };
+        s.synchronize().unwrap();
+        s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .unwrap();
+        let copied = s.memcpy_htod(&src, &mut dev);
+        let graph = s.end_capture(sys::CUgraphInstantiate_flags(0));
+        copied.unwrap();
+        let graph = graph.unwrap().expect("the capture recorded the copy");
+        drop(src);
+        assert!(
+            pinned.waiting_blocks() >= 1,
+            "pages {pages}: the captured buffer must wait"
+        );
+        let mut others = Vec::new();
+        for i in 0..8u32 {
+            let b = pinned.pinned_from_slice(&pattern(100 + i)).unwrap();
+            assert_ne!(
+                b.host_ptr(),
+                src_addr,
+                "pages {pages}: the captured buffer was handed out again"
+            );
+            others.push(b);
+        }
+        for launch in 0..3 {
+            graph.launch().unwrap();
+            s.synchronize().unwrap();
+            let mut back = vec![0u32; N];
+            // SAFETY: `raw` is `dev`'s allocation of `N` u32, alive here, and the stream that
+            // wrote it was synchronized.
+            unsafe { result::memcpy_dtoh_sync(&mut back, raw) }.unwrap();
+            assert!(
+                back == pattern(7),
+                "pages {pages}, launch {launch}: the graph copied someone else's data"
+            );
+        }
+        drop(others);
+        assert!(pinned.waiting_blocks() >= 1, "pages {pages}");
+        println!("pages {pages}: {}", pinned.summary());
+        drop(graph);
+        // `dev`'s events were last recorded inside the capture; cudarc's drop would wait on
+        // them. The test leaks these 4 MiB instead.
+        std::mem::forget(dev);
     }
 }

@@ -103,6 +103,56 @@ fn frees_never_unmap_and_empty_cache_releases_everything() {
 }
 
 #[test]
+fn memory_handles_count_the_physical_handles_held() {
+    // Expandable: one handle per page created, given back by `empty_cache`.
+    let a = with_config(1 << 30, AllocatorConfig::default());
+    let xs: Vec<_> = [5 * MIB, 25 * MIB, 700 * 1024, 64 * MIB]
+        .into_iter()
+        .map(|s| a.allocate(s, StreamId(0)).unwrap())
+        .collect();
+    let held = |a: &CachingAllocator<SimDevice>| {
+        let c = a.backend().counters();
+        (c.create_physical_calls - c.release_physical_calls) as i64
+    };
+    let h = a.memory_handles();
+    assert!(h.current > 1, "several pages: {h:?}");
+    assert_eq!(h.current, held(&a));
+    assert_eq!((h.peak, h.allocated, h.freed), (h.current, h.current, 0));
+    for x in &xs {
+        a.free(x.ptr).unwrap();
+    }
+    a.empty_cache().unwrap();
+    let after = a.memory_handles();
+    assert_eq!(
+        (after.current, after.peak, after.freed),
+        (0, h.current, h.current),
+        "empty_cache gives every handle back; the peak stays"
+    );
+    a.reset_peak_stats();
+    a.reset_accumulated_stats();
+    assert_eq!(a.memory_handles(), Stat::default());
+    a.check_invariants().unwrap();
+
+    // Fixed segments: one handle per segment, as `segment` counts them.
+    let p = with_config(1 << 30, AllocatorConfig::pytorch());
+    let ys: Vec<_> = [5 * MIB, 25 * MIB, 700 * 1024]
+        .into_iter()
+        .map(|s| p.allocate(s, StreamId(0)).unwrap())
+        .collect();
+    let seg = *p.memory_stats().segment.get(StatType::All);
+    assert_eq!(p.memory_handles().current, seg.current);
+    assert_eq!(p.memory_handles().current, 3);
+    for y in &ys {
+        p.free(y.ptr).unwrap();
+    }
+    p.empty_cache().unwrap();
+    assert_eq!(
+        (p.memory_handles().current, p.memory_handles().peak),
+        (0, 3)
+    );
+}
+
+#[test]
 fn empty_cache_unmaps_only_whole_free_pages() {
     let a = with_config(1 << 30, pytorch_expandable());
     // 3 pages of 20 MiB; keep a block in the middle page alive.

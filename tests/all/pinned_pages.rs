@@ -97,6 +97,35 @@ fn an_allocation_waits_for_a_pending_block_rather_than_map_more() {
 }
 
 #[test]
+fn a_failed_wait_is_not_counted_nor_tried_again() {
+    let (_, c) = cache(4);
+    let a = c.alloc(8 * MIB).unwrap();
+    let reserved = c.stats().reserved_bytes.current;
+    let (flag, f) = fence();
+    flag.fail_wait.store(true, Ordering::SeqCst);
+    c.free_after(a, f).unwrap();
+    let b = c.alloc(8 * MIB).unwrap();
+    assert_ne!(b, a, "the wait failed: the block keeps waiting");
+    assert_eq!(flag.waits.load(Ordering::SeqCst), 1);
+    assert_eq!(c.stats().num_pending_waits, 0, "a failed wait is no wait");
+    assert!(c.stats().reserved_bytes.current > reserved);
+    c.free(b).unwrap();
+    let d = c.alloc(16 * MIB).unwrap();
+    assert_eq!(
+        flag.waits.load(Ordering::SeqCst),
+        1,
+        "a block whose wait failed is not waited for again"
+    );
+    assert_eq!(c.waiting_blocks(), 1);
+    flag.done.store(true, Ordering::SeqCst);
+    c.free(d).unwrap();
+    let e = c.alloc(8 * MIB).unwrap();
+    assert_eq!(c.waiting_blocks(), 0, "a query freed it");
+    c.free(e).unwrap();
+    c.check_invariants().unwrap();
+}
+
+#[test]
 fn bad_input_is_refused_and_the_cache_stays_intact() {
     let (_, c) = cache(4);
     assert!(matches!(c.alloc(0), Err(PinnedError::InvalidRequest(_))));
@@ -161,6 +190,37 @@ fn empty_cache_returns_free_pages_and_keeps_waiting_ones() {
     flag.done.store(true, Ordering::SeqCst);
     c.empty_cache().unwrap();
     assert_eq!(c.stats().reserved_bytes.current, 0);
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn slabs_count_the_host_pages_held() {
+    let (dev, c) = cache(0);
+    let held = || {
+        let k = dev.counters();
+        (k.create_physical_calls - k.release_physical_calls) as i64
+    };
+    let a = c.alloc(8 * MIB).unwrap();
+    let b = c.alloc(3 * MIB).unwrap();
+    let st = c.stats();
+    assert_eq!(st.slabs.current, held());
+    assert_eq!(
+        st.slabs.current,
+        st.reserved_bytes.current / (2 * MIB as i64),
+        "2 MiB pages: {st:?}"
+    );
+    let peak = st.slabs.current;
+    c.free(a).unwrap();
+    c.free(b).unwrap();
+    c.empty_cache().unwrap();
+    let st = c.stats();
+    assert_eq!(
+        (st.slabs.current, st.slabs.peak),
+        (0, peak),
+        "back to none, the peak is the most held at once"
+    );
+    c.reset_peak_stats();
+    assert_eq!(c.stats().slabs.peak, 0);
     c.check_invariants().unwrap();
 }
 

@@ -640,20 +640,25 @@ impl State {
                 left.min(per_handle)
             };
             match dev.create_physical(pages * page) {
-                Ok(handle) => created.push(SparePage {
-                    handle,
-                    size: pages * page,
-                    pool: kind,
-                }),
+                Ok(handle) => {
+                    self.handles.increase(1);
+                    created.push(SparePage {
+                        handle,
+                        size: pages * page,
+                        pool: kind,
+                    });
+                }
                 Err(e) => {
                     // A graph capture forbids releasing memory (cuMemRelease is not
                     // stream-ordered): the handles this growth made stay spare until
                     // `empty_cache` after the capture.
                     let keep = self.capture_underway();
                     for sp in created {
-                        if keep
-                            || device_calls::release_unmapped_page(dev, sp.handle, sp.size).is_err()
-                        {
+                        let released = !keep
+                            && device_calls::release_unmapped_page(dev, sp.handle, sp.size).is_ok();
+                        if released {
+                            self.handles.decrease(1);
+                        } else {
                             // Keep what cannot be released: it is real memory.
                             self.total_allocated_memory += sp.size;
                             self.stats.reserved_bytes.increase(kind, sp.size as i64);
@@ -991,6 +996,7 @@ impl State {
         for sp in pages {
             match device_calls::release_unmapped_page(dev, sp.handle, sp.size) {
                 Ok(()) => {
+                    self.handles.decrease(1);
                     self.total_allocated_memory -= sp.size;
                     self.cap_grace = self.cap_grace.min(self.total_allocated_memory);
                     self.stats.reserved_bytes.decrease(sp.pool, sp.size as i64);
