@@ -683,8 +683,14 @@ impl<T> CachedPinned<T> {
             return SyncOnDrop::Sync(None);
         };
         let ctx = stream.context();
-        // cudarc's rule: every use waits for the previous ones.
-        ctx.record_err(stream.wait(ev));
+        // cudarc's rule: every use waits for the previous ones. A buffer not used yet has none
+        // to wait for: its event may come from the pool, recorded (and complete) for an earlier
+        // buffer, and inside a graph capture a wait on an event recorded outside it fails and
+        // invalidates the capture (`gpu/probes/capture_event_wait.cu`), where cudarc's fresh
+        // event would not.
+        if self.used.load(Ordering::Acquire) {
+            ctx.record_err(stream.wait(ev));
+        }
         if **ctx != **ev.context() {
             return SyncOnDrop::sync_stream(stream);
         }

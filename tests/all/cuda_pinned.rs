@@ -20,8 +20,8 @@ use cuda_caching_allocator::host::{
 };
 use cuda_caching_allocator::interop::{CudaAllocator, PinnedAllocator};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
-    PushKernelArg, result, sys,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, DeviceSlice, LaunchConfig,
+    PushKernelArg, SyncOnDrop, result, sys,
 };
 
 use crate::util::{require_gpu, under_sanitizer};
@@ -589,14 +589,44 @@ fn registered_and_allocated_slabs_both_round_trip() {
     }
 }
 
+/// A device buffer from `cuMemAlloc` with no cudarc events: cudarc's `CudaSlice` waits on its
+/// own events before every use, and inside a capture a wait on an event recorded outside it
+/// invalidates the capture (`gpu/probes/capture_event_wait.cu`), so the capture probe copies
+/// into this instead.
+struct RawDst {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    stream: Arc<CudaStream>,
+}
+
+impl DeviceSlice<u32> for RawDst {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+impl DevicePtrMut<u32> for RawDst {
+    fn device_ptr_mut<'a>(
+        &'a mut self,
+        _stream: &'a CudaStream,
+    ) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        (self.ptr, SyncOnDrop::Record(None))
+    }
+}
+
 /// A copy from a pinned buffer captured into a CUDA graph reads the buffer again at every launch
 /// of the graph, so the cache must never hand that memory out again. cudarc records the buffer's
-/// event after the copy, inside the capture; a query of an event last recorded in a capture fails
-/// (`CUDA_ERROR_CAPTURED_EVENT`) for as long as it is not recorded again, and the cache takes a
-/// failed query as "not yet". Probe, for both engines: capture a copy from the buffer, drop the
-/// buffer, allocate and overwrite buffers of the same size, launch the graph, and check what it
-/// copied. The control arm copies outside a capture: the next buffer of that size then gets
-/// the same address (so the address check can fail).
+/// event after the copy, inside the capture; once the capture has ended the driver refuses to
+/// query or wait on that event (`CUDA_ERROR_INVALID_VALUE` until it is recorded again outside a
+/// capture, `gpu/probes/capture_event_wait.cu`), and the cache takes a failed query as "not
+/// yet". Probe, for both engines: capture a copy from a fresh buffer (whose pooled event was
+/// recorded for an earlier buffer, which a wait inside the capture must not touch), drop it,
+/// allocate and overwrite buffers of the same size, launch the graph, and check what it copied.
+/// The control arm copies outside a capture: the next buffer of that size then gets the same
+/// address (so the address check can fail).
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn a_pinned_buffer_copied_inside_a_capture_is_never_reused() {
@@ -608,7 +638,8 @@ fn a_pinned_buffer_copied_inside_a_capture_is_never_reused() {
         } else {
             PinnedAllocator::new(Arc::clone(&ctx), PinnedConfig::default()).unwrap()
         };
-        // Control: a copy outside a capture, waited for; the buffer's memory comes back.
+        // Control: a copy outside a capture, waited for; the buffer's memory (and its event,
+        // recorded by cudarc) come back.
         let c = pinned.pinned_from_slice(&pattern(1)).unwrap();
         let scratch = s.clone_htod(&c).unwrap();
         s.synchronize().unwrap();
@@ -625,17 +656,16 @@ fn a_pinned_buffer_copied_inside_a_capture_is_never_reused() {
 
         let src = pinned.pinned_from_slice(&pattern(7)).unwrap();
         let src_addr = src.host_ptr();
-        let mut dev: CudaSlice<u32> = s.alloc_zeros(N).unwrap();
-        // Read back through the raw pointer: cudarc's own events on `dev` are recorded inside
-        // the capture too.
-        let raw = {
-            let (p, _record) = dev.device_ptr(&s);
-            p
+        // SAFETY: a fresh device allocation of `N` u32, freed below.
+        let raw = unsafe { result::malloc_sync(N * 4) }.unwrap();
+        let mut dst = RawDst {
+            ptr: raw,
+            len: N,
+            stream: Arc::clone(&s),
         };
-        s.synchronize().unwrap();
         s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .unwrap();
-        let copied = s.memcpy_htod(&src, &mut dev);
+        let copied = s.memcpy_htod(&src, &mut dst);
         let graph = s.end_capture(sys::CUgraphInstantiate_flags(0));
         copied.unwrap();
         let graph = graph.unwrap().expect("the capture recorded the copy");
@@ -658,8 +688,7 @@ fn a_pinned_buffer_copied_inside_a_capture_is_never_reused() {
             graph.launch().unwrap();
             s.synchronize().unwrap();
             let mut back = vec![0u32; N];
-            // SAFETY: `raw` is `dev`'s allocation of `N` u32, alive here, and the stream that
-            // wrote it was synchronized.
+            // SAFETY: `raw` holds `N` u32, alive here; the stream that wrote it is synchronized.
             unsafe { result::memcpy_dtoh_sync(&mut back, raw) }.unwrap();
             assert!(
                 back == pattern(7),
@@ -670,8 +699,8 @@ fn a_pinned_buffer_copied_inside_a_capture_is_never_reused() {
         assert!(pinned.waiting_blocks() >= 1, "pages {pages}");
         println!("pages {pages}: {}", pinned.summary());
         drop(graph);
-        // `dev`'s events were last recorded inside the capture; cudarc's drop would wait on
-        // them. The test leaks these 4 MiB instead.
-        std::mem::forget(dev);
+        s.synchronize().unwrap();
+        // SAFETY: `raw` came from `malloc_sync` and no queued work uses it any more.
+        unsafe { result::free_sync(raw) }.unwrap();
     }
 }
