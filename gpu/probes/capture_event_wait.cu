@@ -3,7 +3,8 @@
 // recorded outside and still pending, each with CU_EVENT_WAIT_DEFAULT and CU_EVENT_WAIT_EXTERNAL?
 // And, after a capture that recorded an event: may the event be queried, waited on or waited
 // for by another stream once the capture has ended, and does recording it again (outside a
-// capture) make it legal again? One line per case: the call's result and the capture's end.
+// capture) make it legal again? And does synchronizing the capturing stream end the capture?
+// One line per case: the call's result and the capture's end.
 // cudarc's CachedPinned and CudaSlice wait on their events before every use, so these answers
 // decide whether a cudarc buffer can be used inside a capture at all.
 // Build: nvcc -O2 -o capture_event_wait capture_event_wait.cu -lcuda
@@ -52,6 +53,17 @@ int main() {
       CK(cuCtxSynchronize());
       cuEventDestroy(ev);
     }
+  }
+  // A synchronization of the capturing stream (what a synchronous copy ends with).
+  {
+    CK(cuStreamBeginCapture(cap, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL));
+    CUresult m = cuMemsetD8Async(buf, 3, 1 << 20, cap);
+    CUresult sy = cuStreamSynchronize(cap);
+    CUgraph g2 = nullptr;
+    CUresult e2 = cuStreamEndCapture(cap, &g2);
+    printf("synchronize the capturing stream: memset %s, synchronize %s, end %s\n", name(m),
+           name(sy), name(e2));
+    if (g2) cuGraphDestroy(g2);
   }
   // An event recorded inside a capture, after the capture ended.
   CUevent ev;

@@ -90,6 +90,8 @@ struct Settled {
     done: Vec<EventHandle>,
     events: Vec<EventHandle>,
     fences: Vec<Box<dyn HostFence>>,
+    /// At least one event or fence was waited for successfully.
+    waited: bool,
 }
 
 impl Waiting {
@@ -595,10 +597,14 @@ impl<H: HostBackend> PinnedCache<H> {
             done: Vec::new(),
             events: Vec::new(),
             fences: Vec::new(),
+            waited: false,
         };
         for ev in claim.events {
             match dev.synchronize_event(ev) {
-                Ok(()) => settled.done.push(ev),
+                Ok(()) => {
+                    settled.waited = true;
+                    settled.done.push(ev);
+                }
                 Err(e) => {
                     tracing::debug!(error = ?e, "pinned alloc: waiting for a pending block's event failed");
                     settled.events.push(ev);
@@ -606,9 +612,12 @@ impl<H: HostBackend> PinnedCache<H> {
             }
         }
         for mut f in claim.fences {
-            if let Err(e) = f.wait() {
-                tracing::debug!(error = ?e, "pinned alloc: waiting for a pending block's fence failed");
-                settled.fences.push(f);
+            match f.wait() {
+                Ok(()) => settled.waited = true,
+                Err(e) => {
+                    tracing::debug!(error = ?e, "pinned alloc: waiting for a pending block's fence failed");
+                    settled.fences.push(f);
+                }
             }
         }
         settled
@@ -618,7 +627,7 @@ impl<H: HostBackend> PinnedCache<H> {
     /// returns to the free ranges.
     fn settle(&self, g: &mut State, s: Settled) {
         let failed = !s.events.is_empty() || !s.fences.is_empty();
-        if !failed {
+        if s.waited {
             g.stats.num_pending_waits += 1;
         }
         g.spare_events.extend(s.done);

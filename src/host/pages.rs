@@ -352,14 +352,20 @@ impl<B: DeviceBackend> PagedPinnedCache<B> {
             let mut keep = VecDeque::new();
             while let Some(mut w) = book.waiting.pop_front() {
                 self.num_queries.fetch_add(1, Ordering::Relaxed);
-                if matches!(w.fence.query(), Ok(true)) {
-                    book.pending_bytes.decrease(w.size as i64);
-                    done.push(w);
-                } else if every {
-                    keep.push_back(w);
-                } else {
-                    book.waiting.push_front(w);
-                    break;
+                match w.fence.query() {
+                    Ok(true) => {
+                        book.pending_bytes.decrease(w.size as i64);
+                        done.push(w);
+                    }
+                    // Pending: the blocks behind it were freed later and are most likely
+                    // pending too (unless `every`).
+                    Ok(false) if !every => {
+                        book.waiting.push_front(w);
+                        break;
+                    }
+                    // A failed query says nothing of the blocks behind it (an event recorded
+                    // inside a graph capture fails for ever): kept, and the scan goes on.
+                    _ => keep.push_back(w),
                 }
             }
             // The pending ones kept in order, ahead of any not looked at.

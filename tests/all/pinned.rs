@@ -536,6 +536,27 @@ fn waiting_is_bounded_and_skips_blocks_it_cannot_help() {
     assert_eq!(c.stats().num_pending_waits, 0);
     c.free(b2.ptr).unwrap();
     ok(&c);
+
+    // A claim whose event wait succeeds and whose fence wait fails: one wait counted (a real
+    // one was made), the block keeps waiting for its fence and is not waited for again.
+    let (dev, c) = cache_with(small().with_max_pending_waits(3));
+    let flag = Arc::new(Flag::default());
+    flag.fail_wait.store(true, Ordering::SeqCst);
+    let a = c.alloc(MIB).unwrap();
+    dev.use_range(s, DeviceAddr(a.ptr.addr() as u64), MIB);
+    c.record_stream(a.ptr, s).unwrap();
+    c.free_after(a.ptr, Box::new(FlagFence(flag.clone())))
+        .unwrap();
+    let b = c.alloc(MIB).unwrap();
+    assert_ne!(b.ptr, a.ptr);
+    assert!(!dev.has_pending_work(s), "the event wait was made");
+    assert_eq!((c.stats().num_pins, c.stats().num_pending_waits), (2, 1));
+    let b2 = c.alloc(MIB).unwrap();
+    assert_eq!(flag.waits.load(Ordering::SeqCst), 1, "not waited for again");
+    assert_eq!(c.waiting_blocks(), 1);
+    c.free(b.ptr).unwrap();
+    c.free(b2.ptr).unwrap();
+    ok(&c);
     flag.done.store(true, Ordering::SeqCst);
     assert_eq!(
         c.alloc(MIB).unwrap().ptr,

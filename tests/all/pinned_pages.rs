@@ -126,6 +126,31 @@ fn a_failed_wait_is_not_counted_nor_tried_again() {
 }
 
 #[test]
+fn a_fence_whose_query_fails_does_not_hold_back_the_blocks_behind_it() {
+    // The oldest waiting block's fence fails every query and wait (an event recorded inside a
+    // graph capture); a younger block whose fence completed is reused all the same.
+    let (_, c) = cache(4);
+    let a = c.alloc(8 * MIB).unwrap();
+    let b = c.alloc(8 * MIB).unwrap();
+    let (stuck, f) = fence();
+    stuck.fail_query.store(true, Ordering::SeqCst);
+    stuck.fail_wait.store(true, Ordering::SeqCst);
+    c.free_after(a, f).unwrap();
+    let (flag, f) = fence();
+    c.free_after(b, f).unwrap();
+    assert_eq!(c.waiting_blocks(), 2);
+    flag.done.store(true, Ordering::SeqCst);
+    let d = c.alloc(8 * MIB).unwrap();
+    assert_eq!(
+        d, b,
+        "the completed block behind the stuck one is the one reused"
+    );
+    assert_eq!(c.waiting_blocks(), 1, "the stuck block keeps waiting");
+    c.free(d).unwrap();
+    c.check_invariants().unwrap();
+}
+
+#[test]
 fn bad_input_is_refused_and_the_cache_stays_intact() {
     let (_, c) = cache(4);
     assert!(matches!(c.alloc(0), Err(PinnedError::InvalidRequest(_))));

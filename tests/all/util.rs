@@ -73,6 +73,8 @@ pub struct Flag {
     pub waits: std::sync::atomic::AtomicUsize,
     /// `wait` fails (and leaves the flag as it is).
     pub fail_wait: std::sync::atomic::AtomicBool,
+    /// `query` fails (as for an event recorded inside a graph capture).
+    pub fail_query: std::sync::atomic::AtomicBool,
 }
 
 /// The fence a pinned cache holds for a [`Flag`].
@@ -83,6 +85,12 @@ impl cuda_caching_allocator::host::HostFence for FlagFence {
     fn query(&mut self) -> Result<bool, cuda_caching_allocator::BackendError> {
         use std::sync::atomic::Ordering;
         self.0.queries.fetch_add(1, Ordering::SeqCst);
+        if self.0.fail_query.load(Ordering::SeqCst) {
+            return Err(cuda_caching_allocator::BackendError::Injected {
+                operation: "fence query",
+                call: 0,
+            });
+        }
         Ok(self.0.done.load(Ordering::SeqCst))
     }
 
