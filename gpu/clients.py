@@ -678,7 +678,7 @@ def compare(args):
         gib = 1 << 30
         print(f"\n== {w} ({args.steps} steps, median after {args.warmup}; {reps} interleaved repeats)")
         print("| allocator | route | median step ms (min–max over repeats) | × native, median (min–max) | "
-              "× native, step by step | cold: upload + first step ms, × native (first `warmup` steps × native) | peak reserved GiB | reserved / peak allocated | device allocs | "
+              "× native, step by step | cold: upload + first step ms, × native (first `warmup` steps × native) | peak reserved GiB | reserved / peak allocated | num_device_alloc (segments; mapped ranges when expandable) | "
               "device calls after warm-up | allocator host µs / step (allocs / step; in device calls) | max rel loss diff |")
         print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for label, _, _ in allocators:
