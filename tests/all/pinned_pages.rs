@@ -457,6 +457,9 @@ enum Op {
     Alloc(usize),
     Free(usize),
     FreeAfter(usize),
+    /// Freed with a fence whose queries and waits fail for ever (an event recorded inside a
+    /// graph capture): never handed out again.
+    FreeStuck(usize),
     Use(usize, u64),
     Complete(u64),
     Finish(usize),
@@ -468,6 +471,7 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         6 => prop_oneof![1usize..4096, 4096usize..(256 * KIB), (256 * KIB)..(9 * MIB)].prop_map(Op::Alloc),
         3 => any::<usize>().prop_map(Op::Free),
         3 => any::<usize>().prop_map(Op::FreeAfter),
+        1 => any::<usize>().prop_map(Op::FreeStuck),
         3 => (any::<usize>(), 1u64..4).prop_map(|(i, s)| Op::Use(i, s)),
         2 => (1u64..4).prop_map(Op::Complete),
         2 => any::<usize>().prop_map(Op::Finish),
@@ -488,6 +492,7 @@ proptest! {
         let (dev, c) = cache(waits);
         let mut live: Vec<(HostPtr, usize)> = Vec::new();
         let mut fenced: Vec<(HostPtr, usize, Arc<Flag>)> = Vec::new();
+        let mut stuck: Vec<(HostPtr, usize)> = Vec::new();
         let mut declared = false;
         for op in ops {
             match op {
@@ -503,6 +508,10 @@ proptest! {
                                 "{p:?} overlaps {o:?}, whose fence is pending");
                         }
                     }
+                    for &(o, n) in &stuck {
+                        prop_assert!(hi <= o.addr() || o.addr() + n <= lo,
+                            "{p:?} overlaps {o:?}, whose fence fails every query");
+                    }
                     prop_assert!(dev.check_handout(NEW_OWNER, DeviceAddr(lo as u64), size),
                         "{p:?} handed out while in flight: {:?}", dev.violations());
                     live.push((p, size));
@@ -516,6 +525,14 @@ proptest! {
                     let (flag, f) = fence();
                     c.free_after(p, f).unwrap();
                     fenced.push((p, n, flag));
+                }
+                Op::FreeStuck(i) if !live.is_empty() => {
+                    let (p, n) = live.swap_remove(i % live.len());
+                    let (flag, f) = fence();
+                    flag.fail_query.store(true, Ordering::SeqCst);
+                    flag.fail_wait.store(true, Ordering::SeqCst);
+                    c.free_after(p, f).unwrap();
+                    stuck.push((p, n));
                 }
                 Op::Use(i, s) if !live.is_empty() => {
                     let (p, n) = live[i % live.len()];
@@ -536,6 +553,8 @@ proptest! {
             prop_assert!(dev.violations().is_empty(), "{:?}", dev.violations());
             let live_bytes: usize = live.iter().map(|&(_, n)| n).sum();
             let st = c.stats();
+            // The default maps 2 MiB host pages, one handle each.
+            prop_assert_eq!(st.slabs.current * (2 * MIB as i64), st.reserved_bytes.current);
             let held = (st.requested_bytes.current - st.pending_bytes.current) as usize;
             // Blocks declared with `record_stream` stay allocated in the core until its events
             // complete (PyTorch's accounting); without declarations the figures are exact.
