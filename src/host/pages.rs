@@ -368,9 +368,11 @@ impl<B: DeviceBackend> PagedPinnedCache<B> {
                     _ => keep.push_back(w),
                 }
             }
-            // The pending ones kept in order, ahead of any not looked at.
-            keep.append(&mut book.waiting);
-            book.waiting = keep;
+            // The pending ones kept in order, ahead of any not looked at (put back one by one:
+            // nothing moves when none was kept, the usual case on the allocation path).
+            while let Some(w) = keep.pop_back() {
+                book.waiting.push_front(w);
+            }
             self.waiting.store(book.waiting.len(), Ordering::Release);
         }
         for w in done {
