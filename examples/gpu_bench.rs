@@ -19,8 +19,13 @@
 //! `cargo build --release --example gpu_bench --features cuda,trace-io`, then run
 //! `gpu_bench --device cuda` from the repository root there (it finds `examples/traces`).
 //!
+//! With `--interop` (CUDA only) it measures instead what a cudarc buffer of the cache costs
+//! while cudarc orders streams (two streams, event tracking on): a warm `alloc_zeros` of 1 KiB
+//! (its memset is the buffer's first use) and its drop, and the capture-status query that a
+//! buffer's first use makes (Note [Event shells and captures] in `src/interop/slice.rs`).
+//!
 //! Options: `--device cuda|sim` (default `sim`), `--ordinal N` (CUDA device, default 0),
-//! `--quick` (fewer repetitions), `--traces DIR` (default: the crate's `examples/traces`),
+//! `--quick` (fewer repetitions), `--interop`, `--traces DIR` (default: the crate's `examples/traces`),
 //! `--json FILE` (also write the figures as JSON). Each figure is the median of 5 runs (2 with
 //! `--quick`). Only the lines under `#[cfg(feature = "cuda")]` name the CUDA backend; the rest is
 //! generic over `DeviceBackend`.
@@ -69,6 +74,7 @@ struct Args {
     quick: bool,
     traces: PathBuf,
     json: Option<PathBuf>,
+    interop: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -78,6 +84,7 @@ fn parse_args() -> Result<Args, String> {
         quick: false,
         traces: support::traces_dir(),
         json: None,
+        interop: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -90,6 +97,7 @@ fn parse_args() -> Result<Args, String> {
                     .ok_or("--ordinal needs a number")?;
             }
             "--quick" => args.quick = true,
+            "--interop" => args.interop = true,
             "--traces" => args.traces = it.next().ok_or("--traces needs a directory")?.into(),
             "--json" => args.json = Some(it.next().ok_or("--json needs a file")?.into()),
             // `cargo bench` passes `--bench`; ignore it.
@@ -97,7 +105,7 @@ fn parse_args() -> Result<Args, String> {
             "-h" | "--help" => {
                 return Err(
                     "usage: gpu_bench [--device cuda|sim] [--ordinal N] [--quick] \
-                            [--traces DIR] [--json FILE]"
+                            [--traces DIR] [--json FILE] [--interop]"
                         .into(),
                 );
             }
@@ -442,6 +450,70 @@ fn cuda(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     )
 }
 
+/// `--interop`: a warm cudarc buffer cycle of the cache (`alloc_zeros` of 256 `u32` on one of two
+/// streams with event tracking on, then drop), ns per cycle, and the capture-status query of a
+/// buffer's first use, ns per query; each the median of 7 runs (3 with `--quick`).
+#[cfg(feature = "cuda")]
+fn interop(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use cuda_caching_allocator::backend::cuda::stream_id;
+    use cuda_caching_allocator::interop::CudaAllocator;
+
+    let ctx = cudarc::driver::CudaContext::new(args.ordinal)?;
+    let s = ctx.new_stream()?;
+    let _other = ctx.new_stream()?;
+    if !ctx.is_managing_stream_synchronization() {
+        return Err("cudarc does not order streams in this context".into());
+    }
+    let alloc = CudaAllocator::new(Arc::clone(&ctx), AllocatorConfig::default())?;
+    let runs = if args.quick { 3 } else { 7 };
+    let mut failed = None;
+    let mut cycle = |n: u64| {
+        let t = Instant::now();
+        for _ in 0..n {
+            match alloc.alloc_zeros::<u32>(&s, 256) {
+                Ok(b) => drop(b),
+                Err(e) => failed = Some(e),
+            }
+        }
+        t.elapsed()
+    };
+    cycle(1000);
+    let n = calibrate(1000, Duration::from_millis(200), &mut cycle);
+    let cycle_ns = median(runs, || cycle(n).as_nanos() as f64 / n as f64);
+    if let Some(e) = failed {
+        return Err(e.into());
+    }
+    s.synchronize()?;
+    let id = stream_id(&s);
+    let dev = alloc.device();
+    let mut query = |n: u64| {
+        let t = Instant::now();
+        for _ in 0..n {
+            std::hint::black_box(dev.stream_capture_id(id).ok());
+        }
+        t.elapsed()
+    };
+    let n = calibrate(1000, Duration::from_millis(200), &mut query);
+    let query_ns = median(runs, || query(n).as_nanos() as f64 / n as f64);
+    println!(
+        "| CUDA device {} | cudarc buffer cycle (alloc_zeros 1 KiB + drop, two streams, event tracking) | {cycle_ns:.0} ns |",
+        args.ordinal
+    );
+    println!(
+        "| CUDA device {} | capture-status query | {query_ns:.0} ns |",
+        args.ordinal
+    );
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn interop(_: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    Err("--interop needs the CUDA backend: add --features cuda".into())
+}
+
 #[cfg(not(feature = "cuda"))]
 fn cuda(_: &Args) -> Result<(), Box<dyn std::error::Error>> {
     Err("built without the CUDA backend: add --features cuda".into())
@@ -455,7 +527,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let r = if args.device == "cuda" {
+    let r = if args.interop {
+        interop(&args)
+    } else if args.device == "cuda" {
         cuda(&args)
     } else {
         sim(&args)

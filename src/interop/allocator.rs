@@ -14,7 +14,6 @@ use cudarc::driver::{self as cu, CudaContext, CudaStream, DeviceRepr, ValidAsZer
 
 use super::events::ShellPool;
 use super::pinned::{CachedPinned, PinnedAllocator};
-use super::slice::managing;
 use super::{driver_error, registry::AllocatorRegistry, slice::CachedSlice};
 use crate::allocator::{FragmentationReport, InvariantViolation, SegmentSnapshot};
 use crate::backend::call_times::DeviceCallTimes;
@@ -497,31 +496,14 @@ impl CudaAllocator {
         })?;
         let id = self.admit(stream)?;
         let a = self.inner.allocate(bytes, id)?;
-        // While cudarc manages stream synchronization, the buffer gets its read/write events now
-        // (the block's kept ones on a cache hit), as a `CudaSlice` gets them at allocation.
-        let shell = if a.ptr.0 != 0 && managing(stream) {
-            // SAFETY: the block at `a.ptr` (at least `block_size >= bytes` long) was just handed
-            // to this buffer, which owns it until dropped.
-            match unsafe {
-                self.shells
-                    .take(self.context(), a.ptr.0, bytes, a.block_size)
-            } {
-                Ok(shell) => Some(shell),
-                Err(e) => {
-                    // SAFETY: the block was allocated just above and is not shared yet.
-                    let _ = unsafe { self.free(a.ptr) };
-                    return Err(e);
-                }
-            }
-        } else {
-            None
-        };
+        // While cudarc manages stream synchronization, the buffer takes its read/write events at
+        // its first use (the block's kept ones, or new ones inside a capture: Note [Event shells
+        // and captures] in `interop::slice`).
         Ok(CachedSlice::from_parts(
             a.ptr,
             len,
             Arc::clone(stream),
             self.clone(),
-            shell,
         ))
     }
 
@@ -619,7 +601,6 @@ impl CudaAllocator {
             0,
             Arc::clone(stream),
             self.clone(),
-            None,
         ))
     }
 

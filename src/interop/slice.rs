@@ -5,6 +5,7 @@
 use std::fmt;
 use std::marker::PhantomData;
 use std::ops::{Bound, RangeBounds};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{
@@ -15,7 +16,7 @@ use super::allocator::CudaAllocator;
 use super::events::{EventShell, TypedShell};
 use super::view::{CachedView, CachedViewMut, ViewEvents};
 use crate::backend::cuda::stream_id;
-use crate::{DeviceAddr, Result, StreamId};
+use crate::{DeviceAddr, DeviceBackend, Result, StreamId};
 
 /// `len` values of `T` in device memory owned by a caching allocator; dropping it returns the
 /// memory to the cache (never to the driver directly, and without synchronizing).
@@ -34,8 +35,10 @@ use crate::{DeviceAddr, Result, StreamId};
 /// last reads and write, every use records the buffer's read or write event, and dropping the
 /// buffer makes its allocation stream wait for every stream's last use before the memory goes
 /// back to the cache. The two events are cudarc's own (see the `interop::events` module): they
-/// stay with the block's address in the allocator and are reused by the next buffer there, so a
-/// cache hit creates no CUDA event. A context with one stream, or with event tracking off, makes
+/// stay with the block's address in the allocator and are taken back by the next buffer there at
+/// its first use, so a cache hit creates no CUDA event; a first use while the buffer's stream is
+/// capturing makes new events instead, as cudarc's `alloc` gives each buffer (Note [Event shells
+/// and captures]). A context with one stream, or with event tracking off, makes
 /// no event and orders nothing, as cudarc does; [`record_stream`](Self::record_stream) (PyTorch's
 /// rule) then declares a use on another stream.
 ///
@@ -48,8 +51,12 @@ pub struct CachedSlice<T> {
     stream: Arc<CudaStream>,
     alloc: CudaAllocator,
     /// cudarc's read/write events for this buffer, made (or taken back from the allocator's
-    /// pool) once the context manages stream synchronization.
+    /// pool) at its first use while the context manages stream synchronization (Note [Event
+    /// shells and captures]).
     shell: OnceLock<EventShell>,
+    /// The shell was made for a first use while the buffer's stream was capturing: its events
+    /// may be recorded inside the capture, so it is destroyed with the buffer, never pooled.
+    captured: AtomicBool,
     /// cudarc's own `CudaSlice<T>` over the same memory, made on request
     /// ([`as_cuda_slice`](Self::as_cuda_slice)); once it exists, every new use goes through its
     /// events.
@@ -86,7 +93,13 @@ impl<T> Drop for CachedSlice<T> {
         // The typed shell (if any) is destroyed: its events were made for this buffer only.
         drop(self.typed.take());
         if let Some(shell) = self.shell.take() {
-            self.alloc.shells().put(self.ptr, shell);
+            if *self.captured.get_mut() {
+                // Note [Event shells and captures]: its drop waits on its events on the buffer's
+                // stream, as a `CudaSlice`'s drop does.
+                drop(shell);
+            } else {
+                self.alloc.shells().put(self.ptr, shell);
+            }
         }
         // SAFETY: the buffer owns the block at `self.ptr` (it came from this allocator and no
         // other handle frees it); it is never used again after this point.
@@ -159,27 +172,36 @@ impl<T> CachedSlice<T> {
         len: usize,
         stream: Arc<CudaStream>,
         alloc: CudaAllocator,
-        shell: Option<EventShell>,
     ) -> Self {
-        let cell = OnceLock::new();
-        if let Some(shell) = shell {
-            let _ = cell.set(shell);
-        }
         CachedSlice {
             ptr: ptr.0,
             len,
             stream,
             alloc,
-            shell: cell,
+            shell: OnceLock::new(),
+            captured: AtomicBool::new(false),
             typed: OnceLock::new(),
             marker: PhantomData,
         }
     }
 
-    /// The byte event shell, made now when the context manages stream synchronization and the
-    /// buffer has none yet (the context gained a second stream after the allocation). `None`
-    /// when cudarc orders nothing, or when the events could not be made (logged; uses then
-    /// synchronize instead, see [`untracked`]).
+    /// The byte event shell, made at the buffer's first use when the context manages stream
+    /// synchronization (Note [Event shells and captures]). `None` when cudarc orders nothing, or
+    /// when the events could not be made (logged; uses then synchronize instead, see
+    /// [`untracked`]).
+    //
+    // Note [Event shells and captures]: a shell kept in the pool carries events recorded for the
+    // address's previous buffer, and inside a stream capture the driver refuses a wait on an
+    // event recorded outside it (`CUDA_ERROR_STREAM_CAPTURE_ISOLATION`, which invalidates the
+    // capture; `gpu/probes/capture_event_wait.cu`), where cudarc's own `alloc` gives a buffer
+    // new events, never recorded, that a capture may wait on. So a buffer takes its shell at
+    // its first use, not at its allocation: while the buffer's stream is capturing (or the
+    // query fails) it makes new events on its own stream and keeps them out of the pool at its
+    // drop, since events recorded inside a capture cannot be waited on outside it afterwards
+    // (`CUDA_ERROR_INVALID_VALUE`, same probe) and would poison the next buffer at that
+    // address; otherwise it takes the pooled shell, whose old events are complete in the
+    // allocation stream's order (the previous buffer's drop made that stream wait on them) and
+    // order a first use on another stream after the previous buffer's last uses.
     pub(super) fn shell(&self) -> Option<&EventShell> {
         if let Some(shell) = self.shell.get() {
             return Some(shell);
@@ -187,21 +209,34 @@ impl<T> CachedSlice<T> {
         if self.ptr == 0 || !managing(&self.stream) {
             return None;
         }
-        // SAFETY: the buffer owns `[ptr, ptr + num_bytes)` until it is dropped, and the shell
-        // lives inside it (or, afterwards, in the allocator's pool, unused until a buffer owns
-        // that address again).
-        match unsafe {
-            self.alloc.shells().take(
-                self.stream.context(),
-                self.ptr,
-                self.num_bytes(),
-                self.num_bytes(),
-            )
-        } {
+        let capturing = !matches!(
+            self.alloc.device().stream_capture_id(self.stream_id()),
+            Ok(None)
+        );
+        let made = if capturing {
+            // SAFETY: the buffer owns `[ptr, ptr + num_bytes)` until it is dropped, and this
+            // shell lives inside it and is destroyed with it.
+            unsafe { EventShell::on_stream(&self.stream, self.ptr, self.num_bytes()) }
+        } else {
+            // SAFETY: the buffer owns `[ptr, ptr + num_bytes)` until it is dropped, and the shell
+            // lives inside it (or, afterwards, in the allocator's pool, unused until a buffer
+            // owns that address again).
+            unsafe {
+                self.alloc.shells().take(
+                    self.stream.context(),
+                    self.ptr,
+                    self.num_bytes(),
+                    self.num_bytes(),
+                )
+            }
+        };
+        match made {
             Ok(shell) => {
                 // Another thread may have made one meanwhile: then ours is dropped (its events
                 // destroyed) and theirs is used.
-                let _ = self.shell.set(shell);
+                if self.shell.set(shell).is_ok() && capturing {
+                    self.captured.store(true, Ordering::Relaxed);
+                }
                 self.shell.get()
             }
             Err(e) => {
@@ -428,9 +463,9 @@ impl<T> CachedSlice<T> {
         &self.alloc
     }
 
-    /// Whether the buffer carries cudarc's read/write events (the context manages stream
-    /// synchronization, or [`as_cuda_slice`](Self::as_cuda_slice) was called); see the type's
-    /// docs.
+    /// Whether the buffer carries cudarc's read/write events (it was used while the context
+    /// manages stream synchronization, or [`as_cuda_slice`](Self::as_cuda_slice) was called); see
+    /// the type's docs.
     pub fn has_events(&self) -> bool {
         self.shell.get().is_some() || self.typed.get().is_some()
     }

@@ -323,3 +323,150 @@ fn cuda_event_queries_during_another_threads_global_capture_leave_it_valid() {
     // stream was synchronized); nothing uses it afterwards.
     unsafe { dev.destroy_event(ev) }.unwrap();
 }
+
+/// Runs `launch` inside a thread-local capture of `stream`; returns the capture's outcome and
+/// the launch's.
+fn in_capture(
+    stream: &Arc<CudaStream>,
+    launch: impl FnOnce() -> Result<(), DriverError>,
+) -> (
+    Result<Option<cudarc::driver::CudaGraph>, DriverError>,
+    Result<(), DriverError>,
+) {
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
+    let guard = EndCaptureOnPanic(stream);
+    let launched = launch();
+    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    std::mem::forget(guard);
+    (graph, launched)
+}
+
+/// Launches `graph` and checks, through the driver (not cudarc, whose uses would wait on the
+/// events recorded inside the capture), that `ptr` holds `fill_pattern(seed)`.
+fn check_graph_fill(graph: &cudarc::driver::CudaGraph, stream: &CudaStream, ptr: u64, seed: u32) {
+    let len = 1usize << 20;
+    graph.launch().unwrap();
+    stream.synchronize().unwrap();
+    let mut back = vec![0u32; len];
+    // SAFETY: `ptr` holds `len` u32 of a live buffer, written by the synchronized stream.
+    unsafe { result::memcpy_dtoh_sync(&mut back, ptr) }.unwrap();
+    assert!(
+        back.iter()
+            .enumerate()
+            .all(|(i, &v)| v == pattern(i as u64, seed)),
+        "the graph's fill"
+    );
+}
+
+/// Note [Event shells and captures], with event tracking on and two streams (cudarc orders
+/// streams through each buffer's events). cudarc's own `alloc` gives a buffer new events, so a
+/// buffer first used inside a capture captures. A cached buffer must do the same on a cache
+/// hit, where the block's kept events were recorded outside the capture (the driver refuses a
+/// wait on them inside it: `CUDA_ERROR_STREAM_CAPTURE_ISOLATION`), and the events it records
+/// inside the capture must not be handed to the next buffer at that address (a wait on them
+/// outside the capture fails with `CUDA_ERROR_INVALID_VALUE`, and cudarc keeps that error for
+/// the context's next call). Each arm's dropping is compared with cudarc's own `CudaSlice`.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn a_buffer_first_used_inside_a_capture_captures_like_a_fresh_cuda_slice() {
+    crate::util::require_gpu(
+        "a_buffer_first_used_inside_a_capture_captures_like_a_fresh_cuda_slice",
+    );
+    let ctx = CudaContext::new(0).unwrap();
+    let s = ctx.new_stream().unwrap();
+    let _second = ctx.new_stream().unwrap();
+    assert!(ctx.is_managing_stream_synchronization());
+    let module = crate::util::load_module(&ctx, KERNELS);
+    let fill_fn = module.load_function("fill_pattern").unwrap();
+    let len = 1usize << 20;
+
+    // cudarc's own buffer: captured, launched, dropped after the capture (cudarc gives no
+    // address without a use, so its contents are not checked here).
+    // SAFETY: `u32` is valid for every bit pattern, and nothing reads the values.
+    let mut x = unsafe { s.alloc::<u32>(len) }.unwrap();
+    let (graph, launched) = in_capture(&s, || {
+        let (n, seed) = (len as u64, 3u32);
+        let mut b = s.launch_builder(&fill_fn);
+        b.arg(&mut x).arg(&n).arg(&seed);
+        // SAFETY: fill_pattern(unsigned*, u64, u32) writes the `len` values `x` holds.
+        unsafe { b.launch(grid(len)) }.map(|_| ())
+    });
+    launched.unwrap();
+    let graph = graph
+        .expect("cudarc's fresh buffer captures")
+        .expect("a graph");
+    assert_eq!(ctx.check_err(), Ok(()));
+    graph.launch().unwrap();
+    s.synchronize().unwrap();
+    drop(graph);
+    drop(x);
+    let cudarc_drop = ctx.check_err();
+    s.synchronize().unwrap();
+    let _ = ctx.check_err();
+    println!("cudarc's CudaSlice dropped after its capture: {cudarc_drop:?}");
+
+    let alloc = CudaAllocator::new(Arc::clone(&ctx), AllocatorConfig::default()).unwrap();
+    for hit in [true, false] {
+        // A cache hit: the block's previous buffer recorded its events outside a capture. A
+        // miss: a size never allocated before, so no kept events at that address.
+        let n = if hit { len } else { len + 4096 };
+        let before = if hit {
+            let a = alloc.alloc_zeros::<u32>(&s, n).unwrap();
+            let p = a.device_ptr_raw();
+            drop(a);
+            assert_eq!(
+                alloc.kept_event_pairs(),
+                1,
+                "the used buffer's events are kept"
+            );
+            Some(p)
+        } else {
+            None
+        };
+        let mut b = uninit(&alloc, &s, n);
+        if let Some(p) = before {
+            assert_eq!(b.device_ptr_raw(), p, "a cache hit");
+        }
+        let p = b.device_ptr_raw();
+        let (graph, launched) = in_capture(&s, || {
+            let (n64, seed) = (len as u64, 9u32);
+            let mut l = s.launch_builder(&fill_fn);
+            l.arg(&mut b).arg(&n64).arg(&seed);
+            // SAFETY: fill_pattern(unsigned*, u64, u32) writes `len` values; `b` holds at least
+            // `len`.
+            unsafe { l.launch(grid(len)) }.map(|_| ())
+        });
+        assert!(
+            launched.is_ok() && ctx.check_err().is_ok(),
+            "hit {hit}: the launch inside the capture: {launched:?}"
+        );
+        let graph = graph
+            .unwrap_or_else(|e| panic!("hit {hit}: the capture failed: {e:?}"))
+            .expect("a graph");
+        check_graph_fill(&graph, &s, p.0, 9);
+        drop(graph);
+        drop(b);
+        let ours_drop = ctx.check_err();
+        assert_eq!(
+            ours_drop, cudarc_drop,
+            "hit {hit}: dropping after the capture, as cudarc's own buffer"
+        );
+        s.synchronize().unwrap();
+        let _ = ctx.check_err();
+        // The next buffer at that address is used outside any capture: its events must be new
+        // or complete, never the captured ones.
+        let c = alloc.alloc_zeros::<u32>(&s, n).unwrap();
+        assert_eq!(c.device_ptr_raw(), p, "hit {hit}: the same block again");
+        s.synchronize().unwrap();
+        assert_eq!(
+            ctx.check_err(),
+            Ok(()),
+            "hit {hit}: the next buffer at the captured buffer's address waited on captured events"
+        );
+        drop(c);
+        s.synchronize().unwrap();
+        alloc.empty_cache().unwrap();
+    }
+}
