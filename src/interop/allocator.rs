@@ -502,6 +502,7 @@ impl CudaAllocator {
         Ok(CachedSlice::from_parts(
             a.ptr,
             len,
+            a.block_size,
             Arc::clone(stream),
             self.clone(),
         ))
@@ -598,6 +599,7 @@ impl CudaAllocator {
         self.admit(stream)?;
         Ok(CachedSlice::from_parts(
             DeviceAddr(0),
+            0,
             0,
             Arc::clone(stream),
             self.clone(),

@@ -48,6 +48,9 @@ pub struct CachedSlice<T> {
     /// stay in place while borrowed (it does: pushing borrows `self`).
     ptr: sys::CUdeviceptr,
     len: usize,
+    /// The cache block's size (at least the buffer's bytes): a shell made for the pool covers
+    /// it, so that a later, larger buffer at this address can take it too.
+    block_size: usize,
     stream: Arc<CudaStream>,
     alloc: CudaAllocator,
     /// cudarc's read/write events for this buffer, made (or taken back from the allocator's
@@ -170,12 +173,14 @@ impl<T> CachedSlice<T> {
     pub(super) fn from_parts(
         ptr: DeviceAddr,
         len: usize,
+        block_size: usize,
         stream: Arc<CudaStream>,
         alloc: CudaAllocator,
     ) -> Self {
         CachedSlice {
             ptr: ptr.0,
             len,
+            block_size,
             stream,
             alloc,
             shell: OnceLock::new(),
@@ -218,15 +223,15 @@ impl<T> CachedSlice<T> {
             // shell lives inside it and is destroyed with it.
             unsafe { EventShell::on_stream(&self.stream, self.ptr, self.num_bytes()) }
         } else {
-            // SAFETY: the buffer owns `[ptr, ptr + num_bytes)` until it is dropped, and the shell
-            // lives inside it (or, afterwards, in the allocator's pool, unused until a buffer
-            // owns that address again).
+            // SAFETY: the buffer owns its block `[ptr, ptr + block_size)` until it is dropped
+            // (`num_bytes <= block_size`), and the shell lives inside it (or, afterwards, in the
+            // allocator's pool, unused until a buffer owns that address again).
             unsafe {
                 self.alloc.shells().take(
                     self.stream.context(),
                     self.ptr,
                     self.num_bytes(),
-                    self.num_bytes(),
+                    self.block_size.max(self.num_bytes()),
                 )
             }
         };
