@@ -408,7 +408,7 @@ fn a_buffer_first_used_inside_a_capture_captures_like_a_fresh_cuda_slice() {
     println!("cudarc's CudaSlice dropped after its capture: {cudarc_drop:?}");
 
     let alloc = CudaAllocator::new(Arc::clone(&ctx), AllocatorConfig::default()).unwrap();
-    for hit in [true, false] {
+    for hit in [false, true] {
         // A cache hit: the block's previous buffer recorded its events outside a capture. A
         // miss: a size never allocated before, so no kept events at that address.
         let n = if hit { len } else { len + 4096 };
