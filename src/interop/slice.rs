@@ -346,7 +346,10 @@ impl<T> CachedSlice<T> {
         // SAFETY: the buffer owns `[ptr, ptr + num_bytes)` holding its values of `T` until it is
         // dropped; the typed shell lives inside it and is destroyed (never freeing) in its drop.
         let mut typed = unsafe { TypedShell::<T>::on_stream(&self.stream, self.ptr, self.len) }?;
-        if let (true, Some(bytes)) = (managing(&self.stream), self.shell.get()) {
+        // The byte shell is taken first when the buffer has none yet (its first use), so that the
+        // block's kept events still order this buffer's first uses (Note [Event shells and
+        // captures]).
+        if let (true, Some(bytes)) = (managing(&self.stream), self.shell()) {
             // The typed shell inherits the last write recorded on the byte shell: the allocation
             // stream waits for it, then records the typed shell's write. (Readers only ever wait
             // for writes; writers fold the byte shell in, see `prepare_mut`.)
