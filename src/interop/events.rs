@@ -93,6 +93,10 @@ impl<T> Shell<T> {
         ptr: sys::CUdeviceptr,
         len: usize,
     ) -> Result<Self, AllocError> {
+        // cudarc's event creation binds the context, which takes the error cudarc kept for the
+        // program's next call (`CudaContext::check_err`); it is taken first and put back, so that
+        // neither the creation fails on it nor the program loses it.
+        let pending = stream.context().check_err();
         // cudarc unwraps the event creation inside `upgrade_device_ptr`; a failure there must not
         // unwind through the caller, so it is caught and reported as an error.
         // SAFETY: obligation 1 is the caller's; the slice is never dropped as a `CudaSlice` (see
@@ -100,6 +104,9 @@ impl<T> Shell<T> {
         let made = catch_unwind(AssertUnwindSafe(|| unsafe {
             stream.upgrade_device_ptr::<T>(ptr, len)
         }));
+        if pending.is_err() {
+            stream.context().record_err(pending);
+        }
         match made {
             Ok(slice) => Ok(Shell(ManuallyDrop::new(slice))),
             Err(_) => Err(no_events()),
@@ -175,6 +182,16 @@ impl ShellPool {
                 // SAFETY: the caller's obligations, passed on.
                 unsafe { EventShell::new(ctx, ptr, make.max(need)) }
             }
+        }
+    }
+
+    /// The shell kept for `ptr` if there is one covering `need` bytes (left in the pool
+    /// otherwise); makes none.
+    pub(super) fn take_kept(&self, ptr: sys::CUdeviceptr, need: usize) -> Option<EventShell> {
+        let mut shells = self.shells.lock();
+        match shells.get(&ptr) {
+            Some(shell) if shell.len() >= need => shells.remove(&ptr),
+            _ => None,
         }
     }
 

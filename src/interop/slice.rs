@@ -92,16 +92,17 @@ impl<T> Drop for CachedSlice<T> {
         if self.ptr == 0 {
             return;
         }
-        self.wait_last_uses();
+        let keep = self.wait_last_uses();
         // The typed shell (if any) is destroyed: its events were made for this buffer only.
         drop(self.typed.take());
         if let Some(shell) = self.shell.take() {
-            if *self.captured.get_mut() {
-                // Note [Event shells and captures]: its drop waits on its events on the buffer's
-                // stream, as a `CudaSlice`'s drop does.
-                drop(shell);
-            } else {
+            if keep {
                 self.alloc.shells().put(self.ptr, shell);
+            } else {
+                // Note [Event shells and captures]: events that may be recorded inside a
+                // capture are destroyed, never kept (the drop waits on them on the shell's
+                // stream, as a `CudaSlice`'s drop does).
+                drop(shell);
             }
         }
         // SAFETY: the buffer owns the block at `self.ptr` (it came from this allocator and no
@@ -190,7 +191,7 @@ impl<T> CachedSlice<T> {
         }
     }
 
-    /// The byte event shell, made at the buffer's first use when the context manages stream
+    /// The byte event shell, taken at the buffer's first use when the context manages stream
     /// synchronization (Note [Event shells and captures]). `None` when cudarc orders nothing, or
     /// when the events could not be made (logged; uses then synchronize instead, see
     /// [`untracked`]).
@@ -207,17 +208,23 @@ impl<T> CachedSlice<T> {
     // address; otherwise it takes the pooled shell, whose old events are complete in the
     // allocation stream's order (the previous buffer's drop made that stream wait on them) and
     // order a first use on another stream after the previous buffer's last uses.
-    pub(super) fn shell(&self) -> Option<&EventShell> {
+    //
+    // `using` is the stream of the use when the caller knows it (cudarc's `DevicePtr` and
+    // `DevicePtrMut`): a first use there makes new events while that stream is capturing too.
+    // Kernel arguments and views do not know theirs: a first use through them inside a capture
+    // on another stream than the buffer's takes the kept events, and fails as a `CudaSlice`
+    // used before the capture does; and a view made before a capture took its events then. New
+    // events that such a use records inside a capture are caught at the drop: after the
+    // capture, waits on them fail, and a shell whose waits failed is destroyed, not kept
+    // (`wait_last_uses`).
+    fn shell_on(&self, using: Option<&CudaStream>) -> Option<&EventShell> {
         if let Some(shell) = self.shell.get() {
             return Some(shell);
         }
         if self.ptr == 0 || !managing(&self.stream) {
             return None;
         }
-        let capturing = !matches!(
-            self.alloc.device().stream_capture_id(self.stream_id()),
-            Ok(None)
-        );
+        let capturing = self.may_be_captured(using);
         let made = if capturing {
             // SAFETY: the buffer owns `[ptr, ptr + num_bytes)` until it is dropped, and this
             // shell lives inside it and is destroyed with it.
@@ -237,10 +244,13 @@ impl<T> CachedSlice<T> {
         };
         match made {
             Ok(shell) => {
-                // Another thread may have made one meanwhile: then ours is dropped (its events
-                // destroyed) and theirs is used.
-                if self.shell.set(shell).is_ok() && capturing {
-                    self.captured.store(true, Ordering::Relaxed);
+                // Another thread may have made one meanwhile: then theirs is used, and ours goes
+                // back to the pool (a kept or pool-ready one) or is destroyed (new events).
+                match self.shell.set(shell) {
+                    Ok(()) if capturing => self.captured.store(true, Ordering::Relaxed),
+                    Ok(()) => {}
+                    Err(ours) if !capturing => self.alloc.shells().put(self.ptr, ours),
+                    Err(ours) => drop(ours),
                 }
                 self.shell.get()
             }
@@ -251,12 +261,45 @@ impl<T> CachedSlice<T> {
         }
     }
 
+    /// Whether a first use now may be recorded inside a stream capture: the buffer's stream is
+    /// capturing, or `using` (the stream of the use, when known) is, or a query failed. A
+    /// legacy default stream never captures and is not asked (the driver may answer for the
+    /// streams it synchronizes with instead).
+    fn may_be_captured(&self, using: Option<&CudaStream>) -> bool {
+        // The null handle and `CU_STREAM_LEGACY` (0x1).
+        let legacy = |s: &CudaStream| (s.cu_stream() as usize) <= 1;
+        if !legacy(&self.stream) {
+            match self.alloc.device().stream_capture_id(self.stream_id()) {
+                Ok(None) => {}
+                Ok(Some(_)) => return true,
+                Err(e) => {
+                    tracing::debug!(target: "cuda_caching_allocator", stream = %self.stream_id(), error = %e, "capture status unknown: the buffer's first use makes new events");
+                    return true;
+                }
+            }
+        }
+        let Some(u) = using.filter(|u| !legacy(u) && u.cu_stream() != self.stream.cu_stream())
+        else {
+            return false;
+        };
+        // SAFETY: `u` is a live stream of the caller's, borrowed for the call.
+        !matches!(
+            unsafe { cu::result::stream::is_capturing(u.cu_stream()) },
+            Ok(sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+        )
+    }
+
     /// The events a shared use goes through (see [`Events`]).
     pub(super) fn events(&self) -> Events<'_, T> {
+        self.events_on(None)
+    }
+
+    /// [`events`](Self::events) for a use on `using` (see `shell_on`).
+    fn events_on(&self, using: Option<&CudaStream>) -> Events<'_, T> {
         if let Some(typed) = self.typed.get() {
             return Events::Typed(typed);
         }
-        match self.shell() {
+        match self.shell_on(using) {
             Some(shell) => Events::Bytes(shell),
             None => Events::None,
         }
@@ -267,8 +310,13 @@ impl<T> CachedSlice<T> {
     /// shell's events (uses through views made before the typed shell existed recorded only the
     /// byte shell's events; with `&mut self` no such view is alive any more).
     fn prepare_mut(&mut self) {
+        self.prepare_mut_on(None);
+    }
+
+    /// [`prepare_mut`](Self::prepare_mut) for a use on `using` (see `shell_on`).
+    fn prepare_mut_on(&mut self, using: Option<&CudaStream>) {
         if self.typed.get().is_none() {
-            let _ = self.shell();
+            let _ = self.shell_on(using);
             return;
         }
         if !managing(&self.stream) {
@@ -294,7 +342,20 @@ impl<T> CachedSlice<T> {
         &CudaAllocator,
         EventsMut<'_, T>,
     ) {
-        self.prepare_mut();
+        self.parts_mut_on(None)
+    }
+
+    /// [`parts_mut`](Self::parts_mut) for a use on `using` (see `shell_on`).
+    fn parts_mut_on(
+        &mut self,
+        using: Option<&CudaStream>,
+    ) -> (
+        sys::CUdeviceptr,
+        &Arc<CudaStream>,
+        &CudaAllocator,
+        EventsMut<'_, T>,
+    ) {
+        self.prepare_mut_on(using);
         let CachedSlice {
             ptr,
             stream,
@@ -315,17 +376,45 @@ impl<T> CachedSlice<T> {
     /// waits for the buffer's last reads and writes on every stream, through every event pair it
     /// has. A write use on it does exactly those waits; its record is not needed (the block is
     /// free from here on, or leaked), so the guard is forgotten (it holds only references).
-    fn wait_last_uses(&mut self) {
+    /// Returns whether the byte shell's events may be kept for the next buffer at this address:
+    /// not when a wait failed (events recorded inside a capture that has ended refuse waits,
+    /// `CUDA_ERROR_INVALID_VALUE`: cudarc's own drop records that error too, and it is left for
+    /// the program's next call as cudarc leaves it), nor for a shell made for a captured first
+    /// use (its own drop, `CudaSlice::leak`, does the waits on this same stream).
+    fn wait_last_uses(&mut self) -> bool {
         if !managing(&self.stream) {
-            return;
+            return true;
+        }
+        if *self.captured.get_mut() {
+            return false;
         }
         let stream = &self.stream;
         // The typed shell, if any, needs no wait here: it lives on this same stream, and the drop
         // that follows (`CudaSlice::leak`) makes the stream wait for its last read and write.
-        if let Some(shell) = self.shell.get_mut() {
-            let (_, record) = cu::DevicePtrMut::<u8>::device_ptr_mut(&mut **shell, stream);
-            std::mem::forget(record);
+        let Some(shell) = self.shell.get_mut() else {
+            return true;
+        };
+        // cudarc records a failed wait in the context (`record_err`) instead of returning it:
+        // the error held before is taken aside, the waits' own is read, and what cudarc would
+        // hold afterwards is put back (the waits' error, else the earlier one).
+        let ctx = stream.context();
+        let pending = ctx.check_err();
+        let (_, record) = cu::DevicePtrMut::<u8>::device_ptr_mut(&mut **shell, stream);
+        std::mem::forget(record);
+        let waited = ctx.check_err();
+        let keep = waited.is_ok();
+        ctx.record_err(if waited.is_err() { waited } else { pending });
+        keep
+    }
+
+    /// Takes the block's kept byte shell, if there is one, as this buffer's (its first use).
+    fn adopt_kept_shell(&self) -> Option<&EventShell> {
+        let kept = self.alloc.shells().take_kept(self.ptr, self.num_bytes())?;
+        if let Err(kept) = self.shell.set(kept) {
+            // Another thread's first use made one meanwhile.
+            self.alloc.shells().put(self.ptr, kept);
         }
+        self.shell.get()
     }
 
     /// The buffer as cudarc's own `CudaSlice<T>`, for APIs that name that type (cuFile's
@@ -346,10 +435,18 @@ impl<T> CachedSlice<T> {
         // SAFETY: the buffer owns `[ptr, ptr + num_bytes)` holding its values of `T` until it is
         // dropped; the typed shell lives inside it and is destroyed (never freeing) in its drop.
         let mut typed = unsafe { TypedShell::<T>::on_stream(&self.stream, self.ptr, self.len) }?;
-        // The byte shell is taken first when the buffer has none yet (its first use), so that the
-        // block's kept events still order this buffer's first uses (Note [Event shells and
-        // captures]).
-        if let (true, Some(bytes)) = (managing(&self.stream), self.shell()) {
+        // A first use through the typed shell takes the block's kept byte shell, if any, so that
+        // its events still order this buffer's first uses; new events would carry nothing to
+        // inherit, and none are made, nor kept ones taken inside a capture (Note [Event shells
+        // and captures]).
+        let bytes = match self.shell.get() {
+            Some(bytes) => Some(bytes),
+            None if managing(&self.stream) && !self.may_be_captured(None) => {
+                self.adopt_kept_shell()
+            }
+            None => None,
+        };
+        if let (true, Some(bytes)) = (managing(&self.stream), bytes) {
             // The typed shell inherits the last write recorded on the byte shell: the allocation
             // stream waits for it, then records the typed shell's write. (Readers only ever wait
             // for writes; writers fold the byte shell in, see `prepare_mut`.)
@@ -824,7 +921,7 @@ impl<T> cu::DevicePtr<T> for CachedSlice<T> {
     /// The address; `stream` first waits for the buffer's last write and the guard records the
     /// read, as for cudarc's `CudaSlice`.
     fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
-        match self.events() {
+        match self.events_on(Some(stream)) {
             Events::Typed(t) => cu::DevicePtr::<T>::device_ptr(t, stream),
             Events::Bytes(b) => {
                 let (_, sync) = cu::DevicePtr::<u8>::device_ptr(b, stream);
@@ -843,7 +940,7 @@ impl<T> cu::DevicePtrMut<T> for CachedSlice<T> {
         &'a mut self,
         stream: &'a CudaStream,
     ) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
-        let (ptr, own, _, events) = self.parts_mut();
+        let (ptr, own, _, events) = self.parts_mut_on(Some(stream));
         match events {
             EventsMut::Typed(t) => cu::DevicePtrMut::<T>::device_ptr_mut(t, stream),
             EventsMut::Bytes(b) => {

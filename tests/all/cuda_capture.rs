@@ -470,3 +470,131 @@ fn a_buffer_first_used_inside_a_capture_captures_like_a_fresh_cuda_slice() {
         alloc.empty_cache().unwrap();
     }
 }
+
+/// Reads `len` u32 at `ptr` through the driver (no cudarc use: no event waited on).
+fn read_raw(ptr: u64, len: usize) -> Vec<u32> {
+    let mut back = vec![0u32; len];
+    // SAFETY: `ptr` holds `len` u32 of a live buffer; the callers synchronized its writers.
+    unsafe { result::memcpy_dtoh_sync(&mut back, ptr) }.unwrap();
+    back
+}
+
+/// Note [Event shells and captures], a capture on another stream than the buffer's own (as a
+/// program capturing on a side stream does), with event tracking on:
+/// 1. a first use whose stream cudarc names (`memset_zeros` on the capturing stream, through
+///    `DevicePtrMut`) makes new events, on a cache hit too, so the capture succeeds, and the
+///    next buffer at that address is used outside the capture with no error;
+/// 2. a first use that names no stream (a kernel argument) on a fresh block takes pool-ready
+///    events that the capture records; the drop after the capture finds its waits refused and
+///    destroys them, so the next buffer at that address again gets no error.
+///
+/// Each drop after a capture leaves the context the error cudarc's own buffer leaves.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn a_first_use_inside_a_capture_on_another_stream_leaves_no_captured_events() {
+    crate::util::require_gpu(
+        "a_first_use_inside_a_capture_on_another_stream_leaves_no_captured_events",
+    );
+    let ctx = CudaContext::new(0).unwrap();
+    let s = ctx.new_stream().unwrap();
+    let s2 = ctx.new_stream().unwrap();
+    assert!(ctx.is_managing_stream_synchronization());
+    let module = crate::util::load_module(&ctx, KERNELS);
+    let fill_fn = module.load_function("fill_pattern").unwrap();
+    let len = 1usize << 20;
+    let launch_fill = |buf: &mut CachedSlice<u32>, seed: u32| {
+        let n = len as u64;
+        let mut l = s2.launch_builder(&fill_fn);
+        l.arg(buf).arg(&n).arg(&seed);
+        // SAFETY: fill_pattern(unsigned*, u64, u32) writes `len` values; the buffers hold at
+        // least `len`.
+        unsafe { l.launch(grid(len)) }.map(|_| ())
+    };
+
+    // What cudarc's own buffer (allocated on `s`, captured on `s2`) leaves at its drop.
+    // SAFETY: `u32` is valid for every bit pattern, and nothing reads the values.
+    let mut x = unsafe { s.alloc::<u32>(len) }.unwrap();
+    let (graph, launched) = in_capture(&s2, || s2.memset_zeros(&mut x));
+    launched.unwrap();
+    let graph = graph
+        .expect("cudarc's fresh buffer captures")
+        .expect("a graph");
+    graph.launch().unwrap();
+    s2.synchronize().unwrap();
+    drop(graph);
+    drop(x);
+    let cudarc_drop = ctx.check_err();
+    ctx.synchronize().unwrap();
+    let _ = ctx.check_err();
+    println!("cudarc's CudaSlice dropped after a capture on another stream: {cudarc_drop:?}");
+
+    let alloc = CudaAllocator::new(Arc::clone(&ctx), AllocatorConfig::default()).unwrap();
+    let arms: [(&str, bool, usize); 3] = [
+        ("memset, fresh block", false, len + 4096),
+        ("memset, cache hit", true, len),
+        ("kernel argument, fresh block", false, len + 8192),
+    ];
+    for (arm, hit, n) in arms {
+        if hit {
+            let a = alloc.alloc_zeros::<u32>(&s, n).unwrap();
+            drop(a);
+            assert!(
+                alloc.kept_event_pairs() >= 1,
+                "{arm}: the used buffer's events are kept"
+            );
+        }
+        let mut b = uninit(&alloc, &s, n);
+        let p = b.device_ptr_raw().0;
+        // SAFETY: the buffer's `n` u32, written through the driver (no cudarc use, no event).
+        unsafe { result::memset_d8_sync(p, 0xAB, n * 4) }.unwrap();
+        ctx.synchronize().unwrap();
+        let memset = arm.starts_with("memset");
+        let (graph, launched) = in_capture(&s2, || {
+            if memset {
+                s2.memset_zeros(&mut b)
+            } else {
+                launch_fill(&mut b, 21)
+            }
+        });
+        assert!(
+            launched.is_ok() && ctx.check_err().is_ok(),
+            "{arm}: the use inside the capture: {launched:?}"
+        );
+        let graph = graph
+            .unwrap_or_else(|e| panic!("{arm}: the capture failed: {e:?}"))
+            .expect("a graph");
+        graph.launch().unwrap();
+        s2.synchronize().unwrap();
+        let back = read_raw(p, len);
+        if memset {
+            assert!(back.iter().all(|&v| v == 0), "{arm}: the graph's memset");
+        } else {
+            assert!(
+                back.iter()
+                    .enumerate()
+                    .all(|(i, &v)| v == pattern(i as u64, 21)),
+                "{arm}: the graph's fill"
+            );
+        }
+        drop(graph);
+        drop(b);
+        assert_eq!(
+            ctx.check_err(),
+            cudarc_drop,
+            "{arm}: dropping after the capture, as cudarc's own buffer"
+        );
+        ctx.synchronize().unwrap();
+        let _ = ctx.check_err();
+        let c = alloc.alloc_zeros::<u32>(&s, n).unwrap();
+        assert_eq!(c.device_ptr_raw().0, p, "{arm}: the same block again");
+        s.synchronize().unwrap();
+        assert_eq!(
+            ctx.check_err(),
+            Ok(()),
+            "{arm}: the next buffer at that address waited on captured events"
+        );
+        drop(c);
+        s.synchronize().unwrap();
+        alloc.empty_cache().unwrap();
+    }
+}
