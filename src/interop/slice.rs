@@ -382,11 +382,11 @@ impl<T> CachedSlice<T> {
     /// the program's next call as cudarc leaves it), nor for a shell made for a captured first
     /// use (its own drop, `CudaSlice::leak`, does the waits on this same stream).
     fn wait_last_uses(&mut self) -> bool {
-        if !managing(&self.stream) {
-            return true;
-        }
         if *self.captured.get_mut() {
             return false;
+        }
+        if !managing(&self.stream) {
+            return true;
         }
         let stream = &self.stream;
         // The typed shell, if any, needs no wait here: it lives on this same stream, and the drop
