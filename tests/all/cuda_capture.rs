@@ -360,6 +360,50 @@ fn check_graph_fill(graph: &cudarc::driver::CudaGraph, stream: &CudaStream, ptr:
     );
 }
 
+/// A context object with event tracking on (cudarc's default) and two streams, so that cudarc
+/// orders streams through each buffer's events, and the `fill_pattern` kernel loaded there.
+fn tracking_setup() -> (
+    Arc<CudaContext>,
+    Arc<CudaStream>,
+    Arc<CudaStream>,
+    CudaFunction,
+) {
+    let ctx = CudaContext::new(0).unwrap();
+    let s = ctx.new_stream().unwrap();
+    let s2 = ctx.new_stream().unwrap();
+    assert!(ctx.is_managing_stream_synchronization());
+    let module = crate::util::load_module(&ctx, KERNELS);
+    let fill_fn = module.load_function("fill_pattern").unwrap();
+    (ctx, s, s2, fill_fn)
+}
+
+/// What cudarc's own buffer leaves in the context at its drop: allocated on `alloc_on`, first
+/// used (a memset) inside a capture of `capture_on`, which must capture, and dropped after the
+/// graph ran.
+fn cudarc_drop_after_capture(
+    ctx: &CudaContext,
+    alloc_on: &Arc<CudaStream>,
+    capture_on: &Arc<CudaStream>,
+    len: usize,
+) -> Result<(), DriverError> {
+    // SAFETY: `u32` is valid for every bit pattern, and nothing reads the values.
+    let mut x = unsafe { alloc_on.alloc::<u32>(len) }.unwrap();
+    let (graph, launched) = in_capture(capture_on, || capture_on.memset_zeros(&mut x));
+    launched.unwrap();
+    let graph = graph
+        .expect("cudarc's fresh buffer captures")
+        .expect("a graph");
+    assert_eq!(ctx.check_err(), Ok(()));
+    graph.launch().unwrap();
+    capture_on.synchronize().unwrap();
+    drop(graph);
+    drop(x);
+    let dropped = ctx.check_err();
+    ctx.synchronize().unwrap();
+    let _ = ctx.check_err();
+    dropped
+}
+
 /// Note [Event shells and captures], with event tracking on and two streams (cudarc orders
 /// streams through each buffer's events). cudarc's own `alloc` gives a buffer new events, so a
 /// buffer first used inside a capture captures. A cached buffer must do the same on a cache
@@ -374,37 +418,9 @@ fn a_buffer_first_used_inside_a_capture_captures_like_a_fresh_cuda_slice() {
     crate::util::require_gpu(
         "a_buffer_first_used_inside_a_capture_captures_like_a_fresh_cuda_slice",
     );
-    let ctx = CudaContext::new(0).unwrap();
-    let s = ctx.new_stream().unwrap();
-    let _second = ctx.new_stream().unwrap();
-    assert!(ctx.is_managing_stream_synchronization());
-    let module = crate::util::load_module(&ctx, KERNELS);
-    let fill_fn = module.load_function("fill_pattern").unwrap();
+    let (ctx, s, _second, fill_fn) = tracking_setup();
     let len = 1usize << 20;
-
-    // cudarc's own buffer: captured, launched, dropped after the capture (cudarc gives no
-    // address without a use, so its contents are not checked here).
-    // SAFETY: `u32` is valid for every bit pattern, and nothing reads the values.
-    let mut x = unsafe { s.alloc::<u32>(len) }.unwrap();
-    let (graph, launched) = in_capture(&s, || {
-        let (n, seed) = (len as u64, 3u32);
-        let mut b = s.launch_builder(&fill_fn);
-        b.arg(&mut x).arg(&n).arg(&seed);
-        // SAFETY: fill_pattern(unsigned*, u64, u32) writes the `len` values `x` holds.
-        unsafe { b.launch(grid(len)) }.map(|_| ())
-    });
-    launched.unwrap();
-    let graph = graph
-        .expect("cudarc's fresh buffer captures")
-        .expect("a graph");
-    assert_eq!(ctx.check_err(), Ok(()));
-    graph.launch().unwrap();
-    s.synchronize().unwrap();
-    drop(graph);
-    drop(x);
-    let cudarc_drop = ctx.check_err();
-    s.synchronize().unwrap();
-    let _ = ctx.check_err();
+    let cudarc_drop = cudarc_drop_after_capture(&ctx, &s, &s, len);
     println!("cudarc's CudaSlice dropped after its capture: {cudarc_drop:?}");
 
     let alloc = CudaAllocator::new(Arc::clone(&ctx), AllocatorConfig::default()).unwrap();
@@ -495,12 +511,7 @@ fn a_first_use_inside_a_capture_on_another_stream_leaves_no_captured_events() {
     crate::util::require_gpu(
         "a_first_use_inside_a_capture_on_another_stream_leaves_no_captured_events",
     );
-    let ctx = CudaContext::new(0).unwrap();
-    let s = ctx.new_stream().unwrap();
-    let s2 = ctx.new_stream().unwrap();
-    assert!(ctx.is_managing_stream_synchronization());
-    let module = crate::util::load_module(&ctx, KERNELS);
-    let fill_fn = module.load_function("fill_pattern").unwrap();
+    let (ctx, s, s2, fill_fn) = tracking_setup();
     let len = 1usize << 20;
     let launch_fill = |buf: &mut CachedSlice<u32>, seed: u32| {
         let n = len as u64;
@@ -512,20 +523,7 @@ fn a_first_use_inside_a_capture_on_another_stream_leaves_no_captured_events() {
     };
 
     // What cudarc's own buffer (allocated on `s`, captured on `s2`) leaves at its drop.
-    // SAFETY: `u32` is valid for every bit pattern, and nothing reads the values.
-    let mut x = unsafe { s.alloc::<u32>(len) }.unwrap();
-    let (graph, launched) = in_capture(&s2, || s2.memset_zeros(&mut x));
-    launched.unwrap();
-    let graph = graph
-        .expect("cudarc's fresh buffer captures")
-        .expect("a graph");
-    graph.launch().unwrap();
-    s2.synchronize().unwrap();
-    drop(graph);
-    drop(x);
-    let cudarc_drop = ctx.check_err();
-    ctx.synchronize().unwrap();
-    let _ = ctx.check_err();
+    let cudarc_drop = cudarc_drop_after_capture(&ctx, &s, &s2, len);
     println!("cudarc's CudaSlice dropped after a capture on another stream: {cudarc_drop:?}");
 
     let alloc = CudaAllocator::new(Arc::clone(&ctx), AllocatorConfig::default()).unwrap();

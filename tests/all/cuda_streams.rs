@@ -123,7 +123,18 @@ fn read_after_write(tracking: bool) -> usize {
 /// allocates the same size (the same block) and overwrites it. Returns the trials whose read saw
 /// the overwrite, and how many trials reused the block.
 fn reuse_after_read(tracking: bool) -> (usize, usize) {
+    reuse_after_read_on(tracking, false)
+}
+
+/// Hazard (b), the new buffer's first use (the overwrite) on s1, or with `third` on a third
+/// stream (hazard (d)).
+fn reuse_after_read_on(tracking: bool, third: bool) -> (usize, usize) {
     let (ctx, s1, s2) = setup(tracking);
+    let over_on = if third {
+        ctx.new_stream().unwrap()
+    } else {
+        Arc::clone(&s1)
+    };
     let k = kernels(&ctx);
     let alloc = CudaAllocator::new(Arc::clone(&ctx), AllocatorConfig::default()).unwrap();
     let n = N as u64;
@@ -150,7 +161,7 @@ fn reuse_after_read(tracking: bool) -> (usize, usize) {
             reused += 1;
         }
         let junk = 0xDEAD_0000u32;
-        let mut over = s1.launch_builder(&k.spin_fill);
+        let mut over = over_on.launch_builder(&k.spin_fill);
         over.arg(&mut x2).arg(&n).arg(&junk).arg(&zero);
         // SAFETY: as above.
         unsafe { over.launch(grid()) }.unwrap();
@@ -248,61 +259,16 @@ fn a_borrowed_block_returns_only_after_the_borrowers_work() {
     }
 }
 
-/// Hazard (d), the kept events of a cache hit (Note [Event shells and captures]): a slow kernel
-/// on s2 reads `x` (allocated on s1); `x` is dropped at once, s1 allocates the same size (the
-/// same block) and the new buffer's *first* use is a write on a third stream. Only the block's
-/// kept events, which the new buffer takes at that first use, order the write after the read
-/// (cudarc's own `alloc` gives new events, which order nothing there). Returns the trials whose
-/// read saw the overwrite, and how many trials reused the block.
-fn first_use_on_a_third_stream(tracking: bool) -> (usize, usize) {
-    let (ctx, s1, s2) = setup(tracking);
-    let s3 = ctx.new_stream().unwrap();
-    let k = kernels(&ctx);
-    let alloc = CudaAllocator::new(Arc::clone(&ctx), AllocatorConfig::default()).unwrap();
-    let n = N as u64;
-    let zero = 0i64;
-    let (mut wrong, mut reused) = (0, 0);
-    for trial in 0..TRIALS {
-        let v = 1000 * trial as u32 + 13;
-        let mut x: CachedSlice<u32> = alloc.alloc_zeros(&s1, N).unwrap();
-        let mut fill = s1.launch_builder(&k.spin_fill);
-        fill.arg(&mut x).arg(&n).arg(&v).arg(&zero);
-        // SAFETY: spin_fill(unsigned*, u64, u32, i64) writes `N` values of an `N`-value buffer.
-        unsafe { fill.launch(grid()) }.unwrap();
-        s1.synchronize().unwrap();
-        let mut z: CachedSlice<u32> = alloc.alloc_zeros(&s2, N).unwrap();
-        let mut copy = s2.launch_builder(&k.spin_copy);
-        copy.arg(&x).arg(&mut z).arg(&n).arg(&SPIN);
-        // SAFETY: spin_copy(const unsigned*, unsigned*, u64, i64) reads and writes `N` values of
-        // two `N`-value buffers.
-        unsafe { copy.launch(spin_grid()) }.unwrap();
-        let before = x.device_ptr_raw();
-        drop(x);
-        let mut x2: CachedSlice<u32> = unsafe_uninit(&alloc, &s1);
-        if x2.device_ptr_raw() == before {
-            reused += 1;
-        }
-        let junk = 0xDEAD_0000u32;
-        let mut over = s3.launch_builder(&k.spin_fill);
-        over.arg(&mut x2).arg(&n).arg(&junk).arg(&zero);
-        // SAFETY: as above.
-        unsafe { over.launch(grid()) }.unwrap();
-        let got = z.to_vec().unwrap();
-        if got != expected(v) {
-            wrong += 1;
-        }
-        ctx.synchronize().unwrap();
-    }
-    alloc.check_invariants().unwrap();
-    (wrong, reused)
-}
-
+/// Hazard (d), the kept events of a cache hit (Note [Event shells and captures]): as hazard (b),
+/// but the new buffer's *first* use, the overwrite, is on a third stream. Only the block's kept
+/// events, which the new buffer takes at that first use, order the write after the read
+/// (cudarc's own `alloc` gives new events, which order nothing there).
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn a_cache_hits_first_use_on_a_third_stream_waits_for_the_blocks_last_reads() {
     require_gpu("a_cache_hits_first_use_on_a_third_stream_waits_for_the_blocks_last_reads");
-    let managed = first_use_on_a_third_stream(true);
-    let control = first_use_on_a_third_stream(false);
+    let managed = reuse_after_read_on(true, true);
+    let control = reuse_after_read_on(false, true);
     println!(
         "kept-events probe, {TRIALS} trials: managed wrong {}/{TRIALS} (block reused {}); control (tracking off) wrong {}/{TRIALS} (block reused {})",
         managed.0, managed.1, control.0, control.1
