@@ -55,6 +55,9 @@ EXTRA_ALLOCATORS = [
     ("cca-no-lending", {}, "cca_preset:default,cca_page_lending:False"),
     ("cca-no-fast", {}, "cca_preset:default,cca_fast_path:False"),
     ("cca-borrow", {}, "cca_preset:default,cca_borrow_blocks:True"),
+    # The default with the page-move budget at its smallest (1 × the reserved pages instead of
+    # 8 ×): how a long run looks once the budget is spent and the layout settles.
+    ("cca-budget1", {}, "cca_preset:default,cca_page_move_budget:1"),
 ]
 
 
@@ -736,7 +739,8 @@ def main():
     p.add_argument("--timeout", type=int, default=400)
     p.add_argument("--allocators", nargs="*", default=None,
                    help="labels to run beside native (default: the four of ALLOCATORS; also "
-                        "cca-default-20m, cca-lean-fast, cca-no-lending, cca-no-fast)")
+                        "cca-default-20m, cca-lean-fast, cca-no-lending, cca-no-fast, cca-borrow, "
+                        "cca-budget1)")
     p.add_argument("--reps", type=int, default=int(os.environ.get("CCA_CLIENT_REPS", "1")),
                    help="interleaved repeats of every allocator (default 1, or $CCA_CLIENT_REPS)")
     p.add_argument("--host-timing", action="store_true",
