@@ -104,9 +104,7 @@ impl<T> Shell<T> {
         let made = catch_unwind(AssertUnwindSafe(|| unsafe {
             stream.upgrade_device_ptr::<T>(ptr, len)
         }));
-        if pending.is_err() {
-            stream.context().record_err(pending);
-        }
+        stream.context().record_err(pending);
         match made {
             Ok(slice) => Ok(Shell(ManuallyDrop::new(slice))),
             Err(_) => Err(no_events()),
@@ -174,14 +172,11 @@ impl ShellPool {
         need: usize,
         make: usize,
     ) -> Result<EventShell, AllocError> {
-        let kept = self.shells.lock().remove(&ptr);
-        match kept {
-            Some(shell) if shell.len() >= need => Ok(shell),
-            // A shell too short for this buffer is destroyed (outside the lock) and replaced.
-            _ => {
-                // SAFETY: the caller's obligations, passed on.
-                unsafe { EventShell::new(ctx, ptr, make.max(need)) }
-            }
+        match self.take_kept(ptr, need) {
+            Some(shell) => Ok(shell),
+            // A shell too short for this buffer stays until this buffer's shell displaces it.
+            // SAFETY: the caller's obligations, passed on.
+            None => unsafe { EventShell::new(ctx, ptr, make.max(need)) },
         }
     }
 

@@ -440,13 +440,12 @@ impl<T> CachedSlice<T> {
         // inherit, and none are made, nor kept ones taken inside a capture (Note [Event shells
         // and captures]).
         let bytes = match self.shell.get() {
+            _ if !managing(&self.stream) => None,
             Some(bytes) => Some(bytes),
-            None if managing(&self.stream) && !self.may_be_captured(None) => {
-                self.adopt_kept_shell()
-            }
-            None => None,
+            None if self.may_be_captured(None) => None,
+            None => self.adopt_kept_shell(),
         };
-        if let (true, Some(bytes)) = (managing(&self.stream), bytes) {
+        if let Some(bytes) = bytes {
             // The typed shell inherits the last write recorded on the byte shell: the allocation
             // stream waits for it, then records the typed shell's write. (Readers only ever wait
             // for writes; writers fold the byte shell in, see `prepare_mut`.)
