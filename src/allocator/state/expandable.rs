@@ -35,6 +35,13 @@
 //! exactly as without a budget; the rotating queue settles at 1.24 × live after 837 moves
 //! instead of moving 0.6 pages per allocation at 1.04 ×.
 //!
+//! Note [Reuse plans count before they collect]: a reuse plan ranks every free mapped block by
+//! the pages it would give, and a training step's free blocks can hold thousands of pages. The
+//! ranking counts each block's reusable handles without collecting them, and a block's handles
+//! are listed only when the plan takes from it, highest first, until the need is met. On the
+//! recorded FSDP2 trace (`gpu/traces/fsdp.pickle.gz`, default) this halved the plans' host work
+//! (20.4 to 10.0 million instructions for 156 plans) with identical plans.
+//!
 //! Failure handling: a device error part-way through mapping or unmapping records what did
 //! happen (the pages mapped or unmapped so far) in the block structure and puts physical pages
 //! that are mapped nowhere into `spare_pages`, so the state stays consistent and nothing leaks.
@@ -103,14 +110,27 @@ impl VmSegment {
 
     /// Handles lying wholly inside pages `[first, last)`, as `(first page, pages)`, in order.
     fn handles_within(&self, first: usize, last: usize) -> Vec<(usize, usize)> {
-        if last <= first {
-            return Vec::new();
-        }
-        self.handles
-            .range(first..last)
-            .filter(|(start, (_, n))| **start + *n <= last)
-            .map(|(start, (_, n))| (*start, *n))
+        self.reusable_handles(first, last, self.page_size)
+            .map(|(_, start, n)| (start, n))
             .collect()
+    }
+
+    /// The handles lying wholly inside pages `[first, last)` whose bytes are whole pages of
+    /// `page` bytes (a segment of that page size can map them), in order, as `(pages of `page`
+    /// bytes, first page here, pages here)`. Allocates nothing, so a reuse plan can count a free
+    /// block's pages without collecting them (Note [Reuse plans count before they collect]).
+    fn reusable_handles(
+        &self,
+        first: usize,
+        last: usize,
+        page: usize,
+    ) -> impl DoubleEndedIterator<Item = (usize, usize, usize)> + '_ {
+        let bytes_per = self.page_size;
+        self.handles
+            .range(first..last.max(first))
+            .filter(move |(start, (_, n))| **start + *n <= last)
+            .filter(move |(_, (_, n))| page != 0 && (*n * bytes_per) % page == 0)
+            .map(move |(start, (_, n))| (*n * bytes_per / page, *start, *n))
     }
 }
 
@@ -760,9 +780,9 @@ impl State {
         };
         let same_segment_only = self.config.page_reuse == PageReuse::Segment;
         let (lo, hi) = growth.keep;
-        // Per block: (pages here in all, address, block, [(pages here, first page there, pages
-        // there)]).
-        type Cand = (usize, u64, BlockId, Vec<(usize, usize, usize)>);
+        // Per block: (pages here in all, address, block, its segment, its first reusable page,
+        // the page past its last): its handles are listed only if the plan takes from it.
+        type Cand = (usize, u64, BlockId, u64, usize, usize);
         let mut cands: Vec<Cand> = Vec::new();
         for pk in [PoolKind::Small, PoolKind::Large] {
             if same_segment_only && pk != kind {
@@ -786,17 +806,9 @@ impl State {
                 // there, it would merge into that block.
                 let skip_low = usize::from(b.prev == Some(growth.to_map));
                 let skip_high = usize::from(b.next == Some(growth.to_map));
-                let bytes_per = seg.page_size;
-                let handles: Vec<(usize, usize, usize)> = seg
-                    .handles_within(
-                        seg.page_right(b.ptr) + skip_low,
-                        seg.page_left(b.end()).saturating_sub(skip_high),
-                    )
-                    .into_iter()
-                    .filter(|&(_, count)| (count * bytes_per) % page == 0)
-                    .map(|(start, count)| (count * bytes_per / page, start, count))
-                    .collect();
-                let total: usize = handles.iter().map(|h| h.0).sum();
+                let first = seg.page_right(b.ptr) + skip_low;
+                let last = seg.page_left(b.end()).saturating_sub(skip_high);
+                let total: usize = seg.reusable_handles(first, last, page).map(|h| h.0).sum();
                 if total == 0 {
                     continue;
                 }
@@ -811,7 +823,7 @@ impl State {
                     }
                     continue;
                 }
-                cands.push((total, b.ptr, k.id, handles));
+                cands.push((total, b.ptr, k.id, sb, first, last));
             }
         }
         // Fewest blocks touched: the blocks with most reusable pages first; within a block its
@@ -819,15 +831,22 @@ impl State {
         cands.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
         let mut left = need;
         let mut taken: Vec<(BlockId, usize, usize)> = Vec::new();
-        for (_, _, id, handles) in cands {
-            if left == 0 {
-                break;
-            }
-            for &(pages, start, count) in handles.iter().rev() {
+        for (_, _, id, sb, first, last) in cands {
+            let Some(seg) = self.vm_segments.get(&sb) else {
+                continue;
+            };
+            // Every handle gives at least one page: none fits once nothing is left.
+            for (pages, start, count) in seg.reusable_handles(first, last, page).rev() {
+                if left == 0 {
+                    break;
+                }
                 if pages <= left {
                     left -= pages;
                     taken.push((id, start, count));
                 }
+            }
+            if left == 0 {
+                break;
             }
         }
         taken.sort_unstable();
