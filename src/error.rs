@@ -204,6 +204,20 @@ pub enum AllocError {
         /// What was attempted.
         operation: &'static str,
     },
+    /// A typed cudarc allocation ([`CudaAllocator::alloc`](crate::interop::CudaAllocator::alloc)
+    /// and friends) on a stream that is capturing a CUDA graph no private pool receives. cudarc's
+    /// own allocation there is a graph memory node that the graph owns; cached memory would go
+    /// back to other work when the buffer is dropped while the graph still uses it. Open a pool
+    /// for the capture with `CudaAllocator::capture_pool(&stream)` right after `begin_capture`.
+    #[error(
+        "stream {stream} is capturing a CUDA graph (capture id {capture_id}) that no private pool receives: cached memory allocated there would be handed to other work while the graph still uses it; call CudaAllocator::capture_pool(&stream) after begin_capture"
+    )]
+    UnroutedCapture {
+        /// The capturing stream.
+        stream: StreamId,
+        /// The driver's id of the capture.
+        capture_id: u64,
+    },
     /// A private-pool call named a pool it cannot act on. The message says which rule was broken.
     #[error("memory pool {pool}: {reason}")]
     InvalidPool {

@@ -239,7 +239,9 @@ pub extern "C" fn cca_release_pool(device: c_int, pool: MempoolId) {
         else {
             return;
         };
-        if let Err(e) = alloc.release_pool(pool.id()) {
+        // SAFETY: PyTorch gives a pool's use back when the graph or `MemPool` holding it is
+        // reset or destroyed (`CUDAGraph::reset`, `~MemPool`): no graph replays it afterwards.
+        if let Err(e) = unsafe { alloc.release_pool(pool.id()) } {
             fail_alloc(
                 &format!(
                     "release_pool(device {device}, pool ({}, {}))",

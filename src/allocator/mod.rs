@@ -286,10 +286,12 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// `record_stream`).
     ///
     /// # Errors
-    /// The pointer errors of [`free`](Self::free).
+    /// [`AllocError::InvalidStream`] when the device rejects `stream`, else the pointer errors
+    /// of [`free`](Self::free); nothing changes on an error.
     pub fn record_stream(&self, ptr: DeviceAddr, stream: StreamId) -> Result<()> {
         let mut guard = self.lock();
         let Locked { st, front: fl } = &mut *guard;
+        st.admit_stream(&self.backend, stream)?;
         match &self.front {
             Some(front) => front.record_stream_locked(st, fl, ptr, stream),
             None => st.record_stream(ptr, stream),
@@ -430,6 +432,19 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// released and emptied).
     pub fn pool_use_count(&self, pool: MemPoolId) -> Option<u32> {
         self.lock().graph.use_count(pool)
+    }
+
+    /// The private pool an allocation on `stream` would be served from now: that of the newest
+    /// routing whose filter accepts the stream, or `None` for the default pools (also when no
+    /// routing is active).
+    pub fn routed_pool(&self, stream: StreamId) -> Option<MemPoolId> {
+        self.lock().routed_pool(&self.backend, stream)
+    }
+
+    /// The private pool whose memory the live allocation at `ptr` is: `None` for memory of the
+    /// default pools, and when no live allocation starts at `ptr`.
+    pub fn pool_of(&self, ptr: DeviceAddr) -> Option<MemPoolId> {
+        self.lock().pool_of_allocation(ptr.0)
     }
 
     /// Whether a graph capture is underway: some routing to a private pool is active

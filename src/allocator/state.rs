@@ -281,11 +281,7 @@ impl State {
                 requested: orig_size as u64,
             });
         }
-        if !self.known_streams.contains(&stream) {
-            dev.validate_stream(stream)
-                .map_err(|source| AllocError::InvalidStream { stream, source })?;
-            self.known_streams.push(stream);
-        }
+        self.admit_stream(dev, stream)?;
         // Note [Capture underway] (private_pool.rs): no event queries, synchronizations or
         // releases while a routing is active; the allocation may go to a private pool.
         let capture = self.capture_underway();
@@ -751,6 +747,23 @@ impl State {
     }
 
     // ---- streams and events ----------------------------------------------------------------
+
+    /// Checks `stream` with the device the first time the cache meets it, and remembers it.
+    ///
+    /// # Errors
+    /// [`AllocError::InvalidStream`] when the device rejects it (nothing changes).
+    pub(crate) fn admit_stream<B: DeviceBackend>(
+        &mut self,
+        dev: &B,
+        stream: StreamId,
+    ) -> Result<()> {
+        if !self.known_streams.contains(&stream) {
+            dev.validate_stream(stream)
+                .map_err(|source| AllocError::InvalidStream { stream, source })?;
+            self.known_streams.push(stream);
+        }
+        Ok(())
+    }
 
     pub(crate) fn record_stream(&mut self, ptr: DeviceAddr, stream: StreamId) -> Result<()> {
         let Some(&id) = self.active.get(&ptr.0) else {

@@ -530,6 +530,18 @@ fn align_up(x: u64, align: u64) -> u64 {
 }
 
 impl Inner {
+    /// `Err` for a stream the device was told to reject ([`SimDevice::reject_stream`]): every
+    /// call on a stream checks it, as the CUDA backend checks its admitted streams.
+    fn check_stream(&self, stream: StreamId) -> Result<(), BackendError> {
+        if self.rejected_streams.contains(&stream) {
+            return Err(BackendError::InvalidStream {
+                stream,
+                reason: "rejected by the simulated device".into(),
+            });
+        }
+        Ok(())
+    }
+
     fn overlaps(&self, start: u64, size: usize) -> Option<u64> {
         let end = start.saturating_add(size as u64);
         // The last range starting before `end` is the only candidate that can overlap.
@@ -1237,17 +1249,12 @@ unsafe impl DeviceBackend for SimDevice {
     }
 
     fn validate_stream(&self, stream: StreamId) -> Result<(), BackendError> {
-        if self.inner.lock().rejected_streams.contains(&stream) {
-            return Err(BackendError::InvalidStream {
-                stream,
-                reason: "rejected by the simulated device".into(),
-            });
-        }
-        Ok(())
+        self.inner.lock().check_stream(stream)
     }
 
     fn synchronize_stream(&self, stream: StreamId) -> Result<(), BackendError> {
         let mut g = self.inner.lock();
+        g.check_stream(stream)?;
         let capture = g.stream_capture(stream);
         g.capture_call("synchronize_stream", CaptureClass::Query { capture });
         g.counters.synchronize_calls += 1;
@@ -1273,6 +1280,7 @@ unsafe impl DeviceBackend for SimDevice {
 
     fn record_event(&self, event: EventHandle, stream: StreamId) -> Result<(), BackendError> {
         let mut g = self.inner.lock();
+        g.check_stream(stream)?;
         let records = g.counters.event_records;
         g.event_fault(SimEventCall::Record, records)?;
         match g.captures.get(&stream).map(|c| c.0) {
@@ -1346,6 +1354,7 @@ unsafe impl DeviceBackend for SimDevice {
 
     fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> Result<(), BackendError> {
         let mut g = self.inner.lock();
+        g.check_stream(stream)?;
         let Some(&recorded) = g.events.get(&event.0) else {
             return Err(BackendError::InvalidArgument {
                 operation: "stream_wait_event",

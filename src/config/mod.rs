@@ -544,10 +544,14 @@ impl AllocatorConfig {
                 LARGE_BUFFER / MIB
             )));
         }
-        if self.large_segment_size <= MIN_LARGE_ALLOC || self.large_segment_size % MIB != 0 {
+        if self.large_segment_size <= MIN_LARGE_ALLOC
+            || self.large_segment_size % MIB != 0
+            || self.large_segment_size as u64 >= MAX_ALLOCATION_SIZE
+        {
             return Err(ConfigError::new(format!(
-                "CachingAllocator option large_segment_size_mb must be a whole number of MiB > {}",
-                MIN_LARGE_ALLOC / MIB
+                "CachingAllocator option large_segment_size_mb must be a whole number of MiB > {} and < {}",
+                MIN_LARGE_ALLOC / MIB,
+                MAX_ALLOCATION_SIZE / MIB as u64
             )));
         }
         for &d in &self.roundup_power2_divisions {

@@ -600,6 +600,14 @@ mod tests {
         );
         assert!(err("per_process_memory_fraction:1.5").contains("[0.0, 1.0]"));
         assert!(err("large_segment_size_mb:10").contains("> 10"));
+        // Past the largest allocation the cache accepts, every mid-size allocation would ask
+        // the device for an impossible segment and fail as out of memory.
+        let huge = parse("large_segment_size_mb:17592186044415");
+        let e = huge
+            .and_then(|c| c.validate().map(|()| c))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("< 1099511627776"), "{e}");
         assert!(err("backend:cudaMallocAsync").contains("cudaMallocAsync"));
     }
 

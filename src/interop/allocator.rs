@@ -6,16 +6,19 @@
 //! pointer is `unsafe` here ([`CudaAllocator::free`]). May use: the core, `backend::cuda`,
 //! `interop::slice`, `interop::events`.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{self as cu, CudaContext, CudaStream, DeviceRepr, ValidAsZeroBits};
+use parking_lot::Mutex;
 
 use super::events::ShellPool;
 use super::pinned::{CachedPinned, PinnedAllocator};
 use super::{driver_error, registry::AllocatorRegistry, slice::CachedSlice};
 use crate::allocator::{FragmentationReport, InvariantViolation, SegmentSnapshot};
+use crate::backend::DeviceBackend;
 use crate::backend::call_times::DeviceCallTimes;
 use crate::backend::cuda::CudaDevice;
 use crate::host::PinnedError;
@@ -53,6 +56,10 @@ pub struct CudaAllocator {
     next_release: Arc<AtomicUsize>,
     /// The pinned host cache of [`alloc_pinned`](Self::alloc_pinned), made on first use.
     pinned: Arc<OnceLock<PinnedAllocator>>,
+    /// Blocks of buffers dropped inside a capture, held out of reuse by the private pool whose
+    /// graph may use them (`MemPoolId::DEFAULT`: an unrouted capture, held for the cache's
+    /// life); Note [Drops inside a capture] in `interop::slice`.
+    held: Arc<Mutex<HashMap<MemPoolId, Vec<u64>>>>,
 }
 
 /// The admitted-stream count below which admissions never look for unused streams.
@@ -90,6 +97,7 @@ impl CudaAllocator {
             shells: Arc::new(ShellPool::default()),
             next_release: Arc::new(AtomicUsize::new(RELEASE_STREAMS_FROM)),
             pinned: Arc::new(OnceLock::new()),
+            held: Arc::new(Mutex::new(HashMap::new())),
         })
     }
 
@@ -166,6 +174,32 @@ impl CudaAllocator {
         &self.shells
     }
 
+    /// Holds the block at `ptr` (its buffer was dropped inside a capture) until pool `pool` is
+    /// released (Note [Drops inside a capture] in `interop::slice`).
+    pub(super) fn hold_for_graph(&self, pool: MemPoolId, ptr: u64) {
+        self.held.lock().entry(pool).or_default().push(ptr);
+    }
+
+    /// Frees the blocks held for pool `pool`'s graphs (its last use was given back).
+    pub(super) fn free_held(&self, pool: MemPoolId) {
+        let ptrs = self.held.lock().remove(&pool).unwrap_or_default();
+        for p in ptrs {
+            // SAFETY: the block's buffer was dropped (it is owned by nothing else), and the
+            // graphs of the pool that could still use it are gone with the pool's last use.
+            if let Err(e) = unsafe { self.free(DeviceAddr(p)) } {
+                tracing::error!(target: "cuda_caching_allocator", ptr = %DeviceAddr(p), pool = %pool, error = %e, "freeing a block held for a graph failed");
+            }
+        }
+    }
+
+    /// How many blocks are held out of reuse because their buffers were dropped inside a graph
+    /// capture (see [`CachedSlice`]'s stream rules): until the capture's pool is released (a
+    /// [`CapturedGraph`](super::CapturedGraph) dropped), or for the cache's life when no pool
+    /// received the capture. They count as allocated in [`memory_stats`](Self::memory_stats).
+    pub fn blocks_held_for_graphs(&self) -> usize {
+        self.held.lock().values().map(Vec::len).sum()
+    }
+
     /// How many cudarc event shells the allocator keeps for reuse (each holds two CUDA events;
     /// see [`CachedSlice`]'s stream rules). `empty_cache` destroys them.
     pub fn kept_event_pairs(&self) -> usize {
@@ -219,7 +253,7 @@ impl CudaAllocator {
         // Dropping shells and streams lets cudarc bind this device's context: the caller's
         // current context is put back afterwards.
         self.device().with_callers_context(|| {
-            self.shells.clear();
+            self.shells.clear(self.context());
             self.release_unused_streams();
         });
         Ok(())
@@ -373,12 +407,29 @@ impl CudaAllocator {
         self.inner.end_allocate_to_pool(pool)
     }
 
-    /// Gives back one use of private pool `pool`; see [`CachingAllocator::release_pool`].
+    /// Gives back one use of private pool `pool`; see [`CachingAllocator::release_pool`]. At
+    /// the pool's last use, the blocks held for its graphs (buffers dropped inside its captures)
+    /// go back to the cache too. Pools of [`capture_pool`](Self::capture_pool) give their use
+    /// back by themselves (`CapturedGraph`'s drop, or the unsafe `GraphPool::release`).
     ///
     /// # Errors
     /// As [`CachingAllocator::release_pool`].
-    pub fn release_pool(&self, pool: MemPoolId) -> Result<()> {
-        self.inner.release_pool(pool)
+    ///
+    /// # Safety
+    /// 1. No graph captured into `pool` is launched after its last use is given back: its memory
+    ///    goes to other buffers and, at the next `empty_cache`, back to the driver.
+    pub unsafe fn release_pool(&self, pool: MemPoolId) -> Result<()> {
+        self.inner.release_pool(pool)?;
+        if self.inner.pool_use_count(pool).is_none_or(|n| n == 0) {
+            self.free_held(pool);
+        }
+        Ok(())
+    }
+
+    /// How many cudarc event shells are quarantined: those of buffers dropped while their stream
+    /// was capturing, destroyed once no capture is underway (see [`CachedSlice`]).
+    pub fn quarantined_event_pairs(&self) -> usize {
+        self.shells.quarantined()
     }
 
     /// The use count of private pool `pool`; see [`CachingAllocator::pool_use_count`].
@@ -480,7 +531,10 @@ impl CudaAllocator {
     /// Allocates room for `len` values of `T` on `stream`, uninitialised.
     ///
     /// # Errors
-    /// Out of memory (with the core's report), a stream of another device, or a size overflow.
+    /// Out of memory (with the core's report), a stream of another device, or a size overflow;
+    /// [`AllocError::UnroutedCapture`] when `stream` is capturing a graph without a
+    /// [`capture_pool`](Self::capture_pool) (or another routing) for it, and
+    /// [`AllocError::Backend`] when its capture status cannot be read.
     ///
     /// # Safety
     /// 1. The contents are whatever the memory held before (another buffer's data). Do not read
@@ -495,6 +549,7 @@ impl CudaAllocator {
             requested: (len as u64).saturating_mul(size as u64),
         })?;
         let id = self.admit(stream)?;
+        self.refuse_unrouted_capture(stream, id)?;
         let a = self.inner.allocate(bytes, id)?;
         // While cudarc manages stream synchronization, the buffer takes its read/write events at
         // its first use (the block's kept ones, or new ones inside a capture: Note [Event shells
@@ -506,6 +561,32 @@ impl CudaAllocator {
             Arc::clone(stream),
             self.clone(),
         ))
+    }
+
+    /// Refuses a typed allocation on a stream capturing a graph that no routing sends to a
+    /// private pool (Note [Allocations inside a capture] in `interop::capture`). A legacy
+    /// default stream never captures and is not asked.
+    fn refuse_unrouted_capture(&self, stream: &CudaStream, id: StreamId) -> Result<()> {
+        // The null handle and `CU_STREAM_LEGACY` (0x1).
+        if (stream.cu_stream() as usize) <= 1 {
+            return Ok(());
+        }
+        let capture =
+            self.device()
+                .stream_capture_id(id)
+                .map_err(|source| AllocError::Backend {
+                    operation: "cuStreamGetCaptureInfo",
+                    source,
+                })?;
+        match capture {
+            Some(capture_id) if self.inner.routed_pool(id).is_none() => {
+                Err(AllocError::UnroutedCapture {
+                    stream: id,
+                    capture_id,
+                })
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Allocates `len` zeroed values of `T` on `stream` (the memset is queued on `stream`).

@@ -27,22 +27,36 @@ use cudarc::driver::{CudaGraph, CudaStream, sys};
 
 use super::allocator::CudaAllocator;
 use super::driver_error;
-use crate::backend::cuda::CudaDevice;
-use crate::{AllocError, CachingAllocator, DeviceBackend, MemPoolId, Result};
+use crate::{AllocError, DeviceBackend, MemPoolId, Result};
 
 /// A private pool receiving the allocations of one stream capture (its origin stream and every
 /// stream forked into it), from [`CudaAllocator::capture_pool`]. Its blocks are served only to
-/// allocations of captures routed to it, never to other work; dropping it gives its use back
-/// (`release_pool`), after which its memory returns to the device at the next `empty_cache`.
+/// allocations of captures routed to it, never to other work.
 ///
-/// Keep it alive as long as any graph captured into it may be launched:
-/// [`end_capture`](Self::end_capture) returns a [`CapturedGraph`] that holds both.
+/// The graph replays the pool's memory, so the pool's use is given back only together with the
+/// graph: [`end_capture`](Self::end_capture) (or, for a capture ended with cudarc's own
+/// `CudaStream::end_capture`, [`adopt`](Self::adopt)) returns a [`CapturedGraph`] holding both,
+/// whose drop destroys the graph first and then gives the pool's use back (its memory returns to
+/// the device at the next `empty_cache`). A `GraphPool` dropped without its graph keeps its use
+/// (Note [Graph pools live as long as their graphs]): its memory stays with the cache until
+/// [`release`](Self::release) says the graph is gone.
 pub struct GraphPool {
-    alloc: Arc<CachingAllocator<CudaDevice>>,
+    alloc: CudaAllocator,
     id: MemPoolId,
     /// The capture's routing is still active.
     routing: bool,
+    /// Dropping gives the pool's use back: no graph can replay its memory any more (none was
+    /// made, or the `CapturedGraph` holding this pool dropped its graph first).
+    release_on_drop: bool,
 }
+
+// Note [Graph pools live as long as their graphs]: a graph launched after its pool's memory went
+// back to the cache (and, at the next `empty_cache`, to the driver) writes memory that other
+// buffers own, or that is unmapped. The pool's use is therefore given back only where the
+// graph is known to be gone: by `CapturedGraph`'s drop (the graph is its first field), by
+// `end_capture` when the capture recorded no work or failed, and by the unsafe `release`. A pool
+// dropped on its own, with a graph the program got from cudarc's `end_capture`, keeps its
+// memory for the cache's life; `adopt` ties such a graph to its pool instead.
 
 impl fmt::Debug for GraphPool {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -60,8 +74,8 @@ impl GraphPool {
     }
 
     /// Stops routing the capture's allocations into the pool (PyTorch's `endAllocateToPool`),
-    /// after the capture ended. [`end_capture`](Self::end_capture) does this for you; call it
-    /// when you end the capture with cudarc yourself. Idempotent.
+    /// after the capture ended. [`end_capture`](Self::end_capture) and [`adopt`](Self::adopt) do
+    /// this for you. Idempotent. It does not give the pool's use back (see the type's docs).
     ///
     /// # Errors
     /// [`AllocError::Backend`] when recording the events of frees deferred during the capture
@@ -71,16 +85,25 @@ impl GraphPool {
             return Ok(());
         }
         self.routing = false;
-        self.alloc.end_allocate_to_pool(self.id)
+        let r = self.alloc.inner.end_allocate_to_pool(self.id);
+        if !self.alloc.inner.capture_underway() {
+            // Note [Drops inside a capture] in `interop::slice`: no routed capture is left.
+            self.alloc.device().with_callers_context(|| {
+                self.alloc
+                    .shells()
+                    .destroy_quarantined(self.alloc.context())
+            });
+        }
+        r
     }
 
     /// Ends the capture on `stream` (cudarc's `CudaStream::end_capture`, instantiating with
     /// `flags`), stops routing into the pool, and returns the graph with this pool, or `None`
-    /// when the capture recorded no work (the pool is then dropped).
+    /// when the capture recorded no work (the pool's use is then given back).
     ///
     /// # Errors
     /// The driver's error from ending the capture or instantiating the graph (the routing ends
-    /// and the pool is dropped then too), or [`finish`](Self::finish)'s.
+    /// and the pool's use is given back then too), or [`finish`](Self::finish)'s.
     pub fn end_capture(
         mut self,
         stream: &Arc<CudaStream>,
@@ -88,9 +111,59 @@ impl GraphPool {
     ) -> Result<Option<CapturedGraph>> {
         let graph = stream.end_capture(flags);
         let finished = self.finish();
-        let graph = graph.map_err(|e| driver_error("cuStreamEndCapture", e))?;
+        let graph = match graph {
+            Ok(g) => g,
+            Err(e) => {
+                self.release_on_drop = true;
+                return Err(driver_error("cuStreamEndCapture", e));
+            }
+        };
+        self.release_on_drop = true;
         finished?;
         Ok(graph.map(|graph| CapturedGraph { graph, pool: self }))
+    }
+
+    /// Ties `graph`, from a capture into this pool that the program ended with cudarc's own
+    /// `CudaStream::end_capture`, to the pool: stops routing (as [`finish`](Self::finish)) and
+    /// returns both as one [`CapturedGraph`], which gives the pool's use back when it drops.
+    ///
+    /// # Errors
+    /// [`finish`](Self::finish)'s (the graph is dropped, and the pool keeps its use).
+    pub fn adopt(mut self, graph: CudaGraph) -> Result<CapturedGraph> {
+        self.finish()?;
+        self.release_on_drop = true;
+        Ok(CapturedGraph { graph, pool: self })
+    }
+
+    /// Stops routing and gives the pool's use back now; at its last use, the blocks held for
+    /// the pool's graphs (buffers dropped inside its captures) go back to the cache too.
+    ///
+    /// # Errors
+    /// [`finish`](Self::finish)'s, or [`AllocError::InvalidPool`] from the core's
+    /// `release_pool` (the pool's use was given back already).
+    ///
+    /// # Safety
+    /// 1. No graph captured into this pool is launched after this call (destroy them first): its
+    ///    memory goes to other buffers and, at the next `empty_cache`, back to the driver.
+    pub unsafe fn release(mut self) -> Result<()> {
+        self.release_on_drop = false;
+        let finished = self.finish();
+        self.give_back()?;
+        finished
+    }
+
+    /// Gives the pool's use back, and at its last use frees the blocks held for its graphs.
+    fn give_back(&self) -> Result<()> {
+        self.alloc.inner.release_pool(self.id)?;
+        if self
+            .alloc
+            .inner
+            .pool_use_count(self.id)
+            .is_none_or(|n| n == 0)
+        {
+            self.alloc.free_held(self.id);
+        }
+        Ok(())
     }
 }
 
@@ -99,7 +172,11 @@ impl Drop for GraphPool {
         if let Err(e) = self.finish() {
             tracing::error!(target: "cuda_caching_allocator", pool = %self.id, error = %e, "ending a graph pool's routing failed");
         }
-        if let Err(e) = self.alloc.release_pool(self.id) {
+        if !self.release_on_drop {
+            tracing::debug!(target: "cuda_caching_allocator", pool = %self.id, "graph pool dropped without its graph: its memory stays with the cache (GraphPool::adopt ties a graph to its pool)");
+            return;
+        }
+        if let Err(e) = self.give_back() {
             tracing::error!(target: "cuda_caching_allocator", pool = %self.id, error = %e, "releasing a graph pool failed");
         }
     }
@@ -197,9 +274,10 @@ impl CudaAllocator {
         };
         self.inner.begin_allocate_to_capture(id, capture)?;
         Ok(GraphPool {
-            alloc: Arc::clone(&self.inner),
+            alloc: self.clone(),
             id,
             routing: true,
+            release_on_drop: false,
         })
     }
 }

@@ -142,16 +142,32 @@ fn no_events() -> AllocError {
     }
 }
 
-/// Shells kept by block address after their buffers were dropped.
+/// Destroys `shell` leaving cudarc's pending error as it was: the destruction waits on the
+/// shell's events on its stream, and a wait on events recorded inside a capture that has ended
+/// fails (`CUDA_ERROR_INVALID_VALUE`); that failure is the shell's, not the program's.
+pub(super) fn destroy_quietly<T>(ctx: &CudaContext, shell: Shell<T>) {
+    let pending = ctx.check_err();
+    drop(shell);
+    let _ = ctx.check_err();
+    ctx.record_err(pending);
+}
+
+/// Shells kept by block address after their buffers were dropped, and the quarantined ones.
 #[derive(Default)]
 pub(super) struct ShellPool {
     shells: Mutex<HashMap<sys::CUdeviceptr, EventShell>>,
+    /// Shells of buffers dropped while their stream was capturing: their events may be recorded
+    /// inside the capture, so no later buffer may take them, and destroying them waits on their
+    /// events on the legacy default stream, which must wait until no capture is underway
+    /// (Note [Drops inside a capture] in `interop::slice`).
+    quarantine: Mutex<Vec<EventShell>>,
 }
 
 impl fmt::Debug for ShellPool {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ShellPool")
             .field("kept", &self.shells.lock().len())
+            .field("quarantined", &self.quarantine.lock().len())
             .finish()
     }
 }
@@ -203,14 +219,35 @@ impl ShellPool {
         drop(displaced);
     }
 
-    /// Destroys every kept shell (their events), for `empty_cache`.
-    pub(super) fn clear(&self) {
+    /// Destroys every kept and quarantined shell (their events), for `empty_cache`.
+    pub(super) fn clear(&self, ctx: &CudaContext) {
         let all = std::mem::take(&mut *self.shells.lock());
-        drop(all);
+        for (_, shell) in all {
+            destroy_quietly(ctx, shell);
+        }
+        self.destroy_quarantined(ctx);
+    }
+
+    /// Keeps `shell` out of reuse until [`destroy_quarantined`](Self::destroy_quarantined).
+    pub(super) fn quarantine(&self, shell: EventShell) {
+        self.quarantine.lock().push(shell);
+    }
+
+    /// Destroys the quarantined shells (call it only while no capture is underway).
+    pub(super) fn destroy_quarantined(&self, ctx: &CudaContext) {
+        let all = std::mem::take(&mut *self.quarantine.lock());
+        for shell in all {
+            destroy_quietly(ctx, shell);
+        }
     }
 
     /// How many shells are kept.
     pub(super) fn len(&self) -> usize {
         self.shells.lock().len()
+    }
+
+    /// How many shells are quarantined.
+    pub(super) fn quarantined(&self) -> usize {
+        self.quarantine.lock().len()
     }
 }

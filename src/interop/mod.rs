@@ -65,7 +65,7 @@ fn driver_error(operation: &'static str, e: cudarc::driver::DriverError) -> Allo
 /// | `InvalidStream` | `CUDA_ERROR_INVALID_HANDLE` |
 /// | `DoubleFree`, `InteriorPointer`, `UnknownPointer`, `InvalidFraction`, `Config`, `InvalidPool`, `Backend` with an invalid argument | `CUDA_ERROR_INVALID_VALUE` |
 /// | `Unsupported`, `Backend` with an unsupported capability | `CUDA_ERROR_NOT_SUPPORTED` |
-/// | `CaptureUnderway` | `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` |
+/// | `CaptureUnderway`, `UnroutedCapture` | `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` |
 /// | anything else (an injected fault, a backend error without a code) | `CUDA_ERROR_UNKNOWN` |
 ///
 /// The conversion keeps only the code: the out-of-memory report and the message are lost, so log
@@ -126,7 +126,9 @@ fn result_code(e: &AllocError) -> cudarc::driver::sys::CUresult {
         | AllocError::Config(_)
         | AllocError::InvalidPool { .. } => R::CUDA_ERROR_INVALID_VALUE,
         AllocError::Unsupported { .. } => R::CUDA_ERROR_NOT_SUPPORTED,
-        AllocError::CaptureUnderway { .. } => R::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+        AllocError::CaptureUnderway { .. } | AllocError::UnroutedCapture { .. } => {
+            R::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+        }
         AllocError::Backend { source, .. } => backend_code(source),
     }
 }

@@ -13,7 +13,7 @@ use cudarc::driver::{
 };
 
 use super::allocator::CudaAllocator;
-use super::events::{EventShell, TypedShell};
+use super::events::{EventShell, TypedShell, destroy_quietly};
 use super::view::{CachedView, CachedViewMut, ViewEvents};
 use crate::backend::cuda::stream_id;
 use crate::{DeviceAddr, DeviceBackend, Result, StreamId};
@@ -92,18 +92,32 @@ impl<T> Drop for CachedSlice<T> {
         if self.ptr == 0 {
             return;
         }
-        let keep = self.wait_last_uses();
+        // Note [Drops inside a capture]. A failed query keeps the shell out of the pool (as at a
+        // first use) but frees the block: holding every block of a driver that cannot answer
+        // would hold them all.
+        let status = self.own_capture_status();
+        let in_capture = status.unwrap_or(true);
+        let waited = self.wait_last_uses();
         // The typed shell (if any) is destroyed: its events were made for this buffer only.
-        drop(self.typed.take());
+        // It lives on the buffer's stream, whose waits are captured with the buffer's drop.
+        if let Some(typed) = self.typed.take() {
+            destroy_quietly(self.stream.context(), typed);
+        }
         if let Some(shell) = self.shell.take() {
-            if keep {
+            if in_capture && !*self.captured.get_mut() {
+                // A pooled shell lives on the legacy default stream: its destruction waits.
+                self.alloc.shells().quarantine(shell);
+            } else if waited && !in_capture {
                 self.alloc.shells().put(self.ptr, shell);
             } else {
                 // Note [Event shells and captures]: events that may be recorded inside a
                 // capture are destroyed, never kept (the drop waits on them on the shell's
                 // stream, as a `CudaSlice`'s drop does).
-                drop(shell);
+                destroy_quietly(self.stream.context(), shell);
             }
+        }
+        if status == Some(true) && self.hold_for_graph() {
+            return;
         }
         // SAFETY: the buffer owns the block at `self.ptr` (it came from this allocator and no
         // other handle frees it); it is never used again after this point.
@@ -256,6 +270,50 @@ impl<T> CachedSlice<T> {
             }
             Err(e) => {
                 tracing::error!(target: "cuda_caching_allocator", ptr = %DeviceAddr(self.ptr), error = %e, "no events for a CachedSlice: its uses synchronize their stream instead");
+                None
+            }
+        }
+    }
+
+    /// At a drop while the buffer's stream is capturing: holds the block for the capture's
+    /// graph, unless it is memory of the capture's own pool (which goes back there, as in
+    /// PyTorch). Returns whether it was held (Note [Drops inside a capture]).
+    //
+    // Note [Drops inside a capture]: cudarc's drop inside a capture queues a captured
+    // `cuMemFreeAsync`, so the memory stays the graph's: nothing else gets it before the graph
+    // runs. A cached block freed there would be served at once to the next allocation, eager
+    // work included, while every launch of the graph still reads and writes it. So a buffer
+    // dropped while its stream is capturing gives its block back only if the block is memory of
+    // the private pool that receives the capture (the graph's own memory, which PyTorch reuses
+    // within the capture too); any other block is held out of reuse until that pool's last use
+    // is given back (its `CapturedGraph` dropped), or, when no pool receives the capture, for
+    // the cache's life (`CudaAllocator::blocks_held_for_graphs` counts them). The drop's waits
+    // are captured on the buffer's stream, as cudarc's are; its event shell is quarantined,
+    // not kept: its events may be recorded inside the capture, and destroying it waits on the
+    // legacy default stream, which waits until no capture is underway (`GraphPool::finish`,
+    // `empty_cache`). A buffer whose own stream is not capturing, dropped inside a capture on
+    // another stream that used it, is freed as before: the allocator cannot see that use.
+    fn hold_for_graph(&self) -> bool {
+        let sid = self.stream_id();
+        let routed = self.alloc.inner.routed_pool(sid);
+        if routed.is_some() && self.alloc.inner.pool_of(DeviceAddr(self.ptr)) == routed {
+            return false;
+        }
+        self.alloc
+            .hold_for_graph(routed.unwrap_or(crate::MemPoolId::DEFAULT), self.ptr);
+        true
+    }
+
+    /// Whether the buffer's stream is capturing; `None` when the query failed. A legacy
+    /// default stream never captures and is not asked.
+    fn own_capture_status(&self) -> Option<bool> {
+        if (self.stream.cu_stream() as usize) <= 1 {
+            return Some(false);
+        }
+        match self.alloc.device().stream_capture_id(self.stream_id()) {
+            Ok(c) => Some(c.is_some()),
+            Err(e) => {
+                tracing::debug!(target: "cuda_caching_allocator", stream = %self.stream_id(), error = %e, "capture status unknown at a drop");
                 None
             }
         }

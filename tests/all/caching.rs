@@ -330,6 +330,28 @@ fn bad_input_is_rejected_and_changes_nothing() {
         a.record_stream(DeviceAddr(4), S1),
         Err(AllocError::UnknownPointer { .. })
     ));
+    // A stream the device rejects is refused at `record_stream` too, before anything changes
+    // (it used to be listed and met only at the free, whose event record then failed).
+    let y = a.allocate(4096, S0).unwrap();
+    let before = a.memory_stats();
+    let err = a.record_stream(y.ptr, StreamId(99)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            AllocError::InvalidStream {
+                stream: StreamId(99),
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(a.memory_stats(), before);
+    a.free(y.ptr).unwrap();
+    assert_eq!(
+        a.backend().counters().synchronize_calls,
+        0,
+        "the free synchronized"
+    );
     a.check_invariants().unwrap();
 }
 

@@ -8,7 +8,9 @@ use std::sync::{Arc, Barrier, OnceLock};
 
 use cuda_caching_allocator::backend::cuda::CudaDevice;
 use cuda_caching_allocator::interop::{CachedSlice, CudaAllocator};
-use cuda_caching_allocator::{AllocatorConfig, AllocatorConfigBuilder, DeviceAddr, DeviceBackend};
+use cuda_caching_allocator::{
+    AllocError, AllocatorConfig, AllocatorConfigBuilder, DeviceAddr, DeviceBackend, StatType,
+};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaStream, DriverError, LaunchConfig, PushKernelArg, result, sys,
 };
@@ -595,4 +597,259 @@ fn a_first_use_inside_a_capture_on_another_stream_leaves_no_captured_events() {
         s.synchronize().unwrap();
         alloc.empty_cache().unwrap();
     }
+}
+
+/// Note [Allocations inside a capture]: cudarc's `stream.alloc` inside a capture is a graph
+/// memory node that the graph owns, but a cached block would be served again to eager work once
+/// the buffer is dropped, while every launch still writes it. A typed allocation on a capturing
+/// stream that no pool receives is refused with `UnroutedCapture` (the capture stays valid);
+/// with `capture_pool` the same allocation is served from the graph's pool.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn an_allocation_on_a_capturing_stream_without_a_pool_is_refused() {
+    let test = "an_allocation_on_a_capturing_stream_without_a_pool_is_refused";
+    let g = gpu(test);
+    let s = g.ctx.new_stream().unwrap();
+    let alloc = CudaAllocator::new(Arc::clone(&g.ctx), AllocatorConfig::default()).unwrap();
+    let n = 1usize << 20;
+    s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
+    let guard = EndCaptureOnPanic(&s);
+    let refused = alloc.alloc_zeros::<u32>(&s, n);
+    assert!(
+        matches!(refused, Err(AllocError::UnroutedCapture { .. })),
+        "a typed allocation inside an unrouted capture: {refused:?}"
+    );
+    let message = refused.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(message.contains("capture_pool"), "{message}");
+    assert_eq!(
+        alloc
+            .memory_stats()
+            .allocated_bytes
+            .get(StatType::All)
+            .current,
+        0
+    );
+    let pool = alloc.capture_pool(&s).unwrap();
+    let mut t = uninit(&alloc, &s, n);
+    fill(g, &s, &mut t, 4);
+    let p = t.device_ptr_raw().0;
+    let graph = pool
+        .end_capture(&s, sys::CUgraphInstantiate_flags(0))
+        .expect("the capture stayed valid")
+        .expect("a graph");
+    std::mem::forget(guard);
+    graph.launch().unwrap();
+    s.synchronize().unwrap();
+    assert!(
+        read_raw(p, n)
+            .iter()
+            .enumerate()
+            .all(|(i, &v)| v == pattern(i as u64, 4)),
+        "the graph's fill"
+    );
+    drop(t);
+    drop(graph);
+    assert_eq!(g.ctx.check_err(), Ok(()));
+}
+
+/// Note [Graph pools live as long as their graphs]: a capture ended with cudarc's own
+/// `end_capture` leaves the program a graph the pool does not know about. The `GraphPool`
+/// dropped on its own keeps its use (the graph still writes its memory after an `empty_cache`,
+/// and no eager buffer lands there); `adopt` ties such a graph to its pool, whose use then goes
+/// back with the graph; the unsafe `release_pool` gives the first pool back once its graph is
+/// gone.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn a_graph_pool_dropped_without_its_graph_keeps_its_memory() {
+    let test = "a_graph_pool_dropped_without_its_graph_keeps_its_memory";
+    let g = gpu(test);
+    let s = g.ctx.new_stream().unwrap();
+    let alloc = CudaAllocator::new(Arc::clone(&g.ctx), AllocatorConfig::default()).unwrap();
+    let n = 1usize << 20;
+    let flags = sys::CUgraphInstantiate_flags(0);
+    let capture_fill = |seed: u32| {
+        s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .unwrap();
+        let guard = EndCaptureOnPanic(&s);
+        let mut pool = alloc.capture_pool(&s).unwrap();
+        let mut t = uninit(&alloc, &s, n);
+        fill(g, &s, &mut t, seed);
+        let p = t.device_ptr_raw().0;
+        drop(t); // the pool's own memory: back to the pool
+        let graph = s.end_capture(flags).unwrap().expect("a graph");
+        std::mem::forget(guard);
+        pool.finish().unwrap();
+        (pool, graph, p)
+    };
+
+    let (pool, graph, p) = capture_fill(6);
+    let id = pool.id();
+    drop(pool);
+    assert_eq!(
+        alloc.pool_use_count(id),
+        Some(1),
+        "a pool dropped without its graph keeps its use"
+    );
+    alloc.empty_cache().unwrap();
+    check_graph_fill(&graph, &s, p, 6);
+    let other = uninit(&alloc, &s, n);
+    assert!(
+        !overlaps(range(&other), (p, p + 4 * n as u64)),
+        "an eager buffer landed on the graph's memory"
+    );
+    drop(other);
+
+    let (pool2, graph2, p2) = capture_fill(8);
+    let id2 = pool2.id();
+    let captured = pool2.adopt(graph2).unwrap();
+    captured.launch().unwrap();
+    s.synchronize().unwrap();
+    assert!(
+        read_raw(p2, n)
+            .iter()
+            .enumerate()
+            .all(|(i, &v)| v == pattern(i as u64, 8)),
+        "the adopted graph's fill"
+    );
+    drop(captured);
+    assert!(
+        alloc.pool_use_count(id2).is_none_or(|u| u == 0),
+        "an adopted graph's pool goes back with it"
+    );
+
+    drop(graph);
+    // SAFETY: the only graph captured into `id` was dropped just above.
+    unsafe { alloc.release_pool(id) }.unwrap();
+    assert!(alloc.pool_use_count(id).is_none_or(|u| u == 0));
+    alloc.empty_cache().unwrap();
+    assert_eq!(g.ctx.check_err(), Ok(()));
+}
+
+/// Note [Drops inside a capture]: cudarc's drop inside a capture is a captured
+/// `cuMemFreeAsync`, so the memory stays the graph's. A cached buffer made before the capture,
+/// written inside it and dropped there, is held for the graph: an eager buffer of the same size
+/// made after the capture lands elsewhere, and the graph's launch leaves it intact; the block
+/// goes back when the graph (and its pool) is dropped.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn a_buffer_made_before_a_capture_and_dropped_inside_it_is_held_for_the_graph() {
+    let test = "a_buffer_made_before_a_capture_and_dropped_inside_it_is_held_for_the_graph";
+    let g = gpu(test);
+    let s = g.ctx.new_stream().unwrap();
+    let alloc = CudaAllocator::new(Arc::clone(&g.ctx), AllocatorConfig::default()).unwrap();
+    let n = 1usize << 20;
+    let mut b = uninit(&alloc, &s, n);
+    fill(g, &s, &mut b, 1);
+    s.synchronize().unwrap();
+    let p = b.device_ptr_raw().0;
+    let allocated = |a: &CudaAllocator| a.memory_stats().allocated_bytes.get(StatType::All).current;
+
+    s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
+    let guard = EndCaptureOnPanic(&s);
+    let pool = alloc.capture_pool(&s).unwrap();
+    fill(g, &s, &mut b, 3);
+    drop(b);
+    assert_eq!(alloc.blocks_held_for_graphs(), 1, "held for the graph");
+    let graph = pool
+        .end_capture(&s, sys::CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("a graph");
+    std::mem::forget(guard);
+    assert_eq!(
+        allocated(&alloc),
+        (4 * n) as i64,
+        "the held block counts as allocated"
+    );
+
+    let mut v = uninit(&alloc, &s, n);
+    assert!(
+        !overlaps(range(&v), (p, p + 4 * n as u64)),
+        "an eager buffer landed on memory the graph writes"
+    );
+    fill(g, &s, &mut v, 11);
+    graph.launch().unwrap();
+    s.synchronize().unwrap();
+    let vp = v.device_ptr_raw().0;
+    assert!(
+        read_raw(vp, n)
+            .iter()
+            .enumerate()
+            .all(|(i, &x)| x == pattern(i as u64, 11)),
+        "the graph's launch changed an eager buffer"
+    );
+    assert!(
+        read_raw(p, n)
+            .iter()
+            .enumerate()
+            .all(|(i, &x)| x == pattern(i as u64, 3)),
+        "the graph's fill of the held block"
+    );
+    drop(v);
+    drop(graph);
+    assert_eq!(
+        alloc.blocks_held_for_graphs(),
+        0,
+        "given back with the graph"
+    );
+    assert_eq!(allocated(&alloc), 0);
+    alloc.empty_cache().unwrap();
+    assert_eq!(g.ctx.check_err(), Ok(()));
+}
+
+/// Note [Drops inside a capture], with event tracking on: a buffer whose events exist before
+/// the capture (a view took them, recording nothing) and are recorded inside it, dropped inside
+/// the capture, does not hand those events to the block's next buffer (a wait on them outside
+/// the capture fails and cudarc keeps the error, so that buffer's writes would go unrecorded):
+/// they are quarantined and destroyed when the capture ends, leaving the context no error.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn a_buffer_dropped_inside_a_capture_quarantines_its_events() {
+    crate::util::require_gpu("a_buffer_dropped_inside_a_capture_quarantines_its_events");
+    let (ctx, s, _s2, _fill) = tracking_setup();
+    let alloc = CudaAllocator::new(Arc::clone(&ctx), AllocatorConfig::default()).unwrap();
+    let n = 1usize << 20;
+    let mut b = uninit(&alloc, &s, n);
+    let p = b.device_ptr_raw().0;
+    let _ = b.as_view();
+    assert!(b.has_events(), "the view took the buffer's events");
+    s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
+    let guard = EndCaptureOnPanic(&s);
+    let pool = alloc.capture_pool(&s).unwrap();
+    s.memset_zeros(&mut b).unwrap();
+    drop(b);
+    assert_eq!(
+        alloc.quarantined_event_pairs(),
+        1,
+        "quarantined inside the capture"
+    );
+    assert_eq!(
+        alloc.kept_event_pairs(),
+        0,
+        "never kept for the next buffer"
+    );
+    let graph = pool
+        .end_capture(&s, sys::CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("a graph");
+    std::mem::forget(guard);
+    assert_eq!(
+        alloc.quarantined_event_pairs(),
+        0,
+        "destroyed after the capture"
+    );
+    assert_eq!(ctx.check_err(), Ok(()));
+    graph.launch().unwrap();
+    s.synchronize().unwrap();
+    drop(graph);
+    // The block is back: its next buffer's uses record their events with no error.
+    let c = alloc.alloc_zeros::<u32>(&s, n).unwrap();
+    assert_eq!(c.device_ptr_raw().0, p, "the same block again");
+    s.synchronize().unwrap();
+    assert_eq!(ctx.check_err(), Ok(()));
+    drop(c);
+    s.synchronize().unwrap();
+    alloc.empty_cache().unwrap();
 }

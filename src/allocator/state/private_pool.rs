@@ -207,6 +207,28 @@ impl State {
         self.graph.routing()
     }
 
+    /// The private pool an allocation on `stream` goes to now (`route`), or `None` for the
+    /// default pools.
+    pub(crate) fn routed_pool<B: DeviceBackend>(
+        &self,
+        dev: &B,
+        stream: StreamId,
+    ) -> Option<MemPoolId> {
+        if !self.capture_underway() {
+            return None;
+        }
+        let slot = self.route(dev, stream);
+        (slot != 0).then(|| self.graph.id_of(slot))
+    }
+
+    /// The private pool whose memory the live allocation at `ptr` is (`None`: the default pools,
+    /// or no live allocation starts there).
+    pub(crate) fn pool_of_allocation(&self, ptr: u64) -> Option<MemPoolId> {
+        let &id = self.active.get(&ptr)?;
+        let owner = self.arena.get(id)?.owner;
+        (owner != 0).then(|| self.graph.id_of(owner))
+    }
+
     /// The free set that block owner `owner` (0: the default pools) keeps for `kind`.
     pub(super) fn free_set(&mut self, owner: u32, kind: PoolKind) -> Option<&mut BlockPool> {
         if owner == 0 {
