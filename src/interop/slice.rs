@@ -13,7 +13,7 @@ use cudarc::driver::{
 };
 
 use super::allocator::CudaAllocator;
-use super::events::{EventShell, TypedShell, destroy_quietly};
+use super::events::{EventShell, TypedShell};
 use super::view::{CachedView, CachedViewMut, ViewEvents};
 use crate::backend::cuda::stream_id;
 use crate::{DeviceAddr, DeviceBackend, Result, StreamId};
@@ -99,10 +99,9 @@ impl<T> Drop for CachedSlice<T> {
         let in_capture = status.unwrap_or(true);
         let waited = self.wait_last_uses();
         // The typed shell (if any) is destroyed: its events were made for this buffer only.
-        // It lives on the buffer's stream, whose waits are captured with the buffer's drop.
-        if let Some(typed) = self.typed.take() {
-            destroy_quietly(self.stream.context(), typed);
-        }
+        // It lives on the buffer's stream (whose waits a capture records with the buffer's
+        // drop) and ends as cudarc's own buffer does, errors included.
+        drop(self.typed.take());
         if let Some(shell) = self.shell.take() {
             if in_capture && !*self.captured.get_mut() {
                 // A pooled shell lives on the legacy default stream: its destruction waits.
@@ -112,8 +111,9 @@ impl<T> Drop for CachedSlice<T> {
             } else {
                 // Note [Event shells and captures]: events that may be recorded inside a
                 // capture are destroyed, never kept (the drop waits on them on the shell's
-                // stream, as a `CudaSlice`'s drop does).
-                destroy_quietly(self.stream.context(), shell);
+                // stream, as a `CudaSlice`'s drop does, and leaves the context the error a
+                // `CudaSlice` dropped after its capture leaves).
+                drop(shell);
             }
         }
         if status == Some(true) && self.hold_for_graph() {
