@@ -142,6 +142,12 @@ impl ContextGuard {
     }
 }
 
+/// Remembers the calling thread's current context and puts it back when the returned guard
+/// drops (`None` when it could not be read): for work that lets cudarc bind a context.
+pub(crate) fn callers_context() -> Option<impl Drop> {
+    ContextGuard::save().ok()
+}
+
 impl Drop for ContextGuard {
     fn drop(&mut self) {
         let Some(previous) = self.restore else {
@@ -642,7 +648,7 @@ impl CudaDevice {
     /// device does: for work that lets cudarc bind this device's context (dropping cudarc
     /// streams, events or slices binds it).
     pub(crate) fn with_callers_context<R>(&self, f: impl FnOnce() -> R) -> R {
-        let guard = ContextGuard::save().ok();
+        let guard = callers_context();
         let out = f();
         drop(guard);
         out

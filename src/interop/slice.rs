@@ -92,6 +92,17 @@ impl<T> Drop for CachedSlice<T> {
         if self.ptr == 0 {
             return;
         }
+        // cudarc binds the buffer's context for its waits and event destructions; the caller's
+        // current context is put back afterwards, as after every call of the cache.
+        let restore = crate::backend::cuda::callers_context();
+        self.release();
+        drop(restore);
+    }
+}
+
+impl<T> CachedSlice<T> {
+    /// The drop's work: the waits, the event shells, and the block back to the cache (or held).
+    fn release(&mut self) {
         // Note [Drops inside a capture]. A failed query keeps the shell out of the pool (as at a
         // first use) but frees the block: holding every block of a driver that cannot answer
         // would hold them all.

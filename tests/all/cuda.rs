@@ -1167,6 +1167,36 @@ fn current_ctx() -> sys::CUcontext {
         .unwrap_or(std::ptr::null_mut())
 }
 
+/// A cached buffer's drop lets cudarc bind the buffer's context (its event waits and
+/// destructions); like every other call of the cache, it puts the caller's current context
+/// back. Seen first on two GPUs (`cuda_multi_gpu_each_call_binds_its_device_and_restores_the_callers_context`);
+/// on one, the caller's context is none at all.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn cuda_a_cached_buffers_drop_puts_back_the_callers_context() {
+    let g = gpu("cuda_a_cached_buffers_drop_puts_back_the_callers_context");
+    let s = g.ctx.new_stream().unwrap();
+    let side = g.ctx.new_stream().unwrap();
+    assert!(g.ctx.is_managing_stream_synchronization());
+    let alloc = CudaAllocator::new(Arc::clone(&g.ctx), AllocatorConfig::default()).unwrap();
+    let n = MIB;
+    let mut buf = uninit::<u32>(&alloc, &s, n);
+    fill!(g, &side, &mut buf, n, 0x31);
+    assert!(
+        buf.has_events(),
+        "the use on the side stream took the buffer's events"
+    );
+    set_current(std::ptr::null_mut());
+    drop(buf);
+    let after = current_ctx();
+    set_current(g.ctx.cu_ctx());
+    assert!(
+        after.is_null(),
+        "the drop left a context current: {after:?}"
+    );
+    alloc.empty_cache().unwrap();
+}
+
 /// Makes `ctx` current on the calling thread (null: none).
 fn set_current(ctx: sys::CUcontext) {
     // SAFETY: the tests pass null or the primary context of a fixture, which the fixture's
