@@ -48,6 +48,8 @@ pub struct GraphPool {
     /// Dropping gives the pool's use back: no graph can replay its memory any more (none was
     /// made, or the `CapturedGraph` holding this pool dropped its graph first).
     release_on_drop: bool,
+    /// The use was given back already ([`release`](Self::release)): the drop does nothing.
+    given_back: bool,
 }
 
 // Note [Graph pools live as long as their graphs]: a graph launched after its pool's memory went
@@ -146,8 +148,8 @@ impl GraphPool {
     /// 1. No graph captured into this pool is launched after this call (destroy them first): its
     ///    memory goes to other buffers and, at the next `empty_cache`, back to the driver.
     pub unsafe fn release(mut self) -> Result<()> {
-        self.release_on_drop = false;
         let finished = self.finish();
+        self.given_back = true;
         self.give_back()?;
         finished
     }
@@ -169,6 +171,9 @@ impl GraphPool {
 
 impl Drop for GraphPool {
     fn drop(&mut self) {
+        if self.given_back {
+            return;
+        }
         if let Err(e) = self.finish() {
             tracing::error!(target: "cuda_caching_allocator", pool = %self.id, error = %e, "ending a graph pool's routing failed");
         }
@@ -278,6 +283,7 @@ impl CudaAllocator {
             id,
             routing: true,
             release_on_drop: false,
+            given_back: false,
         })
     }
 }
