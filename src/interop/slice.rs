@@ -303,7 +303,8 @@ impl<T> CachedSlice<T> {
     // not kept: its events may be recorded inside the capture, and destroying it waits on the
     // legacy default stream, which waits until no capture is underway (`GraphPool::finish`,
     // `empty_cache`). A buffer whose own stream is not capturing, dropped inside a capture on
-    // another stream that used it, is freed as before: the allocator cannot see that use.
+    // another stream that used it, is freed as before: the allocator cannot see that use (and
+    // cudarc's own buffer frees its memory then too, on its own stream).
     fn hold_for_graph(&self) -> bool {
         let sid = self.stream_id();
         let routed = self.alloc.inner.routed_pool(sid);

@@ -550,6 +550,50 @@ fn the_newest_routing_wins_and_a_thread_filter_routes_without_a_capture() {
     a.check_invariants().unwrap();
 }
 
+/// `routed_pool` names the pool an allocation on a stream would be served from now, and
+/// `pool_of` the pool a live allocation's memory is (the cudarc interop asks both at a drop
+/// inside a capture: Note [Drops inside a capture]).
+#[test]
+fn routed_pool_and_pool_of_name_the_private_pools() {
+    for (name, config) in configs() {
+        let a = sim_alloc(1 << 30, config);
+        let before = a.allocate(4096, S0).unwrap();
+        assert_eq!(a.routed_pool(S0), None, "{name}: no routing yet");
+        let pool = MemPoolId::new_graph();
+        capture(&a, S0, pool);
+        assert_eq!(
+            a.routed_pool(S0),
+            Some(pool),
+            "{name}: the capturing stream"
+        );
+        assert_eq!(
+            a.routed_pool(S1),
+            None,
+            "{name}: a stream outside the capture"
+        );
+        let inside = a.allocate(4096, S0).unwrap();
+        assert_eq!(a.pool_of(inside.ptr), Some(pool), "{name}");
+        assert_eq!(a.pool_of(before.ptr), None, "{name}: default-pool memory");
+        assert_eq!(
+            a.pool_of(DeviceAddr(u64::MAX)),
+            None,
+            "{name}: no allocation there"
+        );
+        assert_eq!(
+            a.pool_of(inside.ptr.offset(512)),
+            None,
+            "{name}: an interior address"
+        );
+        a.free(inside.ptr).unwrap();
+        assert_eq!(a.pool_of(inside.ptr), None, "{name}: freed");
+        end(&a, S0, pool);
+        assert_eq!(a.routed_pool(S0), None, "{name}: the routing ended");
+        a.free(before.ptr).unwrap();
+        a.release_pool(pool).unwrap();
+        a.check_invariants().unwrap();
+    }
+}
+
 #[test]
 fn streams_joined_into_a_capture_are_routed_too() {
     let a = sim_alloc(1 << 30, AllocatorConfig::pytorch());
