@@ -64,6 +64,9 @@ pub struct CachedSlice<T> {
     /// ([`as_cuda_slice`](Self::as_cuda_slice)); once it exists, every new use goes through its
     /// events.
     typed: OnceLock<TypedShell<T>>,
+    /// The byte shell's uses are folded into the typed shell's events (`prepare_mut`): once a
+    /// mutable use follows the typed shell's making, nothing records on the byte shell again.
+    folded: bool,
     marker: PhantomData<*const T>,
 }
 
@@ -212,6 +215,7 @@ impl<T> CachedSlice<T> {
             shell: OnceLock::new(),
             captured: AtomicBool::new(false),
             typed: OnceLock::new(),
+            folded: false,
             marker: PhantomData,
         }
     }
@@ -389,18 +393,22 @@ impl<T> CachedSlice<T> {
             let _ = self.shell_on(using);
             return;
         }
-        if !managing(&self.stream) {
+        if self.folded || !managing(&self.stream) {
             return;
         }
         if let (Some(typed), Some(bytes)) = (self.typed.get_mut(), self.shell.get_mut()) {
             // The allocation stream waits for the byte shell's last reads and write, then records
             // the typed shell's write: whoever waits on the typed events from now on also waits
-            // for every use recorded on the byte shell.
+            // for every use recorded on the byte shell. Once: every use from the typed shell's
+            // making on goes through its events, and the views that took the byte shell before
+            // it borrowed the buffer, so none is left at this mutable use; folding again would
+            // make each later write wait for all the work queued on the allocation stream.
             let (_, g) = cu::DevicePtrMut::<u8>::device_ptr_mut(&mut **bytes, &self.stream);
             drop(g);
             let (_, g) = cu::DevicePtrMut::<T>::device_ptr_mut(&mut **typed, &self.stream);
             drop(g);
         }
+        self.folded = true;
     }
 
     /// The fields a mutable view needs, after [`prepare_mut`](Self::prepare_mut).

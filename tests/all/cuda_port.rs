@@ -211,6 +211,57 @@ fn zero_cuda_view(mut x: CudaViewMut<'_, f32>, stream: &Arc<CudaStream>) {
     stream.memset_zeros(&mut x).unwrap();
 }
 
+/// Once a buffer has its cudarc `CudaSlice` (`as_cuda_slice`), a write on another stream waits
+/// for the buffer's own last uses, as cudarc's does, not for unrelated work queued on the
+/// buffer's allocation stream since: the byte events fold into the typed ones once, at the first
+/// mutable use after the `CudaSlice` is made (before, every mutable use folded them again on
+/// the allocation stream, so each such write waited for everything queued there).
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn a_write_after_as_cuda_slice_waits_only_for_the_buffers_own_uses() {
+    let g = gpu("a_write_after_as_cuda_slice_waits_only_for_the_buffers_own_uses");
+    let a_stream = g.ctx.new_stream().unwrap();
+    let b_stream = g.ctx.new_stream().unwrap();
+    let alloc = CudaAllocator::new(g.ctx.clone(), AllocatorConfig::default()).unwrap();
+    const N: usize = 1 << 16;
+    let mut buf = alloc.alloc_zeros::<f32>(&a_stream, N).unwrap();
+    spin_fill!(g, &a_stream, &mut buf, N, 1.0);
+    let _ = buf.as_cuda_slice();
+    // The first write after it: ordered after A's fill (the fold).
+    b_stream.memset_zeros(&mut buf).unwrap();
+    assert!(b_stream.clone_dtoh(&buf).unwrap().iter().all(|&x| x == 0.0));
+    b_stream.synchronize().unwrap();
+
+    // Unrelated long work on the allocation stream, then another write of `buf` on B.
+    let mut other = alloc.alloc_zeros::<f32>(&a_stream, N).unwrap();
+    let (n32, v, cycles) = (N as u32, 5.0f32, 1_500_000_000i64); // about 0.75 s
+    let mut launch = a_stream.launch_builder(&g.spin_fill);
+    launch.arg(&mut other).arg(&n32).arg(&v).arg(&cycles);
+    // SAFETY: spin_fill(float*, unsigned, float, long long) writes `N` floats of `other`.
+    unsafe { launch.launch(LaunchConfig::for_num_elems(n32)) }.unwrap();
+    let a_done = a_stream.record_event(None).unwrap();
+    spin_fill!(g, &b_stream, &mut buf, N, 2.0);
+    b_stream.synchronize().unwrap();
+    let a_busy = !a_done.is_complete();
+    a_stream.synchronize().unwrap();
+    assert!(b_stream.clone_dtoh(&buf).unwrap().iter().all(|&x| x == 2.0));
+    assert!(
+        a_stream
+            .clone_dtoh(&other)
+            .unwrap()
+            .iter()
+            .all(|&x| x == 5.0)
+    );
+    if !a_busy && crate::util::under_sanitizer() {
+        println!("serialized launches: the allocation stream's work ended first; check skipped");
+    } else {
+        assert!(
+            a_busy,
+            "B's write waited for unrelated work queued on the buffer's allocation stream"
+        );
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn as_cuda_slice_shares_the_buffers_stream_ordering() {
