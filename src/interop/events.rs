@@ -16,12 +16,13 @@
 //!
 //! May use: `cudarc`, `interop` helpers, `error`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::mem::ManuallyDrop;
 use std::ops::{Deref, DerefMut};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, sys};
 use parking_lot::Mutex;
@@ -77,6 +78,17 @@ impl<T> Drop for Shell<T> {
     }
 }
 
+/// Event-shell creations left to fail ([`fail_next_event_shells`]).
+static FAIL_SHELLS: AtomicUsize = AtomicUsize::new(0);
+
+/// Test hook, not part of the API: the next `n` event-shell creations of every cache in the
+/// process fail as when cudarc cannot create a buffer's events, so that the GPU tests reach the
+/// paths of Note [Uses without events] in `interop::slice`.
+#[doc(hidden)]
+pub fn fail_next_event_shells(n: usize) {
+    FAIL_SHELLS.store(n, Ordering::SeqCst);
+}
+
 impl<T> Shell<T> {
     /// A new shell of `len` values at `ptr` on `stream`, with two new events (cudarc's
     /// `CudaStream::upgrade_device_ptr`).
@@ -96,6 +108,12 @@ impl<T> Shell<T> {
         // cudarc's event creation binds the context, which takes the error cudarc kept for the
         // program's next call (`CudaContext::check_err`); it is taken first and put back, so that
         // neither the creation fails on it nor the program loses it.
+        if FAIL_SHELLS
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return Err(no_events());
+        }
         let pending = stream.context().check_err();
         // cudarc unwraps the event creation inside `upgrade_device_ptr`; a failure there must not
         // unwind through the caller, so it is caught and reported as an error.
@@ -161,6 +179,12 @@ pub(super) struct ShellPool {
     /// events on the legacy default stream, which must wait until no capture is underway
     /// (Note [Drops inside a capture] in `interop::slice`).
     quarantine: Mutex<Vec<EventShell>>,
+    /// Buffers (by address) used as a kernel argument without events while cudarc orders
+    /// streams: their next use or drop synchronizes the context first (Note [Uses without
+    /// events] in `interop::slice`).
+    unordered: Mutex<HashSet<sys::CUdeviceptr>>,
+    /// `unordered`'s length, read without the lock.
+    unordered_len: AtomicUsize,
 }
 
 impl fmt::Debug for ShellPool {
@@ -244,6 +268,31 @@ impl ShellPool {
     /// How many shells are kept.
     pub(super) fn len(&self) -> usize {
         self.shells.lock().len()
+    }
+
+    /// Marks the buffer at `base` as used by a kernel without events.
+    pub(super) fn mark_unordered(&self, base: sys::CUdeviceptr) {
+        let mut set = self.unordered.lock();
+        set.insert(base);
+        self.unordered_len.store(set.len(), Ordering::Release);
+    }
+
+    /// Before a use or the drop of the buffer at `base`: if a kernel used it without events,
+    /// waits for all of the context's work (and forgets the mark). A failed wait is kept in
+    /// cudarc's context for the program's next call, as cudarc keeps its own.
+    pub(super) fn settle_unordered(&self, base: sys::CUdeviceptr, ctx: &CudaContext) {
+        if self.unordered_len.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let had = {
+            let mut set = self.unordered.lock();
+            let had = set.remove(&base);
+            self.unordered_len.store(set.len(), Ordering::Release);
+            had
+        };
+        if had {
+            ctx.record_err(ctx.synchronize());
+        }
     }
 
     /// How many shells are quarantined.

@@ -38,6 +38,8 @@ mod view;
 
 pub use allocator::CudaAllocator;
 pub use capture::{CapturedGraph, GraphPool};
+#[doc(hidden)]
+pub use events::fail_next_event_shells;
 pub use pinned::{CachedPinned, DEFAULT_PENDING_WAITS, PinnedAllocator};
 pub use registry::AllocatorRegistry;
 pub use slice::CachedSlice;

@@ -130,6 +130,10 @@ impl<T> CachedSlice<T> {
                 drop(shell);
             }
         }
+        // Note [Uses without events]: a kernel may still use it.
+        self.alloc
+            .shells()
+            .settle_unordered(self.ptr, self.stream.context());
         if status == Some(true) && self.hold_for_graph() {
             return;
         }
@@ -174,12 +178,43 @@ pub(super) fn managing(stream: &CudaStream) -> bool {
 /// The guard for a use with no event shell: nothing to record when cudarc orders nothing, a
 /// synchronize of the using stream after the use when it should have and the shell could not be
 /// made (the use is then complete before anything else can conflict with it).
+///
+/// The buffer at `base` (its owner's address) first settles a kernel's use without events
+/// (Note [Uses without events]).
 #[inline]
-pub(super) fn untracked<'a>(owner: &CudaStream, using: &'a CudaStream) -> SyncOnDrop<'a> {
+pub(super) fn untracked<'a>(
+    alloc: &CudaAllocator,
+    base: sys::CUdeviceptr,
+    owner: &CudaStream,
+    using: &'a CudaStream,
+) -> SyncOnDrop<'a> {
     if managing(owner) {
+        alloc.shells().settle_unordered(base, owner.context());
         SyncOnDrop::sync_stream(using)
     } else {
         SyncOnDrop::Record(None)
+    }
+}
+
+/// A kernel argument of the buffer at `base` without events while cudarc orders streams.
+//
+// Note [Uses without events]: while cudarc orders streams, a buffer whose events could not be
+// made (cudarc's own `alloc` would have failed) orders its uses by synchronization instead. A
+// copy or memset through `DevicePtr` synchronizes its stream after the use (`untracked`), but a
+// kernel argument is pushed before the launch, on a stream the builder does not tell: so the
+// push first waits for every earlier use (a context synchronization if a kernel used the buffer
+// without events before), and marks the buffer, so that its next use of any kind, and its drop,
+// synchronize the context first. The mark is kept by address in the allocator's shell pool,
+// where views find it too. Nothing of this runs while the events exist.
+pub(super) fn unordered_kernel_use(
+    alloc: &CudaAllocator,
+    base: sys::CUdeviceptr,
+    owner: &CudaStream,
+) {
+    if base != 0 && managing(owner) {
+        let shells = alloc.shells();
+        shells.settle_unordered(base, owner.context());
+        shells.mark_unordered(base);
     }
 }
 
@@ -253,6 +288,11 @@ impl<T> CachedSlice<T> {
         if self.ptr == 0 || !managing(&self.stream) {
             return None;
         }
+        // Note [Uses without events]: events made now would not order this use after a kernel
+        // that used the buffer without them.
+        self.alloc
+            .shells()
+            .settle_unordered(self.ptr, self.stream.context());
         let capturing = self.may_be_captured(using);
         let made = if capturing {
             // SAFETY: the buffer owns `[ptr, ptr + num_bytes)` until it is dropped, and this
@@ -1005,7 +1045,10 @@ impl<T> cu::DevicePtr<T> for CachedSlice<T> {
                 (self.ptr, sync)
             }
             Events::None if self.ptr == 0 => (0, SyncOnDrop::Record(None)),
-            Events::None => (self.ptr, untracked(&self.stream, stream)),
+            Events::None => (
+                self.ptr,
+                untracked(&self.alloc, self.ptr, &self.stream, stream),
+            ),
         }
     }
 }
@@ -1017,7 +1060,7 @@ impl<T> cu::DevicePtrMut<T> for CachedSlice<T> {
         &'a mut self,
         stream: &'a CudaStream,
     ) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
-        let (ptr, own, _, events) = self.parts_mut_on(Some(stream));
+        let (ptr, own, alloc, events) = self.parts_mut_on(Some(stream));
         match events {
             EventsMut::Typed(t) => cu::DevicePtrMut::<T>::device_ptr_mut(t, stream),
             EventsMut::Bytes(b) => {
@@ -1025,7 +1068,7 @@ impl<T> cu::DevicePtrMut<T> for CachedSlice<T> {
                 (ptr, sync)
             }
             EventsMut::None if ptr == 0 => (0, SyncOnDrop::Record(None)),
-            EventsMut::None => (ptr, untracked(own, stream)),
+            EventsMut::None => (ptr, untracked(alloc, ptr, own, stream)),
         }
     }
 }
@@ -1042,7 +1085,10 @@ unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b CachedSlice<T>> for LaunchArgs<'a> 
         match arg.events() {
             Events::Typed(t) => <Self as PushKernelArg<&'b cu::CudaSlice<T>>>::arg(self, t),
             Events::Bytes(b) => <Self as PushKernelArg<&'b cu::CudaSlice<u8>>>::arg(self, b),
-            Events::None => <Self as PushKernelArg<&'b sys::CUdeviceptr>>::arg(self, &arg.ptr),
+            Events::None => {
+                unordered_kernel_use(&arg.alloc, arg.ptr, &arg.stream);
+                <Self as PushKernelArg<&'b sys::CUdeviceptr>>::arg(self, &arg.ptr)
+            }
         }
     }
 }
@@ -1055,14 +1101,22 @@ unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b mut CachedSlice<T>> for LaunchArgs<
     fn arg(&mut self, arg: &'b mut CachedSlice<T>) -> &mut Self {
         arg.prepare_mut();
         let CachedSlice {
-            ptr, shell, typed, ..
+            ptr,
+            shell,
+            typed,
+            alloc,
+            stream,
+            ..
         } = arg;
         match (typed.get_mut(), shell.get_mut()) {
             (Some(t), _) => <Self as PushKernelArg<&'b mut cu::CudaSlice<T>>>::arg(self, &mut **t),
             (None, Some(b)) => {
                 <Self as PushKernelArg<&'b mut cu::CudaSlice<u8>>>::arg(self, &mut **b)
             }
-            (None, None) => <Self as PushKernelArg<&'b sys::CUdeviceptr>>::arg(self, &*ptr),
+            (None, None) => {
+                unordered_kernel_use(alloc, *ptr, stream);
+                <Self as PushKernelArg<&'b sys::CUdeviceptr>>::arg(self, &*ptr)
+            }
         }
     }
 }

@@ -20,7 +20,7 @@ use cudarc::driver::{
 };
 
 use super::allocator::CudaAllocator;
-use super::slice::{byte_range, resolve, untracked};
+use super::slice::{byte_range, resolve, unordered_kernel_use, untracked};
 use crate::{DeviceAddr, Result};
 
 /// The cudarc view a [`CachedViewMut`] uses for its events.
@@ -296,7 +296,10 @@ impl<T> cu::DevicePtr<T> for CachedView<'_, T> {
         match &self.cu {
             Some(v) => cu::DevicePtr::<T>::device_ptr(v, stream),
             None if self.base == 0 => (self.ptr, SyncOnDrop::Record(None)),
-            None => (self.ptr, untracked(self.stream, stream)),
+            None => (
+                self.ptr,
+                untracked(self.alloc, self.base, self.stream, stream),
+            ),
         }
     }
 }
@@ -312,7 +315,10 @@ unsafe impl<'a, 'b: 'a, 'c: 'b, T> PushKernelArg<&'b CachedView<'c, T>> for Laun
     fn arg(&mut self, arg: &'b CachedView<'c, T>) -> &mut Self {
         match &arg.cu {
             Some(v) => <Self as PushKernelArg<&'b CudaView<'c, T>>>::arg(self, v),
-            None => <Self as PushKernelArg<&'b sys::CUdeviceptr>>::arg(self, &arg.ptr),
+            None => {
+                unordered_kernel_use(arg.alloc, arg.base, arg.stream);
+                <Self as PushKernelArg<&'b sys::CUdeviceptr>>::arg(self, &arg.ptr)
+            }
         }
     }
 }
@@ -547,7 +553,10 @@ impl<T> cu::DevicePtr<T> for CachedViewMut<'_, T> {
                 (self.ptr, sync)
             }
             ViewEvents::None if self.base == 0 => (self.ptr, SyncOnDrop::Record(None)),
-            ViewEvents::None => (self.ptr, untracked(self.stream, stream)),
+            ViewEvents::None => (
+                self.ptr,
+                untracked(self.alloc, self.base, self.stream, stream),
+            ),
         }
     }
 }
@@ -567,7 +576,7 @@ impl<T> cu::DevicePtrMut<T> for CachedViewMut<'_, T> {
                 (ptr, sync)
             }
             ViewEvents::None if self.base == 0 => (ptr, SyncOnDrop::Record(None)),
-            ViewEvents::None => (ptr, untracked(self.stream, stream)),
+            ViewEvents::None => (ptr, untracked(self.alloc, self.base, self.stream, stream)),
         }
     }
 }
@@ -579,7 +588,14 @@ impl<T> cu::DevicePtrMut<T> for CachedViewMut<'_, T> {
 unsafe impl<'a, 'b: 'a, 'c: 'b, T> PushKernelArg<&'b mut CachedViewMut<'c, T>> for LaunchArgs<'a> {
     #[inline(always)]
     fn arg(&mut self, arg: &'b mut CachedViewMut<'c, T>) -> &mut Self {
-        let CachedViewMut { ptr, cu, .. } = arg;
+        let CachedViewMut {
+            ptr,
+            cu,
+            base,
+            stream,
+            alloc,
+            ..
+        } = arg;
         match cu {
             ViewEvents::Typed(v) => {
                 <Self as PushKernelArg<&'b mut CudaViewMut<'c, T>>>::arg(self, v)
@@ -587,7 +603,10 @@ unsafe impl<'a, 'b: 'a, 'c: 'b, T> PushKernelArg<&'b mut CachedViewMut<'c, T>> f
             ViewEvents::Bytes(v) => {
                 <Self as PushKernelArg<&'b mut CudaViewMut<'c, u8>>>::arg(self, v)
             }
-            ViewEvents::None => <Self as PushKernelArg<&'b sys::CUdeviceptr>>::arg(self, &*ptr),
+            ViewEvents::None => {
+                unordered_kernel_use(alloc, *base, stream);
+                <Self as PushKernelArg<&'b sys::CUdeviceptr>>::arg(self, &*ptr)
+            }
         }
     }
 }

@@ -1167,6 +1167,66 @@ fn current_ctx() -> sys::CUcontext {
         .unwrap_or(std::ptr::null_mut())
 }
 
+/// Note [Uses without events]: while cudarc orders streams, a buffer whose events could not be
+/// made (forced here with the test hook) orders a kernel's use by synchronization: a copy on
+/// another stream after a long kernel wrote the buffer sees the kernel's values, and the drop
+/// waits for a kernel still writing it, so the block's next buffer is not overwritten.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn cuda_a_buffer_without_events_orders_its_kernel_uses_by_synchronization() {
+    let g = gpu("cuda_a_buffer_without_events_orders_its_kernel_uses_by_synchronization");
+    let a = g.ctx.new_stream().unwrap();
+    let b = g.ctx.new_stream().unwrap();
+    assert!(g.ctx.is_managing_stream_synchronization());
+    let alloc = CudaAllocator::new(Arc::clone(&g.ctx), AllocatorConfig::default()).unwrap();
+    let n = MIB;
+    let n64 = n as u64;
+    let cycles: i64 = 1_500_000_000; // about 0.75 s at 2 GHz
+    let spin = |buf: &mut CachedSlice<u32>, seed: u32| {
+        let mut launch = b.launch_builder(&g.spin_fill);
+        launch.arg(buf).arg(&n64).arg(&seed).arg(&cycles);
+        // SAFETY: spin_then_fill(unsigned*, u64, u32, i64) writes `n` values of an `n`-value
+        // buffer.
+        unsafe { launch.launch(grid(n)) }.unwrap();
+    };
+    cuda_caching_allocator::interop::fail_next_event_shells(1);
+    let mut buf = uninit::<u32>(&alloc, &a, n);
+    spin(&mut buf, 0x51);
+    cuda_caching_allocator::interop::fail_next_event_shells(0);
+    assert!(!buf.has_events(), "the hook made the events fail");
+    let back = a.clone_dtoh(&buf).unwrap();
+    assert!(
+        back.iter()
+            .enumerate()
+            .all(|(i, &v)| v == pattern(i as u64, 0x51)),
+        "a copy on another stream ran before the kernel's write"
+    );
+
+    let mut buf = uninit::<u32>(&alloc, &a, n + 1024);
+    cuda_caching_allocator::interop::fail_next_event_shells(1);
+    spin(&mut buf, 0x52);
+    cuda_caching_allocator::interop::fail_next_event_shells(0);
+    let p = buf.device_ptr_raw();
+    drop(buf);
+    let mut next = uninit::<u32>(&alloc, &a, n + 1024);
+    assert_eq!(next.device_ptr_raw(), p, "the same block again");
+    fill!(g, &a, &mut next, n, 0x53);
+    ctx_sync(&g.ctx);
+    let back = a.clone_dtoh(&next).unwrap();
+    assert!(
+        back[..n]
+            .iter()
+            .enumerate()
+            .all(|(i, &v)| v == pattern(i as u64, 0x53)),
+        "a kernel of the dropped buffer wrote its block's next buffer"
+    );
+    assert_eq!(g.ctx.check_err(), Ok(()));
+}
+
+fn ctx_sync(ctx: &CudaContext) {
+    ctx.synchronize().unwrap();
+}
+
 /// A cached buffer's drop lets cudarc bind the buffer's context (its event waits and
 /// destructions); like every other call of the cache, it puts the caller's current context
 /// back. Seen first on two GPUs (`cuda_multi_gpu_each_call_binds_its_device_and_restores_the_callers_context`);
