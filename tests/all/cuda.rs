@@ -1167,33 +1167,53 @@ fn current_ctx() -> sys::CUcontext {
         .unwrap_or(std::ptr::null_mut())
 }
 
-/// Note [Uses without events]: while cudarc orders streams, a buffer whose events could not be
-/// made (forced here with the test hook) orders a kernel's use by synchronization: a copy on
-/// another stream after a long kernel wrote the buffer sees the kernel's values, and the drop
-/// waits for a kernel still writing it, so the block's next buffer is not overwritten.
-#[test]
-#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
-fn cuda_a_buffer_without_events_orders_its_kernel_uses_by_synchronization() {
-    let g = gpu("cuda_a_buffer_without_events_orders_its_kernel_uses_by_synchronization");
+/// A context managing stream synchronization with two streams, a cache on it, and a launcher of
+/// `spin_then_fill` (about 0.75 s) on the second stream.
+fn without_events_setup(
+    test: &str,
+) -> (
+    &'static Gpu,
+    Arc<cudarc::driver::CudaStream>,
+    Arc<cudarc::driver::CudaStream>,
+    CudaAllocator,
+) {
+    let g = gpu(test);
     let a = g.ctx.new_stream().unwrap();
     let b = g.ctx.new_stream().unwrap();
     assert!(g.ctx.is_managing_stream_synchronization());
     let alloc = CudaAllocator::new(Arc::clone(&g.ctx), AllocatorConfig::default()).unwrap();
-    let n = MIB;
-    let n64 = n as u64;
-    let cycles: i64 = 1_500_000_000; // about 0.75 s at 2 GHz
-    let spin = |buf: &mut CachedSlice<u32>, seed: u32| {
-        let mut launch = b.launch_builder(&g.spin_fill);
-        launch.arg(buf).arg(&n64).arg(&seed).arg(&cycles);
-        // SAFETY: spin_then_fill(unsigned*, u64, u32, i64) writes `n` values of an `n`-value
-        // buffer.
-        unsafe { launch.launch(grid(n)) }.unwrap();
-    };
+    (g, a, b, alloc)
+}
+
+/// Writes `buf` (`MIB` values) with `seed` on `stream` after spinning about 0.75 s, its events
+/// failing to be made if it has none yet (the test hook).
+fn spin_without_events(
+    g: &Gpu,
+    stream: &Arc<cudarc::driver::CudaStream>,
+    buf: &mut CachedSlice<u32>,
+    seed: u32,
+) {
+    let (n64, cycles) = (MIB as u64, 1_500_000_000i64);
     cuda_caching_allocator::interop::fail_next_event_shells(1);
-    let mut buf = uninit::<u32>(&alloc, &a, n);
-    spin(&mut buf, 0x51);
+    let mut launch = stream.launch_builder(&g.spin_fill);
+    launch.arg(&mut *buf).arg(&n64).arg(&seed).arg(&cycles);
     cuda_caching_allocator::interop::fail_next_event_shells(0);
+    // SAFETY: spin_then_fill(unsigned*, u64, u32, i64) writes `MIB` values; `buf` holds at
+    // least that many.
+    unsafe { launch.launch(grid(MIB)) }.unwrap();
     assert!(!buf.has_events(), "the hook made the events fail");
+}
+
+/// Note [Uses without events]: while cudarc orders streams, a buffer whose events could not be
+/// made (forced with the test hook) orders a kernel's use by synchronization: a copy on another
+/// stream after a long kernel wrote the buffer sees the kernel's values.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn cuda_a_copy_after_a_kernel_use_without_events_sees_its_write() {
+    let (g, a, b, alloc) =
+        without_events_setup("cuda_a_copy_after_a_kernel_use_without_events_sees_its_write");
+    let mut buf = uninit::<u32>(&alloc, &a, MIB);
+    spin_without_events(g, &b, &mut buf, 0x51);
     let back = a.clone_dtoh(&buf).unwrap();
     assert!(
         back.iter()
@@ -1201,20 +1221,28 @@ fn cuda_a_buffer_without_events_orders_its_kernel_uses_by_synchronization() {
             .all(|(i, &v)| v == pattern(i as u64, 0x51)),
         "a copy on another stream ran before the kernel's write"
     );
+    assert_eq!(g.ctx.check_err(), Ok(()));
+}
 
-    let mut buf = uninit::<u32>(&alloc, &a, n + 1024);
-    cuda_caching_allocator::interop::fail_next_event_shells(1);
-    spin(&mut buf, 0x52);
-    cuda_caching_allocator::interop::fail_next_event_shells(0);
+/// Note [Uses without events]: the drop of a buffer without events waits for a kernel still
+/// writing it, so the block's next buffer is not overwritten.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn cuda_the_drop_of_a_buffer_without_events_waits_for_its_kernel() {
+    let (g, a, b, alloc) =
+        without_events_setup("cuda_the_drop_of_a_buffer_without_events_waits_for_its_kernel");
+    let n = MIB + 1024;
+    let mut buf = uninit::<u32>(&alloc, &a, n);
+    spin_without_events(g, &b, &mut buf, 0x52);
     let p = buf.device_ptr_raw();
     drop(buf);
-    let mut next = uninit::<u32>(&alloc, &a, n + 1024);
+    let mut next = uninit::<u32>(&alloc, &a, n);
     assert_eq!(next.device_ptr_raw(), p, "the same block again");
-    fill!(g, &a, &mut next, n, 0x53);
+    fill!(g, &a, &mut next, MIB, 0x53);
     ctx_sync(&g.ctx);
     let back = a.clone_dtoh(&next).unwrap();
     assert!(
-        back[..n]
+        back[..MIB]
             .iter()
             .enumerate()
             .all(|(i, &v)| v == pattern(i as u64, 0x53)),
