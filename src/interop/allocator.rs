@@ -563,6 +563,19 @@ impl CudaAllocator {
         ))
     }
 
+    /// The driver's id of the capture admitted stream `id` takes part in, if any.
+    ///
+    /// # Errors
+    /// [`AllocError::Backend`] when the capture status cannot be read.
+    pub(super) fn capture_of(&self, id: StreamId) -> Result<Option<u64>> {
+        self.device()
+            .stream_capture_id(id)
+            .map_err(|source| AllocError::Backend {
+                operation: "cuStreamGetCaptureInfo",
+                source,
+            })
+    }
+
     /// Refuses a typed allocation on a stream capturing a graph that no routing sends to a
     /// private pool (Note [Allocations inside a capture] in `interop::capture`). A legacy
     /// default stream never captures and is not asked.
@@ -571,14 +584,7 @@ impl CudaAllocator {
         if (stream.cu_stream() as usize) <= 1 {
             return Ok(());
         }
-        let capture =
-            self.device()
-                .stream_capture_id(id)
-                .map_err(|source| AllocError::Backend {
-                    operation: "cuStreamGetCaptureInfo",
-                    source,
-                })?;
-        match capture {
+        match self.capture_of(id)? {
             Some(capture_id) if self.inner.routed_pool(id).is_none() => {
                 Err(AllocError::UnroutedCapture {
                     stream: id,

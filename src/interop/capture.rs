@@ -27,7 +27,7 @@ use cudarc::driver::{CudaGraph, CudaStream, sys};
 
 use super::allocator::CudaAllocator;
 use super::driver_error;
-use crate::{AllocError, DeviceBackend, MemPoolId, Result};
+use crate::{AllocError, MemPoolId, Result};
 
 /// A private pool receiving the allocations of one stream capture (its origin stream and every
 /// stream forked into it), from [`CudaAllocator::capture_pool`]. Its blocks are served only to
@@ -259,14 +259,7 @@ impl CudaAllocator {
 
     fn route_capture(&self, stream: &Arc<CudaStream>, id: MemPoolId) -> Result<GraphPool> {
         let sid = self.admit(stream)?;
-        let capture =
-            self.device()
-                .stream_capture_id(sid)
-                .map_err(|source| AllocError::Backend {
-                    operation: "cuStreamGetCaptureInfo",
-                    source,
-                })?;
-        let Some(capture) = capture else {
+        let Some(capture) = self.capture_of(sid)? else {
             return Err(AllocError::InvalidStream {
                 stream: sid,
                 source: crate::BackendError::InvalidStream {

@@ -599,6 +599,23 @@ fn a_first_use_inside_a_capture_on_another_stream_leaves_no_captured_events() {
     }
 }
 
+/// Whether the `n` u32 at `ptr` hold `fill_pattern(seed)` (read through the driver).
+fn holds_pattern(ptr: u64, n: usize, seed: u32) -> bool {
+    read_raw(ptr, n)
+        .iter()
+        .enumerate()
+        .all(|(i, &v)| v == pattern(i as u64, seed))
+}
+
+/// The shared fixture (event tracking off), a new stream and a cache of its own with the
+/// default configuration.
+fn stream_and_cache(test: &str) -> (&'static Gpu, Arc<CudaStream>, CudaAllocator) {
+    let g = gpu(test);
+    let s = g.ctx.new_stream().unwrap();
+    let alloc = CudaAllocator::new(Arc::clone(&g.ctx), AllocatorConfig::default()).unwrap();
+    (g, s, alloc)
+}
+
 /// Note [Allocations inside a capture]: cudarc's `stream.alloc` inside a capture is a graph
 /// memory node that the graph owns, but a cached block would be served again to eager work once
 /// the buffer is dropped, while every launch still writes it. A typed allocation on a capturing
@@ -608,9 +625,7 @@ fn a_first_use_inside_a_capture_on_another_stream_leaves_no_captured_events() {
 #[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn an_allocation_on_a_capturing_stream_without_a_pool_is_refused() {
     let test = "an_allocation_on_a_capturing_stream_without_a_pool_is_refused";
-    let g = gpu(test);
-    let s = g.ctx.new_stream().unwrap();
-    let alloc = CudaAllocator::new(Arc::clone(&g.ctx), AllocatorConfig::default()).unwrap();
+    let (g, s, alloc) = stream_and_cache(test);
     let n = 1usize << 20;
     s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         .unwrap();
@@ -641,13 +656,7 @@ fn an_allocation_on_a_capturing_stream_without_a_pool_is_refused() {
     std::mem::forget(guard);
     graph.launch().unwrap();
     s.synchronize().unwrap();
-    assert!(
-        read_raw(p, n)
-            .iter()
-            .enumerate()
-            .all(|(i, &v)| v == pattern(i as u64, 4)),
-        "the graph's fill"
-    );
+    assert!(holds_pattern(p, n, 4), "the graph's fill");
     drop(t);
     drop(graph);
     assert_eq!(g.ctx.check_err(), Ok(()));
@@ -663,9 +672,7 @@ fn an_allocation_on_a_capturing_stream_without_a_pool_is_refused() {
 #[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn a_graph_pool_dropped_without_its_graph_keeps_its_memory() {
     let test = "a_graph_pool_dropped_without_its_graph_keeps_its_memory";
-    let g = gpu(test);
-    let s = g.ctx.new_stream().unwrap();
-    let alloc = CudaAllocator::new(Arc::clone(&g.ctx), AllocatorConfig::default()).unwrap();
+    let (g, s, alloc) = stream_and_cache(test);
     let n = 1usize << 20;
     let flags = sys::CUgraphInstantiate_flags(0);
     let capture_fill = |seed: u32| {
@@ -705,13 +712,7 @@ fn a_graph_pool_dropped_without_its_graph_keeps_its_memory() {
     let captured = pool2.adopt(graph2).unwrap();
     captured.launch().unwrap();
     s.synchronize().unwrap();
-    assert!(
-        read_raw(p2, n)
-            .iter()
-            .enumerate()
-            .all(|(i, &v)| v == pattern(i as u64, 8)),
-        "the adopted graph's fill"
-    );
+    assert!(holds_pattern(p2, n, 8), "the adopted graph's fill");
     drop(captured);
     assert!(
         alloc.pool_use_count(id2).is_none_or(|u| u == 0),
@@ -735,9 +736,7 @@ fn a_graph_pool_dropped_without_its_graph_keeps_its_memory() {
 #[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn a_buffer_made_before_a_capture_and_dropped_inside_it_is_held_for_the_graph() {
     let test = "a_buffer_made_before_a_capture_and_dropped_inside_it_is_held_for_the_graph";
-    let g = gpu(test);
-    let s = g.ctx.new_stream().unwrap();
-    let alloc = CudaAllocator::new(Arc::clone(&g.ctx), AllocatorConfig::default()).unwrap();
+    let (g, s, alloc) = stream_and_cache(test);
     let n = 1usize << 20;
     let mut b = uninit(&alloc, &s, n);
     fill(g, &s, &mut b, 1);
@@ -773,19 +772,10 @@ fn a_buffer_made_before_a_capture_and_dropped_inside_it_is_held_for_the_graph() 
     s.synchronize().unwrap();
     let vp = v.device_ptr_raw().0;
     assert!(
-        read_raw(vp, n)
-            .iter()
-            .enumerate()
-            .all(|(i, &x)| x == pattern(i as u64, 11)),
+        holds_pattern(vp, n, 11),
         "the graph's launch changed an eager buffer"
     );
-    assert!(
-        read_raw(p, n)
-            .iter()
-            .enumerate()
-            .all(|(i, &x)| x == pattern(i as u64, 3)),
-        "the graph's fill of the held block"
-    );
+    assert!(holds_pattern(p, n, 3), "the graph's fill of the held block");
     drop(v);
     drop(graph);
     assert_eq!(
