@@ -14,6 +14,10 @@
 //! made while cudarc manages stream synchronization (the context has more than one stream and
 //! event tracking on): a single-stream program makes none and pays nothing.
 //!
+//! The pool also quarantines the shells of buffers dropped inside a capture until no capture is
+//! underway, and marks the buffers a kernel used without events (Notes [Drops inside a capture]
+//! and [Uses without events] in `interop::slice`).
+//!
 //! May use: `cudarc`, `interop` helpers, `error`.
 
 use std::collections::{HashMap, HashSet};
@@ -105,15 +109,15 @@ impl<T> Shell<T> {
         ptr: sys::CUdeviceptr,
         len: usize,
     ) -> Result<Self, AllocError> {
-        // cudarc's event creation binds the context, which takes the error cudarc kept for the
-        // program's next call (`CudaContext::check_err`); it is taken first and put back, so that
-        // neither the creation fails on it nor the program loses it.
         if FAIL_SHELLS
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
             .is_ok()
         {
             return Err(no_events());
         }
+        // cudarc's event creation binds the context, which takes the error cudarc kept for the
+        // program's next call (`CudaContext::check_err`); it is taken first and put back, so that
+        // neither the creation fails on it nor the program loses it.
         let pending = stream.context().check_err();
         // cudarc unwraps the event creation inside `upgrade_device_ptr`; a failure there must not
         // unwind through the caller, so it is caught and reported as an error.
