@@ -181,7 +181,7 @@ impl CudaAllocator {
     }
 
     /// Frees the blocks held for pool `pool`'s graphs (its last use was given back).
-    pub(super) fn free_held(&self, pool: MemPoolId) {
+    fn free_held(&self, pool: MemPoolId) {
         let ptrs = self.held.lock().remove(&pool).unwrap_or_default();
         for p in ptrs {
             // SAFETY: the block's buffer was dropped (it is owned by nothing else), and the
@@ -563,11 +563,17 @@ impl CudaAllocator {
         ))
     }
 
-    /// The driver's id of the capture admitted stream `id` takes part in, if any.
+    /// The driver's id of the capture that `stream` (admitted as `id`) takes part in, if any. A
+    /// legacy default stream never captures and is not asked (the driver may answer for the
+    /// streams it synchronizes with instead).
     ///
     /// # Errors
     /// [`AllocError::Backend`] when the capture status cannot be read.
-    pub(super) fn capture_of(&self, id: StreamId) -> Result<Option<u64>> {
+    pub(super) fn capture_of(&self, stream: &CudaStream, id: StreamId) -> Result<Option<u64>> {
+        // The null handle and `CU_STREAM_LEGACY` (0x1).
+        if (stream.cu_stream() as usize) <= 1 {
+            return Ok(None);
+        }
         self.device()
             .stream_capture_id(id)
             .map_err(|source| AllocError::Backend {
@@ -577,14 +583,9 @@ impl CudaAllocator {
     }
 
     /// Refuses a typed allocation on a stream capturing a graph that no routing sends to a
-    /// private pool (Note [Allocations inside a capture] in `interop::capture`). A legacy
-    /// default stream never captures and is not asked.
+    /// private pool (Note [Allocations inside a capture] in `interop::capture`).
     fn refuse_unrouted_capture(&self, stream: &CudaStream, id: StreamId) -> Result<()> {
-        // The null handle and `CU_STREAM_LEGACY` (0x1).
-        if (stream.cu_stream() as usize) <= 1 {
-            return Ok(());
-        }
-        match self.capture_of(id)? {
+        match self.capture_of(stream, id)? {
             Some(capture_id) if self.inner.routed_pool(id).is_none() => {
                 Err(AllocError::UnroutedCapture {
                     stream: id,

@@ -154,18 +154,14 @@ impl GraphPool {
         finished
     }
 
-    /// Gives the pool's use back, and at its last use frees the blocks held for its graphs.
+    /// Gives the pool's use back (`CudaAllocator::release_pool`: at its last use the blocks
+    /// held for its graphs go back too). Called only where no graph of this handle's captures
+    /// can be launched any more.
     fn give_back(&self) -> Result<()> {
-        self.alloc.inner.release_pool(self.id)?;
-        if self
-            .alloc
-            .inner
-            .pool_use_count(self.id)
-            .is_none_or(|n| n == 0)
-        {
-            self.alloc.free_held(self.id);
-        }
-        Ok(())
+        // SAFETY: every caller has established that the graphs captured through this handle are
+        // gone (`CapturedGraph`'s drop after its graph, a capture that made none, or the caller
+        // of the unsafe `release`).
+        unsafe { self.alloc.release_pool(self.id) }
     }
 }
 
@@ -259,7 +255,7 @@ impl CudaAllocator {
 
     fn route_capture(&self, stream: &Arc<CudaStream>, id: MemPoolId) -> Result<GraphPool> {
         let sid = self.admit(stream)?;
-        let Some(capture) = self.capture_of(sid)? else {
+        let Some(capture) = self.capture_of(stream, sid)? else {
             return Err(AllocError::InvalidStream {
                 stream: sid,
                 source: crate::BackendError::InvalidStream {

@@ -16,7 +16,7 @@ use super::allocator::CudaAllocator;
 use super::events::{EventShell, TypedShell};
 use super::view::{CachedView, CachedViewMut, ViewEvents};
 use crate::backend::cuda::stream_id;
-use crate::{DeviceAddr, DeviceBackend, Result, StreamId};
+use crate::{DeviceAddr, Result, StreamId};
 
 /// `len` values of `T` in device memory owned by a caching allocator; dropping it returns the
 /// memory to the cache (never to the driver directly, and without synchronizing).
@@ -360,16 +360,13 @@ impl<T> CachedSlice<T> {
         true
     }
 
-    /// Whether the buffer's stream is capturing; `None` when the query failed. A legacy
-    /// default stream never captures and is not asked.
+    /// Whether the buffer's stream is capturing (`CudaAllocator::capture_of`); `None` when the
+    /// query failed.
     fn own_capture_status(&self) -> Option<bool> {
-        if (self.stream.cu_stream() as usize) <= 1 {
-            return Some(false);
-        }
-        match self.alloc.device().stream_capture_id(self.stream_id()) {
+        match self.alloc.capture_of(&self.stream, self.stream_id()) {
             Ok(c) => Some(c.is_some()),
             Err(e) => {
-                tracing::debug!(target: "cuda_caching_allocator", stream = %self.stream_id(), error = %e, "capture status unknown at a drop");
+                tracing::debug!(target: "cuda_caching_allocator", stream = %self.stream_id(), error = %e, "capture status unknown");
                 None
             }
         }
@@ -380,18 +377,11 @@ impl<T> CachedSlice<T> {
     /// legacy default stream never captures and is not asked (the driver may answer for the
     /// streams it synchronizes with instead).
     fn may_be_captured(&self, using: Option<&CudaStream>) -> bool {
+        if self.own_capture_status() != Some(false) {
+            return true;
+        }
         // The null handle and `CU_STREAM_LEGACY` (0x1).
         let legacy = |s: &CudaStream| (s.cu_stream() as usize) <= 1;
-        if !legacy(&self.stream) {
-            match self.alloc.device().stream_capture_id(self.stream_id()) {
-                Ok(None) => {}
-                Ok(Some(_)) => return true,
-                Err(e) => {
-                    tracing::debug!(target: "cuda_caching_allocator", stream = %self.stream_id(), error = %e, "capture status unknown: the buffer's first use makes new events");
-                    return true;
-                }
-            }
-        }
         let Some(u) = using.filter(|u| !legacy(u) && u.cu_stream() != self.stream.cu_stream())
         else {
             return false;

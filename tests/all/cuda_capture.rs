@@ -607,6 +607,27 @@ fn holds_pattern(ptr: u64, n: usize, seed: u32) -> bool {
         .all(|(i, &v)| v == pattern(i as u64, seed))
 }
 
+/// Runs `body` inside a thread-local capture of `stream` routed into a new pool of `alloc`
+/// (`capture_pool`), and returns the graph with its pool.
+fn routed_capture(
+    alloc: &CudaAllocator,
+    stream: &Arc<CudaStream>,
+    body: impl FnOnce(),
+) -> cuda_caching_allocator::interop::CapturedGraph {
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
+    let guard = EndCaptureOnPanic(stream);
+    let pool = alloc.capture_pool(stream).unwrap();
+    body();
+    let graph = pool
+        .end_capture(stream, sys::CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("a graph");
+    std::mem::forget(guard);
+    graph
+}
+
 /// The shared fixture (event tracking off), a new stream and a cache of its own with the
 /// default configuration.
 fn stream_and_cache(test: &str) -> (&'static Gpu, Arc<CudaStream>, CudaAllocator) {
@@ -744,18 +765,11 @@ fn a_buffer_made_before_a_capture_and_dropped_inside_it_is_held_for_the_graph() 
     let p = b.device_ptr_raw().0;
     let allocated = |a: &CudaAllocator| a.memory_stats().allocated_bytes.get(StatType::All).current;
 
-    s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .unwrap();
-    let guard = EndCaptureOnPanic(&s);
-    let pool = alloc.capture_pool(&s).unwrap();
-    fill(g, &s, &mut b, 3);
-    drop(b);
-    assert_eq!(alloc.blocks_held_for_graphs(), 1, "held for the graph");
-    let graph = pool
-        .end_capture(&s, sys::CUgraphInstantiate_flags(0))
-        .unwrap()
-        .expect("a graph");
-    std::mem::forget(guard);
+    let graph = routed_capture(&alloc, &s, || {
+        fill(g, &s, &mut b, 3);
+        drop(b);
+        assert_eq!(alloc.blocks_held_for_graphs(), 1, "held for the graph");
+    });
     assert_eq!(
         allocated(&alloc),
         (4 * n) as i64,
@@ -804,27 +818,20 @@ fn a_buffer_dropped_inside_a_capture_quarantines_its_events() {
     let p = b.device_ptr_raw().0;
     let _ = b.as_view();
     assert!(b.has_events(), "the view took the buffer's events");
-    s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .unwrap();
-    let guard = EndCaptureOnPanic(&s);
-    let pool = alloc.capture_pool(&s).unwrap();
-    s.memset_zeros(&mut b).unwrap();
-    drop(b);
-    assert_eq!(
-        alloc.quarantined_event_pairs(),
-        1,
-        "quarantined inside the capture"
-    );
-    assert_eq!(
-        alloc.kept_event_pairs(),
-        0,
-        "never kept for the next buffer"
-    );
-    let graph = pool
-        .end_capture(&s, sys::CUgraphInstantiate_flags(0))
-        .unwrap()
-        .expect("a graph");
-    std::mem::forget(guard);
+    let graph = routed_capture(&alloc, &s, || {
+        s.memset_zeros(&mut b).unwrap();
+        drop(b);
+        assert_eq!(
+            alloc.quarantined_event_pairs(),
+            1,
+            "quarantined inside the capture"
+        );
+        assert_eq!(
+            alloc.kept_event_pairs(),
+            0,
+            "never kept for the next buffer"
+        );
+    });
     assert_eq!(
         alloc.quarantined_event_pairs(),
         0,
