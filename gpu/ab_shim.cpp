@@ -13,6 +13,10 @@
 // deleter; `raw_delete` by a table of the raw pointers each allocator handed out. Everything
 // else (statistics, history, graph pools) goes to the crate's allocator, except `init`,
 // `emptyCache`, the peak and accumulated resets and the memory fraction, which go to both.
+// With CCA_HOST_TIMING=1 at `install`, `allocate` times each call of either side (steady_clock,
+// two reads per call, the same scope for both), so a step's allocation time under native and
+// under the crate compare on the same inputs; frees go to each side's own deleter and are not
+// timed here (the crate's shim times its own, `host_time`).
 // A measuring tool, not a product feature: the package never installs it.
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 #include <torch/extension.h>
@@ -23,10 +27,13 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -50,7 +57,10 @@ class Ab : public CCA::CUDAAllocator {
  public:
   // `native` is PyTorch's own allocator object (static, never destroyed), `crate` the package's.
   Ab(CCA::CUDAAllocator* native, std::shared_ptr<CCA::CUDAAllocator> crate)
-      : native_(native), crate_(std::move(crate)) {}
+      : native_(native), crate_(std::move(crate)) {
+    const char* t = std::getenv("CCA_HOST_TIMING");
+    timing_ = t != nullptr && std::string(t) == "1";
+  }
 
   // 0: native, 1: the crate.
   void set_mode(int mode) { mode_.store(mode, std::memory_order_relaxed); }
@@ -58,7 +68,23 @@ class Ab : public CCA::CUDAAllocator {
   CCA::CUDAAllocator* side(int which) { return which == 0 ? native_ : crate_.get(); }
   CCA::CUDAAllocator* current() { return side(mode()); }
 
-  c10::DataPtr allocate(size_t n) override { return current()->allocate(n); }
+  c10::DataPtr allocate(size_t n) override {
+    if (!timing_) return current()->allocate(n);
+    int m = mode();
+    auto t0 = std::chrono::steady_clock::now();
+    c10::DataPtr d = side(m)->allocate(n);
+    auto t1 = std::chrono::steady_clock::now();
+    alloc_ns_[m].fetch_add(
+        static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count()),
+        std::memory_order_relaxed);
+    alloc_calls_[m].fetch_add(1, std::memory_order_relaxed);
+    return d;
+  }
+  // (timing on, native ns, native calls, crate ns, crate calls) of `allocate` so far.
+  std::tuple<bool, uint64_t, uint64_t, uint64_t, uint64_t> host_alloc() const {
+    return {timing_, alloc_ns_[0].load(), alloc_calls_[0].load(), alloc_ns_[1].load(),
+            alloc_calls_[1].load()};
+  }
   c10::DeleterFnPtr raw_deleter() const override { return &raw_delete_fn; }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     crate_->copy_data(dest, src, count);
@@ -194,6 +220,9 @@ class Ab : public CCA::CUDAAllocator {
   CCA::CUDAAllocator* native_;
   std::shared_ptr<CCA::CUDAAllocator> crate_;
   std::atomic<int> mode_{0};
+  bool timing_ = false;
+  std::atomic<uint64_t> alloc_ns_[2] = {0, 0};
+  std::atomic<uint64_t> alloc_calls_[2] = {0, 0};
   std::mutex mu_;
   std::unordered_map<void*, int> raw_;
 };
@@ -226,6 +255,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("install", &ab::install, pybind11::arg("crate"));
   m.def("set_mode", [](int mode) { ab::get().set_mode(mode); }, pybind11::arg("mode"));
   m.def("mode", []() { return ab::get().mode(); });
+  m.def(
+      "host_alloc",
+      []() {
+        auto [on, n_ns, n_calls, c_ns, c_calls] = ab::get().host_alloc();
+        return pybind11::make_tuple(on, n_ns, n_calls, c_ns, c_calls);
+      },
+      "(timing on, native ns, native calls, crate ns, crate calls) of the timed allocations");
   m.def(
       "stats",
       [](int which, int device) {

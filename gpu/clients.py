@@ -243,6 +243,23 @@ def host_cell(rows):
     return cell
 
 
+def alloc_cell(rows):
+    """--ab: the table cell of the allocation time per execution, native / crate, medians over
+    the inputs after warm-up (the allocations per execution), and the median of the per-input
+    difference (crate minus native); "" when the A/B shim did not time."""
+    rows = [r for r in rows if r.get("native_alloc_us") and r.get("crate_alloc_us")]
+    if not rows:
+        return ""
+    nat = [x for r in rows for x in r["native_alloc_us"]]
+    mine = [x for r in rows for x in r["crate_alloc_us"]]
+    calls = [x for r in rows for x in r["native_allocs"] + r["crate_allocs"]]
+    diff = statistics.median(c - n for c, n in zip(mine, nat))
+    return (f"{statistics.median(nat):.0f} / {statistics.median(mine):.0f} "
+            f"({statistics.median(calls):.0f}); +{diff:.0f}" if diff >= 0 else
+            f"{statistics.median(nat):.0f} / {statistics.median(mine):.0f} "
+            f"({statistics.median(calls):.0f}); {diff:.0f}")
+
+
 # --ab: executions per input: a priming run, then one under each allocator.
 AB_RUNS = 3
 
@@ -261,9 +278,12 @@ def ab_mode(i):
 def ab_probe(args, device=0):
     """--ab: (callback, counters); the callback sets the allocator of each execution and reads
     both sides' device counters at the end of warm-up (input `warmup`'s priming run)."""
-    counters = {}
+    counters = {"_alloc_reads": []}
 
     def at(i):
+        # Both sides' timed allocations so far (CCA_HOST_TIMING): one reading between every two
+        # executions, so each execution's allocation time is known by its allocator.
+        counters["_alloc_reads"].append(AB.host_alloc())
         AB.set_mode(ab_mode(i))
         if i == AB_RUNS * args.warmup:
             for side in (0, 1):
@@ -297,7 +317,27 @@ def ab_result(args, times, counters, device=0):
             sum(st[k] - counters[side][k] for k in DEVICE_COUNTERS) if side in counters else None)
     # The crate's host time covers its priming runs too: about 1.5 of its executions per input.
     res.update(steady_host(counters, 1.5 * (args.steps - args.warmup)))
+    res.update(ab_alloc_time(args, counters.get("_alloc_reads", [])))
     return res
+
+
+def ab_alloc_time(args, reads):
+    """--ab with host timing: per input after warm-up, the allocation time (µs) and allocation
+    count of the execution under native and of the one under the crate, timed alike by the A/B
+    shim around each side's `allocate` (`ab_shim.cpp`); {} when timing is off."""
+    reads = reads + [AB.host_alloc()]
+    if not reads or not reads[0][0]:
+        return {}
+    out = {"native_alloc_us": [], "crate_alloc_us": [], "native_allocs": [], "crate_allocs": []}
+    for j in range(args.warmup, (len(reads) - 1) // AB_RUNS):
+        for k in (AB_RUNS * j + 1, AB_RUNS * j + 2):
+            side = ab_mode(k)
+            a, b = reads[k], reads[k + 1]
+            ns, calls = (b[1] - a[1], b[2] - a[2]) if side == 0 else (b[3] - a[3], b[4] - a[4])
+            name = "native" if side == 0 else "crate"
+            out[f"{name}_alloc_us"].append(ns / 1000)
+            out[f"{name}_allocs"].append(calls)
+    return out
 
 
 def lengths(seed, n, lo, hi):
@@ -574,8 +614,9 @@ def compare_ab(args):
           "crate slower in | native ms | crate ms | "
           "priming runs ms, native / crate | "
           "device calls after warm-up, native / crate | crate host µs / step (allocs / step; in device calls) | "
+          "allocation µs / execution, native / crate (allocs) | "
           "reserved / peak allocated, native / crate |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for w in args.workloads:
         for label in labels:
             _, env_changes, cfg = known[label]
@@ -586,7 +627,7 @@ def compare_ab(args):
                 ok = False
             if not good:
                 skipped = next((r["skipped"] for r in runs if r and "skipped" in r), "failed")
-                print(f"| {w} | {label} | {skipped} | | | | | | | | | | | | |")
+                print(f"| {w} | {label} | {skipped} | | | | | | | | | | | | | |")
                 continue
             nat = [x for r in good for x in r["native_ms"]]
             mine = [x for r in good for x in r["crate_ms"]]
@@ -604,6 +645,7 @@ def compare_ab(args):
             finite = all(l == l and abs(l) != float("inf") for r in good for l in r["losses"])
             ok = ok and finite
             host = host_cell(good) if all("host_us_per_step" in r for r in good) else ""
+            alloc = alloc_cell(good)
             calls = ", ".join(f"{r['native_steady_device_calls']}/{r['crate_steady_device_calls']}"
                               for r in good)
             pn = [x for r in good for x in r["native_prime_ms"]]
@@ -617,7 +659,7 @@ def compare_ab(args):
                   f"{r_first:.3f} / {r_second:.3f} | {med:.3f} ({q1:.3f}–{q3:.3f}) | {per} | "
                   f"{sum(mine) / sum(nat):.3f} | {sum(r > 1 for r in ratios)}/{len(ratios)} | "
                   f"{statistics.median(nat):.2f} | {statistics.median(mine):.2f} | {primes} | "
-                  f"{calls} | {host} | "
+                  f"{calls} | {host} | {alloc} | "
                   f"{mem}{'' if finite else ' NON-FINITE LOSS'} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -22,8 +22,15 @@ class FakeAb:
         self.calls = {0: 0, 1: 0}
         self.mode_set = []
 
+        # Timed allocations, as `host_alloc` returns them: (on, native ns, native calls, crate
+        # ns, crate calls).
+        self.timed = [False, 0, 0, 0, 0]
+
     def set_mode(self, mode):
         self.mode_set.append(mode)
+
+    def host_alloc(self):
+        return tuple(self.timed)
 
     def stats(self, side, device=0):
         return {"reserved_bytes.all.peak": 110 if side else 150,
@@ -65,6 +72,42 @@ def test_pairing():
     assert r["crate_first"] == [False, True, False, True]
     assert r["native_prime_ms"] == [1000.0, 1000.0] and r["crate_prime_ms"] == [1000.0, 1000.0]
     assert r["crate_steady_device_calls"] == 3 and r["native_steady_device_calls"] == 0
+
+
+def test_alloc_time():
+    """Each execution's timed allocations go to its allocator; only the two repeats of each
+    input after warm-up count, paired by input."""
+    ab = FakeAb()
+    ab.timed[0] = True
+    clients.AB = ab
+    clients.HOST_TIME = lambda: None
+    args = types.SimpleNamespace(warmup=1, steps=4)
+    at, counters = clients.ab_probe(args)
+    times = []
+    for i in range(clients.AB_RUNS * args.steps):
+        at(i)
+        j = i // clients.AB_RUNS
+        # Execution i allocates 10 times: native 2 µs each, the crate 3 µs plus 1 per input.
+        if clients.ab_mode(i) == 0:
+            ab.timed[1] += 10 * 2000
+            ab.timed[2] += 10
+        else:
+            ab.timed[3] += 10 * (3000 + 1000 * j)
+            ab.timed[4] += 10
+        times.append(1.0)
+    r = clients.ab_result(args, times, counters)
+    assert r["native_alloc_us"] == [20.0, 20.0, 20.0], r
+    assert r["crate_alloc_us"] == [40.0, 50.0, 60.0], r
+    assert r["native_allocs"] == [10, 10, 10] and r["crate_allocs"] == [10, 10, 10], r
+    assert clients.alloc_cell([r]) == "20 / 50 (10); +30", clients.alloc_cell([r])
+    # Timing off: no figures, an empty cell.
+    ab2 = FakeAb()
+    clients.AB = ab2
+    at, counters = clients.ab_probe(args)
+    for i in range(clients.AB_RUNS * args.steps):
+        at(i)
+    r2 = clients.ab_result(args, times, counters)
+    assert "native_alloc_us" not in r2 and clients.alloc_cell([r2]) == ""
 
 
 def test_table():
