@@ -176,7 +176,7 @@ for phase in $PHASES; do
     CCA_SHIM_BUILD_DIR=/tmp/cca-shim-build step ab timeout "$(left)" python3 \
       "$HERE/clients.py" --ab --python-dir "$PKG_DIR" --workloads ${CCA_CLIENTS:-sidestream generate ckpt} \
       --json "$OUT/ab.json" ${CCA_CLIENT_ARGS:-}
-    grep -E '^== |^\||FAILED' "$OUT/ab.log" | cut -c1-400 | tee -a "$S" ;;
+    grep -E '^== |^\||FAILED' "$OUT/ab.log" | cut -c1-600 | tee -a "$S" ;;
   hostpair) # After `package` or `install`: host ns per allocate + free through PyTorch's own
     # entry point, native against the crate's configurations (gpu/host_pair.py), one thread and
     # across two threads; CCA_HOSTPAIR_REPS interleaved repeats (default 3).
