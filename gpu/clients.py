@@ -245,8 +245,9 @@ def host_cell(rows):
 
 def alloc_cell(rows):
     """--ab: the table cell of the allocation time per execution, native / crate, medians over
-    the inputs after warm-up (the allocations per execution), and the median of the per-input
-    difference (crate minus native); "" when the A/B shim did not time."""
+    the inputs after warm-up (the allocations per execution), the median of the per-input
+    difference (crate minus native) and, when timed, the crate's free time per execution of its
+    own; "" when the A/B shim did not time."""
     rows = [r for r in rows if r.get("native_alloc_us") and r.get("crate_alloc_us")]
     if not rows:
         return ""
@@ -254,10 +255,12 @@ def alloc_cell(rows):
     mine = [x for r in rows for x in r["crate_alloc_us"]]
     calls = [x for r in rows for x in r["native_allocs"] + r["crate_allocs"]]
     diff = statistics.median(c - n for c, n in zip(mine, nat))
-    return (f"{statistics.median(nat):.0f} / {statistics.median(mine):.0f} "
-            f"({statistics.median(calls):.0f}); +{diff:.0f}" if diff >= 0 else
-            f"{statistics.median(nat):.0f} / {statistics.median(mine):.0f} "
-            f"({statistics.median(calls):.0f}); {diff:.0f}")
+    cell = (f"{statistics.median(nat):.0f} / {statistics.median(mine):.0f} "
+            f"({statistics.median(calls):.0f}); {diff:+.0f}")
+    frees = [x for r in rows for x in r.get("crate_free_us_own", [])]
+    if frees:
+        cell += f"; crate frees {statistics.median(frees):.0f}"
+    return cell
 
 
 # --ab: executions per input: a priming run, then one under each allocator.
@@ -284,6 +287,7 @@ def ab_probe(args, device=0):
         # Both sides' timed allocations so far (CCA_HOST_TIMING): one reading between every two
         # executions, so each execution's allocation time is known by its allocator.
         counters["_alloc_reads"].append(AB.host_alloc())
+        counters.setdefault("_crate_reads", []).append(HOST_TIME())
         AB.set_mode(ab_mode(i))
         if i == AB_RUNS * args.warmup:
             for side in (0, 1):
@@ -318,7 +322,24 @@ def ab_result(args, times, counters, device=0):
     # The crate's host time covers its priming runs too: about 1.5 of its executions per input.
     res.update(steady_host(counters, 1.5 * (args.steps - args.warmup)))
     res.update(ab_alloc_time(args, counters.get("_alloc_reads", [])))
+    res.update(ab_crate_free_time(args, counters.get("_crate_reads", [])))
     return res
+
+
+def ab_crate_free_time(args, reads):
+    """--ab with host timing: per input after warm-up, the crate's free time (µs; its shim's
+    own timing, `host_time`) during the execution under the crate and during the one under
+    native (frees of the crate's blocks made before, e.g. by its priming run); {} when timing
+    is off. Native's frees go to its own deleter and are not timed."""
+    reads = reads + [HOST_TIME()]
+    if not reads or any(r is None for r in reads):
+        return {}
+    out = {"crate_free_us_own": [], "crate_free_us_in_native": []}
+    for j in range(args.warmup, (len(reads) - 1) // AB_RUNS):
+        for k in (AB_RUNS * j + 1, AB_RUNS * j + 2):
+            us = (reads[k + 1]["free_ns"] - reads[k]["free_ns"]) / 1000
+            out["crate_free_us_own" if ab_mode(k) == 1 else "crate_free_us_in_native"].append(us)
+    return out
 
 
 def ab_alloc_time(args, reads):
