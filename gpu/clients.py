@@ -70,6 +70,9 @@ HOST_TIME = lambda: None  # noqa: E731
 CALL_KINDS = ("map", "set_access", "unmap", "create", "event_query", "event_record",
               "stream_wait_event", "stream_synchronize", "synchronize", "release")
 
+# The crate's device calls so far, by kind (a dict), or None on runs without the crate.
+DEVICE_COUNTS = lambda: None  # noqa: E731
+
 # The crate's host nanoseconds inside device calls so far, by kind (a dict, "all" included), or
 # None on runs without the crate.
 DEVICE_NS = lambda: None  # noqa: E731
@@ -112,8 +115,12 @@ def setup_ab(args):
     def device_ns():
         return {k: lib.cca_memory_stat(0, f"device_ns.{k}".encode()) for k in CALL_KINDS + ("all",)}
 
-    global DEVICE_NS
+    def device_counts():
+        return {k: lib.cca_memory_stat(0, f"device_calls.{k}".encode()) for k in CALL_KINDS}
+
+    global DEVICE_NS, DEVICE_COUNTS
     DEVICE_NS = device_ns
+    DEVICE_COUNTS = device_counts
 
     def stat(key, device=0):
         return mod.stats(1, device).get(key, 0)
@@ -288,6 +295,7 @@ def ab_probe(args, device=0):
         # executions, so each execution's allocation time is known by its allocator.
         counters["_alloc_reads"].append(AB.host_alloc())
         counters.setdefault("_crate_reads", []).append(HOST_TIME())
+        counters.setdefault("_call_reads", []).append(DEVICE_COUNTS())
         AB.set_mode(ab_mode(i))
         if i == AB_RUNS * args.warmup:
             for side in (0, 1):
@@ -323,7 +331,23 @@ def ab_result(args, times, counters, device=0):
     res.update(steady_host(counters, 1.5 * (args.steps - args.warmup)))
     res.update(ab_alloc_time(args, counters.get("_alloc_reads", [])))
     res.update(ab_crate_free_time(args, counters.get("_crate_reads", [])))
+    res.update(ab_crate_calls(args, counters.get("_call_reads", [])))
     return res
+
+
+def ab_crate_calls(args, reads):
+    """--ab: per input after warm-up, the crate's device calls by kind (`device_calls.KIND` of
+    device 0) made during the execution under the crate ({kind: [count per input]}); {} without
+    the figures."""
+    reads = reads + [DEVICE_COUNTS()]
+    if not reads or any(r is None for r in reads):
+        return {}
+    out = {}
+    for j in range(args.warmup, (len(reads) - 1) // AB_RUNS):
+        k = next(k for k in (AB_RUNS * j + 1, AB_RUNS * j + 2) if ab_mode(k) == 1)
+        for kind in reads[k]:
+            out.setdefault(kind, []).append(reads[k + 1][kind] - reads[k][kind])
+    return {"crate_calls_own": out}
 
 
 def ab_crate_free_time(args, reads):

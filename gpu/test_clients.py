@@ -83,6 +83,9 @@ def test_alloc_time():
     # The crate's shim timing: 500 µs of frees in each execution under the crate.
     shim = {"alloc_ns": 0, "alloc_calls": 0, "free_ns": 0, "free_calls": 0}
     clients.HOST_TIME = lambda: dict(shim)
+    # The crate's device calls: 2 unmaps in each execution under the crate.
+    calls = {"unmap": 0, "map": 0}
+    clients.DEVICE_COUNTS = lambda: dict(calls)
     args = types.SimpleNamespace(warmup=1, steps=4)
     at, counters = clients.ab_probe(args)
     times = []
@@ -97,17 +100,20 @@ def test_alloc_time():
             ab.timed[3] += 10 * (3000 + 1000 * j)
             ab.timed[4] += 10
             shim["free_ns"] += 500_000
+            calls["unmap"] += 2
         times.append(1.0)
     r = clients.ab_result(args, times, counters)
     assert r["native_alloc_us"] == [20.0, 20.0, 20.0], r
     assert r["crate_alloc_us"] == [40.0, 50.0, 60.0], r
     assert r["native_allocs"] == [10, 10, 10] and r["crate_allocs"] == [10, 10, 10], r
+    assert r["crate_calls_own"] == {"unmap": [2, 2, 2], "map": [0, 0, 0]}, r
     assert r["crate_free_us_own"] == [500.0] * 3 and r["crate_free_us_in_native"] == [0.0] * 3, r
     assert clients.alloc_cell([r]) == "20 / 50 (10); +30; crate frees 500", clients.alloc_cell([r])
     # Timing off: no figures, an empty cell.
     ab2 = FakeAb()
     clients.AB = ab2
     clients.HOST_TIME = lambda: None
+    clients.DEVICE_COUNTS = lambda: None
     at, counters = clients.ab_probe(args)
     for i in range(clients.AB_RUNS * args.steps):
         at(i)
