@@ -71,7 +71,7 @@ CALL_KINDS = ("map", "set_access", "unmap", "create", "event_query", "event_reco
               "stream_wait_event", "stream_synchronize", "synchronize", "release")
 
 # The crate's device calls so far, by kind (a dict), or None on runs without the crate.
-DEVICE_COUNTS = lambda: None  # noqa: E731
+DEVICE_COUNTS = lambda device=0: None  # noqa: E731
 
 # The crate's host nanoseconds inside device calls so far, by kind (a dict, "all" included), or
 # None on runs without the crate.
@@ -115,8 +115,8 @@ def setup_ab(args):
     def device_ns():
         return {k: lib.cca_memory_stat(0, f"device_ns.{k}".encode()) for k in CALL_KINDS + ("all",)}
 
-    def device_counts():
-        return {k: lib.cca_memory_stat(0, f"device_calls.{k}".encode()) for k in CALL_KINDS}
+    def device_counts(device=0):
+        return {k: lib.cca_memory_stat(device, f"device_calls.{k}".encode()) for k in CALL_KINDS}
 
     global DEVICE_NS, DEVICE_COUNTS
     DEVICE_NS = device_ns
@@ -295,7 +295,7 @@ def ab_probe(args, device=0):
         # executions, so each execution's allocation time is known by its allocator.
         counters["_alloc_reads"].append(AB.host_alloc())
         counters.setdefault("_crate_reads", []).append(HOST_TIME())
-        counters.setdefault("_call_reads", []).append(DEVICE_COUNTS())
+        counters.setdefault("_call_reads", []).append(DEVICE_COUNTS(device))
         AB.set_mode(ab_mode(i))
         if i == AB_RUNS * args.warmup:
             for side in (0, 1):
@@ -331,15 +331,15 @@ def ab_result(args, times, counters, device=0):
     res.update(steady_host(counters, 1.5 * (args.steps - args.warmup)))
     res.update(ab_alloc_time(args, counters.get("_alloc_reads", [])))
     res.update(ab_crate_free_time(args, counters.get("_crate_reads", [])))
-    res.update(ab_crate_calls(args, counters.get("_call_reads", [])))
+    res.update(ab_crate_calls(args, counters.get("_call_reads", []), device))
     return res
 
 
-def ab_crate_calls(args, reads):
+def ab_crate_calls(args, reads, device=0):
     """--ab: per input after warm-up, the crate's device calls by kind (`device_calls.KIND` of
-    device 0) made during the execution under the crate ({kind: [count per input]}); {} without
+    `device`) made during the execution under the crate ({kind: [count per input]}); {} without
     the figures."""
-    reads = reads + [DEVICE_COUNTS()]
+    reads = reads + [DEVICE_COUNTS(device)]
     if not reads or any(r is None for r in reads):
         return {}
     out = {}
@@ -534,10 +534,11 @@ def dist_worker(rank, world, args):
         at, counters = ab_probe(args, rank)
         losses, times = train_loop(torch, model, opt, AB_RUNS * args.steps, args.batch,
                                    [x for x in seqs for _ in range(AB_RUNS)], False, rank, at)
-        if rank == 0:
-            res = {"workload": args.workload, "route": route, "rank": rank, "losses": losses,
-                   **ab_result(args, times, counters, rank)}
-            print("RESULT " + json.dumps(res), flush=True)
+        res = {"workload": args.workload, "route": route, "rank": rank, "losses": losses,
+               **ab_result(args, times, counters, rank)}
+        # Every rank waits for the others at each collective: the other ranks' own figures
+        # (their inputs differ) go beside rank 0's, as `other_ranks` of its result.
+        print(("RESULT " if rank == 0 else "RANK ") + json.dumps(res), flush=True)
         dist.destroy_process_group()
         return
     at, counters = warmup_probe(args, stat, rank)
@@ -628,6 +629,9 @@ def run_child(args, w, label, env_changes, cfg):
         print(f"{w} {label}: FAILED rc={p.returncode}\n{p.stderr[-3000:]}", flush=True)
         return None
     r = json.loads(lines[-1][len("RESULT "):])
+    others = [json.loads(l[len("RANK "):]) for l in p.stdout.splitlines() if l.startswith("RANK ")]
+    if others:
+        r["other_ranks"] = others
     r["process_s"] = time.time() - t0
     shown = r.get("step_ms_median", r.get("skipped"))
     if "crate_ms" in r:

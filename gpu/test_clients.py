@@ -85,7 +85,7 @@ def test_alloc_time():
     clients.HOST_TIME = lambda: dict(shim)
     # The crate's device calls: 2 unmaps in each execution under the crate.
     calls = {"unmap": 0, "map": 0}
-    clients.DEVICE_COUNTS = lambda: dict(calls)
+    clients.DEVICE_COUNTS = lambda device=0: dict(calls)
     args = types.SimpleNamespace(warmup=1, steps=4)
     at, counters = clients.ab_probe(args)
     times = []
@@ -113,7 +113,7 @@ def test_alloc_time():
     ab2 = FakeAb()
     clients.AB = ab2
     clients.HOST_TIME = lambda: None
-    clients.DEVICE_COUNTS = lambda: None
+    clients.DEVICE_COUNTS = lambda device=0: None
     at, counters = clients.ab_probe(args)
     for i in range(clients.AB_RUNS * args.steps):
         at(i)
