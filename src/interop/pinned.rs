@@ -23,6 +23,18 @@
 //!   tracking off), or on a stream of another context, is made synchronous
 //!   (`SyncOnDrop::Sync`): the copy is done when cudarc's call returns.
 //!
+//! Note [Management that ends mid-use]: cudarc decides twice whether the context manages
+//! synchronization: when the use begins (here: wait on the event, hand back a
+//! `SyncOnDrop::Record`) and again when that `SyncOnDrop` drops after the copy is queued, where it
+//! records only if the context still manages it. Another thread that drops the context's last
+//! stream of its own in between turns management off, and the copy goes unrecorded. On the
+//! legacy and per-thread default streams the legacy fence above covers it; on any other stream (a
+//! borrowed one, which cudarc does not count) it would not, and a dropped buffer's block would be
+//! reused under the copy. So such a use marks the buffer, and host access or the drop that finds
+//! management off synchronizes the context first, as cudarc's own `cuMemFreeHost` would wait.
+//! Management that comes back on in between synchronizes the context itself (cudarc's
+//! `new_stream`), after the copy was queued.
+//!
 //! Where cudarc's drop synchronizes the event and frees, a dropped `CachedPinned` never blocks:
 //! an event that may still be pending is handed to the cache as a [`HostFence`]
 //! ([`PinnedCache::free_after`]), and the block is reused only once a query says the event
@@ -452,6 +464,7 @@ impl PinnedAllocator {
                 event: None,
                 used: AtomicBool::new(false),
                 lazy: AtomicBool::new(false),
+                managed: AtomicBool::new(false),
                 alloc: self.clone(),
                 marker: PhantomData,
             });
@@ -484,6 +497,7 @@ impl PinnedAllocator {
             event: Some(event),
             used: AtomicBool::new(false),
             lazy: AtomicBool::new(false),
+            managed: AtomicBool::new(false),
             alloc: self.clone(),
             marker: PhantomData,
         })
@@ -546,6 +560,10 @@ pub struct CachedPinned<T> {
     /// Used on a default stream while the context did not manage synchronization: the event must
     /// be recorded on the legacy default stream before it fences anything.
     lazy: AtomicBool,
+    /// Used on another stream while the context managed synchronization, since the last
+    /// exclusive host access: cudarc recorded the event only if the context still managed it
+    /// when the use's `SyncOnDrop` dropped (Note [Management that ends mid-use]).
+    managed: AtomicBool,
     alloc: PinnedAllocator,
     marker: PhantomData<T>,
 }
@@ -622,6 +640,16 @@ impl<T> CachedPinned<T> {
             fence_on_legacy(ev)?;
             if exclusive {
                 self.lazy.store(false, Ordering::Release);
+            }
+        }
+        if self.managed.load(Ordering::Acquire) {
+            // Note [Management that ends mid-use].
+            let ctx = ev.context();
+            if !ctx.is_managing_stream_synchronization() {
+                ctx.synchronize()?;
+            }
+            if exclusive {
+                self.managed.store(false, Ordering::Release);
             }
         }
         if self.used.load(Ordering::Acquire) {
@@ -703,6 +731,10 @@ impl<T> CachedPinned<T> {
             self.lazy.store(true, Ordering::Release);
         }
         if ctx.is_managing_stream_synchronization() {
+            if !legacy {
+                // Note [Management that ends mid-use].
+                self.managed.store(true, Ordering::Release);
+            }
             SyncOnDrop::Record(Some((ev, stream)))
         } else if legacy {
             SyncOnDrop::Sync(None)
@@ -749,6 +781,17 @@ impl<T> Drop for CachedPinned<T> {
         let Some(ev) = self.event.take() else {
             return;
         };
+        // Note [Management that ends mid-use]: a use that cudarc may have left unrecorded.
+        let unrecorded =
+            *self.managed.get_mut() && !ev.context().is_managing_stream_synchronization();
+        if unrecorded && ev.context().synchronize().is_err() {
+            tracing::warn!(
+                ?block,
+                "pinned buffer could not be waited for; its block stays out of reuse"
+            );
+            std::mem::forget(ev);
+            return;
+        }
         if *self.lazy.get_mut() {
             let ctx = Arc::clone(ev.context());
             if fence_on_legacy(&ev).is_err() && ctx.synchronize().is_err() {

@@ -20,8 +20,8 @@ use cuda_caching_allocator::host::{
 };
 use cuda_caching_allocator::interop::{CudaAllocator, PinnedAllocator};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, DeviceSlice, LaunchConfig,
-    PushKernelArg, SyncOnDrop, result, sys,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, DeviceSlice, HostSlice,
+    LaunchConfig, PushKernelArg, SyncOnDrop, result, sys,
 };
 
 use crate::util::{require_gpu, under_sanitizer};
@@ -702,5 +702,75 @@ fn a_pinned_buffer_copied_inside_a_capture_is_never_reused() {
         s.synchronize().unwrap();
         // SAFETY: `raw` came from `malloc_sync` and no queued work uses it any more.
         unsafe { result::free_sync(raw) }.unwrap();
+    }
+}
+
+/// Note [Management that ends mid-use] (`src/interop/pinned.rs`): cudarc asks whether the
+/// context manages synchronization when a use begins and again when the use's `SyncOnDrop`
+/// drops, and records the buffer's event only if it still does. Probe, for both engines: a copy
+/// on a borrowed stream (one cudarc does not count) made as cudarc's `memcpy_htod` makes it, with
+/// the context's only stream of its own dropped between the use's start and its end (what another
+/// thread may do), queued behind a delay kernel; then the buffer is dropped, a buffer of the same
+/// size allocated and overwritten on the host. The copy must have read the original values. On
+/// the library before the fix the event stays unrecorded, the block is reused at once and the
+/// copy reads the new owner's values (10 of 10 trials, H200).
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn a_copy_cudarc_leaves_unrecorded_is_still_waited_for() {
+    require_gpu("a_copy_cudarc_leaves_unrecorded_is_still_waited_for");
+    for pages in [false, true] {
+        let ctx = CudaContext::new(0).unwrap();
+        let k = kernels(&ctx);
+        let pinned = if pages {
+            PinnedAllocator::host_pages(Arc::clone(&ctx), 4).unwrap()
+        } else {
+            PinnedAllocator::new(Arc::clone(&ctx), PinnedConfig::default()).unwrap()
+        };
+        ctx.bind_to_thread().unwrap();
+        let raw = result::stream::create(result::stream::StreamKind::NonBlocking).unwrap();
+        // SAFETY: `raw` is a stream of this context's device, kept until `borrowed` and every
+        // use of it are gone (destroyed at the end of this iteration, after a synchronization).
+        let borrowed = unsafe { ctx.wrap_borrowed_stream(raw) };
+        let mut wrong = 0;
+        for trial in 0..TRIALS {
+            // The context's only stream of its own: while it lives, synchronization is managed.
+            let own = ctx.new_stream().unwrap();
+            assert!(ctx.is_managing_stream_synchronization());
+            let v = 1000 * trial as u32 + 9;
+            let src = pinned.pinned_from_slice(&pattern(v)).unwrap();
+            let mut dev: CudaSlice<u32> = borrowed.alloc_zeros(N).unwrap();
+            borrowed.synchronize().unwrap();
+            delay(&k, &borrowed);
+            {
+                // SAFETY: the values are only read, by the copy queued below.
+                let (values, record) = unsafe { src.stream_synced_slice(&borrowed) };
+                drop(own);
+                assert!(!ctx.is_managing_stream_synchronization());
+                let (dptr, record_dev) = dev.device_ptr_mut(&borrowed);
+                // SAFETY: `dptr` holds `N` values; `values` are `N` pinned values whose block
+                // the cache keeps until the buffer's drop says the copy is done.
+                unsafe { result::memcpy_htod_async(dptr, values, borrowed.cu_stream()) }.unwrap();
+                drop(record_dev);
+                drop(record);
+            }
+            drop(src);
+            let mut again = pinned.alloc_pinned_zeros::<u32>(N).unwrap();
+            again.as_mut_slice().unwrap().fill(0xDEAD_BEEF);
+            let got = borrowed.clone_dtoh(&dev).unwrap();
+            if got != pattern(v) {
+                wrong += 1;
+            }
+            ctx.synchronize().unwrap();
+        }
+        println!("unrecorded-use probe, pages {pages}: {wrong} of {TRIALS} trials wrong");
+        pinned.check_invariants().unwrap();
+        drop(borrowed);
+        ctx.synchronize().unwrap();
+        // SAFETY: `raw` came from `stream::create`; nothing uses it any more.
+        unsafe { result::stream::destroy(raw) }.unwrap();
+        assert_eq!(
+            wrong, 0,
+            "pages {pages}: a copy cudarc left unrecorded saw the new owner's data"
+        );
     }
 }
