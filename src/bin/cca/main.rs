@@ -13,6 +13,15 @@ mod plot;
 mod reference;
 mod report;
 
+/// Note [The tool's heap]: the global allocator is mimalloc, not the system allocator. The replay
+/// loop itself makes no heap allocation, but its speed follows where the heap put the
+/// allocator's and the simulator's structures: with glibc, `cca` replayed the recorded
+/// `generate` trace at 72–76 ns per event (a smaller harness over the same import and loop:
+/// 61–64), with mimalloc at 57–60, the same decisions either way (`benches/README.md`, "The
+/// tool's heap").
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 
