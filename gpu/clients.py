@@ -250,6 +250,36 @@ def host_cell(rows):
     return cell
 
 
+def order_free(ratios, first):
+    """The order-free ratio of paired times: the geometric mean of the median with the crate
+    first and the median with the crate second (the overall median stands in for an empty
+    side)."""
+    med = statistics.median(ratios)
+    a = statistics.median([r for r, f in zip(ratios, first) if f] or [med])
+    b = statistics.median([r for r, f in zip(ratios, first) if not f] or [med])
+    return (a * b) ** 0.5
+
+
+def growth_cell(rows):
+    """--ab: the table cell splitting the pairs by whether the crate's execution made a page
+    call (map, unmap or create) on any rank: order-free ratio (pairs) of the pairs without, then
+    of those with; "" when the runs carry no per-execution device calls."""
+    quiet, grown = ([], []), ([], [])
+    for r in rows:
+        ranks = [r.get("crate_calls_own")] + [o.get("crate_calls_own") for o in r.get("other_ranks", [])]
+        if not all(ranks):
+            return ""
+        for i, (c, n, f) in enumerate(zip(r["crate_ms"], r["native_ms"], r["crate_first"])):
+            calls = sum(k.get(kind, [0] * (i + 1))[i] for k in ranks
+                        for kind in ("map", "unmap", "create"))
+            side = grown if calls else quiet
+            side[0].append(c / n)
+            side[1].append(f)
+    cells = [f"{order_free(*side):.3f} ({len(side[0])})" if side[0] else "– (0)"
+             for side in (quiet, grown)]
+    return " / ".join(cells)
+
+
 def alloc_cell(rows):
     """--ab: the table cell of the allocation time per execution, native / crate, medians over
     the inputs after warm-up (the allocations per execution), the median of the per-input
@@ -664,8 +694,9 @@ def compare_ab(args):
           "priming runs ms, native / crate | "
           "device calls after warm-up, native / crate | crate host µs / step (allocs / step; in device calls) | "
           "allocation µs / execution, native / crate (allocs) | "
+          "order-free: pairs without / with page calls in the crate's execution (pairs) | "
           "reserved / peak allocated, native / crate |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for w in args.workloads:
         for label in labels:
             _, env_changes, cfg = known[label]
@@ -676,7 +707,7 @@ def compare_ab(args):
                 ok = False
             if not good:
                 skipped = next((r["skipped"] for r in runs if r and "skipped" in r), "failed")
-                print(f"| {w} | {label} | {skipped} | | | | | | | | | | | | | |")
+                print(f"| {w} | {label} | {skipped} | | | | | | | | | | | | | | |")
                 continue
             nat = [x for r in good for x in r["native_ms"]]
             mine = [x for r in good for x in r["crate_ms"]]
@@ -688,13 +719,14 @@ def compare_ab(args):
             # which that order effect cancels.
             r_first = statistics.median([r for r, f in zip(ratios, first) if f] or [med])
             r_second = statistics.median([r for r, f in zip(ratios, first) if not f] or [med])
-            order_free = (r_first * r_second) ** 0.5
+            both = order_free(ratios, first)
             per = "/".join(f"{statistics.median(c / n for c, n in zip(r['crate_ms'], r['native_ms'])):.3f}"
                            for r in good)
             finite = all(l == l and abs(l) != float("inf") for r in good for l in r["losses"])
             ok = ok and finite
             host = host_cell(good) if all("host_us_per_step" in r for r in good) else ""
             alloc = alloc_cell(good)
+            split = growth_cell(good)
             calls = ", ".join(f"{r['native_steady_device_calls']}/{r['crate_steady_device_calls']}"
                               for r in good)
             pn = [x for r in good for x in r["native_prime_ms"]]
@@ -704,11 +736,11 @@ def compare_ab(args):
             r0 = good[-1]
             mem = (f"{r0['native_peak_reserved_bytes'] / max(r0['native_peak_allocated_bytes'], 1):.4f} / "
                    f"{r0['crate_peak_reserved_bytes'] / max(r0['crate_peak_allocated_bytes'], 1):.4f}")
-            print(f"| {w} | {label} | {len(ratios)} | **{order_free:.3f}** | "
+            print(f"| {w} | {label} | {len(ratios)} | **{both:.3f}** | "
                   f"{r_first:.3f} / {r_second:.3f} | {med:.3f} ({q1:.3f}–{q3:.3f}) | {per} | "
                   f"{sum(mine) / sum(nat):.3f} | {sum(r > 1 for r in ratios)}/{len(ratios)} | "
                   f"{statistics.median(nat):.2f} | {statistics.median(mine):.2f} | {primes} | "
-                  f"{calls} | {host} | {alloc} | "
+                  f"{calls} | {host} | {alloc} | {split} | "
                   f"{mem}{'' if finite else ' NON-FINITE LOSS'} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:

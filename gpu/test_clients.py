@@ -121,6 +121,23 @@ def test_alloc_time():
     assert "native_alloc_us" not in r2 and clients.alloc_cell([r2]) == ""
 
 
+def test_growth_cell():
+    """Pairs whose crate execution made a page call on any rank are split from the others; a
+    run without per-execution calls gives no cell."""
+    r = {"native_ms": [100.0] * 4, "crate_ms": [101.0, 99.0, 130.0, 120.0],
+         "crate_first": [False, True, False, True],
+         "crate_calls_own": {"map": [0, 0, 5, 0], "unmap": [0, 0, 0, 0], "create": [0, 0, 1, 0],
+                             "event_query": [3, 3, 3, 3]},
+         "other_ranks": [{"crate_calls_own": {"map": [0, 0, 0, 7], "unmap": [0, 0, 0, 2],
+                                              "create": [0, 0, 0, 0]}}]}
+    # Quiet: pairs 0 (1.01, second) and 1 (0.99, first): order-free sqrt(0.99 * 1.01).
+    q = (0.99 * 1.01) ** 0.5
+    g = (1.2 * 1.3) ** 0.5
+    assert clients.growth_cell([r]) == f"{q:.3f} (2) / {g:.3f} (2)", clients.growth_cell([r])
+    assert clients.growth_cell([dict(r, other_ranks=[{}])]) == ""
+    assert clients.growth_cell([{k: v for k, v in r.items() if k != "crate_calls_own"}]) == ""
+
+
 def test_table():
     ab = FakeAb()
     clients.AB = ab
