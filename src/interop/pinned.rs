@@ -8,7 +8,7 @@
 //! `CU_EVENT_BLOCKING_SYNC`, as cudarc's); every stream use first waits on it and, while the
 //! context manages stream synchronization, records it after the work is queued (cudarc's own
 //! `SyncOnDrop::Record` does the recording); host access (`as_slice`, `as_mut_slice`, ...)
-//! synchronizes it first. Two cases cudarc leaves to the user are made safe here, because a
+//! synchronizes it first. Three cases cudarc leaves to the user are made safe here, because a
 //! dropped buffer's memory goes to a new owner that may write it at once:
 //!
 //! * a use while the context does **not** manage synchronization (one stream only, or event
@@ -21,25 +21,18 @@
 //!   queued on the legacy stream after the copy, which cudarc's own buffer does not;
 //! * a use on any other stream while synchronization is not managed (a borrowed stream, event
 //!   tracking off), or on a stream of another context, is made synchronous
-//!   (`SyncOnDrop::Sync`): the copy is done when cudarc's call returns.
+//!   (`SyncOnDrop::Sync`): the copy is done when cudarc's call returns;
+//! * a use on any other stream while synchronization *is* managed marks the buffer too: cudarc
+//!   records the event only if the context still manages synchronization when the use ends, so
+//!   host access or the drop that finds it no longer managing synchronizes the context first
+//!   (Note [Management that ends mid-use], at `use_on`).
 //!
-//! Note [Management that ends mid-use]: cudarc decides twice whether the context manages
-//! synchronization: when the use begins (here: wait on the event, hand back a
-//! `SyncOnDrop::Record`) and again when that `SyncOnDrop` drops after the copy is queued, where it
-//! records only if the context still manages it. Another thread that drops the context's last
-//! stream of its own in between turns management off, and the copy goes unrecorded. On the
-//! legacy and per-thread default streams the legacy fence above covers it; on any other stream (a
-//! borrowed one, which cudarc does not count) it would not, and a dropped buffer's block would be
-//! reused under the copy. So such a use marks the buffer, and host access or the drop that finds
-//! management off synchronizes the context first, as cudarc's own `cuMemFreeHost` would wait.
-//! Management that comes back on in between synchronizes the context itself (cudarc's
-//! `new_stream`), after the copy was queued.
-//!
-//! Where cudarc's drop synchronizes the event and frees, a dropped `CachedPinned` never blocks:
-//! an event that may still be pending is handed to the cache as a [`HostFence`]
-//! ([`PinnedCache::free_after`]), and the block is reused only once a query says the event
-//! completed; the event then returns to a pool, so a cache hit creates no event. A buffer never
-//! used on a stream is freed with no query at all.
+//! Where cudarc's drop synchronizes the event and frees, a dropped `CachedPinned` does not block
+//! (except after a use the last point marks, once the context no longer manages
+//! synchronization: then it synchronizes the context): an event that may still be pending is
+//! handed to the cache as a [`HostFence`] ([`PinnedCache::free_after`]), and the block is reused
+//! only once a query says the event completed; the event then returns to a pool, so a cache hit
+//! creates no event. A buffer never used on a stream is freed with no query at all.
 //!
 //! May use: `host`, `backend::cuda`, cudarc, `interop` helpers.
 
@@ -464,7 +457,7 @@ impl PinnedAllocator {
                 event: None,
                 used: AtomicBool::new(false),
                 lazy: AtomicBool::new(false),
-                managed: AtomicBool::new(false),
+                maybe_unrecorded: AtomicBool::new(false),
                 alloc: self.clone(),
                 marker: PhantomData,
             });
@@ -497,7 +490,7 @@ impl PinnedAllocator {
             event: Some(event),
             used: AtomicBool::new(false),
             lazy: AtomicBool::new(false),
-            managed: AtomicBool::new(false),
+            maybe_unrecorded: AtomicBool::new(false),
             alloc: self.clone(),
             marker: PhantomData,
         })
@@ -560,10 +553,11 @@ pub struct CachedPinned<T> {
     /// Used on a default stream while the context did not manage synchronization: the event must
     /// be recorded on the legacy default stream before it fences anything.
     lazy: AtomicBool,
-    /// Used on another stream while the context managed synchronization, since the last
-    /// exclusive host access: cudarc recorded the event only if the context still managed it
-    /// when the use's `SyncOnDrop` dropped (Note [Management that ends mid-use]).
-    managed: AtomicBool,
+    /// Used on a stream other than the default ones while the context managed synchronization,
+    /// and not synchronized by the buffer since: cudarc recorded the event only if the context
+    /// still managed it when the use's `SyncOnDrop` dropped (Note [Management that ends
+    /// mid-use]).
+    maybe_unrecorded: AtomicBool,
     alloc: PinnedAllocator,
     marker: PhantomData<T>,
 }
@@ -642,14 +636,15 @@ impl<T> CachedPinned<T> {
                 self.lazy.store(false, Ordering::Release);
             }
         }
-        if self.managed.load(Ordering::Acquire) {
-            // Note [Management that ends mid-use].
+        if self.maybe_unrecorded.load(Ordering::Acquire) {
+            // Note [Management that ends mid-use]. The mark is cleared only by a synchronization
+            // that ran (and only by an exclusive access: a shared one may race a new use).
             let ctx = ev.context();
             if !ctx.is_managing_stream_synchronization() {
                 ctx.synchronize()?;
-            }
-            if exclusive {
-                self.managed.store(false, Ordering::Release);
+                if exclusive {
+                    self.maybe_unrecorded.store(false, Ordering::Release);
+                }
             }
         }
         if self.used.load(Ordering::Acquire) {
@@ -732,8 +727,21 @@ impl<T> CachedPinned<T> {
         }
         if ctx.is_managing_stream_synchronization() {
             if !legacy {
-                // Note [Management that ends mid-use].
-                self.managed.store(true, Ordering::Release);
+                // Note [Management that ends mid-use]: cudarc decides twice whether the context
+                // manages synchronization: here, when the use begins, and again when the
+                // `SyncOnDrop` returned below drops after the copy is queued, where it records
+                // only if the context still manages it. Dropping the context's last stream of
+                // its own in between (another thread, or this one) or turning event tracking off
+                // leaves the copy unrecorded. On the default streams the legacy fence covers
+                // it; on any other stream (a borrowed one, which cudarc does not count) the
+                // dropped buffer's block would be reused under the copy. So the use marks the
+                // buffer, and host access or the drop that finds management off synchronizes
+                // the context first (where cudarc's own drop is covered by the implicit
+                // synchronization of `cuMemFreeHost`). Not covered: management turned back on
+                // before that check without a completed context synchronization (`fork`, or
+                // another thread inside `new_stream` before its synchronization, or
+                // `enable_event_tracking`): the drop then trusts an event cudarc did not record.
+                self.maybe_unrecorded.store(true, Ordering::Release);
             }
             SyncOnDrop::Record(Some((ev, stream)))
         } else if legacy {
@@ -783,14 +791,22 @@ impl<T> Drop for CachedPinned<T> {
         };
         // Note [Management that ends mid-use]: a use that cudarc may have left unrecorded.
         let unrecorded =
-            *self.managed.get_mut() && !ev.context().is_managing_stream_synchronization();
-        if unrecorded && ev.context().synchronize().is_err() {
-            tracing::warn!(
-                ?block,
-                "pinned buffer could not be waited for; its block stays out of reuse"
-            );
-            std::mem::forget(ev);
-            return;
+            *self.maybe_unrecorded.get_mut() && !ev.context().is_managing_stream_synchronization();
+        if unrecorded {
+            let ctx = Arc::clone(ev.context());
+            if let Err(e) = ctx.synchronize() {
+                // Not waited for: the copy may still run, so the memory must never be handed
+                // out again. Leak the block (and the event with it); the error goes to the
+                // context, as cudarc's own drops report theirs.
+                tracing::warn!(
+                    ?block,
+                    error = %e,
+                    "pinned buffer could not be waited for; its block stays out of reuse"
+                );
+                ctx.record_err(Err::<(), _>(e));
+                std::mem::forget(ev);
+                return;
+            }
         }
         if *self.lazy.get_mut() {
             let ctx = Arc::clone(ev.context());

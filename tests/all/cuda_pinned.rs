@@ -713,7 +713,8 @@ fn a_pinned_buffer_copied_inside_a_capture_is_never_reused() {
 /// thread may do), queued behind a delay kernel; then the buffer is dropped, a buffer of the same
 /// size allocated and overwritten on the host. The copy must have read the original values. On
 /// the library before the fix the event stays unrecorded, the block is reused at once and the
-/// copy reads the new owner's values (10 of 10 trials, H200).
+/// copy reads the new owner's values (10 of 10 trials, H200). Two premise checks (the delay
+/// kernel still running at the drop, the block reused) keep the probe from passing vacuously.
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn a_copy_cudarc_leaves_unrecorded_is_still_waited_for() {
@@ -741,20 +742,41 @@ fn a_copy_cudarc_leaves_unrecorded_is_still_waited_for() {
             let mut dev: CudaSlice<u32> = borrowed.alloc_zeros(N).unwrap();
             borrowed.synchronize().unwrap();
             delay(&k, &borrowed);
+            // Completes when the delay kernel does: the premise check before the drop below.
+            let marker = borrowed.record_event(None).unwrap();
             {
-                // SAFETY: the values are only read, by the copy queued below.
+                // SAFETY: cudarc's contract for `stream_synced_slice`: the slice is used only by
+                // work queued on `borrowed` (the copy below) before `record` drops.
                 let (values, record) = unsafe { src.stream_synced_slice(&borrowed) };
                 drop(own);
                 assert!(!ctx.is_managing_stream_synchronization());
                 let (dptr, record_dev) = dev.device_ptr_mut(&borrowed);
-                // SAFETY: `dptr` holds `N` values; `values` are `N` pinned values whose block
-                // the cache keeps until the buffer's drop says the copy is done.
+                // SAFETY: `dptr` holds `N` values, `values` `N` pinned values; the host memory
+                // stays allocated (the cache owns it after the drop), and whether it is handed
+                // out again before the copy ends is what this test checks.
                 unsafe { result::memcpy_htod_async(dptr, values, borrowed.cu_stream()) }.unwrap();
                 drop(record_dev);
                 drop(record);
             }
+            if !under_sanitizer() {
+                // Premise: the copy is still queued behind the delay kernel when the buffer drops
+                // (else the probe would pass without testing anything).
+                assert!(
+                    !marker.is_complete(),
+                    "pages {pages}: premise not met: the delay kernel ended before the drop"
+                );
+            }
+            let src_addr = src.host_ptr();
             drop(src);
             let mut again = pinned.alloc_pinned_zeros::<u32>(N).unwrap();
+            // Premise: the next buffer of that size gets the dropped one's block (once its copy
+            // is waited for, with the fix; at once, without it), so its overwrite is what the
+            // copy would read.
+            assert_eq!(
+                again.host_ptr(),
+                src_addr,
+                "pages {pages}: premise not met: the dropped buffer's block was not reused"
+            );
             again.as_mut_slice().unwrap().fill(0xDEAD_BEEF);
             let got = borrowed.clone_dtoh(&dev).unwrap();
             if got != pattern(v) {
