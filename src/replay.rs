@@ -3,6 +3,12 @@
 //! It is the one interpreter shared by property tests, fuzzing, golden-trace tests, benches and
 //! the CLI. On [`SimDevice`] it is fully deterministic (unless host timing is asked for).
 //!
+//! Timing a long replay: the loop makes no heap allocation, but it walks the trace's events and
+//! a table of live ids (tens of megabytes for a long trace), so its wall time depends on the
+//! program's heap. `cca` uses mimalloc, whose arenas sit in transparent huge pages: the recorded
+//! `generate` trace replays at 57–60 ns per event there against 72–76 with glibc's heap (Note
+//! [The tool's heap] in `src/bin/cca/main.rs`). A program timing replays does well to do the same.
+//!
 //! Note [Address-faithful replay]: PyTorch breaks best-fit ties by address, so where new segments
 //! land changes later decisions. To reproduce a recorded run exactly, the simulated device is
 //! asked to place each new segment where the recorded run had it: at the address of the
