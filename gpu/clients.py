@@ -373,10 +373,10 @@ def ab_crate_calls(args, reads, device=0):
     if not reads or any(r is None for r in reads):
         return {}
     out = {}
-    for j in range(args.warmup, (len(reads) - 1) // AB_RUNS):
-        k = next(k for k in (AB_RUNS * j + 1, AB_RUNS * j + 2) if ab_mode(k) == 1)
-        for kind in reads[k]:
-            out.setdefault(kind, []).append(reads[k + 1][kind] - reads[k][kind])
+    for side, a, b in measured_executions(args, reads):
+        if side == 1:
+            for kind in a:
+                out.setdefault(kind, []).append(b[kind] - a[kind])
     return {"crate_calls_own": out}
 
 
@@ -389,10 +389,9 @@ def ab_crate_free_time(args, reads):
     if not reads or any(r is None for r in reads):
         return {}
     out = {"crate_free_us_own": [], "crate_free_us_in_native": []}
-    for j in range(args.warmup, (len(reads) - 1) // AB_RUNS):
-        for k in (AB_RUNS * j + 1, AB_RUNS * j + 2):
-            us = (reads[k + 1]["free_ns"] - reads[k]["free_ns"]) / 1000
-            out["crate_free_us_own" if ab_mode(k) == 1 else "crate_free_us_in_native"].append(us)
+    for side, a, b in measured_executions(args, reads):
+        us = (b["free_ns"] - a["free_ns"]) / 1000
+        out["crate_free_us_own" if side == 1 else "crate_free_us_in_native"].append(us)
     return out
 
 
@@ -404,15 +403,21 @@ def ab_alloc_time(args, reads):
     if not reads or not reads[0][0]:
         return {}
     out = {"native_alloc_us": [], "crate_alloc_us": [], "native_allocs": [], "crate_allocs": []}
+    for side, a, b in measured_executions(args, reads):
+        ns, calls = (b[1] - a[1], b[2] - a[2]) if side == 0 else (b[3] - a[3], b[4] - a[4])
+        name = "native" if side == 0 else "crate"
+        out[f"{name}_alloc_us"].append(ns / 1000)
+        out[f"{name}_allocs"].append(calls)
+    return out
+
+
+def measured_executions(args, reads):
+    """--ab: for each input after warm-up, its two measured executions (the repeats after its
+    priming run), in order, as (allocator, reading before, reading after); `reads` holds one
+    reading taken before each execution and a final one."""
     for j in range(args.warmup, (len(reads) - 1) // AB_RUNS):
         for k in (AB_RUNS * j + 1, AB_RUNS * j + 2):
-            side = ab_mode(k)
-            a, b = reads[k], reads[k + 1]
-            ns, calls = (b[1] - a[1], b[2] - a[2]) if side == 0 else (b[3] - a[3], b[4] - a[4])
-            name = "native" if side == 0 else "crate"
-            out[f"{name}_alloc_us"].append(ns / 1000)
-            out[f"{name}_allocs"].append(calls)
-    return out
+            yield ab_mode(k), reads[k], reads[k + 1]
 
 
 def lengths(seed, n, lo, hi):
