@@ -58,6 +58,9 @@ EXTRA_ALLOCATORS = [
     # The default with the page-move budget at its smallest (1 × the reserved pages instead of
     # 8 ×): how a long run looks once the budget is spent and the layout settles.
     ("cca-budget1", {}, "cca_preset:default,cca_page_move_budget:1"),
+    # The default with 1.5 % page-reuse slack instead of 1 %: growths create pages instead of
+    # moving them while reserved bytes stay within 1.015 x the peak (FSDP2's growth steps).
+    ("cca-slack15", {}, "cca_preset:default,cca_page_reuse_slack:0.015"),
 ]
 
 
