@@ -107,6 +107,10 @@ pub struct ReplayReport {
     /// Allocations that borrowed another stream's idle free block (`cca_borrow_blocks`;
     /// [`CachingAllocator::blocks_borrowed`] at the end).
     pub blocks_borrowed: u64,
+    /// Allocations that failed out of memory and were skipped (with `stop_on_oom` off). This
+    /// counts every such failure, also those PyTorch's `num_ooms` leaves out (a request of 1 EB
+    /// or more is refused before the allocator tries).
+    pub failed_allocs: usize,
     /// Frees skipped because their allocation had failed.
     pub skipped_frees: usize,
     /// Host time per alloc/free, when measured.
@@ -329,6 +333,7 @@ fn replay_loop<B: DeviceBackend>(
                         report.peak_live_bytes = report.peak_live_bytes.max(live_bytes);
                     }
                     Err(e) if e.is_out_of_memory() && !opts.stop_on_oom => {
+                        report.failed_allocs += 1;
                         failed.insert(*id);
                     }
                     Err(source) => return Err(ReplayError::Allocator { index, source }),

@@ -162,8 +162,9 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// An allocator over `backend` with `config` (validated).
     ///
     /// # Errors
-    /// [`AllocError::Config`] for an invalid configuration; [`AllocError::Backend`] if the
-    /// device's memory size cannot be read.
+    /// [`AllocError::Config`] for an invalid configuration, or an expandable page size that is
+    /// not a multiple of the device's virtual-memory granularity; [`AllocError::Backend`] if the
+    /// device's memory size cannot be read, or its alignment is not a power of two.
     pub fn new(backend: B, config: AllocatorConfig) -> Result<Self> {
         config.validate()?;
         let total = backend
@@ -173,7 +174,23 @@ impl<B: DeviceBackend> CachingAllocator<B> {
                 source,
             })?
             .total;
+        let align = backend.alignment();
+        if !align.is_power_of_two() {
+            return Err(AllocError::Backend {
+                operation: "alignment",
+                source: crate::backend::BackendError::InvalidArgument {
+                    operation: "alignment",
+                    reason: format!(
+                        "the backend reports an alignment of {align} bytes, which is not a power \
+                         of two (a SimConfig's alignment must be one)"
+                    ),
+                },
+            });
+        }
         let granularity = backend.vm_granularity();
+        if let Some(g) = granularity {
+            config.validate_for_granularity(g)?;
+        }
         let front = config.fast_path.then(|| Front::new(&config));
         let alloc = CachingAllocator {
             backend,

@@ -72,16 +72,14 @@ pub fn cuda_available() -> bool {
 /// The number of CUDA devices.
 ///
 /// # Errors
-/// [`BackendError::Unsupported`] when no CUDA driver library can be loaded; a driver error when
+/// [`BackendError::NoDriver`] when no CUDA driver library can be loaded; a driver error when
 /// `cuInit` or the count fails (no usable device, driver too old for the bindings).
 pub fn device_count() -> Result<usize, BackendError> {
     // SAFETY: `is_culib_present` only tries to open the library by its candidate names; it has no
     // preconditions (cudarc marks it unsafe because opening a library runs its initialisers, and
     // libcuda's initialisers are sound to run at any time).
     if !unsafe { sys::is_culib_present() } {
-        return Err(BackendError::Unsupported(
-            "CUDA (no CUDA driver library such as libcuda.so.1 was found)",
-        ));
+        return Err(BackendError::NoDriver);
     }
     result::init().map_err(|e| driver("cuInit", e))?;
     let n = result::device::get_count().map_err(|e| driver("cuDeviceGetCount", e))?;

@@ -125,6 +125,10 @@ pub enum BackendError {
     /// configuration that does not need it.
     #[error("{0} is not supported by this backend")]
     Unsupported(&'static str),
+    /// No CUDA driver library could be loaded on this machine (`libcuda.so.1` and its other
+    /// names): run on a machine with an NVIDIA driver, or use the simulated device.
+    #[error("no CUDA driver was found on this machine (libcuda.so.1 could not be loaded)")]
+    NoDriver,
     /// An argument the backend cannot act on (a pointer or handle it never issued, a size that is
     /// not a multiple of its granularity). This is a bug in the caller.
     #[error("invalid argument to {operation}: {reason}")]

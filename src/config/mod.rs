@@ -527,6 +527,38 @@ impl AllocatorConfig {
         })
     }
 
+    /// Checks the large pool's expandable page size against a device's virtual-memory
+    /// granularity (the size every physical handle is a multiple of). A page that is not a whole
+    /// number of granules cannot be created, and silently falling back to fixed segments would
+    /// change what the configuration means; a device whose granularity does not divide the small
+    /// pool's fixed 2 MiB page (no key can change it) falls back to fixed segments, as one
+    /// without virtual memory does.
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the key that sets the page size.
+    pub(crate) fn validate_for_granularity(&self, granularity: usize) -> Result<(), ConfigError> {
+        if !self.expandable_segments || granularity == 0 || SMALL_BUFFER % granularity != 0 {
+            return Ok(());
+        }
+        let page = self
+            .expandable_large_page_size
+            .unwrap_or(self.large_segment_size);
+        if page % granularity == 0 {
+            return Ok(());
+        }
+        let key = if self.expandable_large_page_size.is_some() {
+            "cca_large_page_size_mb"
+        } else {
+            "large_segment_size_mb"
+        };
+        Err(ConfigError::new(format!(
+            "{key}: expandable segments map the large pool in pages of {} MiB, which is not a \
+             multiple of this device's virtual-memory granularity ({} KiB); pick a multiple of it",
+            page / MIB,
+            granularity / 1024
+        )))
+    }
+
     /// Checks every value's range.
     ///
     /// # Errors

@@ -126,9 +126,30 @@ const IGNORED_KEYS: &[&str] = &[
     "expandable_segments_reserve_by_class",
 ];
 
-pub(super) fn apply(
+pub(super) fn apply(c: AllocatorConfig, settings: &str) -> Result<AllocatorConfig, ConfigError> {
+    let mut key = String::new();
+    apply_keys(c, settings, &mut key).map_err(|e| name_key(e, &key))
+}
+
+/// `e` with the key whose setting it met, where PyTorch's words leave the key out (a value
+/// missing at the end, an interval that is not a power of two).
+fn name_key(e: ConfigError, key: &str) -> ConfigError {
+    if key.is_empty() || e.message().contains(key) {
+        e
+    } else {
+        ConfigError::new(format!(
+            "{} (in the setting of '{key}')",
+            e.message().trim_end()
+        ))
+    }
+}
+
+/// [`apply`]'s work; `current` holds the key being read when an error ends it (empty once the
+/// keys are read).
+fn apply_keys(
     mut c: AllocatorConfig,
     settings: &str,
+    current: &mut String,
 ) -> Result<AllocatorConfig, ConfigError> {
     // PyTorch resets these three on every parse.
     c.max_split_size = usize::MAX;
@@ -140,6 +161,7 @@ pub(super) fn apply(
     let mut i = 0;
     while i < t.len() {
         let key = t.get(i)?.to_string();
+        current.clone_from(&key);
         match key.as_str() {
             "max_split_size_mb" => {
                 t.expect(i + 1, ":")?;
@@ -362,6 +384,7 @@ pub(super) fn apply(
         }
         i += 1;
     }
+    current.clear();
     c.validate()?;
     Ok(c)
 }
@@ -554,7 +577,8 @@ mod tests {
         );
         assert_eq!(
             err("garbage_collection_threshold:1.0"),
-            "garbage_collect_threshold is invalid, set it in (0.0, 1.0)"
+            "garbage_collect_threshold is invalid, set it in (0.0, 1.0) \
+             (in the setting of 'garbage_collection_threshold')"
         );
         assert_eq!(
             err("expandable_segments:true"),
@@ -567,11 +591,13 @@ mod tests {
         );
         assert_eq!(
             err("roundup_power2_divisions:3"),
-            "For roundups, the divisions has to be power of 2 "
+            "For roundups, the divisions has to be power of 2 \
+             (in the setting of 'roundup_power2_divisions')"
         );
         assert_eq!(
             err("roundup_power2_divisions:[3:4]"),
-            "For roundups, the intervals have to be power of 2 3"
+            "For roundups, the intervals have to be power of 2 3 \
+             (in the setting of 'roundup_power2_divisions')"
         );
         assert!(err("roundup_power2_divisions:[64:4").contains("']'"));
         // Regression (#14): 2^55 divisions passed and overflowed every rounding.
@@ -588,7 +614,13 @@ mod tests {
         }
         assert!(parse("roundup_power2_divisions:18014398509481984").is_ok());
         assert!(err("max_split_size_mb:abc").contains("'abc'"));
-        assert!(err("max_split_size_mb").contains("ends too early"));
+        for cut in ["max_split_size_mb", "max_split_size_mb:"] {
+            let e = err(cut);
+            assert!(
+                e.contains("ends too early") && e.contains("'max_split_size_mb'"),
+                "{e}"
+            );
+        }
         assert!(
             err("expandable_segments:True;max_split_size_mb:20")
                 .contains("Expected 'True' or 'False'")

@@ -106,6 +106,7 @@ fn backend_code(source: &BackendError) -> cudarc::driver::sys::CUresult {
         BackendError::InvalidStream { .. } => R::CUDA_ERROR_INVALID_HANDLE,
         BackendError::InvalidArgument { .. } => R::CUDA_ERROR_INVALID_VALUE,
         BackendError::Unsupported(_) => R::CUDA_ERROR_NOT_SUPPORTED,
+        BackendError::NoDriver => R::CUDA_ERROR_NO_DEVICE,
         BackendError::Driver { source, .. } => source
             .downcast_ref::<cudarc::driver::DriverError>()
             .map_or(R::CUDA_ERROR_UNKNOWN, |d| d.0),

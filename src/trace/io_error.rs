@@ -117,7 +117,8 @@ pub enum TraceIoError {
     /// such frees.
     #[error(
         "{at}: free of address {addr:#x}, which no live allocation holds (if the history is \
-         truncated, import leniently to skip such frees: cca --lenient, or \
+         truncated, import leniently to skip such frees: `cca replay --lenient` (and the \
+         other subcommands), or \
          ImportOptions::lenient)"
     )]
     UnmatchedFree {

@@ -634,3 +634,100 @@ fn cli_long_steps_report_progress_unless_quiet() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("cca: loading "), "{stderr}");
 }
+
+/// Regression: a trace allocation of 1 EB or more (refused before the allocator tries, so
+/// PyTorch's `num_ooms` does not count it) vanished from the replay, which then reported `ok`;
+/// `cca plot` drew failed runs and exited 0. Both fail now, `plot` still writing the image.
+#[test]
+fn cli_refused_allocations_fail_the_run_and_plot_says_so() {
+    let csv = b"Thread,Time,Action,Pointer,Size,Stream\n\
+        0,1,allocate,0x10,18446744073709551615,0\n\
+        0,2,allocate,0x20,100,0\n\
+        0,3,free,0x20,100,0\n";
+    let t = scratch_file("exabyte.csv", csv);
+    let t = t.to_str().unwrap();
+    let out = cca(&["replay", t, "--json"]);
+    assert_no_panic(&out, "replay --json");
+    assert_eq!(out.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["status"], "oom");
+    assert_eq!(v["failed_allocs"], 1);
+    let out = cca(&["replay", t]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("status         FAILED: 1 allocation failed"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("failed allocations"), "{stdout}");
+
+    let png = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli/exabyte.png");
+    let _ = std::fs::remove_file(&png);
+    let p = png.to_str().unwrap();
+    let out = cca(&["plot", t, "-o", p]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("failed out of memory"), "{stderr}");
+    assert!(png.exists(), "the image is written either way");
+    let out = cca(&["plot", t, "-o", p, "--allow-oom"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Regression: what a lenient import skipped, and the failed allocations a recorded run logged,
+/// were never shown; they are notes on stderr now, naming the file.
+#[test]
+fn cli_import_notes_say_what_the_replay_does_not_see() {
+    let csv = b"Thread,Time,Action,Pointer,Size,Stream\n\
+        0,1,allocate,0x10,4096,0\n\
+        0,2,free,0x99,4096,0\n\
+        0,3,allocate failure,0x0,68719476736,0\n\
+        0,4,free,0x10,4096,0\n";
+    let t = scratch_file("skipped.csv", csv);
+    let t = t.to_str().unwrap();
+    let out = cca(&["replay", t, "--lenient", "--quiet"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(
+        stderr.contains("skipped.csv: 1 free of an address no live allocation held skipped"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("1 allocation that failed in the recorded run"),
+        "{stderr}"
+    );
+    // A clean import prints no note.
+    let clean = trace();
+    let out = cca(&["replay", clean.to_str().unwrap(), "--quiet"]);
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains("note:"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Regression: with stderr a closed pipe, `cca`'s warnings panicked (exit 101) instead of
+/// ending with the run's own status.
+#[test]
+fn cli_closed_stderr_does_not_panic() {
+    let t = trace();
+    let t = t.to_str().unwrap();
+    for (args, code) in [
+        (vec!["replay", t, "--device-memory", "1GiB"], 1),
+        (vec!["replay", "/nonexistent/trace.csv"], 1),
+        (vec!["replay", t], 0),
+    ] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = Command::new(env!("CARGO_BIN_EXE_cca"))
+            .args(&args)
+            .stdout(std::process::Stdio::null())
+            .stderr(writer)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(code), "{}", args.join(" "));
+    }
+}

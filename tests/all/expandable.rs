@@ -259,6 +259,49 @@ fn without_virtual_memory_the_default_falls_back_to_fixed_segments() {
 }
 
 #[test]
+fn a_page_size_off_the_granularity_is_refused_not_turned_into_fixed_segments() {
+    // A 3 MiB page cannot be made of 2 MiB handles: the allocator says so, naming the key,
+    // instead of quietly running PyTorch's fixed segments under an expandable configuration.
+    for (conf, key) in [
+        (
+            "cca_preset:default,cca_large_page_size_mb:3",
+            "cca_large_page_size_mb",
+        ),
+        (
+            "expandable_segments:True,large_segment_size_mb:21",
+            "large_segment_size_mb",
+        ),
+    ] {
+        let config = AllocatorConfig::parse(conf).unwrap();
+        let err = CachingAllocator::new(SimDevice::default(), config).unwrap_err();
+        assert!(matches!(err, AllocError::Config(_)), "{conf}: {err}");
+        let msg = err.to_string();
+        assert!(msg.contains(key) && msg.contains("granularity"), "{msg}");
+    }
+    // A multiple of the granularity, and the same odd size without expandable segments, stand.
+    for conf in [
+        "cca_preset:default,cca_large_page_size_mb:4",
+        "large_segment_size_mb:21",
+    ] {
+        let a = CachingAllocator::new(SimDevice::default(), AllocatorConfig::parse(conf).unwrap())
+            .unwrap();
+        let x = a.allocate(3 * MIB, StreamId(0)).unwrap();
+        a.free(x.ptr).unwrap();
+        a.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn a_backend_alignment_that_is_not_a_power_of_two_is_refused() {
+    let sim = SimDevice::new(SimConfig {
+        alignment: 3,
+        ..SimConfig::default()
+    });
+    let err = CachingAllocator::new(sim, AllocatorConfig::default()).unwrap_err();
+    assert!(err.to_string().contains("not a power of two"), "{err}");
+}
+
+#[test]
 fn growth_reuses_free_pages_instead_of_creating_new_ones() {
     let a = with_config(1 << 30, AllocatorConfig::default());
     let x = a.allocate(40 * MIB, StreamId(0)).unwrap();

@@ -82,7 +82,7 @@ mod cuda {
     fn open(ordinal: usize) -> CliResult<CudaDevice> {
         let count = match device_count() {
             Ok(n) => n,
-            Err(BackendError::Unsupported(_)) => {
+            Err(BackendError::NoDriver) => {
                 return Err(format!(
                     "--device cuda:{ordinal}: no CUDA driver was found on this machine \
                      (libcuda.so.1 could not be loaded); run on a machine with an NVIDIA driver, \
@@ -173,10 +173,10 @@ mod cuda {
         )?;
         match release(&alloc) {
             Ok(0) => {}
-            Ok(live) => eprintln!(
+            Ok(live) => say!(
                 "cca: {label}: freed the {live} allocations the trace left live and emptied the cache"
             ),
-            Err(e) => eprintln!("cca: warning: {label}: cleaning up after the replay failed: {e}"),
+            Err(e) => say!("cca: warning: {label}: cleaning up after the replay failed: {e}"),
         }
         Ok(Run {
             report,

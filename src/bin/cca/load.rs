@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use cuda_caching_allocator::trace::{
-    CsvExportOptions, ImportOptions, SnapshotExportOptions, Trace, export_rmm_csv_file,
-    export_snapshot_file, read_trace_file,
+    CsvExportOptions, ImportOptions, ImportReport, SnapshotExportOptions, Trace,
+    export_rmm_csv_file, export_snapshot_file, read_trace_file,
 };
 use cuda_caching_allocator::{
     AllocatorConfig, CachingAllocator, DeviceBackend, Placement, Preset, ReplayOptions,
@@ -15,6 +15,7 @@ use cuda_caching_allocator::{
 };
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
+use crate::report::thousands;
 use crate::{ConvertArgs, DeviceArg, PlacementArg, TraceArgs};
 
 /// Boxed error for the command line.
@@ -78,7 +79,7 @@ impl Step {
         self.bar.finish_and_clear();
         let took = self.started.elapsed();
         if !quiet() && !std::io::stderr().is_terminal() && took >= report_after() {
-            eprintln!(
+            say!(
                 "cca: {}: {detail} in {:.1} s",
                 self.what,
                 took.as_secs_f64()
@@ -138,9 +139,55 @@ pub(crate) fn load_trace(path: &Path, lenient: bool, max_bytes: u64) -> CliResul
     }
     .with_max_bytes(max_bytes);
     let step = Step::start(format!("loading {}", path.display()));
-    let imported = read_trace_file(path, &options)?;
+    let imported = read_trace_file(path, &options).map_err(|e| {
+        // Name the file where the error does not already (a truncated gzip, a bad record).
+        let (shown, text) = (path.display().to_string(), e.to_string());
+        if text.contains(&shown) {
+            text
+        } else {
+            format!("{shown}: {text}")
+        }
+    })?;
     step.done(&format!("{} events", imported.trace.events.len()));
+    for note in import_notes(&imported.report) {
+        say!("cca: note: {}: {note}", path.display());
+    }
     Ok(imported.trace)
+}
+
+/// What the import left out of the trace, in words: records that a replay will not see. Skipped
+/// bookkeeping records (`free_completed`, `snapshot` and the like) are not news and are not
+/// named.
+pub(crate) fn import_notes(r: &ImportReport) -> Vec<String> {
+    let plural = |n: u64| if n == 1 { "" } else { "s" };
+    let mut notes = Vec::new();
+    if r.unmatched_frees > 0 {
+        let n = r.unmatched_frees;
+        notes.push(format!(
+            "{} free{} of an address no live allocation held skipped (--lenient)",
+            thousands(n),
+            plural(n)
+        ));
+    }
+    if r.rebound_addresses > 0 {
+        let n = r.rebound_addresses;
+        notes.push(format!(
+            "{} allocation{} at an address an earlier allocation still held (--lenient): the \
+             earlier one stays live to the end",
+            thousands(n),
+            plural(n)
+        ));
+    }
+    if !r.alloc_failures.is_empty() {
+        let n = r.alloc_failures.len() as u64;
+        notes.push(format!(
+            "{} allocation{} that failed in the recorded run (`oom` entries, `allocate failure` \
+             rows) not replayed",
+            thousands(n),
+            plural(n)
+        ));
+    }
+    notes
 }
 
 /// One configuration to run, with its label.
@@ -426,7 +473,7 @@ pub(crate) fn convert(a: &ConvertArgs) -> CliResult<()> {
         .into());
     }
     step.done(&format!("{} events", trace.events.len()));
-    eprintln!(
+    say!(
         "wrote {} ({} events)",
         a.output.display(),
         trace.events.len()

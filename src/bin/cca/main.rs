@@ -7,6 +7,15 @@
 //! configurations side by side; `cca convert` translates between formats or exports a run through
 //! this allocator; `cca plot` draws reserved and allocated bytes over the trace.
 
+/// Writes a line to stderr, ignoring a failed write: `eprintln!` panics when stderr is a closed
+/// pipe (`cca ... 2>&1 | head -1`), and a reader that went away is not an error of the run.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 mod gpu;
 mod load;
 mod plot;
@@ -262,6 +271,10 @@ struct PlotArgs {
     /// (the event index), or `auto`: time where the trace has timestamps, else the event index.
     #[arg(long, value_enum, default_value_t = XAxisArg::Auto)]
     x_axis: XAxisArg,
+    /// Exit 0 although allocations failed out of memory in a plotted run (the image is written
+    /// either way; without it cca warns and exits with status 1, as `replay` does).
+    #[arg(long)]
+    allow_oom: bool,
 }
 
 fn main() -> ExitCode {
@@ -281,7 +294,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("cca: {e}");
+            say!("cca: {e}");
             ExitCode::FAILURE
         }
     }

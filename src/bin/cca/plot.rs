@@ -12,13 +12,14 @@
 use std::fs::OpenOptions;
 use std::path::Path;
 
-use cuda_caching_allocator::format_size;
 use cuda_caching_allocator::trace::Trace;
+use cuda_caching_allocator::{ReplayReport, format_size};
 use plotters::prelude::*;
 use plotters::style::FontStyle;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use crate::load::{self, CliResult};
+use crate::report;
 use crate::{PlotArgs, XAxisArg};
 
 const COLOURS: [RGBColor; 6] = [
@@ -131,8 +132,10 @@ pub(crate) fn plot(a: &PlotArgs) -> CliResult<()> {
     let axis = XAxis::pick(a.x_axis, &trace)?;
     let points = (a.width as usize).max(100);
     let mut series = Vec::new();
+    let mut reports = Vec::new();
     for c in &cols {
         let run = load::run(&trace, &c.config, &a.trace, &c.label, points)?;
+        reports.push((c.label.as_str(), run.report));
         series.push(Series {
             label: c.label.clone(),
             points: run
@@ -156,8 +159,10 @@ pub(crate) fn plot(a: &PlotArgs) -> CliResult<()> {
         draw(root, &title, axis, &series)
     };
     written.map_err(|e| format!("cannot write the plot to '{}': {e}", a.output.display()))?;
-    eprintln!("wrote {}", a.output.display());
-    Ok(())
+    say!("wrote {}", a.output.display());
+    // As `replay` and `compare`: a run whose allocations failed is drawn, but said so.
+    let runs: Vec<(&str, &ReplayReport)> = reports.iter().map(|(l, r)| (*l, r)).collect();
+    report::check_failures(&runs, a.allow_oom)
 }
 
 /// Where `s` first reached its largest reserved bytes: (x, bytes).

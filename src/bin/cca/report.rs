@@ -46,8 +46,8 @@ pub(crate) fn emit(text: &str) -> CliResult<()> {
 fn failure(r: &ReplayReport) -> Option<Failure> {
     if r.allocs == 0 {
         Some(Failure::Empty)
-    } else if r.num_ooms > 0 {
-        Some(Failure::Oom(r.num_ooms))
+    } else if r.failed_allocs > 0 || r.num_ooms > 0 {
+        Some(Failure::Oom(r.num_ooms.max(r.failed_allocs as u64)))
     } else {
         None
     }
@@ -87,11 +87,11 @@ impl Failure {
 
 /// Warns on stderr about every failed run, and returns the error that ends `cca` with status 1
 /// unless only OOMs failed and `allow_oom` accepts them.
-fn check_failures(runs: &[(&str, &ReplayReport)], allow_oom: bool) -> CliResult<()> {
+pub(crate) fn check_failures(runs: &[(&str, &ReplayReport)], allow_oom: bool) -> CliResult<()> {
     let mut fatal = Vec::new();
     for (label, r) in runs {
         if let Some(f) = failure(r) {
-            eprintln!("cca: warning: {label}: {}", f.describe());
+            say!("cca: warning: {label}: {}", f.describe());
             if f == Failure::Empty || !allow_oom {
                 fatal.push(format!("{label}: {}", f.status()));
             }
@@ -120,7 +120,7 @@ fn resolved(label: &Labelled) -> String {
 use crate::reference::{self, Reference};
 use crate::{CompareArgs, ReplayArgs, TraceArgs};
 
-fn thousands(n: u64) -> String {
+pub(crate) fn thousands(n: u64) -> String {
     let s = n.to_string();
     let mut out = String::new();
     for (i, c) in s.chars().enumerate() {
@@ -169,6 +169,7 @@ fn run_json(label: &Labelled, run: &Run, trace_args: &TraceArgs) -> Value {
         "num_device_alloc": r.num_device_alloc,
         "num_device_free": r.num_device_free,
         "num_ooms": r.num_ooms,
+        "failed_allocs": r.failed_allocs,
         "num_alloc_retries": r.num_alloc_retries,
         "cross_stream_handovers": r.cross_stream_handovers,
         "page_loans": r.page_loans,
@@ -356,6 +357,14 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
         "OOMs / retries",
         format!("{} / {}", r.num_ooms, r.num_alloc_retries)
     );
+    if r.failed_allocs > 0 {
+        outln!(
+            o,
+            "{:<26}{:>18}",
+            "failed allocations",
+            thousands(r.failed_allocs as u64)
+        );
+    }
     outln!(
         o,
         "{:<26}{:>18}  {}",
