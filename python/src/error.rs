@@ -37,9 +37,11 @@ pub(crate) fn fail(kind: c_int, msg: String) {
     LAST.with(|l| *l.borrow_mut() = (kind, text));
 }
 
-/// Records an allocator error, classified (out of memory or other).
+/// Records an allocator error, classified (out of memory or other). Out of memory inside a
+/// graph capture is out of memory too: PyTorch raises `torch.OutOfMemoryError` there as well
+/// (it only skips releasing cached blocks).
 pub(crate) fn fail_alloc(context: &str, e: &AllocError) {
-    let kind = if matches!(e, AllocError::OutOfMemory(_) | AllocError::TooLarge { .. }) {
+    let kind = if e.is_out_of_memory() {
         KIND_OOM
     } else {
         KIND_OTHER

@@ -96,10 +96,21 @@ pub unsafe extern "C" fn cca_record_stream(ptr: *mut c_void, stream: *mut c_void
 #[unsafe(no_mangle)]
 pub extern "C" fn cca_reset() {
     guarded("cca_reset", (), || {
-        if let Err(e) = AllocatorRegistry::global().empty_cache_all() {
+        if let Err(e) = as_pytorch_empties(AllocatorRegistry::global().empty_cache_all()) {
             fail_alloc("empty_cache", &e);
         }
     })
+}
+
+/// `empty_cache`'s result as PyTorch gives it: while a graph capture or a `use_mem_pool` routes
+/// allocations on the device, PyTorch's `release_cached_blocks` leaves the cache as it is and
+/// raises nothing (`torch.cuda.graph` calls `empty_cache()` on entry, `~MemPool` from a
+/// destructor), where the crate refuses with `CaptureUnderway` and changes nothing.
+fn as_pytorch_empties(r: Result<(), AllocError>) -> Result<(), AllocError> {
+    match r {
+        Err(AllocError::CaptureUnderway { .. }) => Ok(()),
+        other => other,
+    }
 }
 
 /// `void memory_fraction(double fraction, int device)`, PyTorch's pluggable
@@ -155,7 +166,7 @@ pub extern "C" fn cca_empty_cache(device: c_int) -> c_int {
             fail(KIND_OTHER, format!("cca_empty_cache: bad device {device}"));
             return -1;
         };
-        match raw::empty_cache(device) {
+        match as_pytorch_empties(raw::empty_cache(device)) {
             Ok(()) => 0,
             Err(e) => {
                 fail_alloc(&format!("cca_empty_cache(device {device})"), &e);
@@ -173,6 +184,35 @@ pub extern "C" fn cca_reset_peak_stats(device: c_int) {
             ordinal(device).and_then(|d| AllocatorRegistry::global().get_if_created(d))
         {
             alloc.reset_peak_stats();
+        }
+    })
+}
+
+/// Lets device `peer` read and write `device`'s cache (every page mapped now and later), as
+/// PyTorch's `enablePeerAccess(peer, device)` does for its expandable segments; 0 on success, -1
+/// on failure. The driver's peer access itself is the caller's (the shim enables it first).
+#[unsafe(no_mangle)]
+pub extern "C" fn cca_enable_peer_access(device: c_int, peer: c_int) -> c_int {
+    guarded("cca_enable_peer_access", -1, || {
+        let (Some(owner), Some(peer_ordinal)) = (ordinal(device), ordinal(peer)) else {
+            fail(
+                KIND_OTHER,
+                format!("cca_enable_peer_access: bad device {device} or peer {peer}"),
+            );
+            return -1;
+        };
+        match AllocatorRegistry::global()
+            .get(owner)
+            .and_then(|a| a.enable_peer_access(peer_ordinal))
+        {
+            Ok(()) => 0,
+            Err(e) => {
+                fail_alloc(
+                    &format!("enable peer access of device {peer} to device {device}"),
+                    &e,
+                );
+                -1
+            }
         }
     })
 }

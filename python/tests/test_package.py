@@ -172,6 +172,9 @@ def bad_alloc_arguments_are_errors_not_crashes():
         assert b"bad size -5" in l.cca_last_error(), l.cca_last_error()
         assert l.cca_alloc(16, -1, None) is None
         assert b"device -1" in l.cca_last_error()
+        assert l.cca_enable_peer_access(0, -1) == -1
+        assert l.cca_last_error_kind() == 2
+        assert b"peer -1" in l.cca_last_error(), l.cca_last_error()
         # A good call clears the error.
         assert l.cca_check_config() == 0 and l.cca_last_error_kind() == 0
     finally:

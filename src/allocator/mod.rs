@@ -470,6 +470,59 @@ impl<B: DeviceBackend> CachingAllocator<B> {
         self.lock().capture_underway()
     }
 
+    /// Lets device `peer` read and write this allocator's memory, as PyTorch's
+    /// `enablePeerAccess` does for its expandable segments: mapped pages are reachable only by
+    /// the devices their access was set for (the driver's peer access covers `cuMemAlloc`
+    /// memory, not mappings), so every page mapped now is granted to `peer`, and every page
+    /// mapped later is too. The driver's own peer access between the two contexts
+    /// (`cuCtxEnablePeerAccess`) is the caller's; with fixed segments it is all there is, and
+    /// this call does nothing. Calling it again for the same peer does nothing.
+    ///
+    /// # Errors
+    /// [`AllocError::Backend`] for a peer the backend rejects (this device, one that does not
+    /// exist) or a driver error while granting; pages granted before the error keep their
+    /// access, and pages mapped later are granted as well.
+    pub fn enable_peer_access(&self, peer: usize) -> Result<()> {
+        let st = self.lock();
+        if !st.expandable {
+            return Ok(());
+        }
+        let new = match self.backend.add_peer(peer) {
+            Ok(new) => new,
+            Err(crate::backend::BackendError::Unsupported(_)) => return Ok(()),
+            Err(source) => {
+                return Err(AllocError::Backend {
+                    operation: "add_peer",
+                    source,
+                });
+            }
+        };
+        if !new {
+            return Ok(());
+        }
+        let segments = st.vm_segments.values().flat_map(|seg| {
+            seg.handles
+                .iter()
+                .map(move |(&first, &(_, pages))| (seg.page_addr(first), pages * seg.page_size))
+        });
+        let lent = st
+            .lent
+            .iter()
+            .flat_map(|r| r.maps.iter().map(|&(va, bytes, _)| (va, bytes)));
+        for (va, bytes) in segments.chain(lent) {
+            // SAFETY: each range is exactly one mapping the state holds: a segment's handle
+            // mapped at its first page (Note [Page reuse] keeps `handles` equal to the live
+            // mappings), or a lent block's old mapping, still in place until it is unmapped.
+            unsafe { self.backend.grant_peer(DeviceAddr(va), bytes, peer) }.map_err(|source| {
+                AllocError::Backend {
+                    operation: "grant_peer",
+                    source,
+                }
+            })?;
+        }
+        Ok(())
+    }
+
     /// Caps the bytes this allocator reserves at `fraction × device total` (1.0 lifts the cap).
     /// The cap is checked before every device allocation.
     ///

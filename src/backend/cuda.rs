@@ -370,6 +370,8 @@ pub struct CudaDevice {
     /// A stream this device created through the driver and destroys when dropped
     /// ([`CudaDevice::quiet_stream`]).
     quiet: Option<u64>,
+    /// Other devices granted access to everything `map` maps ([`DeviceBackend::add_peer`]).
+    peers: Mutex<Vec<i32>>,
 }
 
 impl fmt::Debug for CudaDevice {
@@ -507,6 +509,7 @@ impl CudaDevice {
             clock: CallClock::default(),
             host,
             quiet,
+            peers: Mutex::new(Vec::new()),
         })
     }
 
@@ -1019,21 +1022,25 @@ unsafe impl DeviceBackend for CudaDevice {
         drop(mapping);
         let _timed = self.clock.start(CallKind::SetAccess);
         let rw = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-        let access = [
-            sys::CUmemAccessDesc {
-                location: device_location(self.ordinal),
-                flags: rw,
-            },
-            sys::CUmemAccessDesc {
+        let mut access = vec![sys::CUmemAccessDesc {
+            location: device_location(self.ordinal),
+            flags: rw,
+        }];
+        // Host pages are granted to the host as well, so the mapped address is a host pointer.
+        if self.host {
+            access.push(sys::CUmemAccessDesc {
                 location: host_location(),
                 flags: rw,
-            },
-        ];
-        // Host pages are granted to the host as well, so the mapped address is a host pointer.
-        let entries = if self.host { 2 } else { 1 };
-        // SAFETY: the range was mapped just above; `access` is a live local array of at least
-        // `entries` descriptors.
-        let r = unsafe { sys::cuMemSetAccess(va.0, size, access.as_ptr(), entries) };
+            });
+        }
+        // Devices that enabled peer access to this one reach its mappings only if granted.
+        access.extend(self.peers.lock().iter().map(|&p| sys::CUmemAccessDesc {
+            location: device_location(p),
+            flags: rw,
+        }));
+        // SAFETY: the range was mapped just above; `access` is a live vector of `access.len()`
+        // descriptors.
+        let r = unsafe { sys::cuMemSetAccess(va.0, size, access.as_ptr(), access.len()) };
         if let Err(e) = r.result() {
             // SAFETY: undoes the mapping made above, which no work can have used yet (it had no
             // access rights). A failure here leaves the mapping, which the error reports.
@@ -1054,6 +1061,55 @@ unsafe impl DeviceBackend for CudaDevice {
         unsafe { sys::cuMemUnmap(va.0, size) }
             .result()
             .map_err(|e| driver("cuMemUnmap", e))
+    }
+
+    fn add_peer(&self, peer: usize) -> Result<bool, BackendError> {
+        if self.granularity.is_none() {
+            return Err(BackendError::Unsupported("peer access to mapped memory"));
+        }
+        let count = device_count()?;
+        let id = i32::try_from(peer)
+            .ok()
+            .filter(|&p| p != self.ordinal && peer < count);
+        let Some(id) = id else {
+            return Err(BackendError::InvalidArgument {
+                operation: "add_peer",
+                reason: format!(
+                    "device {peer} is not a peer of device {}: this machine has {count} device(s)",
+                    self.ordinal
+                ),
+            });
+        };
+        let mut peers = self.peers.lock();
+        if peers.contains(&id) {
+            return Ok(false);
+        }
+        peers.push(id);
+        Ok(true)
+    }
+
+    unsafe fn grant_peer(
+        &self,
+        va: DeviceAddr,
+        size: usize,
+        peer: usize,
+    ) -> Result<(), BackendError> {
+        let _timed = self.clock.start(CallKind::SetAccess);
+        let id = i32::try_from(peer).map_err(|_| BackendError::InvalidArgument {
+            operation: "grant_peer",
+            reason: format!("device {peer} is out of range"),
+        })?;
+        let _bound = self.bind()?;
+        let _relaxed = RelaxedCaptureMode::enter()?;
+        let access = sys::CUmemAccessDesc {
+            location: device_location(id),
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: the caller's obligation: the range is exactly one mapping of this device,
+        // still mapped; `access` is one live descriptor.
+        unsafe { sys::cuMemSetAccess(va.0, size, &access, 1) }
+            .result()
+            .map_err(|e| driver("cuMemSetAccess", e))
     }
 }
 

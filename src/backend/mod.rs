@@ -414,6 +414,37 @@ pub unsafe trait DeviceBackend: Send + Sync {
         let _ = (va, size);
         Err(BackendError::Unsupported("virtual memory"))
     }
+
+    /// Lets device `peer` read and write what [`map`](Self::map) maps from now on, beside this
+    /// backend's own device. Returns whether `peer` is new to the backend. Mapped memory is
+    /// reachable only by the devices its access was set for (the driver's peer access covers
+    /// `cuMemAlloc` memory, not mappings); see [`grant_peer`](Self::grant_peer) for the ranges
+    /// already mapped.
+    ///
+    /// # Errors
+    /// [`BackendError::Unsupported`] without virtual memory (there is nothing to grant then);
+    /// [`BackendError::InvalidArgument`] for a peer that is not another device of this machine.
+    fn add_peer(&self, peer: usize) -> Result<bool, BackendError> {
+        let _ = peer;
+        Err(BackendError::Unsupported("peer access to mapped memory"))
+    }
+
+    /// Grants device `peer` read and write access to `[va, va + size)`.
+    ///
+    /// # Errors
+    /// A driver error; the range keeps the access it had.
+    ///
+    /// # Safety
+    /// The range is exactly one earlier [`map`](Self::map) on `self`, still mapped.
+    unsafe fn grant_peer(
+        &self,
+        va: DeviceAddr,
+        size: usize,
+        peer: usize,
+    ) -> Result<(), BackendError> {
+        let _ = (va, size, peer);
+        Err(BackendError::Unsupported("peer access to mapped memory"))
+    }
 }
 
 // SAFETY: forwarding every call to the referent keeps all three promises of `D`.
@@ -508,6 +539,18 @@ unsafe impl<D: DeviceBackend + ?Sized> DeviceBackend for &D {
         // SAFETY: obligations 1-2 are forwarded unchanged.
         unsafe { (**self).unmap(va, size) }
     }
+    fn add_peer(&self, peer: usize) -> Result<bool, BackendError> {
+        (**self).add_peer(peer)
+    }
+    unsafe fn grant_peer(
+        &self,
+        va: DeviceAddr,
+        size: usize,
+        peer: usize,
+    ) -> Result<(), BackendError> {
+        // SAFETY: the obligation is forwarded unchanged.
+        unsafe { (**self).grant_peer(va, size, peer) }
+    }
 }
 
 // SAFETY: as for `&D`: every call is forwarded to the shared referent.
@@ -601,5 +644,17 @@ unsafe impl<D: DeviceBackend + ?Sized> DeviceBackend for std::sync::Arc<D> {
     unsafe fn unmap(&self, va: DeviceAddr, size: usize) -> Result<(), BackendError> {
         // SAFETY: obligations 1-2 are forwarded unchanged.
         unsafe { (**self).unmap(va, size) }
+    }
+    fn add_peer(&self, peer: usize) -> Result<bool, BackendError> {
+        (**self).add_peer(peer)
+    }
+    unsafe fn grant_peer(
+        &self,
+        va: DeviceAddr,
+        size: usize,
+        peer: usize,
+    ) -> Result<(), BackendError> {
+        // SAFETY: the obligation is forwarded unchanged.
+        unsafe { (**self).grant_peer(va, size, peer) }
     }
 }

@@ -462,6 +462,10 @@ struct Inner {
     /// Live mappings per physical handle (absent: none), so `release_physical` checks "still
     /// mapped" without scanning every mapping.
     maps_of_handle: BTreeMap<u64, u32>,
+    /// Devices added with `add_peer`.
+    peers: Vec<usize>,
+    /// Per mapping (by address), the peer devices granted access to it.
+    peer_access: BTreeMap<u64, Vec<usize>>,
     counters: SimCounters,
     fail_calls: BTreeMap<u64, FaultKind>,
     fail_above: Option<usize>,
@@ -865,6 +869,8 @@ impl SimDevice {
                 physical: BTreeMap::new(),
                 next_physical: 1,
                 mappings: BTreeMap::new(),
+                peers: Vec::new(),
+                peer_access: BTreeMap::new(),
                 maps_of_handle: BTreeMap::new(),
                 counters: SimCounters::default(),
                 fail_calls: BTreeMap::new(),
@@ -903,6 +909,14 @@ impl SimDevice {
     /// The configuration this device was built with.
     pub fn config(&self) -> SimConfig {
         self.inner.lock().config.clone()
+    }
+
+    /// The peer devices granted access to the mapping at `va` ([`DeviceBackend::add_peer`],
+    /// [`DeviceBackend::grant_peer`]), or `None` when nothing is mapped at `va`.
+    pub fn peers_with_access(&self, va: DeviceAddr) -> Option<Vec<usize>> {
+        let g = self.inner.lock();
+        g.mappings.get(&va.0)?;
+        Some(g.peer_access.get(&va.0).cloned().unwrap_or_default())
     }
 
     /// A copy of the call counters and memory figures.
@@ -1571,6 +1585,10 @@ unsafe impl DeviceBackend for SimDevice {
             return Err(fault("map", f));
         }
         g.mappings.insert(va.0, (size, handle.0));
+        if !g.peers.is_empty() {
+            let peers = g.peers.clone();
+            g.peer_access.insert(va.0, peers);
+        }
         *g.maps_of_handle.entry(handle.0).or_insert(0) += 1;
         g.counters.map_calls += 1;
         g.counters.set_access_calls += 1;
@@ -1596,6 +1614,7 @@ unsafe impl DeviceBackend for SimDevice {
         }
         g.check_range(SimViolationKind::Unmap, va.0, size, &|_| false);
         g.mappings.remove(&va.0);
+        g.peer_access.remove(&va.0);
         if let Some(n) = g.maps_of_handle.get_mut(&handle) {
             *n -= 1;
             if *n == 0 {
@@ -1604,6 +1623,49 @@ unsafe impl DeviceBackend for SimDevice {
         }
         g.counters.unmap_calls += 1;
         g.bill(|c| c.unmap_ns);
+        Ok(())
+    }
+
+    fn add_peer(&self, peer: usize) -> Result<bool, BackendError> {
+        let mut g = self.inner.lock();
+        if g.config.vm_granularity.is_none() {
+            return Err(BackendError::Unsupported("peer access to mapped memory"));
+        }
+        if peer == g.config.device_index {
+            return Err(BackendError::InvalidArgument {
+                operation: "add_peer",
+                reason: format!("device {peer} is this device, not a peer"),
+            });
+        }
+        if g.peers.contains(&peer) {
+            return Ok(false);
+        }
+        g.peers.push(peer);
+        Ok(true)
+    }
+
+    unsafe fn grant_peer(
+        &self,
+        va: DeviceAddr,
+        size: usize,
+        peer: usize,
+    ) -> Result<(), BackendError> {
+        let mut g = self.inner.lock();
+        if !matches!(g.mappings.get(&va.0), Some(&(s, _)) if s == size) {
+            return Err(BackendError::InvalidArgument {
+                operation: "grant_peer",
+                reason: format!("{va}+{size} is not one mapping"),
+            });
+        }
+        if let Err(f) = g.next_call(None) {
+            return Err(fault("grant_peer", f));
+        }
+        let granted = g.peer_access.entry(va.0).or_default();
+        if !granted.contains(&peer) {
+            granted.push(peer);
+        }
+        g.counters.set_access_calls += 1;
+        g.bill(|c| c.set_access_ns);
         Ok(())
     }
 }

@@ -294,6 +294,18 @@ impl CudaAllocator {
         released
     }
 
+    /// Lets device `peer` read and write this cache's memory (its mapped pages, now and later);
+    /// call it after enabling the driver's peer access from `peer`'s context to this device's
+    /// (cudarc: `CudaContext::enable_peer_access`, or `cuCtxEnablePeerAccess`), before a kernel
+    /// or copy on `peer` touches a buffer of this cache. See
+    /// [`CachingAllocator::enable_peer_access`].
+    ///
+    /// # Errors
+    /// As [`CachingAllocator::enable_peer_access`].
+    pub fn enable_peer_access(&self, peer: usize) -> Result<()> {
+        self.inner.enable_peer_access(peer)
+    }
+
     /// Caps the cache at `fraction` of the device's memory; see
     /// [`CachingAllocator::set_memory_fraction`].
     ///

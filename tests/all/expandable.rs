@@ -301,6 +301,63 @@ fn a_backend_alignment_that_is_not_a_power_of_two_is_refused() {
     assert!(err.to_string().contains("not a power of two"), "{err}");
 }
 
+/// Every 2 MiB page mapped now, by address (the default maps one handle per page).
+fn mapped_pages(a: &CachingAllocator<SimDevice>) -> Vec<DeviceAddr> {
+    a.snapshot()
+        .iter()
+        .filter(|s| s.is_expandable)
+        .flat_map(|s| (0..s.total_size / (2 * MIB)).map(move |k| s.address.offset(k * 2 * MIB)))
+        .collect()
+}
+
+#[test]
+fn peer_access_reaches_every_mapped_page_now_and_later() {
+    // Mapped pages are reachable only by the devices their access was set for: a peer copy
+    // from another device into memory of the default failed with "invalid argument" under
+    // PyTorch until the allocator granted the peer access, as PyTorch's addPeerAccess does.
+    let a = CachingAllocator::new(SimDevice::default(), AllocatorConfig::default()).unwrap();
+    let x = a.allocate(5 * MIB, StreamId(0)).unwrap();
+    let y = a.allocate(100_000, StreamId(0)).unwrap();
+    let before = mapped_pages(&a);
+    assert!(before.len() >= 4, "{before:?}");
+    for &va in &before {
+        assert_eq!(a.backend().peers_with_access(va), Some(vec![]), "{va}");
+    }
+    let calls = a.backend().counters().set_access_calls;
+    a.enable_peer_access(1).unwrap();
+    for &va in &before {
+        assert_eq!(a.backend().peers_with_access(va), Some(vec![1]), "{va}");
+    }
+    let granted = a.backend().counters().set_access_calls - calls;
+    assert_eq!(granted as usize, before.len(), "one grant per mapping");
+    // Again: nothing to do.
+    a.enable_peer_access(1).unwrap();
+    assert_eq!(
+        a.backend().counters().set_access_calls - calls,
+        granted,
+        "a second call grants nothing"
+    );
+    // Pages mapped later carry the peer from the start.
+    let z = a.allocate(40 * MIB, StreamId(0)).unwrap();
+    let after = mapped_pages(&a);
+    assert!(after.len() > before.len());
+    for &va in &after {
+        assert_eq!(a.backend().peers_with_access(va), Some(vec![1]), "{va}");
+    }
+    // Its own device is not a peer, and the allocator is intact after the refusal.
+    let err = a.enable_peer_access(0).unwrap_err();
+    assert!(err.to_string().contains("not a peer"), "{err}");
+    for p in [x, y, z] {
+        a.free(p.ptr).unwrap();
+    }
+    a.check_invariants().unwrap();
+    // Fixed segments: the driver's peer access covers them; nothing to grant.
+    let fixed = CachingAllocator::new(SimDevice::default(), AllocatorConfig::pytorch()).unwrap();
+    let p = fixed.allocate(MIB, StreamId(0)).unwrap();
+    fixed.enable_peer_access(1).unwrap();
+    fixed.free(p.ptr).unwrap();
+}
+
 #[test]
 fn growth_reuses_free_pages_instead_of_creating_new_ones() {
     let a = with_config(1 << 30, AllocatorConfig::default());

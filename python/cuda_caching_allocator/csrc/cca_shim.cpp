@@ -29,6 +29,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <deque>
 #include <functional>
@@ -60,6 +61,29 @@ using c10::CachingDeviceAllocator::SegmentInfo;
 using c10::CachingDeviceAllocator::TraceEntry;
 
 constexpr int kAbiVersion = 1;
+
+// Numbers and addresses in error messages are formatted here, not streamed: on the GPU machine
+// an error message that streamed a size_t into TORCH_CHECK crashed the process inside the
+// shim's own instance of std::ostream::_M_insert<unsigned long> (SIGSEGV where PyTorch raises),
+// while messages made only of strings were fine. std::to_string and snprintf do not go through
+// the stream's locale facets.
+inline std::string num(long long v) { return std::to_string(v); }
+inline std::string num_u(unsigned long long v) { return std::to_string(v); }
+inline std::string addr(const void* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%p", p);
+  return std::string(buf);
+}
+// Each message is also joined here into one std::string before it reaches TORCH_CHECK /
+// TORCH_WARN, so that c10::str has a single string to pass on and builds no stream at all.
+inline void append_piece(std::string& out, const char* p) { out.append(p ? p : "(null)"); }
+inline void append_piece(std::string& out, const std::string& p) { out.append(p); }
+template <typename... A>
+std::string cat(const A&... pieces) {
+  std::string out;
+  (append_piece(out, pieces), ...);
+  return out;
+}
 
 // Host time spent in the allocator, opt-in (CCA_HOST_TIMING=1 in the environment when the shim
 // is created): nanoseconds and calls of allocate (malloc_on) and free (free_ptr), the shim's own
@@ -142,6 +166,7 @@ struct Api {
   void (*reset_peak_stats)(int);
   void (*reset_accumulated_stats)(int);
   int (*set_memory_fraction)(int, double);
+  int (*enable_peer_access)(int, int);
   double (*memory_fraction)(int);
   int (*device_stats)(int, CDeviceStats*);
   int (*snapshot)(int, SegFn, BlockFn, void*);
@@ -160,20 +185,21 @@ struct Api {
 template <typename F>
 void bind(void* lib, const char* name, F& slot) {
   void* sym = dlsym(lib, name);
-  TORCH_CHECK(sym != nullptr, "cuda_caching_allocator: the native library lacks ", name,
-              " (a library from another version of the package?)");
+  TORCH_CHECK(sym != nullptr, cat("cuda_caching_allocator: the native library lacks ", name,
+                                  " (a library from another version of the package?)"));
   slot = reinterpret_cast<F>(sym);
 }
 
 Api load_api(const std::string& path) {
   void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-  TORCH_CHECK(lib != nullptr, "cuda_caching_allocator: cannot load the native library ", path,
-              ": ", dlerror());
+  TORCH_CHECK(lib != nullptr,
+              cat("cuda_caching_allocator: cannot load the native library ", path, ": ", dlerror()));
   Api a{};
   bind(lib, "cca_abi_version", a.abi_version);
-  TORCH_CHECK(a.abi_version() == kAbiVersion, "cuda_caching_allocator: the native library ",
-              path, " has C ABI version ", a.abi_version(), ", this shim needs ", kAbiVersion,
-              " (reinstall the package)");
+  TORCH_CHECK(a.abi_version() == kAbiVersion,
+              cat("cuda_caching_allocator: the native library ", path, " has C ABI version ",
+                  num(a.abi_version()), ", this shim needs ", num(kAbiVersion),
+                  " (reinstall the package)"));
   bind(lib, "cca_alloc", a.alloc);
   bind(lib, "cca_free", a.free);
   bind(lib, "cca_record_stream", a.record_stream);
@@ -183,6 +209,7 @@ Api load_api(const std::string& path) {
   bind(lib, "cca_reset_peak_stats", a.reset_peak_stats);
   bind(lib, "cca_reset_accumulated_stats", a.reset_accumulated_stats);
   bind(lib, "cca_set_memory_fraction", a.set_memory_fraction);
+  bind(lib, "cca_enable_peer_access", a.enable_peer_access);
   bind(lib, "cca_memory_fraction", a.memory_fraction);
   bind(lib, "cca_device_stats", a.device_stats);
   bind(lib, "cca_snapshot", a.snapshot);
@@ -219,6 +246,18 @@ struct Live {
   cudaStream_t stream;
   MempoolId_t pool;
   std::shared_ptr<c10::GatheredContext> context;
+  // Events recorded by Tensor.record_stream on streams of other devices (see recordStream).
+  std::vector<cudaEvent_t> foreign_uses;
+};
+
+// The calling thread in relaxed capture mode for its lifetime: host waits on events are then
+// legal while another thread captures a graph in global mode (gpu/probes/capture_queries.cu).
+struct RelaxedCapture {
+  cudaStreamCaptureMode old = cudaStreamCaptureModeRelaxed;
+  RelaxedCapture() { (void)cudaThreadExchangeStreamCaptureMode(&old); }
+  ~RelaxedCapture() { (void)cudaThreadExchangeStreamCaptureMode(&old); }
+  RelaxedCapture(const RelaxedCapture&) = delete;
+  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
 };
 
 // An active routing of allocations into a private pool (a capture, or use_mem_pool).
@@ -273,7 +312,7 @@ class Shim : public CCA::CUDAAllocator {
   DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     CDeviceStats c{};
     int rc = api_.device_stats(device, &c);
-    TORCH_CHECK(rc >= 0, "cuda_caching_allocator: memory_stats: bad device ", int(device));
+    TORCH_CHECK(rc >= 0, cat("cuda_caching_allocator: memory_stats: bad device ", num(device)));
     DeviceStats s;
     fill(s.allocation, c.allocation);
     fill(s.segment, c.segment);
@@ -318,7 +357,7 @@ class Shim : public CCA::CUDAAllocator {
 
   void init(int device_count) override {
     device_count_.store(device_count);
-    TORCH_CHECK(api_.check_config() == 0, "cuda_caching_allocator: ", api_.last_error());
+    TORCH_CHECK(api_.check_config() == 0, cat("cuda_caching_allocator: ", api_.last_error()));
     initialized_.store(true);
   }
 
@@ -339,14 +378,16 @@ class Shim : public CCA::CUDAAllocator {
   bool isEnabled() const override { return enabled_.load(); }
 
   void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override {
-    *largestBlock = static_cast<size_t>(api_.cache_info(device));
+    // As PyTorch's: a caller passing 0 asks for a first guess, the device's free memory; the
+    // answer is the larger of that and the largest free cached block. cuDNN drops every
+    // algorithm whose workspace exceeds it, so the largest cached block alone (a few MiB where
+    // the device has gigabytes free) would silently narrow cudnn.benchmark's choice.
     if (*largestBlock == 0) {
-      // As PyTorch's: nothing cached, so the largest block cuDNN may get is the device's free
-      // memory.
       c10::cuda::CUDAGuard g(device);
       size_t total = 0;
       C10_CUDA_CHECK(cudaMemGetInfo(largestBlock, &total));
     }
+    *largestBlock = std::max(*largestBlock, static_cast<size_t>(api_.cache_info(device)));
   }
 
   void* getBaseAllocation(void* ptr, size_t* size) override {
@@ -354,19 +395,30 @@ class Shim : public CCA::CUDAAllocator {
     {
       std::lock_guard<std::mutex> g(mu_);
       auto it = live_.find(ptr);
-      TORCH_CHECK(it != live_.end(), "cuda_caching_allocator: getBaseAllocation: ", ptr,
-                  " is not a live allocation of this allocator");
+      TORCH_CHECK(it != live_.end(), cat("cuda_caching_allocator: getBaseAllocation: ", addr(ptr),
+                                         " is not a live allocation of this allocator"));
       dev = it->second.device;
     }
     uint64_t seg_size = 0;
     uint64_t base = api_.base_allocation(dev, reinterpret_cast<uint64_t>(ptr), &seg_size);
-    TORCH_CHECK(base != 0, "cuda_caching_allocator: getBaseAllocation: no segment holds ", ptr);
+    TORCH_CHECK(base != 0,
+                cat("cuda_caching_allocator: getBaseAllocation: no segment holds ", addr(ptr)));
     if (size) *size = static_cast<size_t>(seg_size);
     return reinterpret_cast<void*>(base);
   }
 
   void recordStream(const c10::DataPtr& ptr, CUDAStream stream) override {
     if (!ptr.get() || ptr.get_deleter() != &raw_delete_fn) return;
+    c10::DeviceIndex owner = ptr.device().index();
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto it = live_.find(ptr.get());
+      if (it != live_.end()) owner = it->second.device;
+    }
+    if (stream.device_index() != owner) {
+      record_foreign_use(ptr.get(), stream);
+      return;
+    }
     api_.record_stream(ptr.get(), stream.stream());
     if (api_.last_error_kind() != 0) fail("Tensor.record_stream");
   }
@@ -479,7 +531,7 @@ class Shim : public CCA::CUDAAllocator {
     // Called from destructors (CUDAGraph, MemPool): warn, never throw.
     api_.release_pool(device, cpool(mempool_id));
     if (api_.last_error_kind() != 0)
-      TORCH_WARN("cuda_caching_allocator: releasePool: ", api_.last_error());
+      TORCH_WARN(cat("cuda_caching_allocator: releasePool: ", api_.last_error()));
   }
 
   int getPoolUseCount(c10::DeviceIndex device, MempoolId_t mempool_id) override {
@@ -561,13 +613,19 @@ class Shim : public CCA::CUDAAllocator {
   }
 
   void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
-    c10::cuda::CUDAGuard g(dev);
-    cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
-    if (err == cudaErrorPeerAccessAlreadyEnabled) {
-      (void)cudaGetLastError();
-    } else {
-      C10_CUDA_CHECK(err);
+    {
+      c10::cuda::CUDAGuard g(dev);
+      cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
+      if (err == cudaErrorPeerAccessAlreadyEnabled) {
+        (void)cudaGetLastError();
+      } else {
+        C10_CUDA_CHECK(err);
+      }
     }
+    // Mapped pages (the default's expandable segments) are reachable only by the devices their
+    // access was set for: grant `dev` access to `dev_to_access`'s cache, now and for later pages
+    // (PyTorch: device_allocator[dev_to_access]->addPeerAccess(dev)).
+    if (api_.enable_peer_access(dev_to_access, dev) != 0) fail("enablePeerAccess");
   }
 
   cudaError_t memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice, size_t count,
@@ -614,6 +672,39 @@ class Shim : public CCA::CUDAAllocator {
 
   // ---- the deleter ----------------------------------------------------------------------------
 
+  // A use on a stream of another device (a peer copy or kernel on device 1 reading a tensor
+  // of device 0). The library's record_stream takes a stream handle of the tensor's own device,
+  // and the default streams' handles (0, 1, 2) name a stream on every device, so passing the
+  // handle on would record the use on the wrong device's stream and let the block be reused
+  // under the other device's work. PyTorch records an event on that stream, on its device;
+  // so does this, and the free of the tensor waits for it (free_ptr).
+  void record_foreign_use(void* p, CUDAStream stream) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    cudaEvent_t ev = nullptr;
+    {
+      c10::cuda::CUDAGuard guard(stream.device_index());
+      RelaxedCapture relaxed;
+      if (stream.stream() != nullptr) {
+        C10_CUDA_CHECK(cudaStreamIsCapturing(stream.stream(), &capturing));
+      }
+      TORCH_CHECK(capturing == cudaStreamCaptureStatusNone,
+                  "cuda_caching_allocator: Tensor.record_stream on a stream of another device "
+                  "during a CUDA graph capture is not supported (docs/pytorch.md, 'Not "
+                  "supported')");
+      C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+      C10_CUDA_CHECK(cudaEventRecord(ev, stream.stream()));
+    }
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = live_.find(p);
+    if (it == live_.end()) {
+      // Not a live allocation: nothing of ours to keep safe (the library would refuse it).
+      c10::cuda::CUDAGuard guard(stream.device_index());
+      (void)cudaEventDestroy(ev);
+      return;
+    }
+    it->second.foreign_uses.push_back(ev);
+  }
+
   void free_ptr(void* ptr) {
     if (!ptr) return;
     TimedScope timed(g_timing.free_ns, g_timing.free_calls);
@@ -623,8 +714,8 @@ class Shim : public CCA::CUDAAllocator {
       std::lock_guard<std::mutex> g(mu_);
       auto it = live_.find(ptr);
       if (it == live_.end()) {
-        TORCH_WARN("cuda_caching_allocator: free of ", ptr,
-                   ", which is not a live allocation of this allocator (ignored)");
+        TORCH_WARN(cat("cuda_caching_allocator: free of ", addr(ptr),
+                       ", which is not a live allocation of this allocator (ignored)"));
         return;
       }
       l = std::move(it->second);
@@ -632,9 +723,26 @@ class Shim : public CCA::CUDAAllocator {
       trace(TraceEntry::FREE_REQUESTED, l.device, ptr, l.size, l.stream, l.pool, nullptr);
       trace(TraceEntry::FREE_COMPLETED, l.device, ptr, l.size, l.stream, l.pool, nullptr);
     }
+    if (!l.foreign_uses.empty()) {
+      bool waited = true;
+      {
+        RelaxedCapture relaxed;
+        for (cudaEvent_t ev : l.foreign_uses) {
+          if (cudaEventSynchronize(ev) != cudaSuccess) waited = false;
+        }
+      }
+      if (!waited) {
+        (void)cudaGetLastError();
+        // The other device's work may still use the block: never hand it out again.
+        TORCH_WARN("cuda_caching_allocator: free: waiting for a use on another device failed; "
+                   "the block is leaked, never reused");
+        return;
+      }
+      for (cudaEvent_t ev : l.foreign_uses) (void)cudaEventDestroy(ev);
+    }
     api_.free(ptr, static_cast<ssize_t>(l.size), l.device, l.stream);
     if (api_.last_error_kind() != 0)
-      TORCH_WARN("cuda_caching_allocator: free: ", api_.last_error());
+      TORCH_WARN(cat("cuda_caching_allocator: free: ", api_.last_error()));
   }
 
  private:
@@ -650,8 +758,8 @@ class Shim : public CCA::CUDAAllocator {
 
   [[noreturn]] void fail(const char* what) {
     std::string msg = api_.last_error();
-    TORCH_CHECK(false, "cuda_caching_allocator: ", what, ": ",
-                msg.empty() ? std::string("failed") : msg);
+    TORCH_CHECK(false, cat("cuda_caching_allocator: ", what, ": ",
+                           msg.empty() ? std::string("failed") : msg));
   }
 
   void drop_route(c10::DeviceIndex device, MempoolId_t pool) {
@@ -741,10 +849,10 @@ class Shim : public CCA::CUDAAllocator {
           (void)cudaMemGetInfo(&device_free, &device_total);
         }
         for (auto& o : observers) o(dev, n, device_total, device_free);
-        TORCH_CHECK_WITH(OutOfMemoryError, false, "cuda_caching_allocator: ", msg);
+        TORCH_CHECK_WITH(OutOfMemoryError, false, cat("cuda_caching_allocator: ", msg));
       }
-      TORCH_CHECK(false, "cuda_caching_allocator: allocation of ", n, " bytes on device ",
-                  int(dev), " failed: ", msg);
+      TORCH_CHECK(false, cat("cuda_caching_allocator: allocation of ", num_u(n),
+                             " bytes on device ", num(dev), " failed: ", msg));
     }
     std::lock_guard<std::mutex> g(mu_);
     trace(TraceEntry::ALLOC, dev, p, n, stream, pool,

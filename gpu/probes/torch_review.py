@@ -1,0 +1,147 @@
+"""Probes for five defects an adversarial review of the PyTorch package found (thirteenth
+session), each a check that fails on the package before the fix: run one per process,
+
+    python3 gpu/probes/torch_review.py PROBE native|cca [CONFIG]
+
+with PROBE one of oom_capture, oom_pool, foreign_stream_alloc (one GPU), record_stream_peer,
+peer_copy (two GPUs), empty_cache_in_pool, cache_info. Prints one line, "PASS ..." or
+"FAIL ...", and exits 0 or 1 (a crash, as the package's SIGSEGV before the fix, exits with the
+signal). `cca` enables cuda_caching_allocator.torch (route shim) with CONFIG (default: the
+crate's default).
+"""
+import sys
+import time
+
+import torch as T
+
+probe, who = sys.argv[1], sys.argv[2]
+cfg = sys.argv[3] if len(sys.argv) > 3 else None
+if who == "cca":
+    import cuda_caching_allocator.torch as C
+    C.enable(config=cfg, route="shim")
+
+
+def done(ok, what):
+    print(("PASS " if ok else "FAIL ") + f"{probe} {who} {cfg or ''}: {what}", flush=True)
+    sys.exit(0 if ok else 1)
+
+
+HUGE = 400 << 30  # more than any GPU here has
+
+if probe == "oom_capture":
+    # Out of memory inside a graph capture: PyTorch raises torch.OutOfMemoryError (the
+    # package's error path crashed with SIGSEGV while formatting the message).
+    s, g = T.cuda.Stream(), T.cuda.CUDAGraph()
+    raised = None
+    with T.cuda.stream(s):
+        g.capture_begin()
+        try:
+            T.empty(HUGE, dtype=T.uint8, device="cuda")
+        except Exception as e:  # noqa: BLE001
+            raised = type(e).__name__
+        try:
+            g.capture_end()
+        except Exception:  # noqa: BLE001
+            pass
+    done(raised == "OutOfMemoryError", f"raised {raised}")
+
+if probe == "oom_pool":
+    p = T.cuda.MemPool()
+    raised = None
+    with T.cuda.use_mem_pool(p):
+        try:
+            T.empty(HUGE, dtype=T.uint8, device="cuda")
+        except Exception as e:  # noqa: BLE001
+            raised = type(e).__name__
+    done(raised == "OutOfMemoryError", f"raised {raised}")
+
+if probe == "foreign_stream_alloc":
+    # A stream of device 1 named for device 0: native takes it without a word; the package
+    # refuses it. The check is only that the process survives to say which.
+    raised = None
+    try:
+        p = T.cuda.caching_allocator_alloc(1 << 20, device=0, stream=T.cuda.Stream(1))
+        T.cuda.caching_allocator_delete(p)
+    except Exception as e:  # noqa: BLE001
+        raised = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    done(True, f"survived; raised {raised}")
+
+if probe == "record_stream_peer":
+    # A tensor of device 0 written by a copy queued on device 1's default stream behind a
+    # one-second sleep, recorded there, then freed: its block must not come back to a fresh
+    # allocation on device 0 before the copy ran.
+    N = 1 << 22
+    s0, s1 = T.cuda.Stream(0), T.cuda.Stream(0)
+    bad = 0
+    for _ in range(4):
+        src = T.full((N,), 7.0, device="cuda:1")
+        with T.cuda.stream(s0):
+            d = T.zeros(N, device="cuda:0")
+        T.cuda.synchronize(0)
+        T.cuda.synchronize(1)
+        with T.cuda.device(0), T.cuda.stream(s1):
+            with T.cuda.device(1):
+                T.cuda._sleep(int(2e9))
+                d[::2].copy_(src[::2])
+        d.record_stream(T.cuda.default_stream(1))
+        del d
+        time.sleep(0.05)
+        with T.cuda.device(0), T.cuda.stream(s0):
+            q = T.zeros(N, device="cuda:0")
+        T.cuda.synchronize(0)
+        T.cuda.synchronize(1)
+        bad += int(q.sum().item() != 0)
+        del q
+    done(bad == 0, f"{bad} of 4 fresh tensors held the other device's writes")
+
+if probe == "peer_copy":
+    # Peer copies both ways, contiguous and strided, into memory mapped before and after the
+    # first copy (the default maps pages; PyTorch's enablePeerAccess must reach them).
+    a = T.arange(1 << 20, device="cuda:0", dtype=T.float32)
+    ok = T.equal(a.to("cuda:1").cpu(), a.cpu())
+    b = T.arange(3 << 20, device="cuda:1", dtype=T.float32)
+    big0 = T.empty(3 << 20, device="cuda:0", dtype=T.float32)
+    big0.copy_(b)
+    ok = ok and T.equal(big0.cpu(), b.cpu())
+    ok = ok and T.equal(b[::3].to("cuda:0").cpu(), b[::3].cpu())
+    c = T.empty(64 << 20, device="cuda:0", dtype=T.float16)  # pages mapped after peer access
+    c.copy_(T.ones(64 << 20, device="cuda:1", dtype=T.float16))
+    ok = ok and bool((c == 1).all().item())
+    done(ok, "copies equal" if ok else "a copy differed")
+
+if probe == "empty_cache_in_pool":
+    p = T.cuda.MemPool()
+    x = T.ones(8, device="cuda")
+    try:
+        with T.cuda.use_mem_pool(p):
+            T.cuda.empty_cache()
+        with T.cuda.use_mem_pool(p):
+            g = T.cuda.CUDAGraph()
+            with T.cuda.graph(g):  # its __enter__ calls empty_cache()
+                y = x * 2
+        g.replay()
+        T.cuda.synchronize()
+        done(y.sum().item() == 16, f"graph replayed, sum {y.sum().item()}")
+    except Exception as e:  # noqa: BLE001
+        done(False, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+
+if probe == "cache_info":
+    from torch.utils.cpp_extension import load_inline
+
+    m = load_inline(
+        "cache_info_probe",
+        cpp_sources="#include <c10/cuda/CUDACachingAllocator.h>\n"
+        "int64_t ci(int64_t d){size_t l=0;"
+        "c10::cuda::CUDACachingAllocator::cacheInfo(d,&l);return l;}",
+        functions=["ci"],
+        with_cuda=True,
+    )
+    z = T.empty(4 << 20, dtype=T.uint8, device="cuda")
+    del z
+    T.cuda.synchronize()
+    info, free = m.ci(0), T.cuda.mem_get_info()[0]
+    # PyTorch: the larger of the device's free memory and the largest cached block.
+    done(info >= free, f"cacheInfo {info}, free {free}")
+
+print(f"unknown probe {probe}")
+sys.exit(2)
