@@ -158,7 +158,9 @@ pub extern "C" fn cca_print_summary(device: c_int) {
     })
 }
 
-/// Returns `device`'s cached, unused memory to the driver; 0 on success, -1 on failure.
+/// Returns `device`'s cached, unused memory to the driver; 0 on success (also when a capture or
+/// `use_mem_pool` routes allocations on the device: the cache is then left as it is, as PyTorch
+/// leaves its default pool), -1 on failure.
 #[unsafe(no_mangle)]
 pub extern "C" fn cca_empty_cache(device: c_int) -> c_int {
     guarded("cca_empty_cache", -1, || {
