@@ -3,8 +3,9 @@ session), each a check that fails on the package before the fix: run one per pro
 
     python3 gpu/probes/torch_review.py PROBE native|cca [CONFIG]
 
-with PROBE one of oom_capture, oom_pool, foreign_stream_alloc (one GPU), record_stream_peer,
-peer_copy (two GPUs), empty_cache_in_pool, cache_info. Prints one line, "PASS ..." or
+with PROBE one of oom_capture, oom_pool, foreign_stream_alloc, empty_cache_in_pool,
+cache_info, trace_time, oom_observer_fraction (one GPU), record_stream_peer, peer_copy (two
+GPUs). Prints one line, "PASS ..." or
 "FAIL ...", and exits 0 or 1 (a crash, as the package's SIGSEGV before the fix, exits with the
 signal). `cca` enables cuda_caching_allocator.torch (route shim) with CONFIG (default: the
 crate's default).
@@ -142,6 +143,32 @@ if probe == "cache_info":
     info, free = m.ci(0), T.cuda.mem_get_info()[0]
     # PyTorch: the larger of the device's free memory and the largest cached block.
     done(info >= free, f"cacheInfo {info}, free {free}")
+
+if probe == "trace_time":
+    # Snapshot trace times are Unix time, as PyTorch converts them (the package gave the raw
+    # approximate clock).
+    T.cuda.memory._record_memory_history(max_entries=1000)
+    x = T.empty(1 << 20, device="cuda")
+    del x
+    snap = T.cuda.memory._snapshot()
+    times = [e["time_us"] for tr in snap["device_traces"] for e in tr]
+    now = time.time()
+    near = [t for t in times if abs(t / 1e6 - now) < 600 or abs(t / 1e9 - now) < 600]
+    ok = bool(times) and len(near) == len(times)
+    done(ok, f"{len(times)} entries, first {times[:1]}, now {now:.0f} s")
+
+if probe == "oom_observer_fraction":
+    # With a memory fraction set, PyTorch's OOM observers get the cap as the device total.
+    T.cuda.set_per_process_memory_fraction(0.5)
+    seen = []
+    T._C._cuda_attach_out_of_memory_observer(lambda d, a, tot, free: seen.append(tot))
+    try:
+        T.empty(HUGE, dtype=T.uint8, device="cuda")
+    except T.OutOfMemoryError:
+        pass
+    total = T.cuda.mem_get_info()[1]
+    ok = bool(seen) and abs(seen[0] - total / 2) < total / 100
+    done(ok, f"observer total {seen[:1]}, device total {total}")
 
 print(f"unknown probe {probe}")
 sys.exit(2)

@@ -475,7 +475,11 @@ class Shim : public CCA::CUDAAllocator {
       }
     }
     if (include_traces) {
-      for (auto& ring : traces_) info.device_traces.emplace_back(ring.begin(), ring.end());
+      auto to_unix = clock_converter_.makeConverter();
+      for (auto& ring : traces_) {
+        info.device_traces.emplace_back(ring.begin(), ring.end());
+        for (auto& te : info.device_traces.back()) te.time_.t_ = to_unix(te.time_.approx_t_);
+      }
     } else {
       info.device_traces.resize(traces_.size());
     }
@@ -848,7 +852,13 @@ class Shim : public CCA::CUDAAllocator {
           c10::cuda::CUDAGuard g(dev);
           (void)cudaMemGetInfo(&device_free, &device_total);
         }
-        for (auto& o : observers) o(dev, n, device_total, device_free);
+        // As PyTorch's: with a memory fraction set, observers get the cap as the total.
+        const double fraction = api_.memory_fraction(dev);
+        size_t total_seen = device_total;
+        if (fraction < 1.0) {
+          total_seen = static_cast<size_t>(fraction * static_cast<double>(device_total));
+        }
+        for (auto& o : observers) o(dev, n, total_seen, device_free);
         TORCH_CHECK_WITH(OutOfMemoryError, false, cat("cuda_caching_allocator: ", msg));
       }
       TORCH_CHECK(false, cat("cuda_caching_allocator: allocation of ", num_u(n),
@@ -871,6 +881,9 @@ class Shim : public CCA::CUDAAllocator {
   std::unordered_map<void*, Live> live_;
   std::vector<Route> routes_;
   std::vector<std::deque<TraceEntry>> traces_;
+  // Turns the trace entries' approximate clock into Unix time in snapshots, as PyTorch's
+  // snapshot does (its clock_converter); started with the shim.
+  c10::ApproximateClockToUnixTimeConverter clock_converter_;
   bool history_enabled_ = false;
   CreateContextFn recorder_ = nullptr;
   RecordContext record_when_ = RecordContext::NEVER;
