@@ -480,15 +480,18 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     ///
     /// # Errors
     /// [`AllocError::Backend`] for a peer the backend rejects (this device, one that does not
-    /// exist) or a driver error while granting; pages granted before the error keep their
-    /// access, and pages mapped later are granted as well.
+    /// exist or cannot reach this one) or a driver error while granting; pages granted before
+    /// the error keep their access, pages mapped later are granted as well, and calling again
+    /// grants every page again.
     pub fn enable_peer_access(&self, peer: usize) -> Result<()> {
-        let st = self.lock();
-        if !st.expandable {
+        let mut st = self.lock();
+        if !st.expandable || st.peers.contains(&peer) {
             return Ok(());
         }
-        let new = match self.backend.add_peer(peer) {
-            Ok(new) => new,
+        // The backend may be shared with other allocators (`&D`, `Arc<D>`) and know the peer
+        // already; this allocator's pages are granted either way.
+        match self.backend.add_peer(peer) {
+            Ok(_) => {}
             Err(crate::backend::BackendError::Unsupported(_)) => return Ok(()),
             Err(source) => {
                 return Err(AllocError::Backend {
@@ -496,9 +499,6 @@ impl<B: DeviceBackend> CachingAllocator<B> {
                     source,
                 });
             }
-        };
-        if !new {
-            return Ok(());
         }
         let segments = st.vm_segments.values().flat_map(|seg| {
             seg.handles
@@ -520,6 +520,8 @@ impl<B: DeviceBackend> CachingAllocator<B> {
                 }
             })?;
         }
+        // Only now: a call that failed part-way grants everything again when retried.
+        st.peers.push(peer);
         Ok(())
     }
 

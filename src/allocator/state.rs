@@ -116,6 +116,9 @@ pub(crate) struct State {
     /// Whether the last successful `malloc` borrowed its block (the fast path leaves such a
     /// block to the core).
     pub(crate) last_borrowed: bool,
+    /// Devices every mapped page of this allocator was granted to
+    /// (`CachingAllocator::enable_peer_access`, once all its grants succeeded).
+    pub(crate) peers: Vec<usize>,
 }
 
 impl State {
@@ -176,6 +179,7 @@ impl State {
             page_loans: 0,
             blocks_borrowed: 0,
             last_borrowed: false,
+            peers: Vec::new(),
         };
         s.apply_fraction(s.config.per_process_memory_fraction);
         s

@@ -1084,6 +1084,23 @@ unsafe impl DeviceBackend for CudaDevice {
         if peers.contains(&id) {
             return Ok(false);
         }
+        // A peer the driver cannot give access would fail every later `map`'s access setting.
+        let own = result::device::get(self.ordinal).map_err(|e| driver("cuDeviceGet", e))?;
+        let other = result::device::get(id).map_err(|e| driver("cuDeviceGet", e))?;
+        let mut can: std::ffi::c_int = 0;
+        // SAFETY: `can` is a live local the driver writes; both devices come from `cuDeviceGet`.
+        unsafe { sys::cuDeviceCanAccessPeer(&mut can, other, own) }
+            .result()
+            .map_err(|e| driver("cuDeviceCanAccessPeer", e))?;
+        if can == 0 {
+            return Err(BackendError::InvalidArgument {
+                operation: "add_peer",
+                reason: format!(
+                    "device {peer} cannot access device {}'s memory (cuDeviceCanAccessPeer)",
+                    self.ordinal
+                ),
+            });
+        }
         peers.push(id);
         Ok(true)
     }

@@ -416,7 +416,8 @@ pub unsafe trait DeviceBackend: Send + Sync {
     }
 
     /// Lets device `peer` read and write what [`map`](Self::map) maps from now on, beside this
-    /// backend's own device. Returns whether `peer` is new to the backend. Mapped memory is
+    /// backend's own device. Returns whether `peer` is new to the backend (allocators sharing a
+    /// backend each grant their own mapped pages all the same). Mapped memory is
     /// reachable only by the devices its access was set for (the driver's peer access covers
     /// `cuMemAlloc` memory, not mappings); see [`grant_peer`](Self::grant_peer) for the ranges
     /// already mapped.

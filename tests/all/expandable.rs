@@ -359,6 +359,41 @@ fn peer_access_reaches_every_mapped_page_now_and_later() {
 }
 
 #[test]
+fn peer_access_is_granted_per_allocator_and_again_after_a_failure() {
+    // Two allocators sharing one backend: the second learns nothing from the backend knowing
+    // the peer already, and grants its own pages.
+    let dev = SimDevice::default();
+    let a = CachingAllocator::new(&dev, AllocatorConfig::default()).unwrap();
+    let b = CachingAllocator::new(&dev, AllocatorConfig::default()).unwrap();
+    let xa = a.allocate(6 * MIB, StreamId(0)).unwrap();
+    let xb = b.allocate(6 * MIB, StreamId(0)).unwrap();
+    a.enable_peer_access(1).unwrap();
+    b.enable_peer_access(1).unwrap();
+    for alloc in [&a, &b] {
+        for s in alloc.snapshot().iter().filter(|s| s.is_expandable) {
+            for k in 0..s.total_size / (2 * MIB) {
+                let va = s.address.offset(k * 2 * MIB);
+                assert_eq!(dev.peers_with_access(va), Some(vec![1]), "{va}");
+            }
+        }
+    }
+    a.free(xa.ptr).unwrap();
+    b.free(xb.ptr).unwrap();
+
+    // A grant that fails part-way: the call errs, and calling again grants every page.
+    let c = CachingAllocator::new(SimDevice::default(), AllocatorConfig::default()).unwrap();
+    let x = c.allocate(6 * MIB, StreamId(0)).unwrap();
+    c.backend().fail_next_call(FaultKind::Error);
+    assert!(c.enable_peer_access(2).is_err());
+    c.enable_peer_access(2).unwrap();
+    for va in mapped_pages(&c) {
+        assert_eq!(c.backend().peers_with_access(va), Some(vec![2]), "{va}");
+    }
+    c.free(x.ptr).unwrap();
+    c.check_invariants().unwrap();
+}
+
+#[test]
 fn growth_reuses_free_pages_instead_of_creating_new_ones() {
     let a = with_config(1 << 30, AllocatorConfig::default());
     let x = a.allocate(40 * MIB, StreamId(0)).unwrap();

@@ -246,8 +246,24 @@ struct Live {
   cudaStream_t stream;
   MempoolId_t pool;
   std::shared_ptr<c10::GatheredContext> context;
-  // Events recorded by Tensor.record_stream on streams of other devices (see recordStream).
-  std::vector<cudaEvent_t> foreign_uses;
+  // Streams of other devices that Tensor.record_stream named (see record_foreign_use).
+  std::vector<std::pair<c10::DeviceIndex, cudaStream_t>> foreign_uses;
+};
+
+// Makes `device` current for its lifetime and restores the caller's device; errors are ignored
+// (it runs in deleters, which must not throw; a failed switch makes the waits below fail, and
+// those failures are handled there).
+struct DeviceScope {
+  int old = -1;
+  explicit DeviceScope(int device) {
+    if (cudaGetDevice(&old) != cudaSuccess) old = -1;
+    if (old != device) (void)cudaSetDevice(device);
+  }
+  ~DeviceScope() {
+    if (old >= 0) (void)cudaSetDevice(old);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
 };
 
 // The calling thread in relaxed capture mode for its lifetime: host waits on events are then
@@ -680,33 +696,39 @@ class Shim : public CCA::CUDAAllocator {
   // of device 0). The library's record_stream takes a stream handle of the tensor's own device,
   // and the default streams' handles (0, 1, 2) name a stream on every device, so passing the
   // handle on would record the use on the wrong device's stream and let the block be reused
-  // under the other device's work. PyTorch records an event on that stream, on its device;
-  // so does this, and the free of the tensor waits for it (free_ptr).
+  // under the other device's work. As PyTorch does, the stream is noted here, and the free
+  // waits for the work queued on it at that time (free_ptr).
   void record_foreign_use(void* p, CUDAStream stream) {
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    cudaEvent_t ev = nullptr;
-    {
-      c10::cuda::CUDAGuard guard(stream.device_index());
-      RelaxedCapture relaxed;
-      if (stream.stream() != nullptr) {
-        C10_CUDA_CHECK(cudaStreamIsCapturing(stream.stream(), &capturing));
-      }
-      TORCH_CHECK(capturing == cudaStreamCaptureStatusNone,
-                  "cuda_caching_allocator: Tensor.record_stream on a stream of another device "
-                  "during a CUDA graph capture is not supported (docs/pytorch.md, 'Not "
-                  "supported')");
-      C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
-      C10_CUDA_CHECK(cudaEventRecord(ev, stream.stream()));
-    }
     std::lock_guard<std::mutex> g(mu_);
     auto it = live_.find(p);
-    if (it == live_.end()) {
-      // Not a live allocation: nothing of ours to keep safe (the library would refuse it).
-      c10::cuda::CUDAGuard guard(stream.device_index());
-      (void)cudaEventDestroy(ev);
-      return;
+    if (it == live_.end()) return;  // not ours: nothing to keep safe
+    auto use = std::make_pair(stream.device_index(), stream.stream());
+    auto& uses = it->second.foreign_uses;
+    if (std::find(uses.begin(), uses.end(), use) == uses.end()) uses.push_back(use);
+  }
+
+  // Waits until the work queued on each stream `l` was recorded on (another device's) is done:
+  // PyTorch records an event on each at the free and reuses the block once they complete; the
+  // shim waits for them on the host, so that the block never reaches the library's cache under
+  // the other device's work. Returns false when a wait could not be made (the caller then keeps
+  // the block out of use for good); `exiting` is set when the CUDA runtime is shutting down.
+  static bool wait_foreign_uses(const Live& l, bool* exiting) {
+    for (const auto& [device, stream] : l.foreign_uses) {
+      DeviceScope scope(device);
+      RelaxedCapture relaxed;
+      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+      if (stream != nullptr && cudaStreamIsCapturing(stream, &capturing) != cudaSuccess) {
+        capturing = cudaStreamCaptureStatusInvalidated;
+      }
+      cudaError_t e = capturing == cudaStreamCaptureStatusNone ? cudaStreamSynchronize(stream)
+                                                               : cudaErrorStreamCaptureUnsupported;
+      if (e != cudaSuccess) {
+        *exiting = e == cudaErrorCudartUnloading;
+        (void)cudaGetLastError();
+        return false;
+      }
     }
-    it->second.foreign_uses.push_back(ev);
+    return true;
   }
 
   void free_ptr(void* ptr) {
@@ -728,21 +750,17 @@ class Shim : public CCA::CUDAAllocator {
       trace(TraceEntry::FREE_COMPLETED, l.device, ptr, l.size, l.stream, l.pool, nullptr);
     }
     if (!l.foreign_uses.empty()) {
-      bool waited = true;
-      {
-        RelaxedCapture relaxed;
-        for (cudaEvent_t ev : l.foreign_uses) {
-          if (cudaEventSynchronize(ev) != cudaSuccess) waited = false;
+      bool exiting = false;
+      if (!wait_foreign_uses(l, &exiting)) {
+        // The other device's work may still use the block: never hand it out again (at exit,
+        // when the runtime is unloading, quietly).
+        if (!exiting) {
+          TORCH_WARN("cuda_caching_allocator: free: waiting for the work of a stream of another "
+                     "device that Tensor.record_stream named failed (or that stream is "
+                     "capturing a graph); the block is kept out of use for good");
         }
-      }
-      if (!waited) {
-        (void)cudaGetLastError();
-        // The other device's work may still use the block: never hand it out again.
-        TORCH_WARN("cuda_caching_allocator: free: waiting for a use on another device failed; "
-                   "the block is leaked, never reused");
         return;
       }
-      for (cudaEvent_t ev : l.foreign_uses) (void)cudaEventDestroy(ev);
     }
     api_.free(ptr, static_cast<ssize_t>(l.size), l.device, l.stream);
     if (api_.last_error_kind() != 0)
