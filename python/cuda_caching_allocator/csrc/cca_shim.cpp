@@ -491,10 +491,13 @@ class Shim : public CCA::CUDAAllocator {
       }
     }
     if (include_traces) {
-      auto to_unix = clock_converter_.makeConverter();
+      // The converter gives nanoseconds; PyTorch's snapshot divides by 1000 (`time_us`).
+      auto to_unix_ns = clock_converter_.makeConverter();
       for (auto& ring : traces_) {
         info.device_traces.emplace_back(ring.begin(), ring.end());
-        for (auto& te : info.device_traces.back()) te.time_.t_ = to_unix(te.time_.approx_t_);
+        for (auto& te : info.device_traces.back()) {
+          te.time_.t_ = to_unix_ns(te.time_.approx_t_) / 1000;
+        }
       }
     } else {
       info.device_traces.resize(traces_.size());
