@@ -96,8 +96,15 @@ pub unsafe extern "C" fn cca_record_stream(ptr: *mut c_void, stream: *mut c_void
 #[unsafe(no_mangle)]
 pub extern "C" fn cca_reset() {
     guarded("cca_reset", (), || {
-        if let Err(e) = as_pytorch_empties(AllocatorRegistry::global().empty_cache_all()) {
-            fail_alloc("empty_cache", &e);
+        // Device by device, so that a capture on one device does not hide another's error.
+        let mut first = None;
+        for (device, alloc) in AllocatorRegistry::global().created() {
+            if let Err(e) = as_pytorch_empties(alloc.empty_cache()) {
+                first.get_or_insert((device, e));
+            }
+        }
+        if let Some((device, e)) = first {
+            fail_alloc(&format!("empty_cache (device {device})"), &e);
         }
     })
 }
