@@ -36,6 +36,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -67,8 +68,11 @@ constexpr int kAbiVersion = 1;
 // shim's own instance of std::ostream::_M_insert<unsigned long> (SIGSEGV where PyTorch raises),
 // while messages made only of strings were fine. std::to_string and snprintf do not go through
 // the stream's locale facets.
-inline std::string num(long long v) { return std::to_string(v); }
-inline std::string num_u(unsigned long long v) { return std::to_string(v); }
+template <typename T>
+std::string num(T v) {
+  static_assert(std::is_integral_v<T>, "num formats integers");
+  return std::to_string(+v);  // + promotes int8_t device indices to a number
+}
 inline std::string addr(const void* p) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%p", p);
@@ -425,13 +429,8 @@ class Shim : public CCA::CUDAAllocator {
 
   void recordStream(const c10::DataPtr& ptr, CUDAStream stream) override {
     if (!ptr.get() || ptr.get_deleter() != &raw_delete_fn) return;
-    c10::DeviceIndex owner = ptr.device().index();
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      auto it = live_.find(ptr.get());
-      if (it != live_.end()) owner = it->second.device;
-    }
-    if (stream.device_index() != owner) {
+    // The DataPtr carries the allocation's device (allocate() builds it so).
+    if (stream.device_index() != ptr.device().index()) {
       record_foreign_use(ptr.get(), stream);
       return;
     }
@@ -882,7 +881,7 @@ class Shim : public CCA::CUDAAllocator {
         for (auto& o : observers) o(dev, n, total_seen, device_free);
         TORCH_CHECK_WITH(OutOfMemoryError, false, cat("cuda_caching_allocator: ", msg));
       }
-      TORCH_CHECK(false, cat("cuda_caching_allocator: allocation of ", num_u(n),
+      TORCH_CHECK(false, cat("cuda_caching_allocator: allocation of ", num(n),
                              " bytes on device ", num(dev), " failed: ", msg));
     }
     std::lock_guard<std::mutex> g(mu_);

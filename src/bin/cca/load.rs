@@ -158,36 +158,34 @@ pub(crate) fn load_trace(path: &Path, lenient: bool, max_bytes: u64) -> CliResul
 /// What the import left out of the trace, in words: records that a replay will not see. Skipped
 /// bookkeeping records (`free_completed`, `snapshot` and the like) are not news and are not
 /// named.
-pub(crate) fn import_notes(r: &ImportReport) -> Vec<String> {
-    let plural = |n: u64| if n == 1 { "" } else { "s" };
-    let mut notes = Vec::new();
-    if r.unmatched_frees > 0 {
-        let n = r.unmatched_frees;
-        notes.push(format!(
-            "{} free{} of an address no live allocation held skipped (--lenient)",
-            thousands(n),
-            plural(n)
-        ));
-    }
-    if r.rebound_addresses > 0 {
-        let n = r.rebound_addresses;
-        notes.push(format!(
-            "{} allocation{} at an address an earlier allocation still held (--lenient): the \
-             earlier one stays live to the end",
-            thousands(n),
-            plural(n)
-        ));
-    }
-    if !r.alloc_failures.is_empty() {
-        let n = r.alloc_failures.len() as u64;
-        notes.push(format!(
-            "{} allocation{} that failed in the recorded run (`oom` entries, `allocate failure` \
-             rows) not replayed",
-            thousands(n),
-            plural(n)
-        ));
-    }
-    notes
+fn import_notes(r: &ImportReport) -> Vec<String> {
+    let counts = [
+        (
+            r.unmatched_frees,
+            "free",
+            "of an address no live allocation held skipped (--lenient)",
+        ),
+        (
+            r.rebound_addresses,
+            "allocation",
+            "at an address an earlier allocation still held (--lenient): the earlier one \
+             stays live to the end",
+        ),
+        (
+            r.alloc_failures.len() as u64,
+            "allocation",
+            "that failed in the recorded run (`oom` entries, `allocate failure` rows) not \
+             replayed",
+        ),
+    ];
+    counts
+        .into_iter()
+        .filter(|&(n, ..)| n > 0)
+        .map(|(n, noun, what)| {
+            let plural = if n == 1 { "" } else { "s" };
+            format!("{} {noun}{plural} {what}", thousands(n))
+        })
+        .collect()
 }
 
 /// One configuration to run, with its label.
