@@ -46,6 +46,8 @@ strip --strip-debug "$DEST/cuda_tests" "$DEST/cudarc_migration" "$DEST/framework
   "$DEST/ports" "$DEST/pinned_bench" "$DEST/gpu_bench" "$DEST/libcca_torch.so"
 strip "$DEST/cca"
 cp gpu/*.py gpu/*.cpp gpu/run.sh gpu/ports.sh "$DEST/"
+mkdir -p "$DEST/probes"
+cp gpu/probes/*.py gpu/probes/*.cu "$DEST/probes/"
 rm -rf "$DEST/python"
 mkdir -p "$DEST/python"
 cp -r python/cuda_caching_allocator python/tests "$DEST/python/"

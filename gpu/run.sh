@@ -22,7 +22,9 @@
 #                                     # clients.py --ab, native and the crate in one process),
 #                                     # bench (gpu_bench --device
 #                                     # cuda), pinned (the pinned host cache benchmark beside
-#                                     # PyTorch's host cache)
+#                                     # PyTorch's host cache), probes (after package or
+#                                     # install: gpu/probes/torch_review.py and, on 2 GPUs,
+#                                     # gpu/probes/nccl_register.py)
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/cca-gpu-out}
@@ -203,6 +205,25 @@ for phase in $PHASES; do
     grep -E '^(==|--)|pair|GB/s|cached /|host pages|^goal|^(default|tight|frugal|power)| MiB:' "$OUT/pinned.log" | tee -a "$S"
     step pinned_torch timeout "$(( $(left) < 200 ? $(left) : 200 ))" python3 "$HERE/pinned_torch.py" --json "$OUT/pinned_torch.json"
     grep -vE '^\s*$' "$OUT/pinned_torch.log" | tail -20 | tee -a "$S" ;;
-  *) echo "unknown phase $phase (tests example torch safety sanitizer multigpu replay cold ports install package package_client clients ab hostpair record bench pinned)" | tee -a "$S" ;;
+  probes) # After `package` or `install`: the PyTorch package's review probes
+    # (gpu/probes/torch_review.py, each in its own process; the peer probes need 2 GPUs) and, on 2
+    # GPUs, NCCL's user-buffer registration through the segment trace entries
+    # (gpu/probes/nccl_register.py: native, native expandable, the crate's default and preset).
+    export CCA_SHIM_BUILD_DIR=/tmp/cca-shim-build
+    P="$HERE/probes/torch_review.py"
+    ONE="trace_time:native trace_time:cca empty_cache_in_pool:cca oom_capture:cca oom_pool:cca cache_info:cca oom_observer_fraction:cca foreign_stream_alloc:cca"
+    TWO="record_stream_peer:native record_stream_peer:cca record_stream_peer:cca:cca_preset:pytorch peer_copy:cca peer_copy:cca:cca_preset:pytorch"
+    [ "$NGPU" -ge 2 ] && ONE="$ONE $TWO"
+    for a in $ONE; do
+      step "review_${a//:/_}" timeout 150 python3 "$P" ${a//:/ }
+      grep -E '^(PASS|FAIL)' "$OUT/review_${a//:/_}.log" | cut -c1-300 | tee -a "$S"
+    done
+    if [ "$NGPU" -ge 2 ]; then
+      for a in native native-expandable cca cca:cca_preset:pytorch; do
+        step "nccl_register_${a//:/_}" timeout 200 python3 "$HERE/probes/nccl_register.py" ${a//:/ }
+        grep -E '^(PASS|FAIL)' "$OUT/nccl_register_${a//:/_}.log" | cut -c1-600 | tee -a "$S"
+      done
+    fi ;;
+  *) echo "unknown phase $phase (tests example torch safety sanitizer multigpu replay cold ports install package package_client clients ab hostpair record bench pinned probes)" | tee -a "$S" ;;
   esac
 done

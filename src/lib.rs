@@ -22,8 +22,8 @@ pub mod trace;
 
 pub use allocator::{
     Allocation, BlockSnapshot, BlockState, CachingAllocator, FragmentationReport, FreeBucket,
-    InvariantViolation, MemPoolId, OwnedAllocation, PoolFilter, SegmentSnapshot, capture_filter,
-    memory_summary,
+    InvariantViolation, MemPoolId, OwnedAllocation, PoolFilter, SegmentAction, SegmentEvent,
+    SegmentObserver, SegmentSnapshot, capture_filter, memory_summary,
 };
 pub use backend::call_times::{CALL_KINDS, DeviceCallTimes};
 pub use backend::sim::{

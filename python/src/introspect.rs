@@ -12,9 +12,9 @@ use crate::error::guarded;
 use crate::hooks::ordinal;
 
 /// The version of this C ABI; the C++ shim refuses a library of another version.
-pub(crate) const ABI_VERSION: c_int = 1;
+pub(crate) const ABI_VERSION: c_int = 2;
 
-/// The C ABI's version (1): bumped whenever a signature or struct changes.
+/// The C ABI's version (2: segment events added): bumped whenever a signature or struct changes.
 #[unsafe(no_mangle)]
 pub extern "C" fn cca_abi_version() -> c_int {
     ABI_VERSION

@@ -21,6 +21,7 @@ mod error;
 mod hooks;
 mod introspect;
 mod pools;
+mod segments;
 
 pub use error::{cca_last_error, cca_last_error_kind, cca_set_quiet};
 pub use hooks::{
@@ -37,6 +38,7 @@ pub use pools::{
     MempoolId, cca_begin_allocate_to_pool, cca_begin_allocate_to_pool_with, cca_create_pool,
     cca_end_allocate_to_pool, cca_pool_use_count, cca_release_pool,
 };
+pub use segments::{SegmentCallback, cca_config_expandable, cca_set_segment_callback};
 
 use std::ptr::{addr_of_mut, null_mut};
 

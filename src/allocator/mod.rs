@@ -13,6 +13,7 @@ mod front;
 mod history;
 mod invariants;
 mod pool;
+mod segment_events;
 mod snapshot;
 mod state;
 mod summary;
@@ -27,6 +28,7 @@ use parking_lot::{Mutex, MutexGuard};
 
 pub use fragmentation::{FragmentationReport, FreeBucket};
 pub use invariants::InvariantViolation;
+pub use segment_events::{SegmentAction, SegmentEvent, SegmentObserver};
 pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
 pub use state::{MemPoolId, PoolFilter, capture_filter};
 pub use summary::memory_summary;
@@ -716,6 +718,15 @@ impl<B: DeviceBackend> CachingAllocator<B> {
             front.set_history(st, fl, &self.backend, true);
         }
         st.history = Some(History::new(capacity));
+    }
+
+    /// Sets (or, with `None`, removes) the observer told of every segment this allocator
+    /// allocates, frees, maps or unmaps from now on ([`SegmentEvent`]): what PyTorch's trace
+    /// trackers see. The observer runs while the allocator's lock is held, so it sees each event
+    /// before any other thread can use the memory concerned (a `Free` before the memory goes back
+    /// to the driver); it must not call into this allocator.
+    pub fn set_segment_observer(&self, observer: Option<SegmentObserver>) {
+        self.lock().st.segment_observer = segment_events::ObserverSlot(observer);
     }
 
     /// Stops recording and discards the history.

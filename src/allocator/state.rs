@@ -24,6 +24,7 @@ use super::block::{Arena, Block, BlockId};
 use super::device_calls;
 use super::history::History;
 use super::pool::{BlockPool, FreeKey};
+use super::segment_events::{ObserverSlot, SegmentAction, SegmentEvent};
 use crate::backend::{BackendError, DeviceAddr, DeviceBackend, EventHandle, StreamId};
 use crate::config::{AllocatorConfig, MAX_ALLOCATION_SIZE};
 use crate::error::{AllocError, OomReport, OomVerdict, Result};
@@ -97,6 +98,8 @@ pub(crate) struct State {
     pub(crate) cap_grace: usize,
     /// The history recorder, when switched on.
     pub(crate) history: Option<History>,
+    /// The segment observer, when one is set (`CachingAllocator::set_segment_observer`).
+    pub(crate) segment_observer: ObserverSlot,
     /// Segments handed over from one stream to another (`cca_cross_stream_reuse`) since the
     /// last reset of the accumulated statistics.
     pub(crate) cross_stream_handovers: u64,
@@ -171,6 +174,7 @@ impl State {
             steady_moves: 0,
             cap_grace: 0,
             history: None,
+            segment_observer: ObserverSlot::default(),
             cross_stream_handovers: 0,
             handover_events_unsupported: false,
             graph: GraphPools::default(),
@@ -514,6 +518,7 @@ impl State {
         if let Some(h) = &mut self.history {
             h.segment_alloc(ptr, size, stream);
         }
+        self.segment_event(dev, SegmentAction::Alloc, ptr.0, size, stream, owner);
         tracing::debug!(target: "cuda_caching_allocator", device = dev.device_index(), %ptr, size, %stream, pool = kind.segment_type(), "segment allocated");
         Ok(Some(id))
     }
@@ -941,12 +946,44 @@ impl State {
         Ok(())
     }
 
+    /// Tells the segment observer, if one is set, that `action` happened to `[addr, addr +
+    /// size)` of a segment of `stream` owned by private-pool slot `owner` (0: the default pools).
+    pub(crate) fn segment_event<B: DeviceBackend>(
+        &self,
+        dev: &B,
+        action: SegmentAction,
+        addr: u64,
+        size: usize,
+        stream: StreamId,
+        owner: u32,
+    ) {
+        let Some(observer) = &self.segment_observer.0 else {
+            return;
+        };
+        let pool = self
+            .graph
+            .pools
+            .get(&owner)
+            .map_or(MemPoolId::DEFAULT, |p| p.id);
+        observer(&SegmentEvent {
+            action,
+            device: dev.device_index(),
+            addr: DeviceAddr(addr),
+            size,
+            stream,
+            pool,
+        });
+    }
+
     // ---- releasing cache -------------------------------------------------------------------
 
     /// Returns one whole free segment to the device. On a device error the block stays cached.
     fn release_block<B: DeviceBackend>(&mut self, dev: &B, id: BlockId) -> Result<()> {
         let b = self.block(id).clone();
         debug_assert!(!b.is_split() && !b.allocated && !b.expandable);
+        // Before the free, as PyTorch records SEGMENT_FREE: an observer that registered the
+        // segment elsewhere (NCCL) deregisters it while the memory is still there.
+        self.segment_event(dev, SegmentAction::Free, b.ptr, b.size, b.stream, b.owner);
         device_calls::free_segment(dev, DeviceAddr(b.ptr), b.size, b.stream).map_err(|source| {
             AllocError::Backend {
                 operation: "free",

@@ -17,7 +17,7 @@ use parking_lot::Mutex;
 use super::events::ShellPool;
 use super::pinned::{CachedPinned, PinnedAllocator};
 use super::{driver_error, registry::AllocatorRegistry, slice::CachedSlice};
-use crate::allocator::{FragmentationReport, InvariantViolation, SegmentSnapshot};
+use crate::allocator::{FragmentationReport, InvariantViolation, SegmentObserver, SegmentSnapshot};
 use crate::backend::DeviceBackend;
 use crate::backend::call_times::DeviceCallTimes;
 use crate::backend::cuda::CudaDevice;
@@ -383,6 +383,12 @@ impl CudaAllocator {
     /// The first violated invariant.
     pub fn check_invariants(&self) -> std::result::Result<(), InvariantViolation> {
         self.inner.check_invariants()
+    }
+
+    /// Sets (or, with `None`, removes) the observer told of every segment this cache
+    /// allocates, frees, maps or unmaps ([`CachingAllocator::set_segment_observer`]).
+    pub fn set_segment_observer(&self, observer: Option<SegmentObserver>) {
+        self.inner.set_segment_observer(observer);
     }
 
     /// The configuration in force.

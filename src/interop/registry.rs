@@ -4,14 +4,14 @@
 //! of `interop::raw` cheap. May use: `interop::allocator`, `backend::cuda`, `config`, `stats`.
 
 use std::fmt;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
 use super::allocator::CudaAllocator;
 use crate::backend::cuda::{self, CudaDevice};
 use crate::config::ConfigError;
-use crate::{AllocError, AllocatorConfig, BackendError, MemoryStats, Result};
+use crate::{AllocError, AllocatorConfig, BackendError, MemoryStats, Result, SegmentObserver};
 
 /// One [`CudaAllocator`] per device ordinal, created lazily with one configuration.
 ///
@@ -22,8 +22,9 @@ pub struct AllocatorRegistry {
     config: std::result::Result<AllocatorConfig, ConfigError>,
     /// One slot per device, sized on first use from the device count.
     slots: OnceLock<Box<[OnceLock<CudaAllocator>]>>,
-    /// Serializes creation (of the slot table and of each allocator).
-    creating: Mutex<()>,
+    /// Serializes creation (of the slot table and of each allocator) and guards the segment
+    /// observer given to every allocator, now and when created.
+    creating: Mutex<Option<SegmentObserver>>,
 }
 
 impl fmt::Debug for AllocatorRegistry {
@@ -42,7 +43,7 @@ impl AllocatorRegistry {
         AllocatorRegistry {
             config: Ok(config),
             slots: OnceLock::new(),
-            creating: Mutex::new(()),
+            creating: Mutex::new(None),
         }
     }
 
@@ -55,7 +56,7 @@ impl AllocatorRegistry {
         GLOBAL.get_or_init(|| AllocatorRegistry {
             config: AllocatorConfig::from_env_or(AllocatorConfig::default()),
             slots: OnceLock::new(),
-            creating: Mutex::new(()),
+            creating: Mutex::new(None),
         })
     }
 
@@ -98,7 +99,7 @@ impl AllocatorRegistry {
         if let Some(alloc) = slot.get() {
             return Ok(alloc);
         }
-        let _guard = self.creating.lock();
+        let guard = self.creating.lock();
         if let Some(alloc) = slot.get() {
             return Ok(alloc);
         }
@@ -108,8 +109,24 @@ impl AllocatorRegistry {
             source,
         })?;
         let alloc = CudaAllocator::from_device(device, config)?;
+        if let Some(observer) = &*guard {
+            alloc.set_segment_observer(Some(Arc::clone(observer)));
+        }
         tracing::debug!(target: "cuda_caching_allocator", ordinal, "created the device's caching allocator");
         Ok(slot.get_or_init(|| alloc))
+    }
+
+    /// Sets (or, with `None`, removes) the segment observer of every allocator of this registry,
+    /// those created already and those created later
+    /// ([`CachingAllocator::set_segment_observer`](crate::CachingAllocator::set_segment_observer);
+    /// the observer reads [`SegmentEvent::device`](crate::SegmentEvent::device) to tell them
+    /// apart).
+    pub fn set_segment_observer(&self, observer: Option<SegmentObserver>) {
+        let mut guard = self.creating.lock();
+        for (_, alloc) in self.created() {
+            alloc.set_segment_observer(observer.clone());
+        }
+        *guard = observer;
     }
 
     /// The allocator of device `ordinal` if it was created already (never creates one).

@@ -33,6 +33,7 @@ mod pinned_pages;
 mod ports;
 mod programs;
 mod props;
+mod segment_events;
 mod stream_safety;
 mod trace_io;
 mod util;

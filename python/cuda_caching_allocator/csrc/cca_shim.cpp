@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 
 #include <c10/core/Allocator.h>
+#include <c10/core/AllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -61,7 +62,7 @@ using c10::CachingDeviceAllocator::RecordContext;
 using c10::CachingDeviceAllocator::SegmentInfo;
 using c10::CachingDeviceAllocator::TraceEntry;
 
-constexpr int kAbiVersion = 1;
+constexpr int kAbiVersion = 2;
 
 // Numbers and addresses in error messages are formatted here, not streamed: on the GPU machine
 // an error message that streamed a size_t into TORCH_CHECK crashed the process inside the
@@ -157,6 +158,9 @@ static_assert(sizeof(CPool) == 16, "MempoolId layout");
 using AcceptFn = bool (*)(void*, void*);
 using DropFn = void (*)(void*);
 using SegFn = void (*)(void*, const CSegment*);
+// cca_set_segment_callback's callback: (ctx, action 0 alloc / 1 free / 2 map / 3 unmap, device,
+// address, size, stream, pool).
+using SegmentEventFn = void (*)(void*, int, int, uint64_t, uint64_t, void*, CPool);
 using BlockFn = void (*)(void*, const CBlock*);
 
 struct Api {
@@ -184,6 +188,8 @@ struct Api {
   const char* (*last_error)();
   int (*last_error_kind)();
   void (*set_quiet)(int);
+  int (*set_segment_callback)(SegmentEventFn, void*);
+  int (*config_expandable)();
 };
 
 template <typename F>
@@ -227,6 +233,8 @@ Api load_api(const std::string& path) {
   bind(lib, "cca_last_error", a.last_error);
   bind(lib, "cca_last_error_kind", a.last_error_kind);
   bind(lib, "cca_set_quiet", a.set_quiet);
+  bind(lib, "cca_set_segment_callback", a.set_segment_callback);
+  bind(lib, "cca_config_expandable", a.config_expandable);
   return a;
 }
 
@@ -296,11 +304,22 @@ struct Checkpoint : AllocatorState {
 
 void raw_delete_fn(void* ptr);
 
+// The stack context of the allocation the calling thread is making (set by malloc_on around the
+// library's alloc), given to the SEGMENT_ALLOC / SEGMENT_MAP entries that allocation causes, as
+// PyTorch gives them the allocation's context.
+thread_local const std::shared_ptr<c10::GatheredContext>* t_alloc_context = nullptr;
+
 class Shim : public CCA::CUDAAllocator {
  public:
-  Shim(Api api, std::string config) : api_(api), config_(std::move(config)) {
+  Shim(Api api, std::string config)
+      : api_(api), config_(std::move(config)), expandable_(api_.config_expandable() == 1) {
     api_.set_quiet(1);
+    // Every device's cache reports its segments from now on (PyTorch's SEGMENT_* entries).
+    api_.set_segment_callback(&Shim::on_segment, this);
   }
+
+  // Whether the library's configuration maps pages into expandable segments.
+  bool expandable() const { return expandable_; }
 
   // ---- c10::Allocator ----------------------------------------------------------------------
 
@@ -447,7 +466,6 @@ class Shim : public CCA::CUDAAllocator {
     };
     const int n_devices = devices();
     std::lock_guard<std::mutex> g(mu_);
-    if (traces_.size() < static_cast<size_t>(n_devices)) traces_.resize(n_devices);
     for (int d = 0; d < n_devices; ++d) {
       std::vector<SegmentInfo> segs;
       Builder b{this, static_cast<c10::DeviceIndex>(d), &segs};
@@ -489,6 +507,8 @@ class Shim : public CCA::CUDAAllocator {
         info.segments.push_back(std::move(s));
       }
     }
+    std::lock_guard<std::mutex> t(trace_mu_);
+    if (traces_.size() < static_cast<size_t>(n_devices)) traces_.resize(n_devices);
     if (include_traces) {
       // The converter gives nanoseconds; PyTorch's snapshot divides by 1000 (`time_us`).
       auto to_unix_ns = clock_converter_.makeConverter();
@@ -504,8 +524,7 @@ class Shim : public CCA::CUDAAllocator {
     info.config_metadata.garbage_collection_threshold = 0.0;
     info.config_metadata.max_split_size = 0;
     info.config_metadata.pinned_num_register_threads = 0;
-    info.config_metadata.expandable_segments =
-        config_.find("expandable_segments:True") != std::string::npos;
+    info.config_metadata.expandable_segments = expandable_;
     info.config_metadata.release_lock_on_malloc = false;
     info.config_metadata.pinned_use_host_register = false;
     info.config_metadata.graph_capture_record_stream_reuse = false;
@@ -606,7 +625,7 @@ class Shim : public CCA::CUDAAllocator {
   }
 
   bool isHistoryEnabled() override {
-    std::lock_guard<std::mutex> g(mu_);
+    std::lock_guard<std::mutex> t(trace_mu_);
     return history_enabled_;
   }
 
@@ -614,9 +633,10 @@ class Shim : public CCA::CUDAAllocator {
                      size_t alloc_trace_max_entries, RecordContext when, bool clearHistory,
                      const std::vector<std::string>& skip_actions) override {
     std::lock_guard<std::mutex> g(mu_);
-    history_enabled_ = enabled;
     recorder_ = enabled ? context_recorder : nullptr;
     record_when_ = enabled ? when : RecordContext::NEVER;
+    std::lock_guard<std::mutex> t(trace_mu_);
+    history_enabled_ = enabled;
     max_entries_ = std::max<size_t>(alloc_trace_max_entries, 1);
     skip_.clear();
     for (const auto& s : skip_actions) skip_.insert(s);
@@ -630,7 +650,7 @@ class Shim : public CCA::CUDAAllocator {
   }
 
   void attachAllocatorTraceTracker(AllocatorTraceTracker tracker) override {
-    std::lock_guard<std::mutex> g(mu_);
+    std::lock_guard<std::mutex> t(trace_mu_);
     trackers_.push_back(std::move(tracker));
   }
 
@@ -786,6 +806,36 @@ class Shim : public CCA::CUDAAllocator {
                            msg.empty() ? std::string("failed") : msg));
   }
 
+  // The library's segment events (cca_set_segment_callback), called with the device cache's lock
+  // held, so that a tracker sees a segment before any thread can use it and its SEGMENT_FREE
+  // before the memory goes back to the driver (NCCL's registration hooks deregister there, as
+  // PyTorch records SEGMENT_FREE before cudaFree). Takes only trace_mu_: snapshot() holds mu_
+  // while it calls into the library. Nothing may leave it by exception (it returns into Rust).
+  static void on_segment(void* self, int action, int device, uint64_t address, uint64_t size,
+                         void* stream, CPool pool) noexcept {
+    static const TraceEntry::Action kActions[] = {
+        TraceEntry::SEGMENT_ALLOC, TraceEntry::SEGMENT_FREE, TraceEntry::SEGMENT_MAP,
+        TraceEntry::SEGMENT_UNMAP};
+    if (action < 0 || action > 3) return;
+    try {
+      std::shared_ptr<c10::GatheredContext> ctx;
+      const bool grows = action == 0 || action == 2;
+      if (grows && t_alloc_context != nullptr) ctx = *t_alloc_context;
+      static_cast<Shim*>(self)->trace(kActions[action], static_cast<c10::DeviceIndex>(device),
+                                      reinterpret_cast<void*>(address), size,
+                                      static_cast<cudaStream_t>(stream),
+                                      MempoolId_t{pool.first, pool.second}, std::move(ctx));
+    } catch (const std::exception& e) {
+      // A tracker failed (NCCL's registration raising, say). Not TORCH_WARN: a Python warning
+      // handler would take the GIL under the cache's lock.
+      std::fprintf(stderr, "cuda_caching_allocator: a trace tracker failed on a %s entry: %s\n",
+                   action_name(kActions[action]), e.what());
+    } catch (...) {
+      std::fprintf(stderr, "cuda_caching_allocator: a trace tracker failed on a %s entry\n",
+                   action_name(kActions[action]));
+    }
+  }
+
   void drop_route(c10::DeviceIndex device, MempoolId_t pool) {
     std::lock_guard<std::mutex> g(mu_);
     for (auto it = routes_.rbegin(); it != routes_.rend(); ++it) {
@@ -827,9 +877,11 @@ class Shim : public CCA::CUDAAllocator {
     return "";
   }
 
-  // Appends a trace entry (mu_ held).
+  // Hands a trace entry to the trackers and appends it to the device's history ring. Takes
+  // trace_mu_ (callers may hold mu_; nothing holding trace_mu_ calls into the library).
   void trace(TraceEntry::Action action, c10::DeviceIndex device, void* addr, size_t size,
              cudaStream_t stream, MempoolId_t pool, std::shared_ptr<c10::GatheredContext> ctx) {
+    std::lock_guard<std::mutex> t(trace_mu_);
     if (!history_enabled_ && trackers_.empty()) return;
     if (!skip_.empty() && skip_.count(action_name(action))) return;
     TraceEntry te(action, device, reinterpret_cast<size_t>(addr), size, stream, pool,
@@ -854,7 +906,9 @@ class Shim : public CCA::CUDAAllocator {
       when = record_when_;
     }
     if (recorder && when != RecordContext::NEVER) ctx = recorder();
+    t_alloc_context = &ctx;
     void* p = api_.alloc(static_cast<ssize_t>(n), dev, stream);
+    t_alloc_context = nullptr;
     if (p == nullptr) {
       std::string msg = api_.last_error();
       bool oom = api_.last_error_kind() == 1;
@@ -893,6 +947,7 @@ class Shim : public CCA::CUDAAllocator {
 
   Api api_;
   std::string config_;
+  bool expandable_;
   std::atomic<int> device_count_{0};
   std::atomic<bool> initialized_{false};
   std::atomic<bool> enabled_{true};
@@ -900,6 +955,10 @@ class Shim : public CCA::CUDAAllocator {
   std::mutex mu_;
   std::unordered_map<void*, Live> live_;
   std::vector<Route> routes_;
+  // Guards traces_, history_enabled_, max_entries_, skip_ and trackers_ (the rest is mu_'s): the
+  // segment callback takes it under the library's lock, so nothing holding it calls into the
+  // library, and it is taken after mu_ where both are.
+  std::mutex trace_mu_;
   std::vector<std::deque<TraceEntry>> traces_;
   // Turns the trace entries' approximate clock into Unix time in snapshots, as PyTorch's
   // snapshot does (its clock_converter); started with the shim.
@@ -924,6 +983,26 @@ void raw_delete_fn(void* ptr) {
   if (g_shim) g_shim->free_ptr(ptr);
 }
 
+// Tells PyTorch's allocator settings that the allocator maps pages into expandable segments, as
+// PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True tells them of its own allocator, so that
+// PyTorch treats it alike: ProcessGroupNCCL then leaves TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK
+// off (shouldAllCommunicatorsRegisterAllTensors), since a segment registered whole would stay
+// registered over pages unmapped and mapped again under it. The settings read so far are parsed
+// again with the one key added (parseArgs resets the keys it does not find).
+void tell_pytorch_expandable() {
+  using c10::CachingAllocator::AcceleratorAllocatorConfig;
+  if (AcceleratorAllocatorConfig::use_expandable_segments()) return;
+  std::string settings = AcceleratorAllocatorConfig::last_allocator_settings();
+  settings += settings.empty() ? "expandable_segments:True" : ",expandable_segments:True";
+  try {
+    AcceleratorAllocatorConfig::instance().parseArgs(settings);
+  } catch (const std::exception& e) {
+    TORCH_WARN(cat("cuda_caching_allocator: could not tell PyTorch's allocator settings that "
+                   "segments are expandable (NCCL's tensor registration hook stays as set): ",
+                   e.what()));
+  }
+}
+
 std::shared_ptr<CCA::CUDAAllocator> create(const std::string& library, const std::string& config) {
   TORCH_CHECK(!g_shim, "cuda_caching_allocator: the allocator was already created");
   g_shim = new Shim(load_api(library), config);
@@ -937,6 +1016,9 @@ std::shared_ptr<CCA::CUDAAllocator> create(const std::string& library, const std
 // torch._C._cuda_changeCurrentAllocator does (which refuses when the current one is in use).
 void install(const std::string& library, const std::string& config) {
   torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(create(library, config));
+  // Only here, where the allocator becomes PyTorch's (gpu/ab_shim.cpp creates one beside
+  // PyTorch's own, whose behaviour the setting would change).
+  if (g_shim->expandable()) tell_pytorch_expandable();
 }
 
 }  // namespace cca

@@ -54,6 +54,7 @@ use super::{SegmentRec, State};
 use crate::allocator::block::{Block, BlockId};
 use crate::allocator::device_calls;
 use crate::allocator::pool::{FreeKey, Range};
+use crate::allocator::segment_events::SegmentAction;
 use crate::backend::{BackendError, DeviceAddr, DeviceBackend, PhysicalHandle, StreamId};
 use crate::config::PageReuse;
 use crate::error::{AllocError, Result};
@@ -496,6 +497,15 @@ impl State {
                     stream: stream.0,
                 });
             }
+            let owner = self.block(to_map).owner;
+            self.segment_event(
+                dev,
+                SegmentAction::Map,
+                base + (first * page) as u64,
+                bytes,
+                stream,
+                owner,
+            );
         }
         match err {
             Some(e) => Err(e),
@@ -922,6 +932,8 @@ impl State {
                     stream: stream.0,
                 });
             }
+            let owner = self.block(id).owner;
+            self.segment_event(dev, SegmentAction::Unmap, start, bytes, stream, owner);
             self.mark_unmapped(id, start, bytes)
         } else {
             Some(id)

@@ -45,6 +45,7 @@ use super::State;
 use super::expandable::{Reclaim, SparePage};
 use crate::allocator::block::BlockId;
 use crate::allocator::device_calls;
+use crate::allocator::segment_events::SegmentAction;
 use crate::backend::{DeviceAddr, DeviceBackend, EventHandle, PhysicalHandle, StreamId};
 use crate::error::{AllocError, Result};
 use crate::trace::TraceOp;
@@ -223,7 +224,7 @@ impl State {
             }
             if self.lent[i].maps.is_empty() {
                 let r = self.lent.remove(i);
-                self.end_lending(r.block);
+                self.end_lending(dev, r.block);
             } else {
                 i += 1;
             }
@@ -232,11 +233,11 @@ impl State {
     }
 
     /// A lent block whose old mappings are gone becomes an ordinary unmapped block.
-    fn end_lending(&mut self, id: BlockId) {
-        let (ptr, size, stream) = {
+    fn end_lending<B: DeviceBackend>(&mut self, dev: &B, id: BlockId) {
+        let (ptr, size, stream, owner) = {
             let b = self.block_mut(id);
             b.lent = false;
-            (b.ptr, b.size, b.stream)
+            (b.ptr, b.size, b.stream, b.owner)
         };
         if let Some(h) = &mut self.history {
             h.op(TraceOp::SegmentUnmap {
@@ -245,6 +246,7 @@ impl State {
                 stream: stream.0,
             });
         }
+        self.segment_event(dev, SegmentAction::Unmap, ptr, size, stream, owner);
         self.file_unmapped(id);
     }
 }

@@ -1,0 +1,76 @@
+//! Segment events: a callback told whenever the cache takes device memory from the driver or
+//! gives it back, as PyTorch's allocator tells its trace trackers (`attachAllocatorTraceTracker`:
+//! `SEGMENT_ALLOC`, `SEGMENT_FREE`, `SEGMENT_MAP`, `SEGMENT_UNMAP`).
+//!
+//! Libraries that keep their own record of device memory need these: NCCL's user-buffer
+//! registration (PyTorch's `TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK`) registers a segment
+//! when it is allocated and must deregister it before its memory goes back. May use: `backend`
+//! values, `state::MemPoolId`.
+#![forbid(unsafe_code)]
+
+use std::fmt;
+use std::sync::Arc;
+
+use super::state::MemPoolId;
+use crate::backend::{DeviceAddr, StreamId};
+
+/// What happened to a range of device memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SegmentAction {
+    /// A whole segment was allocated from the driver (reported after the allocation).
+    Alloc,
+    /// A whole segment is about to go back to the driver (reported before the free).
+    Free,
+    /// Pages were mapped into an expandable segment's reserved range (reported after mapping).
+    Map,
+    /// Pages of an expandable segment were unmapped (reported after unmapping, as PyTorch does).
+    Unmap,
+}
+
+impl SegmentAction {
+    /// PyTorch's name of the action in trace entries (`segment_alloc`, ...).
+    pub fn pytorch_name(self) -> &'static str {
+        match self {
+            SegmentAction::Alloc => "segment_alloc",
+            SegmentAction::Free => "segment_free",
+            SegmentAction::Map => "segment_map",
+            SegmentAction::Unmap => "segment_unmap",
+        }
+    }
+}
+
+/// One segment event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SegmentEvent {
+    /// What happened.
+    pub action: SegmentAction,
+    /// The device's ordinal.
+    pub device: usize,
+    /// The first byte of the range.
+    pub addr: DeviceAddr,
+    /// The range's length in bytes.
+    pub size: usize,
+    /// The stream the segment belongs to.
+    pub stream: StreamId,
+    /// The pool the segment belongs to ([`MemPoolId::DEFAULT`] outside private pools).
+    pub pool: MemPoolId,
+}
+
+/// A segment observer: called with every [`SegmentEvent`], in order, while the allocator's lock
+/// is held (so no other thread can hand out the memory before the observer has seen the event).
+/// It must not call back into the same allocator (that would deadlock) and should be quick.
+pub type SegmentObserver = Arc<dyn Fn(&SegmentEvent) + Send + Sync>;
+
+/// The observer slot the allocator's state holds (`Debug` without printing the closure).
+#[derive(Clone, Default)]
+pub(crate) struct ObserverSlot(pub(crate) Option<SegmentObserver>);
+
+impl fmt::Debug for ObserverSlot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Some(<observer>)"
+        } else {
+            "None"
+        })
+    }
+}

@@ -1,0 +1,272 @@
+//! Segment events (`CachingAllocator::set_segment_observer`) on the simulated device: each
+//! event is told while the device agrees (a segment is still live when its `Free` arrives, a
+//! mapping is in place at its `Map` and gone at its `Unmap`), every allocation handed out lies
+//! inside memory the observer was told about, nothing is left once the cache is emptied, and
+//! private pools' events carry the pool's id. PyTorch's trace trackers (NCCL's user-buffer
+//! registration among them) rely on exactly this.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, Weak};
+
+use cuda_caching_allocator::*;
+
+use crate::util::MIB;
+
+type Alloc = CachingAllocator<SimDevice>;
+
+/// What the observer has been told: live ranges by address, and every event in order.
+#[derive(Default)]
+struct Seen {
+    ranges: BTreeMap<u64, usize>,
+    events: Vec<SegmentEvent>,
+    errors: Vec<String>,
+}
+
+fn overlaps(ranges: &BTreeMap<u64, usize>, addr: u64, size: usize) -> bool {
+    ranges
+        .range(..addr + size as u64)
+        .next_back()
+        .is_some_and(|(&a, &s)| a + s as u64 > addr)
+}
+
+/// An allocator over a simulated device with an observer that checks each event against the
+/// device at the moment it is told.
+fn observed(config: AllocatorConfig) -> (Arc<Alloc>, Arc<Mutex<Seen>>) {
+    let sim = SimDevice::new(SimConfig {
+        capacity: 8 << 30,
+        ..SimConfig::default()
+    });
+    let a = Arc::new(CachingAllocator::new(sim, config).unwrap());
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let weak: Weak<Alloc> = Arc::downgrade(&a);
+    let s = Arc::clone(&seen);
+    a.set_segment_observer(Some(Arc::new(move |e: &SegmentEvent| {
+        let a = weak.upgrade().unwrap();
+        let dev = a.backend();
+        let mut s = s.lock().unwrap();
+        let (addr, size) = (e.addr.0, e.size);
+        let in_segments = dev
+            .live_segments()
+            .iter()
+            .any(|&(p, n)| p.0 == addr && n == size);
+        let mapped = dev
+            .live_mappings()
+            .iter()
+            .filter(|&&(p, n)| p.0 >= addr && p.0 + n as u64 <= addr + size as u64)
+            .map(|&(_, n)| n)
+            .sum::<usize>();
+        let ok = match e.action {
+            SegmentAction::Alloc | SegmentAction::Free => in_segments,
+            SegmentAction::Map => mapped == size,
+            SegmentAction::Unmap => mapped == 0,
+        };
+        if !ok {
+            s.errors.push(format!("{e:?}: the device disagrees"));
+        }
+        match e.action {
+            SegmentAction::Alloc | SegmentAction::Map => {
+                if overlaps(&s.ranges, addr, size) {
+                    s.errors
+                        .push(format!("{e:?}: overlaps a range told earlier"));
+                }
+                s.ranges.insert(addr, size);
+            }
+            SegmentAction::Free => {
+                if s.ranges.remove(&addr) != Some(size) {
+                    s.errors.push(format!("{e:?}: no such segment was told"));
+                }
+            }
+            SegmentAction::Unmap => {
+                // An unmap may cover parts of earlier maps: cut [addr, addr + size) out.
+                let end = addr + size as u64;
+                let hit: Vec<(u64, usize)> = s
+                    .ranges
+                    .range(..end)
+                    .filter(|&(&a, &n)| a + n as u64 > addr)
+                    .map(|(&a, &n)| (a, n))
+                    .collect();
+                let covered: usize = hit
+                    .iter()
+                    .map(|&(a, n)| ((a + n as u64).min(end) - a.max(addr)) as usize)
+                    .sum();
+                if covered != size {
+                    s.errors
+                        .push(format!("{e:?}: unmaps {covered} bytes told mapped"));
+                }
+                for (a, n) in hit {
+                    s.ranges.remove(&a);
+                    if a < addr {
+                        s.ranges.insert(a, (addr - a) as usize);
+                    }
+                    if a + n as u64 > end {
+                        s.ranges.insert(end, (a + n as u64 - end) as usize);
+                    }
+                }
+            }
+        }
+        s.events.push(*e);
+    })));
+    (a, seen)
+}
+
+fn covered(s: &Seen, ptr: u64, size: usize) -> bool {
+    // Told ranges may abut (pages mapped one growth at a time): walk them.
+    let mut at = ptr;
+    let end = ptr + size.max(1) as u64;
+    while at < end {
+        match s.ranges.range(..=at).next_back() {
+            Some((&a, &n)) if a + n as u64 > at => at = a + n as u64,
+            _ => return false,
+        }
+    }
+    true
+}
+
+fn configs() -> Vec<(&'static str, AllocatorConfig)> {
+    let extra = |c: AllocatorConfig| {
+        AllocatorConfigBuilder::from_config(c)
+            .fast_path(true)
+            .cross_stream_reuse(true)
+            .build()
+            .unwrap()
+    };
+    vec![
+        ("pytorch", AllocatorConfig::pytorch()),
+        ("default", AllocatorConfig::default()),
+        ("pytorch+fast+xstream", extra(AllocatorConfig::pytorch())),
+        ("default+fast+xstream", extra(AllocatorConfig::default())),
+    ]
+}
+
+#[test]
+fn every_handed_out_block_lies_in_told_memory_and_nothing_is_left_after_empty_cache() {
+    for (name, config) in configs() {
+        let (a, seen) = observed(config);
+        let mut live: Vec<(DeviceAddr, usize)> = Vec::new();
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for step in 0..3000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let stream = StreamId(x % 3);
+            if live.len() < 40 && (x >> 8) % 3 != 0 {
+                let size = match (x >> 16) % 4 {
+                    0 => ((x >> 20) % 4096 + 1) as usize,
+                    1 => ((x >> 20) % (900 << 10) + 1) as usize,
+                    2 => ((x >> 20) % (30 * MIB as u64) + 1) as usize,
+                    _ => ((x >> 20) % (130 * MIB as u64) + 1) as usize,
+                };
+                let al = a.allocate(size, stream).unwrap();
+                let s = seen.lock().unwrap();
+                assert!(
+                    covered(&s, al.ptr.0, size),
+                    "{name} step {step}: block {} + {size} lies outside the told memory",
+                    al.ptr
+                );
+                live.push((al.ptr, size));
+            } else if !live.is_empty() {
+                let i = (x >> 24) as usize % live.len();
+                let (p, _) = live.swap_remove(i);
+                // Work still queued on the stream keeps the block's fence pending: page reuse
+                // then lends pages instead of moving them (Note [Lent pages]).
+                a.backend().submit_work(stream);
+                a.free(p).unwrap();
+            }
+            if step % 5 == 4 {
+                a.backend().complete_work(StreamId((x >> 32) % 3));
+            }
+            if step % 700 == 699 {
+                a.empty_cache().unwrap();
+            }
+        }
+        for (p, _) in live.drain(..) {
+            a.free(p).unwrap();
+        }
+        a.empty_cache().unwrap();
+        if name.starts_with("default") {
+            assert!(a.page_loans() > 0, "{name}: the workload lent no pages");
+        }
+        let s = seen.lock().unwrap();
+        assert!(
+            s.errors.is_empty(),
+            "{name}: {:?}",
+            &s.errors[..s.errors.len().min(5)]
+        );
+        assert!(!s.events.is_empty(), "{name}: no events");
+        assert!(
+            s.ranges.is_empty(),
+            "{name}: {} ranges still told live after empty_cache: {:?}",
+            s.ranges.len(),
+            s.ranges.iter().take(3).collect::<Vec<_>>()
+        );
+        assert!(a.backend().live_segments().is_empty() && a.backend().live_mappings().is_empty());
+    }
+}
+
+#[test]
+fn pytorch_preset_tells_whole_segments_and_the_default_tells_pages() {
+    let (a, seen) = observed(AllocatorConfig::pytorch());
+    let al = a.allocate(1 << 20, StreamId(0)).unwrap();
+    a.free(al.ptr).unwrap();
+    a.empty_cache().unwrap();
+    let actions: Vec<SegmentAction> = seen
+        .lock()
+        .unwrap()
+        .events
+        .iter()
+        .map(|e| e.action)
+        .collect();
+    assert_eq!(actions, [SegmentAction::Alloc, SegmentAction::Free]);
+    let e = seen.lock().unwrap().events[0];
+    assert_eq!(
+        (e.size, e.stream, e.pool, e.device),
+        (2 << 20, StreamId(0), MemPoolId::DEFAULT, 0)
+    );
+    assert_eq!(SegmentAction::Alloc.pytorch_name(), "segment_alloc");
+
+    let (a, seen) = observed(AllocatorConfig::default());
+    let al = a.allocate(5 << 20, StreamId(1)).unwrap();
+    a.free(al.ptr).unwrap();
+    a.empty_cache().unwrap();
+    let s = seen.lock().unwrap();
+    let kinds: Vec<SegmentAction> = s.events.iter().map(|e| e.action).collect();
+    assert!(kinds.contains(&SegmentAction::Map) && kinds.contains(&SegmentAction::Unmap));
+    assert!(!kinds.contains(&SegmentAction::Alloc), "{kinds:?}");
+    assert!(s.events.iter().all(|e| e.stream == StreamId(1)));
+}
+
+#[test]
+fn private_pool_segments_carry_the_pool_id_and_removing_the_observer_stops_events() {
+    for (name, config) in configs() {
+        let (a, seen) = observed(config);
+        let pool = MemPoolId::new_user();
+        a.create_pool(pool).unwrap();
+        a.begin_allocate_to_pool(pool, Box::new(|s| s == StreamId(2)))
+            .unwrap();
+        let inside = a.allocate(3 << 20, StreamId(2)).unwrap();
+        let outside = a.allocate(3 << 20, StreamId(0)).unwrap();
+        a.end_allocate_to_pool(pool).unwrap();
+        {
+            let s = seen.lock().unwrap();
+            let pools: Vec<MemPoolId> = s.events.iter().map(|e| e.pool).collect();
+            assert!(pools.contains(&pool), "{name}: {pools:?}");
+            assert!(pools.contains(&MemPoolId::DEFAULT), "{name}: {pools:?}");
+            for e in &s.events {
+                let want = if e.stream == StreamId(2) {
+                    pool
+                } else {
+                    MemPoolId::DEFAULT
+                };
+                assert_eq!(e.pool, want, "{name}: {e:?}");
+            }
+        }
+        a.free(inside.ptr).unwrap();
+        a.free(outside.ptr).unwrap();
+        a.set_segment_observer(None);
+        let before = seen.lock().unwrap().events.len();
+        a.release_pool(pool).unwrap();
+        a.empty_cache().unwrap();
+        assert_eq!(seen.lock().unwrap().events.len(), before, "{name}");
+        assert!(seen.lock().unwrap().errors.is_empty(), "{name}");
+    }
+}
