@@ -4,8 +4,8 @@ session), each a check that fails on the package before the fix: run one per pro
     python3 gpu/probes/torch_review.py PROBE native|cca [CONFIG]
 
 with PROBE one of oom_capture, oom_pool, foreign_stream_alloc, empty_cache_in_pool,
-cache_info, trace_time, oom_observer_fraction (one GPU), record_stream_peer, peer_copy (two
-GPUs). Prints one line, "PASS ..." or
+cache_info, trace_time, oom_observer_fraction, annotations (one GPU), record_stream_peer,
+peer_copy (two GPUs). Prints one line, "PASS ..." or
 "FAIL ...", and exits 0 or 1 (a crash, as the package's SIGSEGV before the fix, exits with the
 signal). `cca` enables cuda_caching_allocator.torch (route shim) with CONFIG (default: the
 crate's default).
@@ -170,6 +170,31 @@ if probe == "oom_observer_fraction":
     total = T.cuda.mem_get_info()[1]
     ok = bool(seen) and abs(seen[0] - total / 2) < total / 100
     done(ok, f"observer total {seen[:1]}, device total {total}")
+
+if probe == "annotations":
+    # The memory history's annotations (torch.profiler.record_function regions, PyTorch's
+    # recordAnnotation), the user metadata (torch.cuda.memory._set_memory_metadata) and the
+    # compile context stamped on trace entries: the package recorded none of them.
+    T.cuda.memory._record_memory_history(max_entries=1000)
+    set_md = getattr(T.cuda.memory, "_set_memory_metadata", None)
+    if set_md:
+        set_md("cca-probe-metadata")
+    with T.profiler.record_function("cca_probe_region"):
+        x = T.empty(3 << 20, device="cuda")
+    if set_md:
+        set_md("")
+    snap = T.cuda.memory._snapshot()
+    T.cuda.memory._record_memory_history(enabled=None)
+    ann = snap.get("external_annotations", [])
+    stages = sorted(str(a.get("stage")) for a in ann if a.get("name") == "cca_probe_region")
+    allocs = [e for tr in snap["device_traces"] for e in tr if e["action"] == "alloc"]
+    md = [e.get("user_metadata") for e in allocs if e.get("addr") == x.data_ptr()]
+    cc = {e.get("compile_context") for tr in snap["device_traces"] for e in tr}
+    now = time.time()
+    times_ok = all(abs(a["time_us"] / 1e6 - now) < 600 for a in ann if "time_us" in a)
+    ok = stages == ["END", "START"] and times_ok and (not set_md or md == ["cca-probe-metadata"])
+    done(ok, f"annotation stages {stages}, times ok {times_ok}, user_metadata {md}, "
+             f"compile_context {sorted(map(str, cc))}, first annotation {ann[:1]}")
 
 print(f"unknown probe {probe}")
 sys.exit(2)

@@ -55,6 +55,7 @@ using CCA::ShareableHandle;
 using CCA::SnapshotInfo;
 using CCA::StreamSegmentSize;
 using c10::CachingDeviceAllocator::AllocatorTraceTracker;
+using c10::CachingDeviceAllocator::AnnotationEntry;
 using c10::CachingDeviceAllocator::BlockInfo;
 using c10::CachingDeviceAllocator::CreateContextFn;
 using c10::CachingDeviceAllocator::DeviceStats;
@@ -309,6 +310,12 @@ void raw_delete_fn(void* ptr);
 // PyTorch gives them the allocation's context.
 thread_local const std::shared_ptr<c10::GatheredContext>* t_alloc_context = nullptr;
 
+// The calling thread's torch.compile region stack (pushCompileContext) and user metadata
+// (setUserMetadata), stamped on the trace entries the thread causes, per thread as PyTorch keeps
+// them (CUDACachingAllocator.cpp: static thread_local compile_context, user_metadata).
+thread_local std::vector<std::string> t_compile_context;
+thread_local std::string t_user_metadata;
+
 class Shim : public CCA::CUDAAllocator {
  public:
   Shim(Api api, std::string config)
@@ -509,6 +516,13 @@ class Shim : public CCA::CUDAAllocator {
     }
     std::lock_guard<std::mutex> t(trace_mu_);
     if (traces_.size() < static_cast<size_t>(n_devices)) traces_.resize(n_devices);
+    {
+      auto to_unix_ns = clock_converter_.makeConverter();
+      info.external_annotations.assign(annotations_.begin(), annotations_.end());
+      for (auto& ae : info.external_annotations) {
+        ae.time_.t_ = to_unix_ns(ae.time_.approx_t_) / 1000;
+      }
+    }
     if (include_traces) {
       // The converter gives nanoseconds; PyTorch's snapshot divides by 1000 (`time_us`).
       auto to_unix_ns = clock_converter_.makeConverter();
@@ -640,9 +654,35 @@ class Shim : public CCA::CUDAAllocator {
     max_entries_ = std::max<size_t>(alloc_trace_max_entries, 1);
     skip_.clear();
     for (const auto& s : skip_actions) skip_.insert(s);
-    if (clearHistory)
+    // As PyTorch's: turning the history off also drops what was recorded.
+    if (!enabled || clearHistory) {
       for (auto& ring : traces_) ring.clear();
+      annotations_.clear();
+    }
   }
+
+  // torch.profiler.record_function regions while the memory history is on (PyTorch's
+  // _record_memory_history registers the callback that calls this): the snapshot's
+  // external_annotations, which torch.cuda._memory_viz draws beside the trace.
+  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) override {
+    c10::DeviceIndex device = c10::cuda::current_device();
+    std::lock_guard<std::mutex> t(trace_mu_);
+    if (!history_enabled_) return;
+    AnnotationEntry ae(device, c10::getApproximateTime());
+    for (const auto& [key, value] : md) ae.recordUserMetadata(key, value);
+    annotations_.push_back(std::move(ae));
+    while (annotations_.size() > max_entries_) annotations_.pop_front();
+  }
+
+  void pushCompileContext(std::string& md) override { t_compile_context.push_back(md); }
+
+  void popCompileContext() override {
+    if (!t_compile_context.empty()) t_compile_context.pop_back();
+  }
+
+  void setUserMetadata(const std::string& metadata) override { t_user_metadata = metadata; }
+
+  std::string getUserMetadata() override { return t_user_metadata; }
 
   void attachOutOfMemoryObserver(OutOfMemoryObserver observer) override {
     std::lock_guard<std::mutex> g(mu_);
@@ -885,7 +925,9 @@ class Shim : public CCA::CUDAAllocator {
     if (!history_enabled_ && trackers_.empty()) return;
     if (!skip_.empty() && skip_.count(action_name(action))) return;
     TraceEntry te(action, device, reinterpret_cast<size_t>(addr), size, stream, pool,
-                  c10::getApproximateTime(), std::move(ctx));
+                  c10::getApproximateTime(), std::move(ctx),
+                  t_compile_context.empty() ? std::string("N/A") : t_compile_context.back(),
+                  t_user_metadata);
     for (auto& t : trackers_) t(te);
     if (!history_enabled_ || device < 0) return;
     if (static_cast<size_t>(device) >= traces_.size()) traces_.resize(device + 1);
@@ -955,11 +997,12 @@ class Shim : public CCA::CUDAAllocator {
   std::mutex mu_;
   std::unordered_map<void*, Live> live_;
   std::vector<Route> routes_;
-  // Guards traces_, history_enabled_, max_entries_, skip_ and trackers_ (the rest is mu_'s): the
-  // segment callback takes it under the library's lock, so nothing holding it calls into the
-  // library, and it is taken after mu_ where both are.
+  // Guards traces_, annotations_, history_enabled_, max_entries_, skip_ and trackers_ (the rest
+  // is mu_'s): the segment callback takes it under the library's lock, so nothing holding it
+  // calls into the library, and it is taken after mu_ where both are.
   std::mutex trace_mu_;
   std::vector<std::deque<TraceEntry>> traces_;
+  std::deque<AnnotationEntry> annotations_;
   // Turns the trace entries' approximate clock into Unix time in snapshots, as PyTorch's
   // snapshot does (its clock_converter); started with the shim.
   c10::ApproximateClockToUnixTimeConverter clock_converter_;
