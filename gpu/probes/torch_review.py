@@ -4,7 +4,7 @@ session), each a check that fails on the package before the fix: run one per pro
     python3 gpu/probes/torch_review.py PROBE native|cca [CONFIG]
 
 with PROBE one of oom_capture, oom_pool, foreign_stream_alloc, empty_cache_in_pool,
-cache_info, trace_time, oom_observer_fraction, annotations (one GPU), record_stream_peer,
+cache_info, trace_time, oom_observer_fraction, annotations, bad_delete (one GPU), record_stream_peer,
 peer_copy (two GPUs). Prints one line, "PASS ..." or
 "FAIL ...", and exits 0 or 1 (a crash, as the package's SIGSEGV before the fix, exits with the
 signal). `cca` enables cuda_caching_allocator.torch (route shim) with CONFIG (default: the
@@ -170,6 +170,16 @@ if probe == "oom_observer_fraction":
     total = T.cuda.mem_get_info()[1]
     ok = bool(seen) and abs(seen[0] - total / 2) < total / 100
     done(ok, f"observer total {seen[:1]}, device total {total}")
+
+if probe == "bad_delete":
+    # torch.cuda.caching_allocator_delete of a pointer the allocator never gave: PyTorch raises
+    # "invalid device pointer"; the package only warned.
+    raised = None
+    try:
+        T.cuda.caching_allocator_delete(0x7F0000001000)
+    except RuntimeError as e:
+        raised = str(e).splitlines()[0][:160]
+    done(raised is not None and "invalid device pointer" in raised, f"raised {raised!r}")
 
 if probe == "annotations":
     # The memory history's annotations (torch.profiler.record_function regions, PyTorch's

@@ -399,7 +399,9 @@ class Shim : public CCA::CUDAAllocator {
     return malloc_on(nbytes, c10::cuda::current_device(), stream);
   }
 
-  void raw_delete(void* ptr) override { free_ptr(ptr); }
+  // torch.cuda.caching_allocator_delete: an unknown pointer raises, as PyTorch's "invalid device
+  // pointer" (a tensor's deleter, which must not throw, only warns: free_ptr's default).
+  void raw_delete(void* ptr) override { free_ptr(ptr, /*strict=*/true); }
 
   void init(int device_count) override {
     device_count_.store(device_count);
@@ -793,7 +795,7 @@ class Shim : public CCA::CUDAAllocator {
     return true;
   }
 
-  void free_ptr(void* ptr) {
+  void free_ptr(void* ptr, bool strict = false) {
     if (!ptr) return;
     TimedScope timed(g_timing.free_ns, g_timing.free_calls);
     Live l;
@@ -802,6 +804,8 @@ class Shim : public CCA::CUDAAllocator {
       std::lock_guard<std::mutex> g(mu_);
       auto it = live_.find(ptr);
       if (it == live_.end()) {
+        TORCH_CHECK(!strict, cat("cuda_caching_allocator: invalid device pointer ", addr(ptr),
+                                 ": not a live allocation of this allocator"));
         TORCH_WARN(cat("cuda_caching_allocator: free of ", addr(ptr),
                        ", which is not a live allocation of this allocator (ignored)"));
         return;
