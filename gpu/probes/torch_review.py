@@ -4,7 +4,8 @@ session), each a check that fails on the package before the fix: run one per pro
     python3 gpu/probes/torch_review.py PROBE native|cca [CONFIG]
 
 with PROBE one of oom_capture, oom_pool, foreign_stream_alloc, empty_cache_in_pool,
-cache_info, trace_time, oom_observer_fraction, annotations, bad_delete (one GPU), record_stream_peer,
+cache_info, trace_time, oom_observer_fraction, annotations, bad_delete, tracker,
+pool_snapshot_empty (one GPU), record_stream_peer,
 peer_copy (two GPUs). Prints one line, "PASS ..." or
 "FAIL ...", and exits 0 or 1 (a crash, as the package's SIGSEGV before the fix, exits with the
 signal). `cca` enables cuda_caching_allocator.torch (route shim) with CONFIG (default: the
@@ -180,6 +181,56 @@ if probe == "bad_delete":
     except RuntimeError as e:
         raised = str(e).splitlines()[0][:160]
     done(raised is not None and "invalid device pointer" in raised, f"raised {raised!r}")
+
+if probe == "tracker":
+    # A trace tracker (what ProcessGroupNCCL attaches) sees every segment entry, also those the
+    # history skips (skip_actions thin only the history, as PyTorch's record_trace).
+    from torch.utils.cpp_extension import load_inline
+
+    m = load_inline(
+        "tracker_probe",
+        cpp_sources=r'''
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <atomic>
+static std::atomic<long> counts[10];
+void attach() {
+  c10::cuda::CUDACachingAllocator::attachAllocatorTraceTracker(
+      [](const c10::CachingDeviceAllocator::TraceEntry& te) { counts[int(te.action_)]++; });
+}
+std::vector<long> got() { std::vector<long> v; for (auto& c : counts) v.push_back(c.load()); return v; }
+''',
+        functions=["attach", "got"],
+        with_cuda=True,
+    )
+    T.cuda.init()
+    m.attach()
+    segs = ["segment_alloc", "segment_free", "segment_map", "segment_unmap"]
+    T.cuda.memory._record_memory_history(max_entries=1000, skip_actions=segs)
+    xs = [T.empty(n << 20, dtype=T.uint8, device="cuda") for n in (1, 7, 30, 90)]
+    del xs
+    T.cuda.synchronize()
+    T.cuda.empty_cache()
+    c = m.got()
+    snap = T.cuda.memory._snapshot()
+    T.cuda.memory._record_memory_history(enabled=None)
+    in_ring = sum(e["action"] in segs for tr in snap["device_traces"] for e in tr)
+    # TraceEntry::Action: 3 SEGMENT_ALLOC, 4 SEGMENT_FREE, 5 SEGMENT_MAP, 6 SEGMENT_UNMAP.
+    grew, shrank = c[3] + c[5], c[4] + c[6]
+    ok = grew > 0 and shrank > 0 and in_ring == 0
+    done(ok, f"tracker saw alloc {c[3]} free {c[4]} map {c[5]} unmap {c[6]}; skipped ones in "
+             f"the history: {in_ring}")
+
+if probe == "pool_snapshot_empty":
+    # A private pool's snapshot lists its cached segments also when they hold no allocation
+    # (ProcessGroupNCCL's deregister_mem_pool walks it to deregister each).
+    p = T.cuda.MemPool()
+    with T.cuda.use_mem_pool(p):
+        x = T.empty(5 << 20, dtype=T.uint8, device="cuda")
+    del x
+    T.cuda.synchronize()
+    segs = p.snapshot()
+    done(len(segs) > 0 and all(s["allocated_size"] == 0 for s in segs),
+         f"{len(segs)} segments in the pool's snapshot, sizes {[s['total_size'] for s in segs]}")
 
 if probe == "annotations":
     # The memory history's annotations (torch.profiler.record_function regions, PyTorch's

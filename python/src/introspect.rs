@@ -10,6 +10,7 @@ use cuda_caching_allocator::{BlockState, PoolKind, Stat, StatArray, StatType};
 
 use crate::error::guarded;
 use crate::hooks::ordinal;
+use crate::pools::MempoolId;
 
 /// The version of this C ABI; the C++ shim refuses a library of another version.
 pub(crate) const ABI_VERSION: c_int = 2;
@@ -212,6 +213,8 @@ pub struct CcaSegment {
     pub is_expandable: c_int,
     /// How many blocks follow for this segment.
     pub num_blocks: u64,
+    /// The private pool it belongs to (`(0, 0)`: the default pools), also when it is empty.
+    pub pool: MempoolId,
 }
 
 /// One block of a snapshot, for [`cca_snapshot`]'s callback.
@@ -231,7 +234,7 @@ pub struct CcaBlock {
 
 // The layouts the C++ shim (`csrc/cca_shim.cpp`) asserts too.
 const _: () = assert!(std::mem::size_of::<CcaDeviceStats>() == 976);
-const _: () = assert!(std::mem::size_of::<CcaSegment>() == 40);
+const _: () = assert!(std::mem::size_of::<CcaSegment>() == 56);
 const _: () = assert!(std::mem::size_of::<CcaBlock>() == 32);
 const _: () = assert!(std::mem::size_of::<crate::MempoolId>() == 16);
 
@@ -272,6 +275,10 @@ pub unsafe extern "C" fn cca_snapshot(
                 is_large: c_int::from(s.pool == PoolKind::Large),
                 is_expandable: c_int::from(s.is_expandable),
                 num_blocks: s.blocks.len() as u64,
+                pool: MempoolId {
+                    first: s.private_pool.0,
+                    second: s.private_pool.1,
+                },
             };
             segment(ctx, &seg);
             for b in &s.blocks {

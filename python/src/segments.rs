@@ -9,7 +9,7 @@ use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 
 use cuda_caching_allocator::interop::AllocatorRegistry;
-use cuda_caching_allocator::{AllocatorConfig, SegmentAction, SegmentEvent};
+use cuda_caching_allocator::{SegmentAction, SegmentEvent};
 
 use crate::error::{KIND_OTHER, fail, guarded};
 use crate::pools::MempoolId;
@@ -38,6 +38,8 @@ impl CCallback {
             SegmentAction::Free => 1,
             SegmentAction::Map => 2,
             SegmentAction::Unmap => 3,
+            // An action this C ABI version has no number for is not passed on.
+            _ => return,
         };
         (self.cb)(
             self.ctx,
@@ -79,16 +81,18 @@ pub unsafe extern "C" fn cca_set_segment_callback(
     })
 }
 
-/// Whether the configuration the devices' caches use (read as `cca_check_config` reads it) maps
-/// pages into expandable segments: 1 yes, 0 no, -1 a bad configuration
+/// Whether the configuration the devices' caches use (the global registry's, read once from the
+/// environment) maps pages into expandable segments: 1 yes, 0 no, -1 a bad configuration
 /// ([`cca_last_error`](crate::cca_last_error) says why). The shim tells PyTorch, which turns its
-/// NCCL registration hook off under expandable segments as it does for its own.
+/// NCCL registration hook off under expandable segments as it does for its own. A device without
+/// virtual memory management runs fixed segments all the same; the answer stays 1 there (the
+/// hook then stays off where it could have run: registration is lost, nothing goes stale).
 #[unsafe(no_mangle)]
 pub extern "C" fn cca_config_expandable() -> c_int {
     guarded(
         "cca_config_expandable",
         -1,
-        || match AllocatorConfig::from_env_or(AllocatorConfig::default()) {
+        || match AllocatorRegistry::global().config() {
             Ok(c) => c_int::from(c.expandable_segments),
             Err(e) => {
                 fail(KIND_OTHER, format!("bad configuration: {e}"));

@@ -16,12 +16,17 @@ use crate::backend::{DeviceAddr, StreamId};
 
 /// What happened to a range of device memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum SegmentAction {
     /// A whole segment was allocated from the driver (reported after the allocation).
     Alloc,
-    /// A whole segment is about to go back to the driver (reported before the free).
+    /// A whole segment is about to go back to the driver (reported before the free; if the
+    /// driver then refuses the free, the segment stays cached and an `Alloc` of the same range
+    /// follows at once).
     Free,
     /// Pages were mapped into an expandable segment's reserved range (reported after mapping).
+    /// Lent pages (Note [Lent pages] in `state/lending.rs`) are mapped here while still mapped
+    /// at their old range, whose `Unmap` comes once the old range's last use is done.
     Map,
     /// Pages of an expandable segment were unmapped (reported after unmapping, as PyTorch does).
     Unmap,
@@ -41,6 +46,7 @@ impl SegmentAction {
 
 /// One segment event.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct SegmentEvent {
     /// What happened.
     pub action: SegmentAction,
@@ -50,7 +56,8 @@ pub struct SegmentEvent {
     pub addr: DeviceAddr,
     /// The range's length in bytes.
     pub size: usize,
-    /// The stream the segment belongs to.
+    /// The stream the segment belongs to now (a segment handed over to another stream, with
+    /// `cca_cross_stream_reuse`, is freed under its new stream).
     pub stream: StreamId,
     /// The pool the segment belongs to ([`MemPoolId::DEFAULT`] outside private pools).
     pub pool: MemPoolId,
@@ -58,7 +65,12 @@ pub struct SegmentEvent {
 
 /// A segment observer: called with every [`SegmentEvent`], in order, while the allocator's lock
 /// is held (so no other thread can hand out the memory before the observer has seen the event).
-/// It must not call back into the same allocator (that would deadlock) and should be quick.
+///
+/// It must not call back into the same allocator (the lock is not re-entrant: that deadlocks),
+/// should be quick, and should not panic: a panic is caught, logged and the observer removed.
+/// Events are also told while the allocator is dropped (its cache going back to the driver).
+/// Nothing is replayed when an observer is set: one set after segments exist is told of their
+/// `Free` / `Unmap` without having seen their `Alloc` / `Map`.
 pub type SegmentObserver = Arc<dyn Fn(&SegmentEvent) + Send + Sync>;
 
 /// The observer slot the allocator's state holds (`Debug` without printing the closure).

@@ -3,7 +3,7 @@
 #![forbid(unsafe_code)]
 
 use super::block::BlockId;
-use super::state::State;
+use super::state::{MemPoolId, State};
 use crate::backend::{DeviceAddr, StreamId};
 use crate::size_class::PoolKind;
 
@@ -62,6 +62,9 @@ pub struct SegmentSnapshot {
     pub pool: PoolKind,
     /// Whether it is an expandable (virtual-memory) segment.
     pub is_expandable: bool,
+    /// The private pool it belongs to ([`MemPoolId::DEFAULT`] for the default pools), also
+    /// when none of its blocks is allocated.
+    pub private_pool: MemPoolId,
     /// Its blocks in address order.
     pub blocks: Vec<BlockSnapshot>,
 }
@@ -145,12 +148,14 @@ pub(crate) fn take(st: &State) -> Vec<SegmentSnapshot> {
             cur = b.next;
         }
         let total_size = blocks.iter().map(|b| b.size).sum();
+        let owner = st.arena.get(head).map_or(0, |b| b.owner);
         out.push(SegmentSnapshot {
             address: DeviceAddr(base),
             total_size,
             stream,
             pool,
             is_expandable: expandable,
+            private_pool: st.pool_id_of_owner(owner),
             blocks,
         });
     }

@@ -949,7 +949,7 @@ impl State {
     /// Tells the segment observer, if one is set, that `action` happened to `[addr, addr +
     /// size)` of a segment of `stream` owned by private-pool slot `owner` (0: the default pools).
     pub(crate) fn segment_event<B: DeviceBackend>(
-        &self,
+        &mut self,
         dev: &B,
         action: SegmentAction,
         addr: u64,
@@ -960,19 +960,29 @@ impl State {
         let Some(observer) = &self.segment_observer.0 else {
             return;
         };
-        let pool = self
-            .graph
-            .pools
-            .get(&owner)
-            .map_or(MemPoolId::DEFAULT, |p| p.id);
-        observer(&SegmentEvent {
+        let event = SegmentEvent {
             action,
             device: dev.device_index(),
             addr: DeviceAddr(addr),
             size,
             stream,
-            pool,
-        });
+            pool: self.pool_id_of_owner(owner),
+        };
+        // An observer that panics must not unwind through the cache's bookkeeping: it is dropped
+        // (no more events) and the cache goes on.
+        let told = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| observer(&event)));
+        if told.is_err() {
+            tracing::error!(target: "cuda_caching_allocator", device = event.device, action = ?event.action, "the segment observer panicked; it is removed");
+            self.segment_observer = ObserverSlot(None);
+        }
+    }
+
+    /// The pool id of private-pool slot `owner` (0 and released slots: the default pools').
+    pub(crate) fn pool_id_of_owner(&self, owner: u32) -> MemPoolId {
+        self.graph
+            .pools
+            .get(&owner)
+            .map_or(MemPoolId::DEFAULT, |p| p.id)
     }
 
     // ---- releasing cache -------------------------------------------------------------------
@@ -984,12 +994,14 @@ impl State {
         // Before the free, as PyTorch records SEGMENT_FREE: an observer that registered the
         // segment elsewhere (NCCL) deregisters it while the memory is still there.
         self.segment_event(dev, SegmentAction::Free, b.ptr, b.size, b.stream, b.owner);
-        device_calls::free_segment(dev, DeviceAddr(b.ptr), b.size, b.stream).map_err(|source| {
-            AllocError::Backend {
+        if let Err(source) = device_calls::free_segment(dev, DeviceAddr(b.ptr), b.size, b.stream) {
+            // The segment stays cached: an observer told of its free hears of it again.
+            self.segment_event(dev, SegmentAction::Alloc, b.ptr, b.size, b.stream, b.owner);
+            return Err(AllocError::Backend {
                 operation: "free",
                 source,
-            }
-        })?;
+            });
+        }
         self.stats.num_device_free += 1;
         self.total_allocated_memory -= b.size;
         self.cap_grace = self.cap_grace.min(self.total_allocated_memory);

@@ -116,6 +116,15 @@ impl AllocatorRegistry {
         Ok(slot.get_or_init(|| alloc))
     }
 
+    /// The configuration every allocator of this registry uses (read once from the environment
+    /// for the [global](Self::global) registry).
+    ///
+    /// # Errors
+    /// The configuration error, when the setting it was read from is bad.
+    pub fn config(&self) -> std::result::Result<AllocatorConfig, ConfigError> {
+        self.config.clone()
+    }
+
     /// Sets (or, with `None`, removes) the segment observer of every allocator of this registry,
     /// those created already and those created later
     /// ([`CachingAllocator::set_segment_observer`](crate::CachingAllocator::set_segment_observer);

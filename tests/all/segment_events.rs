@@ -41,27 +41,30 @@ fn observed(config: AllocatorConfig) -> (Arc<Alloc>, Arc<Mutex<Seen>>) {
     let weak: Weak<Alloc> = Arc::downgrade(&a);
     let s = Arc::clone(&seen);
     a.set_segment_observer(Some(Arc::new(move |e: &SegmentEvent| {
-        let a = weak.upgrade().unwrap();
-        let dev = a.backend();
         let mut s = s.lock().unwrap();
         let (addr, size) = (e.addr.0, e.size);
-        let in_segments = dev
-            .live_segments()
-            .iter()
-            .any(|&(p, n)| p.0 == addr && n == size);
-        let mapped = dev
-            .live_mappings()
-            .iter()
-            .filter(|&&(p, n)| p.0 >= addr && p.0 + n as u64 <= addr + size as u64)
-            .map(|&(_, n)| n)
-            .sum::<usize>();
-        let ok = match e.action {
-            SegmentAction::Alloc | SegmentAction::Free => in_segments,
-            SegmentAction::Map => mapped == size,
-            SegmentAction::Unmap => mapped == 0,
-        };
-        if !ok {
-            s.errors.push(format!("{e:?}: the device disagrees"));
+        // While the allocator is dropped its Weak no longer upgrades: no device check then.
+        if let Some(a) = weak.upgrade() {
+            let dev = a.backend();
+            let in_segments = dev
+                .live_segments()
+                .iter()
+                .any(|&(p, n)| p.0 == addr && n == size);
+            let mapped = dev
+                .live_mappings()
+                .iter()
+                .filter(|&&(p, n)| p.0 >= addr && p.0 + n as u64 <= addr + size as u64)
+                .map(|&(_, n)| n)
+                .sum::<usize>();
+            let ok = match e.action {
+                SegmentAction::Alloc | SegmentAction::Free => in_segments,
+                SegmentAction::Map => mapped == size,
+                SegmentAction::Unmap => mapped == 0,
+                _ => false,
+            };
+            if !ok {
+                s.errors.push(format!("{e:?}: the device disagrees"));
+            }
         }
         match e.action {
             SegmentAction::Alloc | SegmentAction::Map => {
@@ -76,7 +79,7 @@ fn observed(config: AllocatorConfig) -> (Arc<Alloc>, Arc<Mutex<Seen>>) {
                     s.errors.push(format!("{e:?}: no such segment was told"));
                 }
             }
-            SegmentAction::Unmap => {
+            _ => {
                 // An unmap may cover parts of earlier maps: cut [addr, addr + size) out.
                 let end = addr + size as u64;
                 let hit: Vec<(u64, usize)> = s
@@ -268,5 +271,80 @@ fn private_pool_segments_carry_the_pool_id_and_removing_the_observer_stops_event
         a.empty_cache().unwrap();
         assert_eq!(seen.lock().unwrap().events.len(), before, "{name}");
         assert!(seen.lock().unwrap().errors.is_empty(), "{name}");
+    }
+}
+
+#[test]
+fn a_refused_free_is_followed_by_an_alloc_of_the_same_segment() {
+    let (a, seen) = observed(AllocatorConfig::pytorch());
+    let al = a.allocate(1 << 20, StreamId(0)).unwrap();
+    a.free(al.ptr).unwrap();
+    a.backend().fail_next_call(FaultKind::Error);
+    assert!(a.empty_cache().is_err());
+    assert_eq!(
+        a.backend().live_segments().len(),
+        1,
+        "the refused segment stays"
+    );
+    a.empty_cache().unwrap();
+    let s = seen.lock().unwrap();
+    let actions: Vec<SegmentAction> = s.events.iter().map(|e| e.action).collect();
+    use SegmentAction::{Alloc, Free};
+    assert_eq!(actions, [Alloc, Free, Alloc, Free]);
+    assert!(s.errors.is_empty(), "{:?}", s.errors);
+    assert!(s.ranges.is_empty());
+}
+
+#[test]
+fn a_panicking_observer_is_removed_and_the_cache_goes_on() {
+    for (name, config) in configs() {
+        let a = crate::util::with_config(1 << 30, config);
+        let calls = Arc::new(Mutex::new(0u32));
+        let c = Arc::clone(&calls);
+        a.set_segment_observer(Some(Arc::new(move |_: &SegmentEvent| {
+            *c.lock().unwrap() += 1;
+            panic!("observer fails");
+        })));
+        let x = a.allocate(5 << 20, StreamId(0)).unwrap();
+        let y = a.allocate(300 << 10, StreamId(1)).unwrap();
+        a.free(x.ptr).unwrap();
+        a.free(y.ptr).unwrap();
+        a.empty_cache().unwrap();
+        assert_eq!(
+            *calls.lock().unwrap(),
+            1,
+            "{name}: told again after it panicked"
+        );
+        a.check_invariants().unwrap();
+        assert_eq!(a.memory_stats().memory_reserved(), 0, "{name}");
+    }
+}
+
+#[test]
+fn the_snapshot_names_the_private_pool_of_an_empty_segment() {
+    for (name, config) in configs() {
+        let a = crate::util::with_config(1 << 30, config);
+        let pool = MemPoolId::new_user();
+        a.create_pool(pool).unwrap();
+        a.begin_allocate_to_pool(pool, Box::new(|s| s == StreamId(2)))
+            .unwrap();
+        let x = a.allocate(3 << 20, StreamId(2)).unwrap();
+        let y = a.allocate(3 << 20, StreamId(0)).unwrap();
+        a.end_allocate_to_pool(pool).unwrap();
+        a.free(x.ptr).unwrap();
+        let snap = a.snapshot();
+        let holding = |p: DeviceAddr| {
+            snap.iter()
+                .find(|s| p.0 >= s.address.0 && p.0 < s.address.0 + s.total_size as u64)
+                .unwrap()
+        };
+        assert_eq!(
+            holding(x.ptr).private_pool,
+            pool,
+            "{name}: the emptied pool segment"
+        );
+        assert_eq!(holding(x.ptr).allocated_size(), 0, "{name}");
+        assert_eq!(holding(y.ptr).private_pool, MemPoolId::DEFAULT, "{name}");
+        a.free(y.ptr).unwrap();
     }
 }

@@ -144,6 +144,7 @@ struct CSegment {
   uint64_t address, total_size, stream;
   int is_large, is_expandable;
   uint64_t num_blocks;
+  CPool pool;  // the segment's private pool, (0, 0) for the default pools
 };
 struct CBlock {
   uint64_t address, size, requested_size;
@@ -152,7 +153,7 @@ struct CBlock {
 
 // The layouts python/src/introspect.rs asserts too.
 static_assert(sizeof(CDeviceStats) == 976, "CcaDeviceStats layout");
-static_assert(sizeof(CSegment) == 40, "CcaSegment layout");
+static_assert(sizeof(CSegment) == 56, "CcaSegment layout");
 static_assert(sizeof(CBlock) == 32, "CcaBlock layout");
 static_assert(sizeof(CPool) == 16, "MempoolId layout");
 
@@ -310,6 +311,18 @@ void raw_delete_fn(void* ptr);
 // PyTorch gives them the allocation's context.
 thread_local const std::shared_ptr<c10::GatheredContext>* t_alloc_context = nullptr;
 
+// Sets t_alloc_context for its lifetime and restores the one it found.
+struct AllocContextScope {
+  const std::shared_ptr<c10::GatheredContext>* saved;
+  explicit AllocContextScope(const std::shared_ptr<c10::GatheredContext>* ctx)
+      : saved(t_alloc_context) {
+    t_alloc_context = ctx;
+  }
+  ~AllocContextScope() { t_alloc_context = saved; }
+  AllocContextScope(const AllocContextScope&) = delete;
+  AllocContextScope& operator=(const AllocContextScope&) = delete;
+};
+
 // The calling thread's torch.compile region stack (pushCompileContext) and user metadata
 // (setUserMetadata), stamped on the trace entries the thread causes, per thread as PyTorch keeps
 // them (CUDACachingAllocator.cpp: static thread_local compile_context, user_metadata).
@@ -322,7 +335,8 @@ class Shim : public CCA::CUDAAllocator {
       : api_(api), config_(std::move(config)), expandable_(api_.config_expandable() == 1) {
     api_.set_quiet(1);
     // Every device's cache reports its segments from now on (PyTorch's SEGMENT_* entries).
-    api_.set_segment_callback(&Shim::on_segment, this);
+    TORCH_CHECK(api_.set_segment_callback(&Shim::on_segment, this) == 0,
+                cat("cuda_caching_allocator: cca_set_segment_callback: ", api_.last_error()));
   }
 
   // Whether the library's configuration maps pages into expandable segments.
@@ -489,6 +503,10 @@ class Shim : public CCA::CUDAAllocator {
             si.stream = reinterpret_cast<void*>(s->stream);
             si.is_large = s->is_large != 0;
             si.is_expandable = s->is_expandable != 0;
+            // The library's own record: an empty segment of a private pool still names it
+            // (ProcessGroupNCCL's register_mem_pool / deregister_mem_pool walk the pool's
+            // snapshot, empty cached segments included, as PyTorch's lists them).
+            si.owner_private_pool_id = MempoolId_t{s->pool.first, s->pool.second};
             b->out->push_back(std::move(si));
           },
           [](void* ctx, const CBlock* blk) {
@@ -506,7 +524,6 @@ class Shim : public CCA::CUDAAllocator {
             auto it = b->self->live_.find(reinterpret_cast<void*>(blk->address));
             if (bi.allocated && it != b->self->live_.end()) {
               bi.context_when_allocated = it->second.context;
-              si.owner_private_pool_id = it->second.pool;
             }
             si.blocks.push_back(std::move(bi));
           },
@@ -868,14 +885,11 @@ class Shim : public CCA::CUDAAllocator {
       static_cast<Shim*>(self)->trace(kActions[action], static_cast<c10::DeviceIndex>(device),
                                       reinterpret_cast<void*>(address), size,
                                       static_cast<cudaStream_t>(stream),
-                                      MempoolId_t{pool.first, pool.second}, std::move(ctx));
-    } catch (const std::exception& e) {
-      // A tracker failed (NCCL's registration raising, say). Not TORCH_WARN: a Python warning
-      // handler would take the GIL under the cache's lock.
-      std::fprintf(stderr, "cuda_caching_allocator: a trace tracker failed on a %s entry: %s\n",
-                   action_name(kActions[action]), e.what());
+                                      MempoolId_t{pool.first, pool.second}, std::move(ctx),
+                                      /*contain=*/true);
     } catch (...) {
-      std::fprintf(stderr, "cuda_caching_allocator: a trace tracker failed on a %s entry\n",
+      // Out of memory building the entry: the event is lost, the cache goes on.
+      std::fprintf(stderr, "cuda_caching_allocator: a %s trace entry was lost\n",
                    action_name(kActions[action]));
     }
   }
@@ -922,18 +936,37 @@ class Shim : public CCA::CUDAAllocator {
   }
 
   // Hands a trace entry to the trackers and appends it to the device's history ring. Takes
-  // trace_mu_ (callers may hold mu_; nothing holding trace_mu_ calls into the library).
+  // trace_mu_ (callers may hold mu_; nothing holding trace_mu_ calls into the library). As
+  // PyTorch's record_trace, every tracker sees every entry and skip_actions thin only the
+  // history. `contain` (the segment callback, which returns into Rust): a tracker that throws is
+  // reported on stderr and the others still run.
   void trace(TraceEntry::Action action, c10::DeviceIndex device, void* addr, size_t size,
-             cudaStream_t stream, MempoolId_t pool, std::shared_ptr<c10::GatheredContext> ctx) {
+             cudaStream_t stream, MempoolId_t pool, std::shared_ptr<c10::GatheredContext> ctx,
+             bool contain = false) {
     std::lock_guard<std::mutex> t(trace_mu_);
     if (!history_enabled_ && trackers_.empty()) return;
-    if (!skip_.empty() && skip_.count(action_name(action))) return;
     TraceEntry te(action, device, reinterpret_cast<size_t>(addr), size, stream, pool,
                   c10::getApproximateTime(), std::move(ctx),
                   t_compile_context.empty() ? std::string("N/A") : t_compile_context.back(),
                   t_user_metadata);
-    for (auto& t : trackers_) t(te);
+    for (auto& tracker : trackers_) {
+      if (!contain) {
+        tracker(te);
+        continue;
+      }
+      // Not TORCH_WARN: a Python warning handler would take the GIL under the cache's lock.
+      try {
+        tracker(te);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "cuda_caching_allocator: a trace tracker failed on a %s entry: %s\n",
+                     action_name(action), e.what());
+      } catch (...) {
+        std::fprintf(stderr, "cuda_caching_allocator: a trace tracker failed on a %s entry\n",
+                     action_name(action));
+      }
+    }
     if (!history_enabled_ || device < 0) return;
+    if (!skip_.empty() && skip_.count(action_name(action))) return;
     if (static_cast<size_t>(device) >= traces_.size()) traces_.resize(device + 1);
     auto& ring = traces_[device];
     ring.push_back(std::move(te));
@@ -952,9 +985,13 @@ class Shim : public CCA::CUDAAllocator {
       when = record_when_;
     }
     if (recorder && when != RecordContext::NEVER) ctx = recorder();
-    t_alloc_context = &ctx;
-    void* p = api_.alloc(static_cast<ssize_t>(n), dev, stream);
-    t_alloc_context = nullptr;
+    void* p = nullptr;
+    {
+      // Segment entries keep the stack only where PyTorch's do (context "alloc" or "all").
+      AllocContextScope scope(when == RecordContext::ALLOC || when == RecordContext::ALL ? &ctx
+                                                                                          : nullptr);
+      p = api_.alloc(static_cast<ssize_t>(n), dev, stream);
+    }
     if (p == nullptr) {
       std::string msg = api_.last_error();
       bool oom = api_.last_error_kind() == 1;
@@ -1038,10 +1075,10 @@ void raw_delete_fn(void* ptr) {
 // again with the one key added (parseArgs resets the keys it does not find).
 void tell_pytorch_expandable() {
   using c10::CachingAllocator::AcceleratorAllocatorConfig;
-  if (AcceleratorAllocatorConfig::use_expandable_segments()) return;
-  std::string settings = AcceleratorAllocatorConfig::last_allocator_settings();
-  settings += settings.empty() ? "expandable_segments:True" : ",expandable_segments:True";
   try {
+    if (AcceleratorAllocatorConfig::use_expandable_segments()) return;
+    std::string settings = AcceleratorAllocatorConfig::last_allocator_settings();
+    settings += settings.empty() ? "expandable_segments:True" : ",expandable_segments:True";
     AcceleratorAllocatorConfig::instance().parseArgs(settings);
   } catch (const std::exception& e) {
     TORCH_WARN(cat("cuda_caching_allocator: could not tell PyTorch's allocator settings that "

@@ -933,8 +933,11 @@ impl State {
                 });
             }
             let owner = self.block(id).owner;
+            let below = self.mark_unmapped(id, start, bytes);
+            // After the books agree with the device (a panicking observer is caught, but the
+            // bookkeeping is done first all the same).
             self.segment_event(dev, SegmentAction::Unmap, start, bytes, stream, owner);
-            self.mark_unmapped(id, start, bytes)
+            below
         } else {
             Some(id)
         };
