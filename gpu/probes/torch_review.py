@@ -214,23 +214,31 @@ std::vector<long> got() { std::vector<long> v; for (auto& c : counts) v.push_bac
     snap = T.cuda.memory._snapshot()
     T.cuda.memory._record_memory_history(enabled=None)
     in_ring = sum(e["action"] in segs for tr in snap["device_traces"] for e in tr)
+    allocs_in_ring = sum(e["action"] == "alloc" for tr in snap["device_traces"] for e in tr)
     # TraceEntry::Action: 3 SEGMENT_ALLOC, 4 SEGMENT_FREE, 5 SEGMENT_MAP, 6 SEGMENT_UNMAP.
     grew, shrank = c[3] + c[5], c[4] + c[6]
-    ok = grew > 0 and shrank > 0 and in_ring == 0
+    ok = grew > 0 and shrank > 0 and in_ring == 0 and allocs_in_ring >= 4
     done(ok, f"tracker saw alloc {c[3]} free {c[4]} map {c[5]} unmap {c[6]}; skipped ones in "
-             f"the history: {in_ring}")
+             f"the history: {in_ring}, allocations in it: {allocs_in_ring}")
 
 if probe == "pool_snapshot_empty":
     # A private pool's snapshot lists its cached segments also when they hold no allocation
     # (ProcessGroupNCCL's deregister_mem_pool walks it to deregister each).
+    keep = T.empty(7 << 20, dtype=T.uint8, device="cuda")  # a default-pool segment
     p = T.cuda.MemPool()
     with T.cuda.use_mem_pool(p):
         x = T.empty(5 << 20, dtype=T.uint8, device="cuda")
     del x
     T.cuda.synchronize()
     segs = p.snapshot()
-    done(len(segs) > 0 and all(s["allocated_size"] == 0 for s in segs),
-         f"{len(segs)} segments in the pool's snapshot, sizes {[s['total_size'] for s in segs]}")
+    addrs = {s["address"] for s in segs}
+    kept = [s for s in T.cuda.memory_snapshot()
+            if s["address"] <= keep.data_ptr() < s["address"] + s["total_size"]]
+    ok = (len(segs) > 0 and all(s["allocated_size"] == 0 for s in segs)
+          and len(kept) == 1 and kept[0]["address"] not in addrs)
+    done(ok, f"{len(segs)} segments in the pool's snapshot, sizes "
+             f"{[s['total_size'] for s in segs]}; the default pool's segment listed there: "
+             f"{bool(kept) and kept[0]['address'] in addrs}")
 
 if probe == "annotations":
     # The memory history's annotations (torch.profiler.record_function regions, PyTorch's
@@ -246,16 +254,24 @@ if probe == "annotations":
         set_md("")
     snap = T.cuda.memory._snapshot()
     T.cuda.memory._record_memory_history(enabled=None)
+    T.cuda.memory._record_memory_history(max_entries=1000)
+    after_off = T.cuda.memory._snapshot()  # turning the history off dropped what it held
+    T.cuda.memory._record_memory_history(enabled=None)
+    left = len(after_off.get("external_annotations", [])) + sum(
+        e["action"] != "snapshot" for tr in after_off["device_traces"] for e in tr)
     ann = snap.get("external_annotations", [])
     stages = sorted(str(a.get("stage")) for a in ann if a.get("name") == "cca_probe_region")
     allocs = [e for tr in snap["device_traces"] for e in tr if e["action"] == "alloc"]
     md = [e.get("user_metadata") for e in allocs if e.get("addr") == x.data_ptr()]
     cc = {e.get("compile_context") for tr in snap["device_traces"] for e in tr}
     now = time.time()
-    times_ok = all(abs(a["time_us"] / 1e6 - now) < 600 for a in ann if "time_us" in a)
-    ok = stages == ["END", "START"] and times_ok and (not set_md or md == ["cca-probe-metadata"])
+    times_ok = bool(ann) and all("time_us" in a and abs(a["time_us"] / 1e6 - now) < 600
+                                 for a in ann)
+    ok = (stages == ["END", "START"] and times_ok and cc == {"N/A"} and left == 0
+          and (not set_md or md == ["cca-probe-metadata"]))
     done(ok, f"annotation stages {stages}, times ok {times_ok}, user_metadata {md}, "
-             f"compile_context {sorted(map(str, cc))}, first annotation {ann[:1]}")
+             f"compile_context {sorted(map(str, cc))}, left after off/on {left}, "
+             f"first annotation {ann[:1]}")
 
 print(f"unknown probe {probe}")
 sys.exit(2)

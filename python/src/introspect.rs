@@ -13,9 +13,9 @@ use crate::hooks::ordinal;
 use crate::pools::MempoolId;
 
 /// The version of this C ABI; the C++ shim refuses a library of another version.
-pub(crate) const ABI_VERSION: c_int = 2;
+pub(crate) const ABI_VERSION: c_int = 3;
 
-/// The C ABI's version (2: segment events added): bumped whenever a signature or struct changes.
+/// The C ABI's version (3: segment events, `CcaSegment::pool`): bumped whenever a signature or struct changes.
 #[unsafe(no_mangle)]
 pub extern "C" fn cca_abi_version() -> c_int {
     ABI_VERSION
@@ -235,6 +235,7 @@ pub struct CcaBlock {
 // The layouts the C++ shim (`csrc/cca_shim.cpp`) asserts too.
 const _: () = assert!(std::mem::size_of::<CcaDeviceStats>() == 976);
 const _: () = assert!(std::mem::size_of::<CcaSegment>() == 56);
+const _: () = assert!(std::mem::offset_of!(CcaSegment, pool) == 40);
 const _: () = assert!(std::mem::size_of::<CcaBlock>() == 32);
 const _: () = assert!(std::mem::size_of::<crate::MempoolId>() == 16);
 

@@ -101,7 +101,7 @@ def shim_source_is_packaged():
     with open(src) as f:
         text = f.read()
     assert "class Shim : public CCA::CUDAAllocator" in text
-    assert "kAbiVersion = 2" in text
+    assert "kAbiVersion = 3" in text
 
 
 @test
@@ -127,7 +127,7 @@ def library_found_in_package_and_override_checked():
 @test
 def abi_version_and_layouts():
     l = lib()
-    assert l.cca_abi_version() == 2
+    assert l.cca_abi_version() == 3
     assert ctypes.sizeof(DeviceStats) == 976
 
 

@@ -960,6 +960,11 @@ impl State {
         let Some(observer) = &self.segment_observer.0 else {
             return;
         };
+        // While the thread unwinds (an allocator dropped during a panic), a second panic in the
+        // observer would abort: nothing is told then.
+        if std::thread::panicking() {
+            return;
+        }
         let event = SegmentEvent {
             action,
             device: dev.device_index(),

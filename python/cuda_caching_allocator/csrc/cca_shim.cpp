@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -63,7 +64,7 @@ using c10::CachingDeviceAllocator::RecordContext;
 using c10::CachingDeviceAllocator::SegmentInfo;
 using c10::CachingDeviceAllocator::TraceEntry;
 
-constexpr int kAbiVersion = 2;
+constexpr int kAbiVersion = 3;
 
 // Numbers and addresses in error messages are formatted here, not streamed: on the GPU machine
 // an error message that streamed a size_t into TORCH_CHECK crashed the process inside the
@@ -154,6 +155,7 @@ struct CBlock {
 // The layouts python/src/introspect.rs asserts too.
 static_assert(sizeof(CDeviceStats) == 976, "CcaDeviceStats layout");
 static_assert(sizeof(CSegment) == 56, "CcaSegment layout");
+static_assert(offsetof(CSegment, pool) == 40, "CcaSegment layout");
 static_assert(sizeof(CBlock) == 32, "CcaBlock layout");
 static_assert(sizeof(CPool) == 16, "MempoolId layout");
 
@@ -325,9 +327,19 @@ struct AllocContextScope {
 
 // The calling thread's torch.compile region stack (pushCompileContext) and user metadata
 // (setUserMetadata), stamped on the trace entries the thread causes, per thread as PyTorch keeps
-// them (CUDACachingAllocator.cpp: static thread_local compile_context, user_metadata).
-thread_local std::vector<std::string> t_compile_context;
-thread_local std::string t_user_metadata;
+// them (CUDACachingAllocator.cpp: static thread_local compile_context, user_metadata). Made on
+// first use and never destroyed (one small leak per thread that sets them): the allocator is
+// immortal and frees reach it during exit, after the main thread's thread_local destructors ran.
+struct ThreadTraceState {
+  std::vector<std::string> compile_context;
+  std::string user_metadata;
+};
+thread_local ThreadTraceState* t_trace_state = nullptr;
+
+ThreadTraceState& thread_trace_state() {
+  if (t_trace_state == nullptr) t_trace_state = new ThreadTraceState();
+  return *t_trace_state;
+}
 
 class Shim : public CCA::CUDAAllocator {
  public:
@@ -535,16 +547,13 @@ class Shim : public CCA::CUDAAllocator {
     }
     std::lock_guard<std::mutex> t(trace_mu_);
     if (traces_.size() < static_cast<size_t>(n_devices)) traces_.resize(n_devices);
-    {
-      auto to_unix_ns = clock_converter_.makeConverter();
-      info.external_annotations.assign(annotations_.begin(), annotations_.end());
-      for (auto& ae : info.external_annotations) {
-        ae.time_.t_ = to_unix_ns(ae.time_.approx_t_) / 1000;
-      }
+    // The converter gives nanoseconds; PyTorch's snapshot divides by 1000 (`time_us`).
+    auto to_unix_ns = clock_converter_.makeConverter();
+    info.external_annotations.assign(annotations_.begin(), annotations_.end());
+    for (auto& ae : info.external_annotations) {
+      ae.time_.t_ = to_unix_ns(ae.time_.approx_t_) / 1000;
     }
     if (include_traces) {
-      // The converter gives nanoseconds; PyTorch's snapshot divides by 1000 (`time_us`).
-      auto to_unix_ns = clock_converter_.makeConverter();
       for (auto& ring : traces_) {
         info.device_traces.emplace_back(ring.begin(), ring.end());
         for (auto& te : info.device_traces.back()) {
@@ -670,6 +679,8 @@ class Shim : public CCA::CUDAAllocator {
     record_when_ = enabled ? when : RecordContext::NEVER;
     std::lock_guard<std::mutex> t(trace_mu_);
     history_enabled_ = enabled;
+    history_on_.store(enabled, std::memory_order_relaxed);
+    record_all_.store(enabled && when == RecordContext::ALL, std::memory_order_relaxed);
     max_entries_ = std::max<size_t>(alloc_trace_max_entries, 1);
     skip_.clear();
     for (const auto& s : skip_actions) skip_.insert(s);
@@ -684,6 +695,7 @@ class Shim : public CCA::CUDAAllocator {
   // _record_memory_history registers the callback that calls this): the snapshot's
   // external_annotations, which torch.cuda._memory_viz draws beside the trace.
   void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) override {
+    if (!history_on_.load(std::memory_order_relaxed)) return;
     c10::DeviceIndex device = c10::cuda::current_device();
     std::lock_guard<std::mutex> t(trace_mu_);
     if (!history_enabled_) return;
@@ -693,15 +705,22 @@ class Shim : public CCA::CUDAAllocator {
     while (annotations_.size() > max_entries_) annotations_.pop_front();
   }
 
-  void pushCompileContext(std::string& md) override { t_compile_context.push_back(md); }
-
-  void popCompileContext() override {
-    if (!t_compile_context.empty()) t_compile_context.pop_back();
+  void pushCompileContext(std::string& md) override {
+    thread_trace_state().compile_context.push_back(md);
   }
 
-  void setUserMetadata(const std::string& metadata) override { t_user_metadata = metadata; }
+  void popCompileContext() override {
+    if (t_trace_state != nullptr && !t_trace_state->compile_context.empty())
+      t_trace_state->compile_context.pop_back();
+  }
 
-  std::string getUserMetadata() override { return t_user_metadata; }
+  void setUserMetadata(const std::string& metadata) override {
+    thread_trace_state().user_metadata = metadata;
+  }
+
+  std::string getUserMetadata() override {
+    return t_trace_state != nullptr ? t_trace_state->user_metadata : std::string();
+  }
 
   void attachOutOfMemoryObserver(OutOfMemoryObserver observer) override {
     std::lock_guard<std::mutex> g(mu_);
@@ -816,7 +835,17 @@ class Shim : public CCA::CUDAAllocator {
     if (!ptr) return;
     TimedScope timed(g_timing.free_ns, g_timing.free_calls);
     Live l;
-    std::vector<AllocatorTraceTracker> trackers;
+    // Under context "all", PyTorch's free entries carry the free's own stack (gathered outside
+    // the lock: gathering may take the GIL); under "alloc", the allocation's.
+    std::shared_ptr<c10::GatheredContext> free_ctx;
+    if (record_all_.load(std::memory_order_relaxed)) {
+      CreateContextFn recorder = nullptr;
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        if (record_when_ == RecordContext::ALL) recorder = recorder_;
+      }
+      if (recorder) free_ctx = recorder();
+    }
     {
       std::lock_guard<std::mutex> g(mu_);
       auto it = live_.find(ptr);
@@ -829,8 +858,11 @@ class Shim : public CCA::CUDAAllocator {
       }
       l = std::move(it->second);
       live_.erase(it);
-      trace(TraceEntry::FREE_REQUESTED, l.device, ptr, l.size, l.stream, l.pool, nullptr);
-      trace(TraceEntry::FREE_COMPLETED, l.device, ptr, l.size, l.stream, l.pool, nullptr);
+      std::shared_ptr<c10::GatheredContext> ctx;
+      if (record_when_ == RecordContext::ALLOC || record_when_ == RecordContext::ALL)
+        ctx = free_ctx ? free_ctx : l.context;
+      trace(TraceEntry::FREE_REQUESTED, l.device, ptr, l.size, l.stream, l.pool, ctx);
+      trace(TraceEntry::FREE_COMPLETED, l.device, ptr, l.size, l.stream, l.pool, std::move(ctx));
     }
     if (!l.foreign_uses.empty()) {
       bool exiting = false;
@@ -947,8 +979,10 @@ class Shim : public CCA::CUDAAllocator {
     if (!history_enabled_ && trackers_.empty()) return;
     TraceEntry te(action, device, reinterpret_cast<size_t>(addr), size, stream, pool,
                   c10::getApproximateTime(), std::move(ctx),
-                  t_compile_context.empty() ? std::string("N/A") : t_compile_context.back(),
-                  t_user_metadata);
+                  t_trace_state == nullptr || t_trace_state->compile_context.empty()
+                      ? std::string("N/A")
+                      : t_trace_state->compile_context.back(),
+                  t_trace_state != nullptr ? t_trace_state->user_metadata : std::string());
     for (auto& tracker : trackers_) {
       if (!contain) {
         tracker(te);
@@ -1035,6 +1069,9 @@ class Shim : public CCA::CUDAAllocator {
   std::atomic<bool> initialized_{false};
   std::atomic<bool> enabled_{true};
   std::atomic<bool> routing_{false};
+  // Copies of history_enabled_ and (record_when_ == ALL) read without a lock on hot paths.
+  std::atomic<bool> history_on_{false};
+  std::atomic<bool> record_all_{false};
   std::mutex mu_;
   std::unordered_map<void*, Live> live_;
   std::vector<Route> routes_;

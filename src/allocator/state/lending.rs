@@ -246,7 +246,7 @@ impl State {
                 stream: stream.0,
             });
         }
-        self.segment_event(dev, SegmentAction::Unmap, ptr, size, stream, owner);
         self.file_unmapped(id);
+        self.segment_event(dev, SegmentAction::Unmap, ptr, size, stream, owner);
     }
 }
