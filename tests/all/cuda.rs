@@ -958,6 +958,94 @@ fn cuda_backend_events_and_streams() {
     assert!(info.free <= info.total && info.total > GIB);
 }
 
+// ---- segment events ---------------------------------------------------------------------------
+
+/// Whether a physical allocation is mapped at `addr` (the driver hands out its handle).
+fn mapped_at(addr: u64) -> bool {
+    let mut handle: sys::CUmemGenericAllocationHandle = 0;
+    // SAFETY: `handle` is a valid out-pointer; the address is only looked up.
+    let r = unsafe {
+        sys::cuMemRetainAllocationHandle(
+            &mut handle,
+            std::ptr::with_exposed_provenance_mut(addr as usize),
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return false;
+    }
+    // SAFETY: the handle was retained just above; releasing drops only that reference.
+    unsafe { sys::cuMemRelease(handle) };
+    true
+}
+
+/// The driver's allocation range holding `addr`, when there is one.
+fn address_range(addr: u64) -> Option<(u64, usize)> {
+    let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+    // SAFETY: both out-pointers are valid; the address is only looked up.
+    let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) };
+    (r == sys::CUresult::CUDA_SUCCESS).then_some((base, size))
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn cuda_segment_events_agree_with_the_driver_when_told() {
+    use cuda_caching_allocator::{SegmentAction, SegmentEvent};
+    use std::sync::Mutex;
+    let g = gpu("cuda_segment_events_agree_with_the_driver_when_told");
+    for (name, config) in [
+        ("pytorch", AllocatorConfig::pytorch()),
+        ("default", AllocatorConfig::default()),
+    ] {
+        let alloc = CudaAllocator::new(Arc::clone(&g.ctx), config).unwrap();
+        let seen: Arc<Mutex<(Vec<SegmentEvent>, Vec<String>)>> = Arc::default();
+        let s = Arc::clone(&seen);
+        alloc.set_segment_observer(Some(Arc::new(move |e: &SegmentEvent| {
+            // Told under the cache's lock, on the allocating thread, with its context current.
+            let ok = match e.action {
+                SegmentAction::Alloc | SegmentAction::Free => {
+                    address_range(e.addr.0) == Some((e.addr.0, e.size))
+                }
+                SegmentAction::Map => {
+                    mapped_at(e.addr.0) && mapped_at(e.addr.0 + e.size as u64 - 1)
+                }
+                SegmentAction::Unmap => !mapped_at(e.addr.0),
+                _ => false,
+            };
+            let mut s = s.lock().unwrap();
+            if !ok {
+                s.1.push(format!("{e:?}: the driver disagrees"));
+            }
+            s.0.push(*e);
+        })));
+        let s1 = g.ctx.new_stream().unwrap();
+        let (d0, d1) = (stream_id(&g.ctx.default_stream()), stream_id(&s1));
+        let mut live = Vec::new();
+        for (i, mb) in [1usize, 7, 30, 90, 3, 64, 12].iter().enumerate() {
+            let stream = if i % 2 == 0 { d0 } else { d1 };
+            live.push(alloc.allocate(mb * MIB + 4096 * i, stream).unwrap());
+            if i % 3 == 2 {
+                // SAFETY: from `allocate` on this cache, owned by no buffer, never used by work.
+                unsafe { alloc.free(live.remove(0).ptr) }.unwrap();
+            }
+        }
+        for a in live.drain(..) {
+            // SAFETY: as above.
+            unsafe { alloc.free(a.ptr) }.unwrap();
+        }
+        s1.synchronize().unwrap();
+        alloc.empty_cache().unwrap();
+        let (events, errors) = std::mem::take(&mut *seen.lock().unwrap());
+        assert!(errors.is_empty(), "{name}: {errors:?}");
+        let kinds: Vec<SegmentAction> = events.iter().map(|e| e.action).collect();
+        if name == "pytorch" {
+            assert!(kinds.contains(&SegmentAction::Alloc) && kinds.contains(&SegmentAction::Free));
+        } else {
+            assert!(kinds.contains(&SegmentAction::Map) && kinds.contains(&SegmentAction::Unmap));
+        }
+        assert_eq!(alloc.memory_stats().memory_reserved(), 0, "{name}");
+    }
+}
+
 // ---- expandable segments (issue #5) -------------------------------------------------------------
 
 /// Growth page by page keeps every earlier buffer's data, and `empty_cache` unmaps and releases the
