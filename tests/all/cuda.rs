@@ -1018,7 +1018,7 @@ fn cuda_segment_events_agree_with_the_driver_when_told() {
             s.0.push(*e);
         })));
         let s1 = g.ctx.new_stream().unwrap();
-        let (d0, d1) = (stream_id(&g.ctx.default_stream()), stream_id(&s1));
+        let (d0, d1) = (StreamId::DEFAULT, alloc.admit(&s1).unwrap());
         let mut live = Vec::new();
         for (i, mb) in [1usize, 7, 30, 90, 3, 64, 12].iter().enumerate() {
             let stream = if i % 2 == 0 { d0 } else { d1 };
