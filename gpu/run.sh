@@ -219,6 +219,11 @@ for phase in $PHASES; do
       step "review_$n" timeout 150 python3 "$P" ${a//\// }
       grep -E '^(PASS|FAIL)' "$OUT/review_$n.log" | cut -c1-300 | tee -a "$S"
     done
+    for a in cca/native cca/cca native/cca cca/refused/default; do
+      n=${a//[\/:]/_}
+      step "cuda_ipc_$n" timeout 150 python3 "$HERE/probes/cuda_ipc.py" ${a//\// }
+      grep -E '^(PASS|FAIL)' "$OUT/cuda_ipc_$n.log" | cut -c1-300 | tee -a "$S"
+    done
     if [ "$NGPU" -ge 2 ]; then
       for a in native native-expandable cca cca/cca_preset:pytorch; do
         n=${a//[\/:]/_}

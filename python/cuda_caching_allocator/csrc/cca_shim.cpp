@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -654,16 +655,82 @@ class Shim : public CCA::CUDAAllocator {
     return n == expected.size();
   }
 
-  ShareableHandle shareIpcHandle(void*) override {
-    TORCH_CHECK(false,
-                "cuda_caching_allocator: sharing CUDA tensors between processes (CUDA IPC, "
-                "torch.multiprocessing) is not supported (docs/pytorch.md, 'Not supported')");
+  // torch.multiprocessing's sharing of a CUDA tensor: a CUDA IPC handle of the whole segment
+  // holding `ptr` and the offset into it, in PyTorch 2.11's format (version 2, 'c' for cudaMalloc
+  // memory, the 64-byte cudaIpcMemHandle_t), so a process on PyTorch's own allocator opens it as
+  // well. Only segments from cuMemAlloc can be exported this way: pages mapped into expandable
+  // segments (the crate's default) are refused with an error naming the configuration to use.
+  // PyTorch keeps the block allocated while another process holds it (CudaIPCSentData).
+  ShareableHandle shareIpcHandle(void* ptr) override {
+    c10::DeviceIndex dev;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto it = live_.find(ptr);
+      TORCH_CHECK(it != live_.end(), cat("cuda_caching_allocator: invalid device pointer ",
+                                         addr(ptr), " (shareIpcHandle)"));
+      dev = it->second.device;
+    }
+    uint64_t seg_size = 0;
+    uint64_t base = api_.base_allocation(dev, reinterpret_cast<uint64_t>(ptr), &seg_size);
+    TORCH_CHECK(base != 0, cat("cuda_caching_allocator: shareIpcHandle: no segment holds ",
+                               addr(ptr)));
+    c10::cuda::CUDAGuard guard(dev);
+    cudaIpcMemHandle_t handle;
+    cudaError_t err = cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(base));
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      TORCH_CHECK(false,
+                  cat("cuda_caching_allocator: sharing a CUDA tensor between processes needs "
+                      "segments from cudaMalloc; this one (",
+                      addr(reinterpret_cast<void*>(base)),
+                      ") is pages mapped into an expandable segment, which CUDA IPC cannot "
+                      "export. Enable the allocator with config='cca_preset:pytorch' in "
+                      "processes that share CUDA tensors (cudaIpcGetMemHandle: ",
+                      cudaGetErrorString(err), ")"));
+    }
+    std::string bytes;
+    bytes.push_back(static_cast<char>(2));  // PyTorch's SHAREABLE_HANDLE_VERSION
+    bytes.push_back('c');                   // SHAREABLE_CUDA_MALLOC
+    bytes.append(reinterpret_cast<const char*>(&handle), CUDA_IPC_HANDLE_SIZE);
+    return ShareableHandle{static_cast<ptrdiff_t>(reinterpret_cast<uint64_t>(ptr) - base),
+                           std::move(bytes)};
   }
 
-  std::shared_ptr<void> getIpcDevPtr(std::string) override {
-    TORCH_CHECK(false,
-                "cuda_caching_allocator: opening CUDA IPC handles (torch.multiprocessing) is not "
-                "supported (docs/pytorch.md, 'Not supported')");
+  // The other side: opens a handle of cudaMalloc memory (this shim's, or PyTorch's own, raw or
+  // versioned) on the current device, once per handle while any tensor uses it, as PyTorch's
+  // cache of opened handles does; closed when the last user lets go.
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    std::lock_guard<std::mutex> g(ipc_mu_);
+    auto found = ipc_opened_.find(handle);
+    if (found != ipc_opened_.end()) {
+      if (auto p = found->second.lock()) return p;
+    }
+    cudaIpcMemHandle_t h;
+    if (handle.size() == CUDA_IPC_HANDLE_SIZE) {
+      std::memcpy(&h, handle.data(), CUDA_IPC_HANDLE_SIZE);
+    } else {
+      TORCH_CHECK(handle.size() == CUDA_IPC_HANDLE_SIZE + 2 && handle[1] == 'c',
+                  "cuda_caching_allocator: opening a CUDA IPC handle of an expandable segment "
+                  "(a process on PyTorch's allocator with expandable_segments:True) is not "
+                  "supported; share from a process without expandable segments");
+      TORCH_CHECK(static_cast<unsigned char>(handle[0]) <= 3,
+                  "cuda_caching_allocator: a CUDA IPC handle of an unknown format version");
+      std::memcpy(&h, handle.data() + 2, CUDA_IPC_HANDLE_SIZE);
+    }
+    c10::DeviceIndex dev = c10::cuda::current_device();
+    void* p = nullptr;
+    C10_CUDA_CHECK(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
+    std::shared_ptr<void> sp(p, [this, handle, dev](void* q) {
+      {
+        std::lock_guard<std::mutex> g2(ipc_mu_);
+        auto it = ipc_opened_.find(handle);
+        if (it != ipc_opened_.end() && it->second.expired()) ipc_opened_.erase(it);
+      }
+      DeviceScope scope(dev);
+      if (cudaIpcCloseMemHandle(q) != cudaSuccess) (void)cudaGetLastError();
+    });
+    ipc_opened_[handle] = sp;
+    return sp;
   }
 
   bool isHistoryEnabled() override {
@@ -1073,6 +1140,9 @@ class Shim : public CCA::CUDAAllocator {
   std::atomic<bool> history_on_{false};
   std::atomic<bool> record_all_{false};
   std::mutex mu_;
+  // Handles opened by getIpcDevPtr, by handle bytes.
+  std::mutex ipc_mu_;
+  std::unordered_map<std::string, std::weak_ptr<void>> ipc_opened_;
   std::unordered_map<void*, Live> live_;
   std::vector<Route> routes_;
   // Guards traces_, annotations_, history_enabled_, max_entries_, skip_ and trackers_ (the rest

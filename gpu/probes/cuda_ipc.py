@@ -1,0 +1,89 @@
+"""CUDA tensors shared between processes through torch.multiprocessing (CUDA IPC).
+
+    python3 gpu/probes/cuda_ipc.py PRODUCER CONSUMER [CONFIG]
+
+PRODUCER and CONSUMER are `native` (PyTorch's allocator) or `cca` (the package's shim, with
+CONFIG; default `cca_preset:pytorch`; `default` for the crate's default configuration). Twelve tensors of different sizes (several from one
+segment) go, one at a time, through a queue to a spawned consumer, which checks each holds
+0..n-1 and doubles it in place; the producer then checks it sees the doubling, frees the tensor
+and allocates others (its cache must not hand a shared block out while the consumer holds it:
+PyTorch keeps the block allocated, CudaIPCSentData).
+
+Prints "PASS ..." or "FAIL ...". With the crate's default configuration (expandable segments)
+as producer, sharing must fail with an error naming `cca_preset:pytorch`: that is checked with
+CONSUMER `refused`.
+"""
+import sys
+
+import torch as T
+import torch.multiprocessing as mp
+
+producer, consumer = sys.argv[1], sys.argv[2]
+cfg = sys.argv[3] if len(sys.argv) > 3 else "cca_preset:pytorch"
+cfg = None if cfg == "default" else cfg  # the crate's default configuration
+
+
+def enable(who):
+    if who == "cca":
+        import cuda_caching_allocator.torch as C
+
+        C.enable(config=cfg, route="shim")
+
+
+def consume(q, back, who):
+    enable(who)
+    bad = 0
+    while True:
+        item = q.get()
+        if item is None:
+            break
+        i, t = item
+        want = T.arange(t.numel(), device=t.device, dtype=t.dtype)
+        if not T.equal(t, want):
+            bad += 1
+        t.mul_(2)
+        T.cuda.synchronize()
+        del t, want
+        back.put((i, bad))
+    back.put(("done", bad))
+
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    enable(producer if consumer != "refused" else "cca")
+    if consumer == "refused":
+        # What torch.multiprocessing's reducer calls (synchronously, unlike the queue's feeder).
+        t = T.arange(1 << 20, device="cuda", dtype=T.float32)
+        try:
+            t.untyped_storage()._share_cuda_()
+            print(f"FAIL cuda_ipc {producer} refused {cfg}: the tensor was shared", flush=True)
+            sys.exit(1)
+        except RuntimeError as e:
+            msg = str(e).splitlines()[0][:200]
+            ok = "cca_preset:pytorch" in str(e)
+            print(("PASS " if ok else "FAIL ") + f"cuda_ipc {producer} refused {cfg}: {msg}",
+                  flush=True)
+            sys.exit(0 if ok else 1)
+    q, back = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=consume, args=(q, back, consumer))
+    p.start()
+    bad = 0
+    churn = []
+    for i, n in enumerate([1000, 1 << 20, 3 << 20, 777, 5 << 18, 1 << 22] * 2):
+        t = T.arange(n, device="cuda", dtype=T.float32)
+        q.put((i, t))
+        j, _ = back.get(timeout=120)
+        T.cuda.synchronize()
+        if j != i or not T.equal(t, 2 * T.arange(n, device="cuda", dtype=T.float32)):
+            bad += 1
+        del t
+        churn = [T.empty((i + 1) << 18, device="cuda") for _ in range(3)]  # reuse pressure
+    q.put(None)
+    _, consumer_bad = back.get(timeout=120)
+    p.join(60)
+    del churn
+    ok = bad == 0 and consumer_bad == 0 and p.exitcode == 0
+    print(("PASS " if ok else "FAIL ") + f"cuda_ipc {producer} -> {consumer} {cfg}: "
+          f"{bad} of 12 doublings not seen by the producer, {consumer_bad} tensors wrong in the "
+          f"consumer, consumer exit {p.exitcode}", flush=True)
+    sys.exit(0 if ok else 1)
