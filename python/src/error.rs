@@ -34,7 +34,9 @@ pub(crate) fn fail(kind: c_int, msg: String) {
         .take_while(|&b| b != 0)
         .collect();
     let text = CString::new(bytes).unwrap_or_default();
-    LAST.with(|l| *l.borrow_mut() = (kind, text));
+    // During the thread's exit (frees from static destructors, such as PyTorch's CUDA IPC limbo
+    // at process exit) the slot is gone: the error is only printed then.
+    let _ = LAST.try_with(|l| *l.borrow_mut() = (kind, text));
 }
 
 /// Records an allocator error, classified (out of memory or other). Out of memory inside a
@@ -51,7 +53,7 @@ pub(crate) fn fail_alloc(context: &str, e: &AllocError) {
 
 /// Clears this thread's last error (a call that succeeded).
 pub(crate) fn clear() {
-    LAST.with(|l| {
+    let _ = LAST.try_with(|l| {
         let mut l = l.borrow_mut();
         if l.0 != KIND_NONE {
             *l = (KIND_NONE, CString::default());
@@ -80,14 +82,15 @@ pub(crate) fn guarded<T>(what: &str, fallback: T, f: impl FnOnce() -> T) -> T {
 /// valid until the next call into this library on the same thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn cca_last_error() -> *const c_char {
-    LAST.with(|l| l.borrow().1.as_ptr())
+    LAST.try_with(|l| l.borrow().1.as_ptr())
+        .unwrap_or(c"".as_ptr())
 }
 
 /// The kind of the calling thread's last call's failure: 0 none, 1 out of memory, 2 any other
 /// error.
 #[unsafe(no_mangle)]
 pub extern "C" fn cca_last_error_kind() -> c_int {
-    LAST.with(|l| l.borrow().0)
+    LAST.try_with(|l| l.borrow().0).unwrap_or(KIND_NONE)
 }
 
 /// `quiet` non-zero: failures are no longer printed on stderr (the C++ shim raises them as

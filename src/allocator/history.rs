@@ -30,7 +30,8 @@ fn thread_index() -> u32 {
     use std::sync::atomic::{AtomicU32, Ordering};
     static NEXT: AtomicU32 = AtomicU32::new(0);
     thread_local! { static ID: u32 = NEXT.fetch_add(1, Ordering::Relaxed); }
-    ID.with(|id| *id)
+    // A thread past its thread-locals' destruction (a free from a static destructor at exit).
+    ID.try_with(|id| *id).unwrap_or(u32::MAX)
 }
 
 impl History {
