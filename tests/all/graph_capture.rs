@@ -20,24 +20,6 @@ fn sim_alloc(capacity: usize, config: AllocatorConfig) -> CachingAllocator<SimDe
     CachingAllocator::new(SimDevice::with_capacity(capacity), config).unwrap()
 }
 
-/// The configurations isolation must hold under: PyTorch's, the crate default (expandable
-/// segments with page reuse), and both with the fast path and cross-stream reuse on.
-fn configs() -> Vec<(&'static str, AllocatorConfig)> {
-    let extra = |c: AllocatorConfig| {
-        AllocatorConfigBuilder::from_config(c)
-            .fast_path(true)
-            .cross_stream_reuse(true)
-            .build()
-            .unwrap()
-    };
-    vec![
-        ("pytorch", AllocatorConfig::pytorch()),
-        ("default", AllocatorConfig::default()),
-        ("pytorch+fast+xstream", extra(AllocatorConfig::pytorch())),
-        ("default+fast+xstream", extra(AllocatorConfig::default())),
-    ]
-}
-
 fn overlaps(a: &Allocation, b: &Allocation) -> bool {
     a.ptr.0 < b.ptr.0 + b.block_size as u64 && b.ptr.0 < a.ptr.0 + a.block_size as u64
 }
@@ -59,7 +41,7 @@ fn end(a: &CachingAllocator<SimDevice>, stream: StreamId, pool: MemPoolId) {
 
 #[test]
 fn captured_allocations_go_to_the_private_pool_and_their_frees_return_there() {
-    for (name, config) in configs() {
+    for (name, config) in crate::util::four_configs() {
         let a = sim_alloc(1 << 30, config);
         // A cached default-pool block of the size the capture will ask for (freed several times
         // so that the fast path manages it).
@@ -116,7 +98,7 @@ fn captured_allocations_go_to_the_private_pool_and_their_frees_return_there() {
 
 #[test]
 fn private_blocks_are_never_served_to_uncaptured_work() {
-    for (name, config) in configs() {
+    for (name, config) in crate::util::four_configs() {
         let a = sim_alloc(1 << 30, config);
         let pool = MemPoolId::new_graph();
         capture(&a, S0, pool);
@@ -344,7 +326,7 @@ fn busy_program_during_capture(a: &CachingAllocator<SimDevice>) -> Vec<Allocatio
 
 #[test]
 fn no_illegal_device_call_during_a_global_mode_capture() {
-    for (name, config) in configs() {
+    for (name, config) in crate::util::four_configs() {
         let config = AllocatorConfigBuilder::from_config(config)
             .memory_fraction(0.9)
             .garbage_collection_threshold(0.5)
@@ -555,7 +537,7 @@ fn the_newest_routing_wins_and_a_thread_filter_routes_without_a_capture() {
 /// inside a capture: Note [Drops inside a capture]).
 #[test]
 fn routed_pool_and_pool_of_name_the_private_pools() {
-    for (name, config) in configs() {
+    for (name, config) in crate::util::four_configs() {
         let a = sim_alloc(1 << 30, config);
         let before = a.allocate(4096, S0).unwrap();
         assert_eq!(a.routed_pool(S0), None, "{name}: no routing yet");
@@ -793,7 +775,7 @@ proptest! {
         which in 0..4usize,
         ops in proptest::collection::vec(op(), 1..120),
     ) {
-        let (_, config) = configs().swap_remove(which);
+        let (_, config) = crate::util::four_configs().swap_remove(which);
         run_program(config, &ops)?;
     }
 }

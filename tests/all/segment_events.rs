@@ -125,25 +125,9 @@ fn covered(s: &Seen, ptr: u64, size: usize) -> bool {
     true
 }
 
-fn configs() -> Vec<(&'static str, AllocatorConfig)> {
-    let extra = |c: AllocatorConfig| {
-        AllocatorConfigBuilder::from_config(c)
-            .fast_path(true)
-            .cross_stream_reuse(true)
-            .build()
-            .unwrap()
-    };
-    vec![
-        ("pytorch", AllocatorConfig::pytorch()),
-        ("default", AllocatorConfig::default()),
-        ("pytorch+fast+xstream", extra(AllocatorConfig::pytorch())),
-        ("default+fast+xstream", extra(AllocatorConfig::default())),
-    ]
-}
-
 #[test]
 fn every_handed_out_block_lies_in_told_memory_and_nothing_is_left_after_empty_cache() {
-    for (name, config) in configs() {
+    for (name, config) in crate::util::four_configs() {
         let (a, seen) = observed(config);
         let mut live: Vec<(DeviceAddr, usize)> = Vec::new();
         let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
@@ -240,7 +224,7 @@ fn pytorch_preset_tells_whole_segments_and_the_default_tells_pages() {
 
 #[test]
 fn private_pool_segments_carry_the_pool_id_and_removing_the_observer_stops_events() {
-    for (name, config) in configs() {
+    for (name, config) in crate::util::four_configs() {
         let (a, seen) = observed(config);
         let pool = MemPoolId::new_user();
         a.create_pool(pool).unwrap();
@@ -297,7 +281,7 @@ fn a_refused_free_is_followed_by_an_alloc_of_the_same_segment() {
 
 #[test]
 fn a_panicking_observer_is_removed_and_the_cache_goes_on() {
-    for (name, config) in configs() {
+    for (name, config) in crate::util::four_configs() {
         let a = crate::util::with_config(1 << 30, config);
         let calls = Arc::new(Mutex::new(0u32));
         let c = Arc::clone(&calls);
@@ -322,7 +306,7 @@ fn a_panicking_observer_is_removed_and_the_cache_goes_on() {
 
 #[test]
 fn the_snapshot_names_the_private_pool_of_an_empty_segment() {
-    for (name, config) in configs() {
+    for (name, config) in crate::util::four_configs() {
         let a = crate::util::with_config(1 << 30, config);
         let pool = MemPoolId::new_user();
         a.create_pool(pool).unwrap();

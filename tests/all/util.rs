@@ -1,7 +1,8 @@
 //! Helpers shared by the integration tests.
 
 use cuda_caching_allocator::{
-    AllocatorConfig, CachingAllocator, DeviceAddr, SimConfig, SimDevice, StreamId,
+    AllocatorConfig, AllocatorConfigBuilder, CachingAllocator, DeviceAddr, SimConfig, SimDevice,
+    StreamId,
 };
 
 pub const MIB: usize = 1 << 20;
@@ -25,6 +26,25 @@ pub fn with_config(capacity: usize, config: AllocatorConfig) -> CachingAllocator
         config,
     )
     .unwrap()
+}
+
+/// PyTorch's configuration, the crate default (expandable segments with page reuse), and both
+/// with the fast path and cross-stream reuse on: the configurations a property of the cache's
+/// bookkeeping must hold under.
+pub fn four_configs() -> Vec<(&'static str, AllocatorConfig)> {
+    let extra = |c: AllocatorConfig| {
+        AllocatorConfigBuilder::from_config(c)
+            .fast_path(true)
+            .cross_stream_reuse(true)
+            .build()
+            .unwrap()
+    };
+    vec![
+        ("pytorch", AllocatorConfig::pytorch()),
+        ("default", AllocatorConfig::default()),
+        ("pytorch+fast+xstream", extra(AllocatorConfig::pytorch())),
+        ("default+fast+xstream", extra(AllocatorConfig::default())),
+    ]
 }
 
 /// The stream of the segment holding `ptr` (from the snapshot).
