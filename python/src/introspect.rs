@@ -15,7 +15,8 @@ use crate::pools::MempoolId;
 /// The version of this C ABI; the C++ shim refuses a library of another version.
 pub(crate) const ABI_VERSION: c_int = 3;
 
-/// The C ABI's version (3: segment events, `CcaSegment::pool`): bumped whenever a signature or struct changes.
+/// The C ABI's version (3: segment events, `CcaSegment::pool`): bumped whenever a signature or
+/// struct changes.
 #[unsafe(no_mangle)]
 pub extern "C" fn cca_abi_version() -> c_int {
     ABI_VERSION

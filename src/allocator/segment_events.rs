@@ -68,11 +68,11 @@ pub struct SegmentEvent {
 ///
 /// It must not call back into the same allocator (the lock is not re-entrant: that deadlocks),
 /// should be quick, and should not panic: a panic is caught, logged and the observer removed from
-/// that allocator (an `interop::AllocatorRegistry` still gives it to
-/// allocators it creates later). Events are also told while the allocator is dropped (its cache
-/// going back to the driver), except while the thread is unwinding from a panic.
-/// Nothing is replayed when an observer is set: one set after segments exist is told of their
-/// `Free` / `Unmap` without having seen their `Alloc` / `Map`.
+/// that allocator (an `interop::AllocatorRegistry` still gives it to allocators it creates
+/// later). Events are also told while the allocator is dropped (its cache going back to the
+/// driver), except while the thread is unwinding from a panic. Nothing is replayed when an
+/// observer is set: one set after segments exist is told of their `Free` / `Unmap` without having
+/// seen their `Alloc` / `Map`.
 pub type SegmentObserver = Arc<dyn Fn(&SegmentEvent) + Send + Sync>;
 
 /// The observer slot the allocator's state holds (`Debug` without printing the closure).
