@@ -6,8 +6,9 @@ PRODUCER and CONSUMER are `native` (PyTorch's allocator) or `cca` (the package's
 CONFIG; default `cca_preset:pytorch`; `default` for the crate's default configuration). Twelve tensors of different sizes (several from one
 segment) go, one at a time, through a queue to a spawned consumer, which checks each holds
 0..n-1 and doubles it in place; the producer then checks it sees the doubling, frees the tensor
-and allocates others (its cache must not hand a shared block out while the consumer holds it:
-PyTorch keeps the block allocated, CudaIPCSentData).
+and fills new allocations with a sentinel, and the consumer, still holding the tensor, checks it
+was not overwritten (the producer's cache must not hand a shared block out while another process
+holds it: PyTorch keeps the block allocated, CudaIPCSentData).
 
 Prints "PASS ..." or "FAIL ...". With the crate's default configuration (expandable segments)
 as producer, sharing must fail with an error naming `cca_preset:pytorch`: that is checked with
@@ -33,8 +34,15 @@ def enable(who):
 def consume(q, back, who):
     enable(who)
     bad = 0
+    held = None  # the previous tensor, kept while the producer frees its own and allocates more
     while True:
         item = q.get()
+        if held is not None:
+            # The producer has freed its reference and filled new allocations with a sentinel:
+            # its cache must not have handed this still-shared block out again.
+            if not T.equal(held, 2 * T.arange(held.numel(), device=held.device, dtype=held.dtype)):
+                bad += 1
+            held = None
         if item is None:
             break
         i, t = item
@@ -43,7 +51,8 @@ def consume(q, back, who):
             bad += 1
         t.mul_(2)
         T.cuda.synchronize()
-        del t, want
+        held = t
+        del t, want, item
         back.put((i, bad))
     back.put(("done", bad))
 
@@ -77,8 +86,10 @@ if __name__ == "__main__":
         if j != i or not T.equal(t, 2 * T.arange(n, device="cuda", dtype=T.float32)):
             bad += 1
         del t
-        churn = [T.empty((i + 1) << 18, device="cuda") for _ in range(3)]  # reuse pressure
-    q.put(None)
+        # Reuse pressure: blocks the cache hands out now are overwritten with a sentinel.
+        churn = [T.full(((i + 1) << 18,), -7.0, device="cuda") for _ in range(3)]
+        T.cuda.synchronize()
+    q.put(None)  # the consumer re-checks the last tensor it holds, then stops
     _, consumer_bad = back.get(timeout=120)
     p.join(60)
     del churn

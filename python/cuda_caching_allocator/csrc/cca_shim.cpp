@@ -683,9 +683,11 @@ class Shim : public CCA::CUDAAllocator {
                   cat("cuda_caching_allocator: sharing a CUDA tensor between processes needs "
                       "segments from cudaMalloc; this one (",
                       addr(reinterpret_cast<void*>(base)),
-                      ") is pages mapped into an expandable segment, which CUDA IPC cannot "
-                      "export. Enable the allocator with config='cca_preset:pytorch' in "
-                      "processes that share CUDA tensors (cudaIpcGetMemHandle: ",
+                      ") is not (the crate's default maps pages into expandable segments, which "
+                      "CUDA IPC cannot export). Enable the allocator with "
+                      "config='cca_preset:pytorch' in processes that share CUDA tensors; "
+                      "torch.cuda.memory._set_allocator_settings('expandable_segments:False') "
+                      "does not reach this allocator (cudaIpcGetMemHandle: ",
                       cudaGetErrorString(err), ")"));
     }
     std::string bytes;
@@ -700,7 +702,7 @@ class Shim : public CCA::CUDAAllocator {
   // versioned) on the current device, once per handle while any tensor uses it, as PyTorch's
   // cache of opened handles does; closed when the last user lets go.
   std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
-    std::lock_guard<std::mutex> g(ipc_mu_);
+    std::lock_guard<std::recursive_mutex> g(ipc_mu_);
     auto found = ipc_opened_.find(handle);
     if (found != ipc_opened_.end()) {
       if (auto p = found->second.lock()) return p;
@@ -709,12 +711,15 @@ class Shim : public CCA::CUDAAllocator {
     if (handle.size() == CUDA_IPC_HANDLE_SIZE) {
       std::memcpy(&h, handle.data(), CUDA_IPC_HANDLE_SIZE);
     } else {
-      TORCH_CHECK(handle.size() == CUDA_IPC_HANDLE_SIZE + 2 && handle[1] == 'c',
+      TORCH_CHECK(handle.size() < 2 || handle[1] != 'e',
                   "cuda_caching_allocator: opening a CUDA IPC handle of an expandable segment "
                   "(a process on PyTorch's allocator with expandable_segments:True) is not "
                   "supported; share from a process without expandable segments");
-      TORCH_CHECK(static_cast<unsigned char>(handle[0]) <= 3,
-                  "cuda_caching_allocator: a CUDA IPC handle of an unknown format version");
+      // Version 2 is PyTorch 2.11's; 3 is accepted for its identical 'c' payload.
+      TORCH_CHECK(handle.size() == CUDA_IPC_HANDLE_SIZE + 2 && handle[1] == 'c' &&
+                      static_cast<unsigned char>(handle[0]) <= 3,
+                  cat("cuda_caching_allocator: a CUDA IPC handle of an unknown format (",
+                      num(handle.size()), " bytes)"));
       std::memcpy(&h, handle.data() + 2, CUDA_IPC_HANDLE_SIZE);
     }
     c10::DeviceIndex dev = c10::cuda::current_device();
@@ -722,7 +727,7 @@ class Shim : public CCA::CUDAAllocator {
     C10_CUDA_CHECK(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
     std::shared_ptr<void> sp(p, [this, handle, dev](void* q) {
       {
-        std::lock_guard<std::mutex> g2(ipc_mu_);
+        std::lock_guard<std::recursive_mutex> g2(ipc_mu_);
         auto it = ipc_opened_.find(handle);
         if (it != ipc_opened_.end() && it->second.expired()) ipc_opened_.erase(it);
       }
@@ -993,6 +998,17 @@ class Shim : public CCA::CUDAAllocator {
     }
   }
 
+  // PyTorch's FreeCudaMemoryCallbacksRegistry: true when a callback freed something. PyTorch's
+  // allocator runs them on every cache miss; the shim runs them when the library is out of
+  // memory. Called with no lock held: the callbacks free through free_ptr.
+  static bool run_free_memory_callbacks() {
+    bool freed = false;
+    for (const auto& name : c10::FreeCudaMemoryCallbacksRegistry()->Keys()) {
+      freed |= c10::FreeCudaMemoryCallbacksRegistry()->Create(name)->Execute();
+    }
+    return freed;
+  }
+
   void drop_route(c10::DeviceIndex device, MempoolId_t pool) {
     std::lock_guard<std::mutex> g(mu_);
     for (auto it = routes_.rbegin(); it != routes_.rend(); ++it) {
@@ -1087,15 +1103,25 @@ class Shim : public CCA::CUDAAllocator {
     }
     if (recorder && when != RecordContext::NEVER) ctx = recorder();
     void* p = nullptr;
-    {
-      // Segment entries keep the stack only where PyTorch's do (context "alloc" or "all").
-      AllocContextScope scope(when == RecordContext::ALLOC || when == RecordContext::ALL ? &ctx
-                                                                                          : nullptr);
-      p = api_.alloc(static_cast<ssize_t>(n), dev, stream);
+    std::string msg;
+    bool oom = false;
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      {
+        // Segment entries keep the stack only where PyTorch's do (context "alloc" or "all").
+        AllocContextScope scope(when == RecordContext::ALLOC || when == RecordContext::ALL
+                                    ? &ctx
+                                    : nullptr);
+        p = api_.alloc(static_cast<ssize_t>(n), dev, stream);
+      }
+      if (p != nullptr) break;
+      // Read before the callbacks: their frees clear the library's last error.
+      msg = api_.last_error();
+      oom = api_.last_error_kind() == 1;
+      // Out of memory: PyTorch's free-memory callbacks (torch.multiprocessing's cuda_ipc_collect
+      // gives back shared blocks other processes have let go of) may free some; then once more.
+      if (attempt == 1 || !oom || !run_free_memory_callbacks()) break;
     }
     if (p == nullptr) {
-      std::string msg = api_.last_error();
-      bool oom = api_.last_error_kind() == 1;
       std::vector<OutOfMemoryObserver> observers;
       {
         std::lock_guard<std::mutex> g(mu_);
@@ -1141,7 +1167,8 @@ class Shim : public CCA::CUDAAllocator {
   std::atomic<bool> record_all_{false};
   std::mutex mu_;
   // Handles opened by getIpcDevPtr, by handle bytes.
-  std::mutex ipc_mu_;
+  // Recursive: a shared_ptr whose construction fails runs its deleter, which takes it, at once.
+  std::recursive_mutex ipc_mu_;
   std::unordered_map<std::string, std::weak_ptr<void>> ipc_opened_;
   std::unordered_map<void*, Live> live_;
   std::vector<Route> routes_;
