@@ -204,8 +204,8 @@ pub enum AllocError {
         /// What was attempted.
         operation: &'static str,
     },
-    /// A typed cudarc allocation ([`CudaAllocator::alloc`](crate::interop::CudaAllocator::alloc)
-    /// and friends) on a stream that is capturing a CUDA graph no private pool receives. cudarc's
+    /// A typed cudarc allocation (`interop::CudaAllocator::alloc` and friends, feature `cuda`)
+    /// on a stream that is capturing a CUDA graph no private pool receives. cudarc's
     /// own allocation there is a graph memory node that the graph owns; cached memory would go
     /// back to other work when the buffer is dropped while the graph still uses it. Open a pool
     /// for the capture with `CudaAllocator::capture_pool(&stream)` right after `begin_capture`.
