@@ -6,7 +6,7 @@
 use std::ffi::{CStr, c_char, c_int, c_void};
 
 use cuda_caching_allocator::interop::AllocatorRegistry;
-use cuda_caching_allocator::{BlockState, PoolKind, Stat, StatArray, StatType};
+use cuda_caching_allocator::{BlockState, DeviceAddr, PoolKind, Stat, StatArray, StatType};
 
 use crate::error::guarded;
 use crate::hooks::ordinal;
@@ -317,28 +317,24 @@ pub extern "C" fn cca_cache_info(device: c_int) -> u64 {
 }
 
 /// PyTorch's `getBaseAllocation`: the base address of the segment (of `device`'s cache) that
-/// holds `ptr`, with its size in `*size` when `size` is not null; 0 when no segment holds `ptr`.
+/// holds the live allocation at `ptr` (an expandable segment's mapped run around it), with its
+/// size in `*size` when `size` is not null; 0 when no live allocation starts at `ptr`.
 ///
 /// # Safety
 /// `size` is null or writable for one `u64`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cca_base_allocation(device: c_int, ptr: u64, size: *mut u64) -> u64 {
     guarded("cca_base_allocation", 0, || {
-        let Some(seg) = ordinal(device)
+        let Some((base, total)) = ordinal(device)
             .and_then(|d| AllocatorRegistry::global().get_if_created(d))
-            .and_then(|a| {
-                a.snapshot().into_iter().find(|s| {
-                    let base = s.address.addr();
-                    ptr >= base && ptr - base < s.total_size as u64
-                })
-            })
+            .and_then(|a| a.base_allocation(DeviceAddr(ptr)))
         else {
             return 0;
         };
         if !size.is_null() {
             // SAFETY: non-null, and writable by the caller's promise.
-            unsafe { size.write(seg.total_size as u64) };
+            unsafe { size.write(total as u64) };
         }
-        seg.address.addr()
+        base.addr()
     })
 }

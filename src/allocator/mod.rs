@@ -466,6 +466,15 @@ impl<B: DeviceBackend> CachingAllocator<B> {
         self.lock().pool_of_allocation(ptr.0)
     }
 
+    /// The base address and size of the segment holding the live allocation at `ptr` (PyTorch's
+    /// `getBaseAllocation`): a fixed segment whole, or the mapped run of an expandable segment
+    /// around it, as the [snapshot](Self::snapshot) lists segments. `None` when no live
+    /// allocation starts at `ptr`. A lookup through the block list, not a snapshot.
+    pub fn base_allocation(&self, ptr: DeviceAddr) -> Option<(DeviceAddr, usize)> {
+        let (base, size) = self.lock().base_of_allocation(ptr.0)?;
+        Some((DeviceAddr(base), size))
+    }
+
     /// Whether a graph capture is underway: some routing to a private pool is active
     /// (PyTorch: `captures_underway` is not empty).
     pub fn capture_underway(&self) -> bool {

@@ -385,6 +385,12 @@ impl CudaAllocator {
         self.inner.check_invariants()
     }
 
+    /// The base address and size of the segment holding the live allocation at `ptr`
+    /// ([`CachingAllocator::base_allocation`]).
+    pub fn base_allocation(&self, ptr: DeviceAddr) -> Option<(DeviceAddr, usize)> {
+        self.inner.base_allocation(ptr)
+    }
+
     /// Sets (or, with `None`, removes) the observer told of every segment this cache
     /// allocates, frees, maps or unmaps ([`CachingAllocator::set_segment_observer`]).
     pub fn set_segment_observer(&self, observer: Option<SegmentObserver>) {

@@ -3,7 +3,8 @@
 //! mapping is in place at its `Map` and gone at its `Unmap`), every allocation handed out lies
 //! inside memory the observer was told about, nothing is left once the cache is emptied, and
 //! private pools' events carry the pool's id. PyTorch's trace trackers (NCCL's user-buffer
-//! registration among them) rely on exactly this.
+//! registration among them) rely on exactly this. Also `base_allocation`, the segment a live
+//! allocation belongs to, against the snapshot.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, Weak};
@@ -330,5 +331,52 @@ fn the_snapshot_names_the_private_pool_of_an_empty_segment() {
         assert_eq!(holding(x.ptr).allocated_size(), 0, "{name}");
         assert_eq!(holding(y.ptr).private_pool, MemPoolId::DEFAULT, "{name}");
         a.free(y.ptr).unwrap();
+    }
+}
+
+#[test]
+fn base_allocation_names_the_segment_the_snapshot_lists_for_every_live_allocation() {
+    for (name, config) in crate::util::four_configs() {
+        let a = crate::util::with_config(4 << 30, config);
+        let mut live: Vec<DeviceAddr> = Vec::new();
+        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+        for step in 0..1500 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            if live.len() < 30 && (x >> 8) % 3 != 0 {
+                let size = match (x >> 16) % 3 {
+                    0 => ((x >> 20) % 8192 + 1) as usize,
+                    1 => ((x >> 20) % (3 * MIB as u64) + 1) as usize,
+                    _ => ((x >> 20) % (70 * MIB as u64) + 1) as usize,
+                };
+                live.push(a.allocate(size, StreamId(x % 2)).unwrap().ptr);
+            } else if !live.is_empty() {
+                let p = live.swap_remove((x >> 24) as usize % live.len());
+                a.free(p).unwrap();
+            }
+            if step % 97 == 0 {
+                let snap = a.snapshot();
+                for &p in &live {
+                    let seg = snap
+                        .iter()
+                        .find(|s| p.0 >= s.address.0 && p.0 < s.address.0 + s.total_size as u64)
+                        .unwrap();
+                    assert_eq!(
+                        a.base_allocation(p),
+                        Some((seg.address, seg.total_size)),
+                        "{name} step {step}: {p}"
+                    );
+                }
+            }
+        }
+        assert_eq!(a.base_allocation(DeviceAddr(12345)), None, "{name}");
+        if let Some(&p) = live.first() {
+            assert_eq!(
+                a.base_allocation(DeviceAddr(p.0 + 1)),
+                None,
+                "{name}: inside a block"
+            );
+        }
     }
 }
