@@ -155,7 +155,7 @@ pub(crate) fn take(st: &State) -> Vec<SegmentSnapshot> {
             stream,
             pool,
             is_expandable: expandable,
-            private_pool: st.pool_id_of_owner(owner),
+            private_pool: st.graph.id_of(owner),
             blocks,
         });
     }

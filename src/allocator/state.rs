@@ -971,7 +971,7 @@ impl State {
             addr: DeviceAddr(addr),
             size,
             stream,
-            pool: self.pool_id_of_owner(owner),
+            pool: self.graph.id_of(owner),
         };
         // An observer that panics must not unwind through the cache's bookkeeping: it is dropped
         // (no more events) and the cache goes on.
@@ -980,14 +980,6 @@ impl State {
             tracing::error!(target: "cuda_caching_allocator", device = event.device, action = ?event.action, "the segment observer panicked; it is removed");
             self.segment_observer = ObserverSlot(None);
         }
-    }
-
-    /// The pool id of private-pool slot `owner` (0 and released slots: the default pools').
-    pub(crate) fn pool_id_of_owner(&self, owner: u32) -> MemPoolId {
-        self.graph
-            .pools
-            .get(&owner)
-            .map_or(MemPoolId::DEFAULT, |p| p.id)
     }
 
     // ---- releasing cache -------------------------------------------------------------------
