@@ -33,7 +33,9 @@ pub use backend::sim::{
 pub use backend::{
     BackendError, DeviceAddr, DeviceBackend, EventHandle, MemInfo, PhysicalHandle, StreamId,
 };
-pub use config::{AllocatorConfig, AllocatorConfigBuilder, ConfigError, PageReuse, Preset};
+pub use config::{
+    AllocatorConfig, AllocatorConfigBuilder, ConfigError, PageReuse, Preset, SettingDifference,
+};
 pub use error::{AllocError, OomReport, OomVerdict, Result};
 pub use format::format_size;
 pub use host::{

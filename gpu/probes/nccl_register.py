@@ -1,6 +1,6 @@
 """NCCL user-buffer registration through the allocator's trace entries (two GPUs).
 
-    python3 gpu/probes/nccl_register.py native|native-expandable|cca [CONFIG]
+    python3 gpu/probes/nccl_register.py native|native-expandable|cca [CONFIG] [flip]
 
 With TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1, ProcessGroupNCCL registers every segment
 of the allocator's snapshot with each new communicator, then registers a segment on every
@@ -24,6 +24,11 @@ REG log to a file per rank (NCCL_DEBUG_FILE). The check, per rank:
 * with expandable segments (native-expandable, the package's default) NCCL registered nothing,
   as PyTorch turns the hook off there; otherwise it registered the segments made later too.
 
+With `flip` (the package only), each rank first asks PyTorch for the opposite of what the
+allocator does (`torch.cuda.memory._set_allocator_settings('expandable_segments:False')` under
+the default): the package must warn that it did not apply it and keep PyTorch's setting at what
+it does, so that registration still follows the allocator's real segments.
+
 Prints one line per rank, "PASS ..." or "FAIL ...", and exits 0 only if both ranks pass.
 """
 import glob
@@ -36,8 +41,10 @@ import torch as T
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-who = sys.argv[1]
-cfg = sys.argv[2] if len(sys.argv) > 2 else None
+args = [a for a in sys.argv[1:] if a != "flip"]
+flip = "flip" in sys.argv[1:]
+who = args[0]
+cfg = args[1] if len(args) > 1 else None
 
 
 def rank_main(rank, init_file, results):
@@ -47,6 +54,16 @@ def rank_main(rank, init_file, results):
         C.enable(config=cfg, route="shim")
     T.cuda.set_device(rank)
     dev = T.device("cuda", rank)
+    warned = None
+    if flip:
+        import warnings
+
+        opposite = "expandable_segments:True" if cfg and "cca_preset:pytorch" in cfg else "expandable_segments:False"
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            T.cuda.memory._set_allocator_settings(opposite)
+        warned = any("cuda_caching_allocator" in str(m.message) and "expandable_segments"
+                     in str(m.message) for m in w)
     T.cuda.memory._record_memory_history(max_entries=200000)
     first = T.full((16 << 20,), float(rank + 1), device=dev)
     at_init = [(s["address"], s["total_size"]) for s in T.cuda.memory._snapshot()["segments"]]
@@ -91,6 +108,7 @@ def rank_main(rank, init_file, results):
         "final": final,
         "entries": [(e["action"], e["addr"], e["size"]) for e in entries],
         "viz": viz,
+        "warned": warned,
         "settings": T._C._accelerator_getAllocatorSettings()
         if hasattr(T._C, "_accelerator_getAllocatorSettings")
         else "?",
@@ -123,6 +141,8 @@ def check(rank, res, registered, expandable):
         problems.append(f"{len(registered)} registrations under expandable segments (hook not off)")
     if not expandable and len(registered) <= 1:
         problems.append(f"only {len(registered)} registrations: later segments were not registered")
+    if flip and not res["warned"]:
+        problems.append("no warning that expandable_segments was not applied")
     if res["viz"] != "drawn":
         problems.append(f"_memory_viz.trace_plot: {res['viz']}")
     what = (
@@ -163,7 +183,7 @@ if __name__ == "__main__":
             ok = ok and not problems
             print(
                 ("PASS " if not problems else "FAIL ")
-                + f"nccl_register {who} {cfg or ''} rank {rank}: {what}"
+                + f"nccl_register {who} {cfg or ''}{' flip' if flip else ''} rank {rank}: {what}"
                 + (f"; {problems[:4]}" if problems else ""),
                 flush=True,
             )

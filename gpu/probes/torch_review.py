@@ -5,7 +5,7 @@ session), each a check that fails on the package before the fix: run one per pro
 
 with PROBE one of oom_capture, oom_pool, foreign_stream_alloc, empty_cache_in_pool,
 cache_info, trace_time, oom_observer_fraction, annotations, bad_delete, tracker,
-pool_snapshot_empty (one GPU), record_stream_peer,
+pool_snapshot_empty, runtime_settings (one GPU), record_stream_peer,
 peer_copy (two GPUs). Prints one line, "PASS ..." or
 "FAIL ...", and exits 0 or 1 (a crash, as the package's SIGSEGV before the fix, exits with the
 signal). `cca` enables cuda_caching_allocator.torch (route shim) with CONFIG (default: the
@@ -272,6 +272,39 @@ if probe == "annotations":
     done(ok, f"annotation stages {stages}, times ok {times_ok}, user_metadata {md}, "
              f"compile_context {sorted(map(str, cc))}, left after off/on {left}, "
              f"first annotation {ann[:1]}")
+
+if probe == "runtime_settings":
+    # torch.cuda.memory._set_allocator_settings after the allocator was installed: PyTorch parses
+    # the string into its own settings and calls the device configuration hook. Native applies
+    # it; the package (configuration fixed at enable()) must say which keys it did not apply,
+    # keep PyTorch's expandable_segments at what it does (ProcessGroupNCCL reads it to decide
+    # on tensor registration), and say nothing for a string that changes nothing.
+    import warnings
+
+    get = getattr(T._C, "_accelerator_getAllocatorSettings", lambda: "?")
+    x = T.empty(1 << 20, device="cuda")  # the allocator is in use
+    asked = "expandable_segments:False,max_split_size_mb:64" if cfg is None else "expandable_segments:True"
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        T.cuda.memory._set_allocator_settings(asked)
+    first = [str(m.message) for m in w if "cuda_caching_allocator" in str(m.message)]
+    after = get()
+    same = "expandable_segments:True" if cfg is None else "expandable_segments:False"
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        T.cuda.memory._set_allocator_settings(same)
+    second = [str(m.message) for m in w if "cuda_caching_allocator" in str(m.message)]
+    y = T.empty(3 << 20, device="cuda")
+    ok_alloc = x.numel() == (1 << 20) and y.numel() == (3 << 20)
+    if who == "native":
+        done(not first and ok_alloc and after == asked,
+             f"no warning {not first}, settings now {after!r}")
+    want = ["expandable_segments", "max_split_size_mb"] if cfg is None else ["expandable_segments"]
+    named = bool(first) and all(k in first[0] for k in want) and "enable(config=" in first[0]
+    kept = after.endswith(same) and asked.split(",")[0] not in after
+    done(named and kept and not second and ok_alloc,
+         f"warning names {want}: {named}; PyTorch's settings now {after!r} (kept {kept}); "
+         f"warnings for the running values: {len(second)}; first warning {first[:1]}")
 
 print(f"unknown probe {probe}")
 sys.exit(2)

@@ -178,6 +178,47 @@ def _install_pluggable(torch, lib, path, graphs):
     return alloc, graph_hooks
 
 
+def _settings_not_applied(lib, settings):
+    """The keys of ``settings`` that would change the library's running configuration, as the
+    shim's hook words them ("" for none); raises ``EnableError`` with the library's message."""
+    fn = lib.cca_settings_not_applied
+    fn.restype = ctypes.c_long
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+    raw = settings.encode()
+    n = fn(raw, None, 0)
+    if n < 0:
+        raise EnableError(lib.cca_last_error().decode(errors="replace"))
+    buf = ctypes.create_string_buffer(n + 1)
+    fn(raw, buf, len(buf))
+    return buf.value.decode(errors="replace")
+
+
+def _warn_settings_on_pluggable(torch, lib):
+    """On the pluggable route (no C++ of ours), ``torch.cuda.memory._set_allocator_settings``
+    gets the warning the shim gives from PyTorch's configuration hook: PyTorch's settings change,
+    the allocator's do not. Only calls through that function are seen."""
+    original = torch.cuda.memory._set_allocator_settings
+
+    def _set_allocator_settings(env):
+        result = original(env)
+        try:
+            text = _settings_not_applied(lib, env)
+        except EnableError as e:
+            text = f"this allocator cannot read them: {e}"
+        if text:
+            warnings.warn(
+                f"cuda_caching_allocator: allocator settings {env!r} were applied to PyTorch's own "
+                "settings only; this allocator takes its configuration once, when enable() "
+                f"installs it, and keeps it. Not applied: {text}. Pass these keys to "
+                "cuda_caching_allocator.torch.enable(config=...) instead.",
+                UserWarning,
+                stacklevel=2,
+            )
+        return result
+
+    torch.cuda.memory._set_allocator_settings = _set_allocator_settings
+
+
 def enable(config=None, library=None, graphs=True, route="auto", build_dir=None, verbose=False):
     """Install the allocator for every CUDA device of this process.
 
@@ -240,6 +281,7 @@ def enable(config=None, library=None, graphs=True, route="auto", build_dir=None,
             graph_hooks = True
         else:
             alloc, graph_hooks = _install_pluggable(torch, lib, path, graphs)
+            _warn_settings_on_pluggable(torch, lib)
     except RuntimeError as e:
         if isinstance(e, EnableError):
             raise

@@ -22,6 +22,7 @@ mod hooks;
 mod introspect;
 mod pools;
 mod segments;
+mod settings;
 
 pub use error::{cca_last_error, cca_last_error_kind, cca_set_quiet};
 pub use hooks::{
@@ -39,6 +40,7 @@ pub use pools::{
     cca_end_allocate_to_pool, cca_pool_use_count, cca_release_pool,
 };
 pub use segments::{SegmentCallback, cca_config_expandable, cca_set_segment_callback};
+pub use settings::cca_settings_not_applied;
 
 use std::ptr::{addr_of_mut, null_mut};
 

@@ -101,7 +101,7 @@ def shim_source_is_packaged():
     with open(src) as f:
         text = f.read()
     assert "class Shim : public CCA::CUDAAllocator" in text
-    assert "kAbiVersion = 3" in text
+    assert "kAbiVersion = 4" in text
 
 
 @test
@@ -127,7 +127,7 @@ def library_found_in_package_and_override_checked():
 @test
 def abi_version_and_layouts():
     l = lib()
-    assert l.cca_abi_version() == 3
+    assert l.cca_abi_version() == 4
     assert ctypes.sizeof(DeviceStats) == 976
 
 
@@ -177,6 +177,68 @@ def bad_alloc_arguments_are_errors_not_crashes():
         assert b"peer -1" in l.cca_last_error(), l.cca_last_error()
         # A good call clears the error.
         assert l.cca_check_config() == 0 and l.cca_last_error_kind() == 0
+    finally:
+        l.cca_set_quiet(0)
+
+
+@test
+def runtime_settings_name_the_keys_not_applied():
+    # What the shim's hook on torch.cuda.memory._set_allocator_settings warns with: the keys of
+    # the new string that the running configuration (the default here) does not have.
+    l = lib()
+    l.cca_settings_not_applied.restype = ctypes.c_long
+    l.cca_settings_not_applied.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+    assert l.cca_config_expandable() == 1
+    buf = ctypes.create_string_buffer(512)
+    n = l.cca_settings_not_applied(b"expandable_segments:False", buf, len(buf))
+    assert buf.value == b"expandable_segments (True -> PyTorch's default)", buf.value
+    assert n == len(buf.value)
+    n = l.cca_settings_not_applied(b"expandable_segments:True,max_split_size_mb:64", buf, len(buf))
+    assert buf.value == b"max_split_size_mb (PyTorch's default -> 64)", buf.value
+    # The same settings again, or keys only PyTorch's pinned allocator reads: nothing.
+    assert l.cca_settings_not_applied(b"expandable_segments:True", buf, len(buf)) == 0
+    assert buf.value == b""
+    assert l.cca_settings_not_applied(b"pinned_num_register_threads:4", buf, len(buf)) == 0
+    # A short buffer: truncated, NUL-terminated, the full length returned.
+    short = ctypes.create_string_buffer(8)
+    full = l.cca_settings_not_applied(b"expandable_segments:False", None, 0)
+    assert full == len(b"expandable_segments (True -> PyTorch's default)"), full
+    assert l.cca_settings_not_applied(b"expandable_segments:False", short, 8) == full
+    assert short.value == b"expanda"
+    l.cca_set_quiet(1)
+    try:
+        assert l.cca_settings_not_applied(b"max_split_size_mb:banana", buf, len(buf)) == -1
+        assert b"max_split_size_mb" in l.cca_last_error(), l.cca_last_error()
+        assert l.cca_settings_not_applied(None, buf, len(buf)) == -1
+    finally:
+        l.cca_set_quiet(0)
+
+
+@test
+def pluggable_route_warns_for_runtime_settings():
+    # The pluggable route's wrapper of torch.cuda.memory._set_allocator_settings, over a stand-in
+    # for torch: PyTorch's function still runs, the keys not applied are named.
+    import types
+    import warnings
+
+    calls = []
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(memory=types.SimpleNamespace(
+        _set_allocator_settings=lambda env: calls.append(env))))
+    l = lib()
+    assert cca._settings_not_applied(l, "expandable_segments:True") == ""
+    cca._warn_settings_on_pluggable(fake, l)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        fake.cuda.memory._set_allocator_settings("expandable_segments:False")
+        fake.cuda.memory._set_allocator_settings("expandable_segments:True")
+    assert calls == ["expandable_segments:False", "expandable_segments:True"], calls
+    msgs = [str(m.message) for m in w]
+    assert len(msgs) == 1, msgs
+    assert "Not applied: expandable_segments (True -> PyTorch's default)" in msgs[0], msgs
+    l.cca_set_quiet(1)
+    try:
+        expect_error(lambda: cca._settings_not_applied(l, "max_split_size_mb:banana"),
+                     "max_split_size_mb")
     finally:
         l.cca_set_quiet(0)
 

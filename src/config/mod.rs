@@ -5,10 +5,12 @@
 //! another configuration of the same machinery. May use: nothing internal.
 #![forbid(unsafe_code)]
 
+mod difference;
 mod parse;
 
 use std::fmt;
 
+pub use difference::SettingDifference;
 pub use parse::ENV_VAR;
 
 /// One mebibyte.

@@ -65,7 +65,7 @@ using c10::CachingDeviceAllocator::RecordContext;
 using c10::CachingDeviceAllocator::SegmentInfo;
 using c10::CachingDeviceAllocator::TraceEntry;
 
-constexpr int kAbiVersion = 3;
+constexpr int kAbiVersion = 4;
 
 // Numbers and addresses in error messages are formatted here, not streamed: on the GPU machine
 // an error message that streamed a size_t into TORCH_CHECK crashed the process inside the
@@ -195,6 +195,7 @@ struct Api {
   void (*set_quiet)(int);
   int (*set_segment_callback)(SegmentEventFn, void*);
   int (*config_expandable)();
+  long (*settings_not_applied)(const char*, char*, size_t);
 };
 
 template <typename F>
@@ -240,6 +241,7 @@ Api load_api(const std::string& path) {
   bind(lib, "cca_set_quiet", a.set_quiet);
   bind(lib, "cca_set_segment_callback", a.set_segment_callback);
   bind(lib, "cca_config_expandable", a.config_expandable);
+  bind(lib, "cca_settings_not_applied", a.settings_not_applied);
   return a;
 }
 
@@ -354,6 +356,25 @@ class Shim : public CCA::CUDAAllocator {
 
   // Whether the library's configuration maps pages into expandable segments.
   bool expandable() const { return expandable_; }
+
+  // The keys of `settings` (PyTorch's syntax) that would change the library's running
+  // configuration, as "key (running -> asked)" items (empty: none). False, with the library's
+  // message in `text`, when the library cannot read the string.
+  bool settings_not_applied(const std::string& settings, std::string& text) {
+    std::vector<char> buf(512);
+    long n = api_.settings_not_applied(settings.c_str(), buf.data(), buf.size());
+    if (n >= 0 && static_cast<size_t>(n) >= buf.size()) {
+      buf.resize(static_cast<size_t>(n) + 1);
+      n = api_.settings_not_applied(settings.c_str(), buf.data(), buf.size());
+    }
+    if (n < 0) {
+      const char* why = api_.last_error();
+      text = why != nullptr ? why : "unknown error";
+      return false;
+    }
+    text.assign(buf.data());
+    return true;
+  }
 
   // ---- c10::Allocator ----------------------------------------------------------------------
 
@@ -1201,24 +1222,98 @@ void raw_delete_fn(void* ptr) {
   if (g_shim) g_shim->free_ptr(ptr);
 }
 
-// Tells PyTorch's allocator settings that the allocator maps pages into expandable segments, as
-// PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True tells them of its own allocator, so that
-// PyTorch treats it alike: ProcessGroupNCCL then leaves TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK
+// `settings` without its `key:value` items for `key` (items split at the commas outside
+// brackets, as PyTorch's tokenizer reads `roundup_power2_divisions:[...]`).
+std::string without_key(const std::string& settings, const std::string& key) {
+  std::vector<std::string> items;
+  std::string item;
+  int depth = 0;
+  for (char c : settings) {
+    if (c == '[') ++depth;
+    if (c == ']' && depth > 0) --depth;
+    if (c == ',' && depth == 0) {
+      items.push_back(item);
+      item.clear();
+    } else {
+      item += c;
+    }
+  }
+  items.push_back(item);
+  std::string out;
+  for (const auto& it : items) {
+    auto colon = it.find(':');
+    std::string k = it.substr(0, colon);
+    k.erase(0, k.find_first_not_of(" \t"));
+    k.erase(k.find_last_not_of(" \t") + 1);
+    if (k == key || it.find_first_not_of(" \t") == std::string::npos) continue;
+    if (!out.empty()) out += ',';
+    out += it;
+  }
+  return out;
+}
+
+// Sets `expandable_segments` in PyTorch's own allocator settings to what this allocator does, as
+// PYTORCH_CUDA_ALLOC_CONF tells them of PyTorch's allocator, so that PyTorch treats it alike:
+// under expandable segments ProcessGroupNCCL leaves TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK
 // off (shouldAllCommunicatorsRegisterAllTensors), since a segment registered whole would stay
-// registered over pages unmapped and mapped again under it. The settings read so far are parsed
-// again with the one key added (parseArgs resets the keys it does not find).
-void tell_pytorch_expandable() {
+// registered over pages unmapped and mapped again under it; with fixed segments (the `pytorch`
+// preset) it registers them as for PyTorch's. The settings read so far are parsed again with the
+// key replaced (parseArgs resets the keys it does not find).
+void sync_pytorch_expandable(bool expandable) {
   using c10::CachingAllocator::AcceleratorAllocatorConfig;
   try {
-    if (AcceleratorAllocatorConfig::use_expandable_segments()) return;
-    std::string settings = AcceleratorAllocatorConfig::last_allocator_settings();
-    settings += settings.empty() ? "expandable_segments:True" : ",expandable_segments:True";
+    if (AcceleratorAllocatorConfig::use_expandable_segments() == expandable) return;
+    std::string settings =
+        without_key(AcceleratorAllocatorConfig::last_allocator_settings(), "expandable_segments");
+    if (!settings.empty()) settings += ',';
+    settings += expandable ? "expandable_segments:True" : "expandable_segments:False";
     AcceleratorAllocatorConfig::instance().parseArgs(settings);
   } catch (const std::exception& e) {
-    TORCH_WARN(cat("cuda_caching_allocator: could not tell PyTorch's allocator settings that "
-                   "segments are expandable (NCCL's tensor registration hook stays as set): ",
+    TORCH_WARN(cat("cuda_caching_allocator: could not set expandable_segments in PyTorch's "
+                   "allocator settings to what this allocator does (NCCL's tensor registration "
+                   "hook stays as set): ",
                    e.what()));
   }
+}
+
+// PyTorch's device configuration hook, called by c10::CachingAllocator::setAllocatorSettings
+// (torch.cuda.memory._set_allocator_settings) after PyTorch parsed the string into its own
+// settings. The devices' caches take their configuration once, at enable(): PyTorch's
+// expandable_segments is set back to what they do, and the keys that would have changed them are
+// named in a warning rather than left silently unapplied.
+void on_allocator_settings(const std::string& env) {
+  if (g_shim == nullptr) return;
+  sync_pytorch_expandable(g_shim->expandable());
+  std::string text;
+  if (!g_shim->settings_not_applied(env, text)) {
+    TORCH_WARN(cat("cuda_caching_allocator: allocator settings '", env,
+                   "' were applied to PyTorch's own settings only; this allocator cannot read "
+                   "them: ",
+                   text));
+  } else if (!text.empty()) {
+    TORCH_WARN(cat("cuda_caching_allocator: allocator settings '", env,
+                   "' were applied to PyTorch's own settings only; this allocator takes its "
+                   "configuration once, when enable() installs it, and keeps it. Not applied: ",
+                   text,
+                   ". Pass these keys to cuda_caching_allocator.torch.enable(config=...) "
+                   "instead (PyTorch's expandable_segments stays ",
+                   g_shim->expandable() ? "True" : "False", ", as this allocator runs)."));
+  }
+}
+
+// Chains on_allocator_settings after the device configuration hook PyTorch registered (CUDA's
+// parser of its own keys), once.
+void hook_allocator_settings() {
+  using c10::CachingAllocator::AcceleratorAllocatorConfig;
+  static bool hooked = false;
+  if (hooked) return;
+  hooked = true;
+  auto& hook = AcceleratorAllocatorConfig::getConfigParserHook();
+  std::function<void(const std::string&)> previous = hook;
+  hook = [previous](const std::string& env) {
+    if (previous) previous(env);
+    on_allocator_settings(env);
+  };
 }
 
 std::shared_ptr<CCA::CUDAAllocator> create(const std::string& library, const std::string& config) {
@@ -1235,8 +1330,9 @@ std::shared_ptr<CCA::CUDAAllocator> create(const std::string& library, const std
 void install(const std::string& library, const std::string& config) {
   torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(create(library, config));
   // Only here, where the allocator becomes PyTorch's (gpu/ab_shim.cpp creates one beside
-  // PyTorch's own, whose behaviour the setting would change).
-  if (g_shim->expandable()) tell_pytorch_expandable();
+  // PyTorch's own, whose behaviour the settings would change).
+  sync_pytorch_expandable(g_shim->expandable());
+  hook_allocator_settings();
 }
 
 }  // namespace cca
