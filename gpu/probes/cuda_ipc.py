@@ -10,6 +10,11 @@ and fills new allocations with a sentinel, and the consumer, still holding the t
 was not overwritten (the producer's cache must not hand a shared block out while another process
 holds it: PyTorch keeps the block allocated, CudaIPCSentData).
 
+Then the blocks the producer freed while the consumer held them (PyTorch's CudaIPCSentDataLimbo)
+must go back once the consumer has let go: PyTorch's allocator runs the free-memory callbacks
+(cuda_ipc_collect) on a cache miss, so after the consumer exits one allocation that needs new
+memory leaves the producer with only its live tensors allocated.
+
 Prints "PASS ..." or "FAIL ...". With the crate's default configuration (expandable segments)
 as producer, sharing must fail with an error naming `cca_preset:pytorch`: that is checked with
 CONSUMER `refused`.
@@ -92,9 +97,15 @@ if __name__ == "__main__":
     q.put(None)  # the consumer re-checks the last tensor it holds, then stops
     _, consumer_bad = back.get(timeout=120)
     p.join(60)
-    del churn
-    ok = bad == 0 and consumer_bad == 0 and p.exitcode == 0
+    T.cuda.synchronize()
+    live = sum((c.untyped_storage().nbytes() + 511) // 512 * 512 for c in churn)
+    held = T.cuda.memory_allocated() - live  # blocks kept for the consumer, now gone
+    big = T.empty(1 << 29, dtype=T.uint8, device="cuda")  # more than the cache has: a miss
+    left = T.cuda.memory_allocated() - live - big.numel()
+    del churn, big
+    ok = bad == 0 and consumer_bad == 0 and p.exitcode == 0 and held > 0 and left == 0
     print(("PASS " if ok else "FAIL ") + f"cuda_ipc {producer} -> {consumer} {cfg}: "
           f"{bad} of 12 doublings not seen by the producer, {consumer_bad} tensors wrong in the "
-          f"consumer, consumer exit {p.exitcode}", flush=True)
+          f"consumer, consumer exit {p.exitcode}; shared blocks still allocated after the "
+          f"consumer exited {held} bytes, after a miss {left}", flush=True)
     sys.exit(0 if ok else 1)

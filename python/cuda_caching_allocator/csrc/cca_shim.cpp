@@ -316,6 +316,11 @@ void raw_delete_fn(void* ptr);
 // PyTorch gives them the allocation's context.
 thread_local const std::shared_ptr<c10::GatheredContext>* t_alloc_context = nullptr;
 
+// Set by on_segment when an allocation on this thread made or mapped device memory (the library
+// calls the segment callback on the allocating thread, under its lock): malloc_on then runs
+// PyTorch's free-memory callbacks, as PyTorch's allocator runs them on a cache miss.
+thread_local bool t_grew = false;
+
 // Sets t_alloc_context for its lifetime and restores the one it found.
 struct AllocContextScope {
   const std::shared_ptr<c10::GatheredContext>* saved;
@@ -1006,6 +1011,7 @@ class Shim : public CCA::CUDAAllocator {
     try {
       std::shared_ptr<c10::GatheredContext> ctx;
       const bool grows = action == 0 || action == 2;
+      if (grows) t_grew = true;
       if (grows && t_alloc_context != nullptr) ctx = *t_alloc_context;
       static_cast<Shim*>(self)->trace(kActions[action], static_cast<c10::DeviceIndex>(device),
                                       reinterpret_cast<void*>(address), size,
@@ -1020,8 +1026,10 @@ class Shim : public CCA::CUDAAllocator {
   }
 
   // PyTorch's FreeCudaMemoryCallbacksRegistry: true when a callback freed something. PyTorch's
-  // allocator runs them on every cache miss; the shim runs them when the library is out of
-  // memory. Called with no lock held: the callbacks free through free_ptr.
+  // allocator runs them on every cache miss, before it allocates more; the shim runs them after
+  // an allocation that made or mapped device memory (the library's misses that reach the
+  // driver; the blocks given back serve the next ones) and when the library is out of memory.
+  // Called with no lock held: the callbacks free through free_ptr.
   static bool run_free_memory_callbacks() {
     bool freed = false;
     for (const auto& name : c10::FreeCudaMemoryCallbacksRegistry()->Keys()) {
@@ -1132,9 +1140,23 @@ class Shim : public CCA::CUDAAllocator {
         AllocContextScope scope(when == RecordContext::ALLOC || when == RecordContext::ALL
                                     ? &ctx
                                     : nullptr);
+        t_grew = false;
         p = api_.alloc(static_cast<ssize_t>(n), dev, stream);
       }
-      if (p != nullptr) break;
+      if (p != nullptr) {
+        // torch.multiprocessing's cuda_ipc_collect gives back the blocks of shared tensors
+        // whose other processes have let go of them (PyTorch's CudaIPCSentDataLimbo).
+        if (t_grew) {
+          t_grew = false;
+          try {
+            run_free_memory_callbacks();
+          } catch (const std::exception& e) {
+            // The allocation stands; a callback's failure must not leak it.
+            TORCH_WARN(cat("cuda_caching_allocator: a free-memory callback failed: ", e.what()));
+          }
+        }
+        break;
+      }
       // Read before the callbacks: their frees clear the library's last error.
       msg = api_.last_error();
       oom = api_.last_error_kind() == 1;
