@@ -64,6 +64,7 @@ def rank_main(rank, init_file, results):
             T.cuda.memory._set_allocator_settings(opposite)
         warned = any("cuda_caching_allocator" in str(m.message) and "expandable_segments"
                      in str(m.message) for m in w)
+    shim = C._state["shim"] if who == "cca" else None
     T.cuda.memory._record_memory_history(max_entries=200000)
     first = T.full((16 << 20,), float(rank + 1), device=dev)
     at_init = [(s["address"], s["total_size"]) for s in T.cuda.memory._snapshot()["segments"]]
@@ -109,9 +110,8 @@ def rank_main(rank, init_file, results):
         "entries": [(e["action"], e["addr"], e["size"]) for e in entries],
         "viz": viz,
         "warned": warned,
-        "settings": T._C._accelerator_getAllocatorSettings()
-        if hasattr(T._C, "_accelerator_getAllocatorSettings")
-        else "?",
+        # PyTorch's own expandable_segments, which ProcessGroupNCCL read (the shim reads it).
+        "settings": shim.pytorch_expandable() if shim else "?",
     }
 
 
@@ -143,10 +143,13 @@ def check(rank, res, registered, expandable):
         problems.append(f"only {len(registered)} registrations: later segments were not registered")
     if flip and not res["warned"]:
         problems.append("no warning that expandable_segments was not applied")
+    if res["settings"] != "?" and res["settings"] != expandable:
+        problems.append(f"PyTorch's expandable_segments {res['settings']}, the allocator's {expandable}")
     if res["viz"] != "drawn":
         problems.append(f"_memory_viz.trace_plot: {res['viz']}")
     what = (
-        f"{len(registered)} registered, entries {counts}, settings {res['settings']!r}"
+        f"{len(registered)} registered, entries {counts}, PyTorch's expandable_segments "
+        f"{res['settings']}"
     )
     return problems, what
 

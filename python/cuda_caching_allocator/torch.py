@@ -193,30 +193,50 @@ def _settings_not_applied(lib, settings):
     return buf.value.decode(errors="replace")
 
 
-def _warn_settings_on_pluggable(torch, lib):
-    """On the pluggable route (no C++ of ours), ``torch.cuda.memory._set_allocator_settings``
-    gets the warning the shim gives from PyTorch's configuration hook: PyTorch's settings change,
-    the allocator's do not. Only calls through that function are seen."""
-    original = torch.cuda.memory._set_allocator_settings
+def _settings_message(lib, env):
+    """The warning for ``env`` on the pluggable route ("" when it changes nothing)."""
+    try:
+        text = _settings_not_applied(lib, env)
+    except EnableError as e:
+        return (f"cuda_caching_allocator: allocator settings {env!r} were applied to PyTorch's own "
+                f"settings only; this allocator cannot read them: {e}")
+    if not text:
+        return ""
+    return (f"cuda_caching_allocator: allocator settings {env!r} were applied to PyTorch's own "
+            "settings only; this allocator takes its configuration once, when enable() installs "
+            f"it, and keeps it. Not applied: {text}. Pass these keys to "
+            "cuda_caching_allocator.torch.enable(config=...) instead.")
 
-    def _set_allocator_settings(env):
-        result = original(env)
-        try:
-            text = _settings_not_applied(lib, env)
-        except EnableError as e:
-            text = f"this allocator cannot read them: {e}"
-        if text:
-            warnings.warn(
-                f"cuda_caching_allocator: allocator settings {env!r} were applied to PyTorch's own "
-                "settings only; this allocator takes its configuration once, when enable() "
-                f"installs it, and keeps it. Not applied: {text}. Pass these keys to "
-                "cuda_caching_allocator.torch.enable(config=...) instead.",
-                UserWarning,
-                stacklevel=2,
-            )
+
+def _wrap_settings(torch, lib, shim):
+    """Wraps PyTorch's ``torch._C._accelerator_setAllocatorSettings`` (what
+    ``torch.cuda.memory._set_allocator_settings`` calls) so that a change this allocator does not
+    apply raises a ``UserWarning`` naming the keys. On the shim route the shim's hook in PyTorch's
+    configuration parser words the warning (and keeps PyTorch's ``expandable_segments`` at what
+    the allocator does) and hands it over here, since PyTorch's binding sends a C++ warning to
+    stderr only; on the pluggable route the library is asked directly."""
+    owner = torch._C if hasattr(torch._C, "_accelerator_setAllocatorSettings") else None
+    if owner is not None:
+        name = "_accelerator_setAllocatorSettings"
+    else:  # an older torch: the Python function is all there is to wrap
+        owner, name = torch.cuda.memory, "_set_allocator_settings"
+    original = getattr(owner, name)
+
+    def set_allocator_settings(env):
+        if shim is not None:
+            shim.settings_warnings_to_python(True)
+            try:
+                result = original(env)
+            finally:
+                msg = shim.settings_warnings_to_python(False)
+        else:
+            result = original(env)
+            msg = _settings_message(lib, env)
+        if msg:
+            warnings.warn(msg, UserWarning, stacklevel=3)
         return result
 
-    torch.cuda.memory._set_allocator_settings = _set_allocator_settings
+    setattr(owner, name, set_allocator_settings)
 
 
 def enable(config=None, library=None, graphs=True, route="auto", build_dir=None, verbose=False):
@@ -281,7 +301,7 @@ def enable(config=None, library=None, graphs=True, route="auto", build_dir=None,
             graph_hooks = True
         else:
             alloc, graph_hooks = _install_pluggable(torch, lib, path, graphs)
-            _warn_settings_on_pluggable(torch, lib)
+        _wrap_settings(torch, lib, _state["shim"] if chosen == "shim" else None)
     except RuntimeError as e:
         if isinstance(e, EnableError):
             raise

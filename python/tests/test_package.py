@@ -215,26 +215,61 @@ def runtime_settings_name_the_keys_not_applied():
 
 
 @test
-def pluggable_route_warns_for_runtime_settings():
-    # The pluggable route's wrapper of torch.cuda.memory._set_allocator_settings, over a stand-in
-    # for torch: PyTorch's function still runs, the keys not applied are named.
+def runtime_settings_wrapper_warns():
+    # The wrapper of torch._C._accelerator_setAllocatorSettings, over a stand-in for torch:
+    # PyTorch's function still runs; on the pluggable route the library names the keys, on the
+    # shim route the shim's hook hands its text over.
     import types
     import warnings
 
-    calls = []
-    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(memory=types.SimpleNamespace(
-        _set_allocator_settings=lambda env: calls.append(env))))
+    def fake_torch():
+        calls = []
+        t = types.SimpleNamespace(_C=types.SimpleNamespace(
+            _accelerator_setAllocatorSettings=lambda env: calls.append(env)))
+        return t, calls
+
     l = lib()
     assert cca._settings_not_applied(l, "expandable_segments:True") == ""
-    cca._warn_settings_on_pluggable(fake, l)
+    t, calls = fake_torch()
+    cca._wrap_settings(t, l, None)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        fake.cuda.memory._set_allocator_settings("expandable_segments:False")
-        fake.cuda.memory._set_allocator_settings("expandable_segments:True")
-    assert calls == ["expandable_segments:False", "expandable_segments:True"], calls
+        t._C._accelerator_setAllocatorSettings("expandable_segments:False")
+        t._C._accelerator_setAllocatorSettings("expandable_segments:True")
+        t._C._accelerator_setAllocatorSettings("max_split_size_mb:banana")
+    assert calls == ["expandable_segments:False", "expandable_segments:True",
+                     "max_split_size_mb:banana"], calls
     msgs = [str(m.message) for m in w]
-    assert len(msgs) == 1, msgs
+    assert len(msgs) == 2, msgs
     assert "Not applied: expandable_segments (True -> PyTorch's default)" in msgs[0], msgs
+    assert "cannot read them" in msgs[1] and "max_split_size_mb" in msgs[1], msgs
+
+    class FakeShim:
+        def __init__(self):
+            self.on, self.pending, self.log = False, "", []
+
+        def settings_warnings_to_python(self, on):
+            self.log.append(on)
+            out, self.pending, self.on = self.pending, "", on
+            return out
+
+    shim = FakeShim()
+    t, calls = fake_torch()
+    inner = t._C._accelerator_setAllocatorSettings
+
+    def hooked(env):  # what the shim's C++ hook does while the wrapper asked for the text
+        inner(env)
+        assert shim.on
+        shim.pending = "from the hook" if "False" in env else ""
+
+    t._C._accelerator_setAllocatorSettings = hooked
+    cca._wrap_settings(t, l, shim)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        t._C._accelerator_setAllocatorSettings("expandable_segments:False")
+        t._C._accelerator_setAllocatorSettings("expandable_segments:True")
+    assert [str(m.message) for m in w] == ["from the hook"], [str(m.message) for m in w]
+    assert shim.log == [True, False, True, False] and not shim.on
     l.cca_set_quiet(1)
     try:
         expect_error(lambda: cca._settings_not_applied(l, "max_split_size_mb:banana"),

@@ -1298,6 +1298,14 @@ void sync_pytorch_expandable(bool expandable) {
   }
 }
 
+// Where on_allocator_settings puts its warning: PyTorch's binding of setAllocatorSettings
+// (torch._C._accelerator_setAllocatorSettings) does not turn a TORCH_WARN into a Python warning
+// (it reaches stderr only), so the package's Python wrapper of that binding asks for the text
+// here (settings_warnings_to_python) and raises a UserWarning with it. Other callers get the
+// TORCH_WARN.
+thread_local bool t_settings_to_python = false;
+thread_local std::string t_settings_pending;
+
 // PyTorch's device configuration hook, called by c10::CachingAllocator::setAllocatorSettings
 // (torch.cuda.memory._set_allocator_settings) after PyTorch parsed the string into its own
 // settings. The devices' caches take their configuration once, at enable(): PyTorch's
@@ -1307,19 +1315,25 @@ void on_allocator_settings(const std::string& env) {
   if (g_shim == nullptr) return;
   sync_pytorch_expandable(g_shim->expandable());
   std::string text;
+  std::string msg;
   if (!g_shim->settings_not_applied(env, text)) {
-    TORCH_WARN(cat("cuda_caching_allocator: allocator settings '", env,
-                   "' were applied to PyTorch's own settings only; this allocator cannot read "
-                   "them: ",
-                   text));
+    msg = cat("cuda_caching_allocator: allocator settings '", env,
+              "' were applied to PyTorch's own settings only; this allocator cannot read them: ",
+              text);
   } else if (!text.empty()) {
-    TORCH_WARN(cat("cuda_caching_allocator: allocator settings '", env,
-                   "' were applied to PyTorch's own settings only; this allocator takes its "
-                   "configuration once, when enable() installs it, and keeps it. Not applied: ",
-                   text,
-                   ". Pass these keys to cuda_caching_allocator.torch.enable(config=...) "
-                   "instead (PyTorch's expandable_segments stays ",
-                   g_shim->expandable() ? "True" : "False", ", as this allocator runs)."));
+    msg = cat("cuda_caching_allocator: allocator settings '", env,
+              "' were applied to PyTorch's own settings only; this allocator takes its "
+              "configuration once, when enable() installs it, and keeps it. Not applied: ",
+              text,
+              ". Pass these keys to cuda_caching_allocator.torch.enable(config=...) instead "
+              "(PyTorch's expandable_segments stays ",
+              g_shim->expandable() ? "True" : "False", ", as this allocator runs).");
+  }
+  if (msg.empty()) return;
+  if (t_settings_to_python) {
+    t_settings_pending = std::move(msg);
+  } else {
+    TORCH_WARN(msg);
   }
 }
 
@@ -1367,6 +1381,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("install", &cca::install, "Loads the native library and makes the allocator PyTorch's "
         "CUDA allocator", pybind11::arg("library"), pybind11::arg("config"));
   m.def("abi_version", []() { return cca::kAbiVersion; });
+  m.def("settings_warnings_to_python", [](bool on) {
+    std::string pending = std::move(cca::t_settings_pending);
+    cca::t_settings_pending.clear();
+    cca::t_settings_to_python = on;
+    return pending;
+  }, "Routes this thread's allocator-settings warning to the caller (on) or to TORCH_WARN (off); "
+     "returns the warning kept since the last call (empty: none)", pybind11::arg("on"));
+  m.def("pytorch_expandable", []() {
+    return c10::CachingAllocator::AcceleratorAllocatorConfig::use_expandable_segments();
+  }, "PyTorch's own expandable_segments setting (ProcessGroupNCCL reads it)");
   m.def("host_time", []() {
     auto& t = cca::g_timing;
     return pybind11::make_tuple(t.on.load(), t.alloc_ns.load(), t.alloc_calls.load(),
