@@ -297,16 +297,25 @@ if probe == "runtime_settings":
         warnings.simplefilter("always")
         T.cuda.memory._set_allocator_settings(same)
     second = [str(m.message) for m in w if "cuda_caching_allocator" in str(m.message)]
+    # A string PyTorch refuses after its generic parser already set expandable_segments from it.
+    opposite = "False" if expandable else "True"
+    try:
+        T.cuda.memory._set_allocator_settings(f"expandable_segments:{opposite},max_split_size_mb:x")
+        refused = False
+    except Exception:  # noqa: BLE001
+        refused = True
+    after_bad = shim.pytorch_expandable() if shim else None
     y = T.empty(3 << 20, device="cuda")
-    ok_alloc = x.numel() == (1 << 20) and y.numel() == (3 << 20)
+    ok_alloc = x.numel() == (1 << 20) and y.numel() == (3 << 20) and refused
     if who == "native":
         done(not first and not second and ok_alloc, f"warnings {len(first) + len(second)}")
     want = ["expandable_segments", "max_split_size_mb"] if expandable else ["expandable_segments"]
     named = len(first) == 1 and all(k in first[0] for k in want) and "enable(config=" in first[0]
-    kept = before == expandable and after == expandable
+    kept = before == expandable and after == expandable and after_bad == expandable
     done(named and kept and not second and ok_alloc,
          f"warning names {want}: {named}; PyTorch's expandable_segments before {before}, after "
-         f"{after} (the allocator's: {expandable}); warnings for the running values: "
+         f"{after}, after a refused string {after_bad} (the allocator's: {expandable}; refused "
+         f"{refused}); warnings for the running values: "
          f"{len(second)}; first warning {first[:1]}")
 
 print(f"unknown probe {probe}")

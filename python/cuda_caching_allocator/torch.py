@@ -229,6 +229,9 @@ def _wrap_settings(torch, lib, shim):
                 result = original(env)
             finally:
                 msg = shim.settings_warnings_to_python(False)
+                # PyTorch's generic parser sets expandable_segments token by token before it
+                # refuses a bad string, and then the hook does not run: set it back.
+                shim.sync_pytorch_expandable()
         else:
             result = original(env)
             msg = _settings_message(lib, env)

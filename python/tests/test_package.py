@@ -191,7 +191,7 @@ def runtime_settings_name_the_keys_not_applied():
     assert l.cca_config_expandable() == 1
     buf = ctypes.create_string_buffer(512)
     n = l.cca_settings_not_applied(b"expandable_segments:False", buf, len(buf))
-    assert buf.value == b"expandable_segments (True -> PyTorch's default)", buf.value
+    assert buf.value == b"expandable_segments (True -> False)", buf.value
     assert n == len(buf.value)
     n = l.cca_settings_not_applied(b"expandable_segments:True,max_split_size_mb:64", buf, len(buf))
     assert buf.value == b"max_split_size_mb (PyTorch's default -> 64)", buf.value
@@ -202,7 +202,7 @@ def runtime_settings_name_the_keys_not_applied():
     # A short buffer: truncated, NUL-terminated, the full length returned.
     short = ctypes.create_string_buffer(8)
     full = l.cca_settings_not_applied(b"expandable_segments:False", None, 0)
-    assert full == len(b"expandable_segments (True -> PyTorch's default)"), full
+    assert full == len(b"expandable_segments (True -> False)"), full
     assert l.cca_settings_not_applied(b"expandable_segments:False", short, 8) == full
     assert short.value == b"expanda"
     l.cca_set_quiet(1)
@@ -241,12 +241,15 @@ def runtime_settings_wrapper_warns():
                      "max_split_size_mb:banana"], calls
     msgs = [str(m.message) for m in w]
     assert len(msgs) == 2, msgs
-    assert "Not applied: expandable_segments (True -> PyTorch's default)" in msgs[0], msgs
+    assert "Not applied: expandable_segments (True -> False)" in msgs[0], msgs
     assert "cannot read them" in msgs[1] and "max_split_size_mb" in msgs[1], msgs
 
     class FakeShim:
         def __init__(self):
-            self.on, self.pending, self.log = False, "", []
+            self.on, self.pending, self.log, self.synced = False, "", [], 0
+
+        def sync_pytorch_expandable(self):
+            self.synced += 1
 
         def settings_warnings_to_python(self, on):
             self.log.append(on)
@@ -269,7 +272,7 @@ def runtime_settings_wrapper_warns():
         t._C._accelerator_setAllocatorSettings("expandable_segments:False")
         t._C._accelerator_setAllocatorSettings("expandable_segments:True")
     assert [str(m.message) for m in w] == ["from the hook"], [str(m.message) for m in w]
-    assert shim.log == [True, False, True, False] and not shim.on
+    assert shim.log == [True, False, True, False] and not shim.on and shim.synced == 2
     l.cca_set_quiet(1)
     try:
         expect_error(lambda: cca._settings_not_applied(l, "max_split_size_mb:banana"),

@@ -47,6 +47,10 @@ impl AllocatorConfig {
     /// let d = running.differences(&asked);
     /// assert_eq!(d.len(), 1);
     /// assert_eq!(d[0].to_string(), "expandable_segments (True -> PyTorch's default)");
+    /// assert_eq!(
+    ///     asked.differences(&running)[0].to_string(),
+    ///     "expandable_segments (PyTorch's default -> True)"
+    /// );
     /// assert!(running.differences(&running.clone()).is_empty());
     /// ```
     pub fn differences(&self, other: &AllocatorConfig) -> Vec<SettingDifference> {
@@ -75,9 +79,21 @@ impl AllocatorConfig {
         out
     }
 
-    /// What applying `settings` on top of `self` would change ([`AllocatorConfig::with_settings`],
-    /// which resets `max_split_size_mb`, `roundup_power2_divisions` and
-    /// `garbage_collection_threshold` where the string does not name them, as PyTorch does).
+    /// The keys that `settings` names whose values in it differ from `self`'s (all of `self`'s
+    /// differences from the result when it names a `cca_preset`), as
+    /// [`AllocatorConfig::differences`] reports them, except that a value `settings` sets to
+    /// PyTorch's default is written as `settings` wrote it. Keys `settings` does not name are
+    /// left out, even those [`AllocatorConfig::with_settings`] resets (a running
+    /// configuration's `max_split_size_mb` is not what a string about another key asks to
+    /// change).
+    ///
+    /// ```
+    /// use cuda_caching_allocator::AllocatorConfig;
+    /// let running = AllocatorConfig::parse("expandable_segments:True,max_split_size_mb:256").unwrap();
+    /// let d = running.differences_with_settings("expandable_segments:False").unwrap();
+    /// assert_eq!(d.len(), 1);
+    /// assert_eq!(d[0].to_string(), "expandable_segments (True -> False)");
+    /// ```
     ///
     /// # Errors
     /// A [`ConfigError`] naming the bad key, token or value of `settings`.
@@ -86,7 +102,20 @@ impl AllocatorConfig {
         settings: &str,
     ) -> Result<Vec<SettingDifference>, ConfigError> {
         let next = self.clone().with_settings(settings)?;
-        Ok(self.differences(&next))
+        let given: Vec<(String, String)> = settings_pairs(settings)
+            .into_iter()
+            .map(|(k, v)| (canonical_key(k.trim()).to_owned(), v.trim().to_owned()))
+            .collect();
+        let mut out = self.differences(&next);
+        if !given.iter().any(|(k, _)| k == "cca_preset") {
+            out.retain(|d| lookup(&given, &d.key).is_some());
+        }
+        for d in &mut out {
+            if d.to.is_none() {
+                d.to = lookup(&given, &d.key).map(str::to_owned);
+            }
+        }
+        Ok(out)
     }
 }
 
@@ -116,6 +145,14 @@ fn settings_pairs(s: &str) -> Vec<(String, String)> {
             None => (item.to_owned(), String::new()),
         })
         .collect()
+}
+
+/// The key [`AllocatorConfig::to_settings`] writes for a key a string may name.
+fn canonical_key(key: &str) -> &str {
+    match key {
+        "release_lock_on_hipmalloc" => "release_lock_on_cudamalloc",
+        k => k,
+    }
 }
 
 fn lookup<'a>(pairs: &'a [(String, String)], key: &str) -> Option<&'a str> {
@@ -157,17 +194,44 @@ mod tests {
         assert_eq!(split[0].key, "max_split_size_mb");
         assert_eq!(split[0].from, None);
         assert_eq!(split[0].to.as_deref(), Some("256"));
-        // The reverse: PyTorch resets max_split_size_mb on a parse that does not name it.
+        // A key the string does not name is not reported, though with_settings resets it.
         let with_split = pytorch
             .clone()
             .with_settings("max_split_size_mb:256")
             .unwrap();
-        let reset = with_split
+        let other = with_split
             .differences_with_settings("garbage_collection_threshold:0.5")
             .unwrap();
-        let keys: Vec<&str> = reset.iter().map(|d| d.key.as_str()).collect();
-        assert_eq!(keys, ["max_split_size_mb", "garbage_collection_threshold"]);
-        assert_eq!(reset[0].to, None);
+        let keys: Vec<&str> = other.iter().map(|d| d.key.as_str()).collect();
+        assert_eq!(keys, ["garbage_collection_threshold"]);
+        assert!(
+            with_split
+                .differences_with_settings("pinned_use_background_threads:True")
+                .unwrap()
+                .is_empty()
+        );
+        // A value set back to PyTorch's default is written as the string wrote it.
+        let flag = AllocatorConfig::default()
+            .differences_with_settings("expandable_segments: False")
+            .unwrap();
+        assert_eq!(flag.len(), 1, "{flag:?}");
+        assert_eq!(flag[0].to_string(), "expandable_segments (True -> False)");
+        // An alias is matched to the key to_settings writes.
+        let lock = pytorch
+            .differences_with_settings("release_lock_on_hipmalloc:True")
+            .unwrap();
+        assert_eq!(lock.len(), 1, "{lock:?}");
+        assert_eq!(lock[0].key, "release_lock_on_cudamalloc");
+    }
+
+    #[test]
+    fn a_preset_in_the_string_reports_every_difference() {
+        let d = Preset::Pytorch
+            .config()
+            .differences_with_settings("cca_preset:default")
+            .unwrap();
+        assert!(d.iter().any(|d| d.key == "expandable_segments"), "{d:?}");
+        assert!(d.len() > 3, "{d:?}");
     }
 
     #[test]

@@ -1153,6 +1153,8 @@ class Shim : public CCA::CUDAAllocator {
           } catch (const std::exception& e) {
             // The allocation stands; a callback's failure must not leak it.
             TORCH_WARN(cat("cuda_caching_allocator: a free-memory callback failed: ", e.what()));
+          } catch (...) {
+            TORCH_WARN("cuda_caching_allocator: a free-memory callback failed");
           }
         }
         break;
@@ -1347,7 +1349,14 @@ void hook_allocator_settings() {
   auto& hook = AcceleratorAllocatorConfig::getConfigParserHook();
   std::function<void(const std::string&)> previous = hook;
   hook = [previous](const std::string& env) {
-    if (previous) previous(env);
+    try {
+      if (previous) previous(env);
+    } catch (...) {
+      // CUDA's parser refused the string after PyTorch's generic one had already set
+      // expandable_segments from it: set it back before the error goes on.
+      if (g_shim != nullptr) sync_pytorch_expandable(g_shim->expandable());
+      throw;
+    }
     on_allocator_settings(env);
   };
 }
@@ -1388,6 +1397,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return pending;
   }, "Routes this thread's allocator-settings warning to the caller (on) or to TORCH_WARN (off); "
      "returns the warning kept since the last call (empty: none)", pybind11::arg("on"));
+  m.def("sync_pytorch_expandable", []() {
+    if (cca::g_shim != nullptr) cca::sync_pytorch_expandable(cca::g_shim->expandable());
+  }, "Sets PyTorch's own expandable_segments to what the installed allocator does (after a "
+     "settings string PyTorch's generic parser applied before refusing it)");
   m.def("pytorch_expandable", []() {
     return c10::CachingAllocator::AcceleratorAllocatorConfig::use_expandable_segments();
   }, "PyTorch's own expandable_segments setting (ProcessGroupNCCL reads it)");
