@@ -1285,12 +1285,25 @@ std::string without_key(const std::string& settings, const std::string& key) {
 // key replaced (parseArgs resets the keys it does not find).
 void sync_pytorch_expandable(bool expandable) {
   using c10::CachingAllocator::AcceleratorAllocatorConfig;
+  const std::string key = expandable ? "expandable_segments:True" : "expandable_segments:False";
   try {
     if (AcceleratorAllocatorConfig::use_expandable_segments() == expandable) return;
     std::string settings =
         without_key(AcceleratorAllocatorConfig::last_allocator_settings(), "expandable_segments");
     if (!settings.empty()) settings += ',';
-    settings += expandable ? "expandable_segments:True" : "expandable_segments:False";
+    AcceleratorAllocatorConfig::instance().parseArgs(settings + key);
+    return;
+  } catch (const std::exception&) {
+    // The last settings are a string PyTorch refused half-way (it keeps them as the last ones
+    // before parsing): keep of them what PyTorch's host allocator reads, and the key. The
+    // device allocator's tuning keys, which PyTorch's own allocator alone reads, go back to
+    // their defaults while this one is installed.
+  }
+  try {
+    std::string settings = key;
+    if (AcceleratorAllocatorConfig::pinned_use_background_threads()) {
+      settings += ",pinned_use_background_threads:True";
+    }
     AcceleratorAllocatorConfig::instance().parseArgs(settings);
   } catch (const std::exception& e) {
     TORCH_WARN(cat("cuda_caching_allocator: could not set expandable_segments in PyTorch's "
