@@ -220,7 +220,9 @@ def _wrap_settings(torch, lib, shim):
         name = "_accelerator_setAllocatorSettings"
     else:  # an older torch: the Python function is all there is to wrap
         owner, name = torch.cuda.memory, "_set_allocator_settings"
-    original = getattr(owner, name)
+    original = getattr(owner, name, None)
+    if original is None:  # a torch without run-time settings: nothing to wrap
+        return
 
     def set_allocator_settings(env):
         if shim is not None:
