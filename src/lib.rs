@@ -62,4 +62,7 @@ mod guide_doctests {
     struct MigratingFromCudarc;
     #[doc = include_str!("../docs/streams-and-graphs.md")]
     struct StreamsAndGraphs;
+    #[doc = include_str!("../docs/researchers-guide.md")]
+    #[cfg(feature = "trace-io")]
+    struct ResearchersGuide;
 }

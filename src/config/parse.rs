@@ -126,6 +126,68 @@ const IGNORED_KEYS: &[&str] = &[
     "expandable_segments_reserve_by_class",
 ];
 
+/// Every key `apply_keys` reads (the ignored ones aside), for the hint of an unknown key.
+const KEYS: &[&str] = &[
+    "max_split_size_mb",
+    "max_non_split_rounding_mb",
+    "large_segment_size_mb",
+    "garbage_collection_threshold",
+    "per_process_memory_fraction",
+    "roundup_power2_divisions",
+    "expandable_segments",
+    "release_lock_on_cudamalloc",
+    "release_lock_on_hipmalloc",
+    "throw_on_cudamalloc_oom",
+    "graph_capture_record_stream_reuse",
+    "cca_large_page_size_mb",
+    "cca_max_handle_size_mb",
+    "cca_min_growth_mb",
+    "cca_handle_per_growth",
+    "cca_page_reuse",
+    "cca_page_reuse_slack",
+    "cca_page_reuse_fence",
+    "cca_borrow_blocks",
+    "cca_page_lending",
+    "cca_page_move_budget",
+    "cca_precise_cap",
+    "cca_fast_path",
+    "cca_cross_stream_reuse",
+    "cca_preset",
+    "backend",
+];
+
+/// What follows PyTorch's words for an unknown key: `key=value` written for `key:value`, or the
+/// known key a typo is closest to (at most two edits, or a quarter of the key's length).
+fn unknown_key_hint(key: &str) -> String {
+    if let Some((k, v)) = key.split_once('=') {
+        return format!(" Keys and values are separated by ':', as in '{k}:{v}'.");
+    }
+    let limit = (key.len() / 4).max(2);
+    KEYS.iter()
+        .chain(IGNORED_KEYS)
+        .map(|k| (edit_distance(key, k), *k))
+        .filter(|&(d, _)| d <= limit)
+        .min()
+        .map(|(_, k)| format!(" Did you mean '{k}'? (Every key: docs/configuration.md.)"))
+        .unwrap_or_default()
+}
+
+/// Levenshtein distance between two strings, by characters.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = Vec::with_capacity(b.len() + 1);
+        cur.push(i + 1);
+        for (j, &cb) in b.iter().enumerate() {
+            let substitute = prev[j] + usize::from(ca != cb);
+            cur.push(substitute.min(prev[j + 1] + 1).min(cur[j] + 1));
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
 pub(super) fn apply(c: AllocatorConfig, settings: &str) -> Result<AllocatorConfig, ConfigError> {
     let mut key = String::new();
     apply_keys(c, settings, &mut key).map_err(|e| name_key(e, &key))
@@ -374,7 +436,8 @@ fn apply_keys(
             }
             _ => {
                 return Err(ConfigError::new(format!(
-                    "Unrecognized key '{key}' in CUDA allocator config."
+                    "Unrecognized key '{key}' in CUDA allocator config.{}",
+                    unknown_key_hint(&key)
                 )));
             }
         }
@@ -566,6 +629,17 @@ mod tests {
     }
 
     #[test]
+    fn every_key_of_the_hint_list_is_read() {
+        for key in KEYS {
+            let e = apply(AllocatorConfig::pytorch(), &format!("{key}:x")).unwrap_err();
+            assert!(!e.message().contains("Unrecognized key"), "{key}: {e}");
+        }
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+        assert_eq!(edit_distance("", "abc"), 3);
+        assert_eq!(edit_distance("same", "same"), 0);
+    }
+
+    #[test]
     fn errors_use_pytorch_words() {
         assert_eq!(
             err("foo:1"),
@@ -587,8 +661,15 @@ mod tests {
         );
         assert_eq!(
             err("max_split_size_mb=20"),
-            "Unrecognized key 'max_split_size_mb=20' in CUDA allocator config."
+            "Unrecognized key 'max_split_size_mb=20' in CUDA allocator config. Keys and values \
+             are separated by ':', as in 'max_split_size_mb:20'."
         );
+        assert_eq!(
+            err("max_split_sise_mb:20"),
+            "Unrecognized key 'max_split_sise_mb' in CUDA allocator config. Did you mean \
+             'max_split_size_mb'? (Every key: docs/configuration.md.)"
+        );
+        assert!(err("cca_page_reuse_slak:0.01").contains("Did you mean 'cca_page_reuse_slack'?"));
         assert_eq!(
             err("roundup_power2_divisions:3"),
             "For roundups, the divisions has to be power of 2 \

@@ -359,7 +359,29 @@ fn cli_failed_runs_do_not_look_like_results() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{}: {stderr}", args.join(" "));
         assert!(stderr.contains("the trace has no allocations"), "{stderr}");
+        assert!(!stderr.contains("no allocator history"), "{stderr}");
     }
+    // A snapshot without history (taken without _record_memory_history): the note says how to
+    // record one.
+    let snap = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("cli")
+        .join("no_history.pickle");
+    let snap = snap.to_str().unwrap();
+    let out = cca(&["convert", empty, snap]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = cca(&["replay", snap]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("the snapshot holds no allocator history"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("_record_memory_history"), "{stderr}");
     let out = cca(&["replay", t, "--json"]);
     assert_eq!(out.status.code(), Some(0));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();

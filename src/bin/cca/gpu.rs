@@ -59,8 +59,9 @@ pub(crate) fn run(
     _time_every: u32,
 ) -> CliResult<Run> {
     Err(format!(
-        "--device cuda:{ordinal}: this cca was built without CUDA support; rebuild it with \
-         `cargo build --release --features cli,cuda` (or use --device sim)"
+        "--device cuda:{ordinal}: this cca was built without CUDA support; install one with \
+         `cargo install --locked --path . --features cli,cuda` (or run target/release/cca after \
+         `cargo build --release --features cli,cuda`), or use --device sim"
     )
     .into())
 }

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use cuda_caching_allocator::trace::{
-    CsvExportOptions, ImportOptions, ImportReport, SnapshotExportOptions, Trace,
+    CsvExportOptions, ImportOptions, ImportReport, SnapshotExportOptions, Trace, TraceFormat,
     export_rmm_csv_file, export_snapshot_file, read_trace_file,
 };
 use cuda_caching_allocator::{
@@ -151,6 +151,16 @@ pub(crate) fn load_trace(path: &Path, lenient: bool, max_bytes: u64) -> CliResul
     step.done(&format!("{} events", imported.trace.events.len()));
     for note in import_notes(&imported.report) {
         say!("cca: note: {}: {note}", path.display());
+    }
+    if imported.format == TraceFormat::PytorchSnapshot && imported.report.records == 0 {
+        // The usual cause: torch.cuda.memory._snapshot() without the history turned on first.
+        say!(
+            "cca: note: {}: the snapshot holds no allocator history (its device_traces are \
+             empty): turn it on before the run with \
+             torch.cuda.memory._record_memory_history(max_entries=...), then dump the snapshot \
+             (docs/researchers-guide.md, section 1)",
+            path.display()
+        );
     }
     Ok(imported.trace)
 }
