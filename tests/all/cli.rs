@@ -388,6 +388,26 @@ fn cli_failed_runs_do_not_look_like_results() {
     assert_eq!(v["status"], "ok");
 }
 
+/// A progress setting that is not a number was ignored without a word; it is named once.
+#[test]
+fn cli_a_bad_progress_setting_is_named() {
+    let t = trace();
+    let out = Command::new(env!("CARGO_BIN_EXE_cca"))
+        .args(["replay", t.to_str().unwrap(), "--json"])
+        .env("CCA_PROGRESS_AFTER_MS", "banana")
+        .output()
+        .expect("the cca binary runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert_eq!(
+        stderr
+            .matches("CCA_PROGRESS_AFTER_MS=\"banana\" is not a whole number")
+            .count(),
+        1,
+        "{stderr}"
+    );
+}
+
 /// Regression (#15): `--json --summary` ignored `--summary`, and `80GB` was read as 80 GiB.
 #[test]
 fn cli_inputs_are_not_silently_ignored() {

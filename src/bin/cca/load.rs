@@ -35,11 +35,33 @@ fn quiet() -> bool {
 
 /// After how long a finished step is reported on a stderr that is not a terminal (where no
 /// spinner shows): 2 s, or `CCA_PROGRESS_AFTER_MS` milliseconds.
+/// A value that is not a whole number of milliseconds is reported once and the 2 s kept.
 fn report_after() -> Duration {
-    std::env::var("CCA_PROGRESS_AFTER_MS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .map_or(Duration::from_secs(2), Duration::from_millis)
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    match std::env::var("CCA_PROGRESS_AFTER_MS") {
+        Err(std::env::VarError::NotPresent) => Duration::from_secs(2),
+        Ok(v) => match v.trim().parse::<u64>() {
+            Ok(ms) => Duration::from_millis(ms),
+            Err(_) => {
+                if !WARNED.swap(true, Ordering::Relaxed) {
+                    say!(
+                        "cca: warning: CCA_PROGRESS_AFTER_MS={v:?} is not a whole number of \
+                         milliseconds; steps are reported after 2 s"
+                    );
+                }
+                Duration::from_secs(2)
+            }
+        },
+        Err(std::env::VarError::NotUnicode(_)) => {
+            if !WARNED.swap(true, Ordering::Relaxed) {
+                say!(
+                    "cca: warning: CCA_PROGRESS_AFTER_MS is not valid UTF-8; steps are \
+                     reported after 2 s"
+                );
+            }
+            Duration::from_secs(2)
+        }
+    }
 }
 
 /// A step of unknown length (loading, converting, writing): a spinner with the elapsed time on
