@@ -12,34 +12,16 @@
 //! `examples/traces/*.csv.gz`.
 #![allow(clippy::unwrap_used)]
 
+use cuda_caching_allocator::Preset;
 use cuda_caching_allocator::synth::Workload;
 use cuda_caching_allocator::trace::Trace;
-use cuda_caching_allocator::{
-    AllocatorConfig, CachingAllocator, Preset, ReplayOptions, ReplayReport, SimCounters, SimDevice,
-    replay,
-};
+
+#[path = "../benches/support/fragmentation_rows.rs"]
+mod fragmentation_rows;
+use fragmentation_rows::gb;
 
 /// The synthetic traces' seed.
 const SEED: u64 = 1;
-
-struct Row {
-    trace: String,
-    preset: Preset,
-    report: ReplayReport,
-    sim: SimCounters,
-}
-
-fn run(name: &str, trace: &Trace, preset: Preset) -> Row {
-    let config: AllocatorConfig = preset.config();
-    let alloc = CachingAllocator::new(SimDevice::default(), config).unwrap();
-    let report = replay(&alloc, trace, &ReplayOptions::default()).unwrap();
-    Row {
-        trace: name.to_string(),
-        preset,
-        report,
-        sim: alloc.backend().counters(),
-    }
-}
 
 #[cfg(feature = "trace-io")]
 fn real_traces() -> Vec<(String, Trace)> {
@@ -76,10 +58,6 @@ fn reference() -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
-fn gb(bytes: u64) -> String {
-    format!("{:.3}", bytes as f64 / 1e9)
-}
-
 fn main() {
     let mut traces = real_traces();
     for w in Workload::ALL {
@@ -91,30 +69,13 @@ fn main() {
     );
     println!("|---|---:|---|---:|---:|---:|---:|---:|---:|");
     for (name, trace) in &traces {
-        let rows: Vec<Row> = [Preset::Pytorch, Preset::PytorchExpandable, Preset::Default]
+        let rows: Vec<_> = [Preset::Pytorch, Preset::PytorchExpandable, Preset::Default]
             .into_iter()
-            .map(|p| run(name, trace, p))
+            .map(|p| fragmentation_rows::row(name, trace, p))
             .collect();
-        let live = rows[0].report.peak_live_bytes;
-        for r in &rows {
-            let s = &r.sim;
-            println!(
-                "| {} | {} | `{}` | {} | {:.3} | {} + {} | {}, {}, {}, {}, {} | {} | {} |",
-                r.trace,
-                gb(r.report.peak_live_bytes),
-                r.preset.name(),
-                gb(r.report.peak_reserved_bytes),
-                r.report.reserved_over_live(),
-                r.report.num_device_alloc,
-                r.report.num_device_free,
-                s.allocate_calls,
-                s.create_physical_calls,
-                s.map_calls,
-                s.unmap_calls,
-                s.release_physical_calls + s.free_calls,
-                s.synchronize_calls,
-                r.report.num_ooms,
-            );
+        let live = rows[0].0.peak_live_bytes;
+        for (_, line) in &rows {
+            println!("{line}");
         }
         let key = name.as_str();
         if let Some(t) = refs["traces"].get(key) {

@@ -166,3 +166,47 @@ mod shared_traces {
         }
     }
 }
+
+#[path = "../../benches/support/fragmentation_rows.rs"]
+mod fragmentation_rows;
+
+/// The fragmentation table of `benches/README.md` (printed by `examples/fragmentation_table.rs`)
+/// is what the code does today: every simulated row, shipped traces (from the CSV logs, which
+/// give the pickles' figures) and synthetic ones at seed 1, appears in the README as it is
+/// printed now. A change that moves a figure must regenerate the table.
+#[cfg(feature = "trace-io")]
+#[test]
+fn the_readme_fragmentation_table_is_current() {
+    use cuda_caching_allocator::trace::{ImportOptions, read_trace_file};
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/benches/README.md")).unwrap();
+    let mut traces = Vec::new();
+    for name in ["gpt2_train", "resnet50_train", "bert_varlen"] {
+        let path = format!(
+            "{}/examples/traces/{name}.csv.gz",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let t = read_trace_file(&path, &ImportOptions::strict())
+            .unwrap_or_else(|e| panic!("{path}: {e}"))
+            .trace;
+        traces.push((name.to_owned(), t));
+    }
+    for w in Workload::ALL {
+        traces.push((format!("{} (seed 1)", w.name()), w.trace(1)));
+    }
+    let mut stale = Vec::new();
+    for (name, trace) in &traces {
+        for preset in [Preset::Pytorch, Preset::PytorchExpandable, Preset::Default] {
+            let (_, line) = fragmentation_rows::row(name, trace, preset);
+            if !readme.lines().any(|l| l == line) {
+                stale.push(line);
+            }
+        }
+    }
+    assert!(
+        stale.is_empty(),
+        "benches/README.md's fragmentation table lacks these rows (regenerate it with \
+         `cargo run --release --example fragmentation_table --features trace-io`):\n{}",
+        stale.join("\n")
+    );
+}
