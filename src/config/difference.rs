@@ -102,17 +102,34 @@ impl AllocatorConfig {
         settings: &str,
     ) -> Result<Vec<SettingDifference>, ConfigError> {
         let next = self.clone().with_settings(settings)?;
+        // Keys as the tokenizer reads them (no whitespace anywhere); a `cca_preset` replaces
+        // whatever came before it, so only the items after the last one say what was asked.
         let given: Vec<(String, String)> = settings_pairs(settings)
             .into_iter()
-            .map(|(k, v)| (canonical_key(k.trim()).to_owned(), v.trim().to_owned()))
+            .map(|(k, v)| {
+                let k: String = k.chars().filter(|c| !c.is_whitespace()).collect();
+                (canonical_key(&k).to_owned(), v.trim().to_owned())
+            })
             .collect();
+        let after_preset = given
+            .iter()
+            .rposition(|(k, _)| k == "cca_preset")
+            .map_or(0, |i| i + 1);
+        let asked = &given[after_preset..];
+        let last = |key: &str| {
+            asked
+                .iter()
+                .rev()
+                .find(|(k, _)| k == key)
+                .map(|(_, v)| v.clone())
+        };
         let mut out = self.differences(&next);
-        if !given.iter().any(|(k, _)| k == "cca_preset") {
-            out.retain(|d| lookup(&given, &d.key).is_some());
+        if after_preset == 0 {
+            out.retain(|d| last(&d.key).is_some());
         }
         for d in &mut out {
             if d.to.is_none() {
-                d.to = lookup(&given, &d.key).map(str::to_owned);
+                d.to = last(&d.key);
             }
         }
         Ok(out)
@@ -222,6 +239,29 @@ mod tests {
             .unwrap();
         assert_eq!(lock.len(), 1, "{lock:?}");
         assert_eq!(lock[0].key, "release_lock_on_cudamalloc");
+    }
+
+    #[test]
+    fn the_last_setting_of_a_key_after_the_last_preset_is_the_one_reported() {
+        let running = AllocatorConfig::default();
+        let d = running
+            .differences_with_settings("expandable_segments:True,expandable_segments:False")
+            .unwrap();
+        assert_eq!(d[0].to_string(), "expandable_segments (True -> False)");
+        let split = AllocatorConfig::parse("max_split_size_mb:256").unwrap();
+        let d = split
+            .differences_with_settings("max_split_size_mb:300,cca_preset:pytorch")
+            .unwrap();
+        let m = d.iter().find(|d| d.key == "max_split_size_mb").unwrap();
+        assert_eq!(
+            m.to_string(),
+            "max_split_size_mb (256 -> PyTorch's default)"
+        );
+        // Whitespace inside a key is dropped, as the tokenizer drops it.
+        let d = AllocatorConfig::pytorch()
+            .differences_with_settings("max_split _size_mb:256")
+            .unwrap();
+        assert_eq!(d.len(), 1, "{d:?}");
     }
 
     #[test]

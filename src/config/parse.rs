@@ -160,9 +160,11 @@ const KEYS: &[&str] = &[
 /// known key a typo is closest to (at most two edits, or a quarter of the key's length).
 fn unknown_key_hint(key: &str) -> String {
     if let Some((k, v)) = key.split_once('=') {
-        return format!(" Keys and values are separated by ':', as in '{k}:{v}'.");
+        if !k.is_empty() && !v.is_empty() {
+            return format!(" Keys and values are separated by ':', as in '{k}:{v}'.");
+        }
     }
-    let limit = (key.len() / 4).max(2);
+    let limit = (key.chars().count() / 4).max(2);
     KEYS.iter()
         .chain(IGNORED_KEYS)
         .map(|k| (edit_distance(key, k), *k))
@@ -670,6 +672,8 @@ mod tests {
              'max_split_size_mb'? (Every key: docs/configuration.md.)"
         );
         assert!(err("cca_page_reuse_slak:0.01").contains("Did you mean 'cca_page_reuse_slack'?"));
+        assert!(!err("=5").contains("as in"), "{}", err("=5"));
+        assert!(!err("中中中_preset:1").contains("Did you mean"));
         assert_eq!(
             err("roundup_power2_divisions:3"),
             "For roundups, the divisions has to be power of 2 \

@@ -40,6 +40,7 @@ fn report_after() -> Duration {
     static WARNED: AtomicBool = AtomicBool::new(false);
     match std::env::var("CCA_PROGRESS_AFTER_MS") {
         Err(std::env::VarError::NotPresent) => Duration::from_secs(2),
+        Ok(v) if v.trim().is_empty() => Duration::from_secs(2),
         Ok(v) => match v.trim().parse::<u64>() {
             Ok(ms) => Duration::from_millis(ms),
             Err(_) => {
