@@ -13,30 +13,12 @@
 //! figures are recorded in `benches/README.md` ("Cross-stream reuse").
 #![allow(clippy::unwrap_used)]
 
+use cuda_caching_allocator::Preset;
 use cuda_caching_allocator::synth::Workload;
 use cuda_caching_allocator::trace::Trace;
-use cuda_caching_allocator::{CachingAllocator, Preset, ReplayOptions, SimDevice, replay};
 
-fn row(name: &str, trace: &Trace, preset: Preset, on: bool) {
-    let mut config = preset.config();
-    config.cross_stream_reuse = on;
-    let alloc = CachingAllocator::new(SimDevice::default(), config).unwrap();
-    let r = replay(&alloc, trace, &ReplayOptions::default()).unwrap();
-    let sim = alloc.backend().counters();
-    println!(
-        "| {name} | `{}`{} | {:.3} | {:.3} | {} | {} + {} | {} | {} | {} |",
-        preset.name(),
-        if on { " + cross-stream" } else { "" },
-        r.peak_reserved_bytes as f64 / 1e9,
-        r.reserved_over_live(),
-        r.cross_stream_handovers,
-        r.num_device_alloc,
-        r.num_device_free,
-        sim.synchronize_calls,
-        sim.reserve_calls,
-        r.num_ooms,
-    );
-}
+#[path = "../benches/support/table_rows.rs"]
+mod table_rows;
 
 #[cfg(feature = "trace-io")]
 fn real_traces() -> Vec<(String, Trace)> {
@@ -79,8 +61,9 @@ fn main() {
     println!("|---|---|---:|---:|---:|---:|---:|---:|---:|");
     for (name, trace) in traces.iter().filter(|(n, _)| n.contains(&only)) {
         for preset in [Preset::Pytorch, Preset::PytorchExpandable, Preset::Default] {
-            row(name, trace, preset, false);
-            row(name, trace, preset, true);
+            for on in [false, true] {
+                println!("{}", table_rows::cross_stream_row(name, trace, preset, on));
+            }
         }
     }
 }

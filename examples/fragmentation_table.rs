@@ -16,9 +16,9 @@ use cuda_caching_allocator::Preset;
 use cuda_caching_allocator::synth::Workload;
 use cuda_caching_allocator::trace::Trace;
 
-#[path = "../benches/support/fragmentation_rows.rs"]
-mod fragmentation_rows;
-use fragmentation_rows::gb;
+#[path = "../benches/support/table_rows.rs"]
+mod table_rows;
+use table_rows::gb;
 
 /// The synthetic traces' seed.
 const SEED: u64 = 1;
@@ -71,7 +71,7 @@ fn main() {
     for (name, trace) in &traces {
         let rows: Vec<_> = [Preset::Pytorch, Preset::PytorchExpandable, Preset::Default]
             .into_iter()
-            .map(|p| fragmentation_rows::row(name, trace, p))
+            .map(|p| table_rows::row(name, trace, p))
             .collect();
         let live = rows[0].0.peak_live_bytes;
         for (_, line) in &rows {

@@ -167,8 +167,8 @@ mod shared_traces {
     }
 }
 
-#[path = "../../benches/support/fragmentation_rows.rs"]
-mod fragmentation_rows;
+#[path = "../../benches/support/table_rows.rs"]
+mod table_rows;
 
 /// The fragmentation table of `benches/README.md` (printed by `examples/fragmentation_table.rs`)
 /// is what the code does today: every simulated row, shipped traces (from the CSV logs, which
@@ -197,7 +197,7 @@ fn the_readme_fragmentation_table_is_current() {
     let mut stale = Vec::new();
     for (name, trace) in &traces {
         for preset in [Preset::Pytorch, Preset::PytorchExpandable, Preset::Default] {
-            let (_, line) = fragmentation_rows::row(name, trace, preset);
+            let (_, line) = table_rows::row(name, trace, preset);
             if !readme.lines().any(|l| l == line) {
                 stale.push(line);
             }
@@ -207,6 +207,34 @@ fn the_readme_fragmentation_table_is_current() {
         stale.is_empty(),
         "benches/README.md's fragmentation table lacks these rows (regenerate it with \
          `cargo run --release --example fragmentation_table --features trace-io`):\n{}",
+        stale.join("\n")
+    );
+}
+
+/// The cross-stream table of `benches/README.md` (printed by `examples/cross_stream_table.rs`)
+/// lists `synth_many_streams` at seeds 1–4, the only workload that hands segments over: every
+/// such row is what the code does today.
+#[test]
+fn the_readme_cross_stream_table_is_current() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/benches/README.md")).unwrap();
+    let mut stale = Vec::new();
+    for seed in 1..=4 {
+        let name = format!("{} (seed {seed})", Workload::ManyStreams.name());
+        let trace = Workload::ManyStreams.trace(seed);
+        for preset in [Preset::Pytorch, Preset::PytorchExpandable, Preset::Default] {
+            for on in [false, true] {
+                let line = table_rows::cross_stream_row(&name, &trace, preset, on);
+                if !readme.lines().any(|l| l == line) {
+                    stale.push(line);
+                }
+            }
+        }
+    }
+    assert!(
+        stale.is_empty(),
+        "benches/README.md's cross-stream table lacks these rows (regenerate them with \
+         `cargo run --release --example cross_stream_table --features trace-io -- many_streams`):\n{}",
         stale.join("\n")
     );
 }

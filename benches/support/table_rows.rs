@@ -1,6 +1,7 @@
-//! One simulated row of the fragmentation table in `benches/README.md`, shared by
-//! `examples/fragmentation_table.rs`, which prints the table, and the test that holds the
-//! README's rows to what the code does today (`tests/all/fragmentation.rs`).
+//! Simulated rows of two tables in `benches/README.md` (fragmentation, cross-stream reuse),
+//! shared by the examples that print them (`examples/fragmentation_table.rs`,
+//! `examples/cross_stream_table.rs`) and the tests that hold the README's rows to what the code
+//! does today (`tests/all/fragmentation.rs`).
 #![allow(dead_code)]
 
 use cuda_caching_allocator::trace::Trace;
@@ -43,4 +44,33 @@ pub(crate) fn row(name: &str, trace: &Trace, preset: Preset) -> (ReplayReport, S
         report.num_ooms,
     );
     (report, line)
+}
+
+/// Replays `trace` under `preset`, with cross-stream reuse on or off, on a fresh `SimDevice`;
+/// returns its row of the cross-stream table: peak reserved bytes, their ratio to peak live,
+/// handovers, PyTorch's device calls, synchronizations, address ranges reserved and OOMs.
+///
+/// # Panics
+/// When the preset's allocator cannot be made or the replay fails (a bad trace).
+pub(crate) fn cross_stream_row(name: &str, trace: &Trace, preset: Preset, on: bool) -> String {
+    let mut config = preset.config();
+    config.cross_stream_reuse = on;
+    let alloc = CachingAllocator::new(SimDevice::default(), config)
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    let r =
+        replay(&alloc, trace, &ReplayOptions::default()).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let sim = alloc.backend().counters();
+    format!(
+        "| {name} | `{}`{} | {:.3} | {:.3} | {} | {} + {} | {} | {} | {} |",
+        preset.name(),
+        if on { " + cross-stream" } else { "" },
+        r.peak_reserved_bytes as f64 / 1e9,
+        r.reserved_over_live(),
+        r.cross_stream_handovers,
+        r.num_device_alloc,
+        r.num_device_free,
+        sim.synchronize_calls,
+        sim.reserve_calls,
+        r.num_ooms,
+    )
 }
