@@ -803,11 +803,15 @@ class Shim : public CCA::CUDAAllocator {
     while (annotations_.size() > max_entries_) annotations_.pop_front();
   }
 
+  // As PyTorch's (NativeCachingAllocator): regions entered or left while the history is off
+  // are not kept, so the stack grows only while entries may carry it.
   void pushCompileContext(std::string& md) override {
+    if (!history_on_.load(std::memory_order_relaxed)) return;
     thread_trace_state().compile_context.push_back(md);
   }
 
   void popCompileContext() override {
+    if (!history_on_.load(std::memory_order_relaxed)) return;
     if (t_trace_state != nullptr && !t_trace_state->compile_context.empty())
       t_trace_state->compile_context.pop_back();
   }
