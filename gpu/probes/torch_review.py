@@ -5,7 +5,7 @@ session), each a check that fails on the package before the fix: run one per pro
 
 with PROBE one of oom_capture, oom_pool, foreign_stream_alloc, empty_cache_in_pool,
 cache_info, trace_time, oom_observer_fraction, annotations, bad_delete, tracker,
-pool_snapshot_empty, runtime_settings (one GPU), record_stream_peer,
+pool_snapshot_empty, runtime_settings, compile_context (one GPU), record_stream_peer,
 peer_copy (two GPUs). Prints one line, "PASS ..." or
 "FAIL ...", and exits 0 or 1 (a crash, as the package's SIGSEGV before the fix, exits with the
 signal). `cca` enables cuda_caching_allocator.torch (route shim) with CONFIG (default: the
@@ -317,6 +317,19 @@ if probe == "runtime_settings":
          f"{after}, after a refused string {after_bad} (the allocator's: {expandable}; refused "
          f"{refused}); warnings for the running values: "
          f"{len(second)}; first warning {first[:1]}")
+
+if probe == "compile_context":
+    # torch.compile regions named in the memory history (compile_context=True): entries made
+    # inside a compiled region carry its name, as PyTorch's do; with the history off the shim,
+    # as PyTorch, keeps no region.
+    T.cuda.memory._record_memory_history(max_entries=100000, compile_context=True)
+    f = T.compile(lambda x: (x * 2).sin() + 1)
+    y = f(T.randn(1 << 20, device="cuda"))
+    T.cuda.synchronize()
+    snap = T.cuda.memory._snapshot()
+    ctxs = sorted({str(e.get("compile_context")) for tr in snap["device_traces"] for e in tr})
+    named = [c for c in ctxs if c not in ("None", "N/A")]
+    done(bool(named) and y.numel() == (1 << 20), f"compile contexts {ctxs[:6]}")
 
 print(f"unknown probe {probe}")
 sys.exit(2)
