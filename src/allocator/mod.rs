@@ -471,7 +471,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// around it, as the [snapshot](Self::snapshot) lists segments. `None` when no live
     /// allocation starts at `ptr`. A lookup through the block list, not a snapshot.
     pub fn base_allocation(&self, ptr: DeviceAddr) -> Option<(DeviceAddr, usize)> {
-        let (base, size) = self.lock().base_of_allocation(ptr.0)?;
+        let (base, size) = snapshot::base_of_allocation(&self.lock(), ptr.0)?;
         Some((DeviceAddr(base), size))
     }
 

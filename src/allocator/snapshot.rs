@@ -2,7 +2,7 @@
 //! PyTorch's `memory_snapshot()` (used by summaries, exports and tests). May use: `state`, `block`.
 #![forbid(unsafe_code)]
 
-use super::block::BlockId;
+use super::block::{Block, BlockId};
 use super::state::{MemPoolId, State};
 use crate::backend::{DeviceAddr, StreamId};
 use crate::size_class::PoolKind;
@@ -99,30 +99,52 @@ impl SegmentSnapshot {
     }
 }
 
+/// Whether `b` is the first block of a segment as the snapshot reports segments: mapped, and
+/// not after a mapped block (an expandable segment is one segment per contiguous mapped range).
+fn starts_segment(st: &State, b: &Block) -> bool {
+    b.mapped
+        && b.prev
+            .is_none_or(|p| st.arena.get(p).is_some_and(|pb| !pb.mapped))
+}
+
+/// The blocks of the segment starting at `head`, in address order (up to the first unmapped
+/// block of an expandable segment).
+fn segment_blocks(st: &State, head: BlockId) -> impl Iterator<Item = &Block> {
+    std::iter::successors(st.arena.get(head), |b| b.next.and_then(|n| st.arena.get(n)))
+        .take_while(|b| b.mapped)
+}
+
+/// The base address and size of the segment holding the live allocation at `ptr`, as PyTorch's
+/// `getBaseAllocation` and this snapshot see segments: a fixed segment whole, an expandable
+/// segment's mapped run around the allocation. `None` when no live allocation starts at `ptr`.
+pub(crate) fn base_of_allocation(st: &State, ptr: u64) -> Option<(u64, usize)> {
+    let mut head = *st.active.get(&ptr)?;
+    loop {
+        let b = st.arena.get(head)?;
+        if starts_segment(st, b) {
+            break;
+        }
+        head = b.prev?;
+    }
+    let base = st.arena.get(head)?.ptr;
+    Some((base, segment_blocks(st, head).map(|b| b.size).sum()))
+}
+
 /// Walks every segment from its head block. An expandable segment is reported as PyTorch
 /// reports it: one segment per contiguous mapped range, holding only mapped blocks.
 pub(crate) fn take(st: &State) -> Vec<SegmentSnapshot> {
     let mut heads: Vec<(u64, BlockId)> = st
         .arena
         .iter()
-        .filter(|(_, b)| {
-            b.mapped
-                && b.prev
-                    .is_none_or(|p| st.arena.get(p).is_some_and(|pb| !pb.mapped))
-        })
+        .filter(|(_, b)| starts_segment(st, b))
         .map(|(id, b)| (b.ptr, id))
         .collect();
     heads.sort_unstable();
     let mut out = Vec::with_capacity(heads.len());
     for (base, head) in heads {
         let mut blocks = Vec::new();
-        let mut cur = Some(head);
         let (mut stream, mut pool, mut expandable) = (StreamId::DEFAULT, PoolKind::Small, false);
-        while let Some(id) = cur {
-            let Some(b) = st.arena.get(id) else { break };
-            if !b.mapped {
-                break;
-            }
+        for b in segment_blocks(st, head) {
             stream = b.stream;
             pool = b.pool;
             expandable |= b.expandable;
@@ -145,7 +167,6 @@ pub(crate) fn take(st: &State) -> Vec<SegmentSnapshot> {
                 requested_size,
                 state,
             });
-            cur = b.next;
         }
         let total_size = blocks.iter().map(|b| b.size).sum();
         let owner = st.arena.get(head).map_or(0, |b| b.owner);

@@ -6,6 +6,7 @@
 
 use std::fmt;
 
+use super::parse::items;
 use super::{AllocatorConfig, ConfigError};
 
 /// One key whose value differs between two configurations ([`AllocatorConfig::differences`]).
@@ -54,8 +55,8 @@ impl AllocatorConfig {
     /// assert!(running.differences(&running.clone()).is_empty());
     /// ```
     pub fn differences(&self, other: &AllocatorConfig) -> Vec<SettingDifference> {
-        let ours = settings_pairs(&self.to_settings());
-        let theirs = settings_pairs(&other.to_settings());
+        let ours = items(&self.to_settings());
+        let theirs = items(&other.to_settings());
         let mut out = Vec::new();
         for (key, value) in &ours {
             let to = lookup(&theirs, key);
@@ -102,14 +103,11 @@ impl AllocatorConfig {
         settings: &str,
     ) -> Result<Vec<SettingDifference>, ConfigError> {
         let next = self.clone().with_settings(settings)?;
-        // Keys as the tokenizer reads them (no whitespace anywhere); a `cca_preset` replaces
-        // whatever came before it, so only the items after the last one say what was asked.
-        let given: Vec<(String, String)> = settings_pairs(settings)
+        // Keys as the tokenizer reads them; a `cca_preset` replaces whatever came before it, so
+        // only the items after the last one say what was asked.
+        let given: Vec<(String, String)> = items(settings)
             .into_iter()
-            .map(|(k, v)| {
-                let k: String = k.chars().filter(|c| !c.is_whitespace()).collect();
-                (canonical_key(&k).to_owned(), v.trim().to_owned())
-            })
+            .map(|(k, v)| (canonical_key(&k).to_owned(), v))
             .collect();
         let after_preset = given
             .iter()
@@ -136,34 +134,6 @@ impl AllocatorConfig {
     }
 }
 
-/// The `key:value` items of a string that `to_settings` wrote, split at the commas outside
-/// brackets (a bucketed `roundup_power2_divisions:[1:4,...]` is one item).
-fn settings_pairs(s: &str) -> Vec<(String, String)> {
-    let mut items = Vec::new();
-    let mut depth = 0usize;
-    let mut start = 0usize;
-    for (i, c) in s.char_indices() {
-        match c {
-            '[' => depth += 1,
-            ']' => depth = depth.saturating_sub(1),
-            ',' if depth == 0 => {
-                items.push(&s[start..i]);
-                start = i + 1;
-            }
-            _ => {}
-        }
-    }
-    items.push(&s[start..]);
-    items
-        .into_iter()
-        .filter(|item| !item.is_empty())
-        .map(|item| match item.split_once(':') {
-            Some((k, v)) => (k.to_owned(), v.to_owned()),
-            None => (item.to_owned(), String::new()),
-        })
-        .collect()
-}
-
 /// The key [`AllocatorConfig::to_settings`] writes for a key a string may name.
 fn canonical_key(key: &str) -> &str {
     match key {
@@ -185,8 +155,8 @@ mod tests {
     use crate::config::Preset;
 
     #[test]
-    fn pairs_keep_bracketed_lists_whole() {
-        let p = settings_pairs("a:1,roundup_power2_divisions:[1:4,>:8],b:True");
+    fn items_keep_bracketed_lists_whole() {
+        let p = items("a:1,roundup_power2_divisions:[1:4,>:8],b:True");
         assert_eq!(
             p,
             vec![
@@ -198,7 +168,7 @@ mod tests {
                 ("b".to_owned(), "True".to_owned()),
             ]
         );
-        assert!(settings_pairs("").is_empty());
+        assert!(items("").is_empty());
     }
 
     #[test]

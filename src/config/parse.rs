@@ -111,6 +111,27 @@ impl Tokens {
     }
 }
 
+/// The `key:value` items of a settings string as PyTorch's tokenizer reads them (white space
+/// dropped, a bracketed list one value), in order, with each value's tokens joined back
+/// (`[1:4,>:8]`). Reading stops at the first item it cannot read; strings that
+/// [`apply`] accepts are read whole.
+pub(super) fn items(settings: &str) -> Vec<(String, String)> {
+    let t = Tokens::new(settings);
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < t.len() {
+        let Ok(key) = t.get(i) else { break };
+        if key == "," {
+            i += 1;
+            continue;
+        }
+        let Ok(end) = t.skip_value(i) else { break };
+        out.push((key.to_owned(), t.tokens[i + 2..=end].concat()));
+        i = end + 1;
+    }
+    out
+}
+
 /// Keys PyTorch accepts that configure only its pinned host allocator or its other backend; this
 /// crate accepts and ignores them so one configuration string serves both.
 const IGNORED_KEYS: &[&str] = &[

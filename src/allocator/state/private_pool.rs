@@ -229,32 +229,6 @@ impl State {
         (owner != 0).then(|| self.graph.id_of(owner))
     }
 
-    /// The base address and size of the segment holding the live allocation at `ptr`, as
-    /// PyTorch's `getBaseAllocation` and its snapshot see segments: a fixed segment whole, an
-    /// expandable segment's mapped run around the allocation.
-    pub(crate) fn base_of_allocation(&self, ptr: u64) -> Option<(u64, usize)> {
-        let &id = self.active.get(&ptr)?;
-        let mut head = id;
-        while let Some(p) = self.arena.get(head)?.prev {
-            if !self.arena.get(p)?.mapped {
-                break;
-            }
-            head = p;
-        }
-        let base = self.arena.get(head)?.ptr;
-        let mut size = 0usize;
-        let mut cur = Some(head);
-        while let Some(c) = cur {
-            let b = self.arena.get(c)?;
-            if !b.mapped {
-                break;
-            }
-            size += b.size;
-            cur = b.next;
-        }
-        Some((base, size))
-    }
-
     /// The free set that block owner `owner` (0: the default pools) keeps for `kind`.
     pub(super) fn free_set(&mut self, owner: u32, kind: PoolKind) -> Option<&mut BlockPool> {
         if owner == 0 {
