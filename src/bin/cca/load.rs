@@ -38,31 +38,19 @@ fn quiet() -> bool {
 /// A value that is not a whole number of milliseconds is reported once and the 2 s kept.
 fn report_after() -> Duration {
     static WARNED: AtomicBool = AtomicBool::new(false);
-    match std::env::var("CCA_PROGRESS_AFTER_MS") {
-        Err(std::env::VarError::NotPresent) => Duration::from_secs(2),
-        Ok(v) if v.trim().is_empty() => Duration::from_secs(2),
+    let bad = match std::env::var("CCA_PROGRESS_AFTER_MS") {
+        Err(std::env::VarError::NotPresent) => return Duration::from_secs(2),
+        Ok(v) if v.trim().is_empty() => return Duration::from_secs(2),
         Ok(v) => match v.trim().parse::<u64>() {
-            Ok(ms) => Duration::from_millis(ms),
-            Err(_) => {
-                if !WARNED.swap(true, Ordering::Relaxed) {
-                    say!(
-                        "cca: warning: CCA_PROGRESS_AFTER_MS={v:?} is not a whole number of \
-                         milliseconds; steps are reported after 2 s"
-                    );
-                }
-                Duration::from_secs(2)
-            }
+            Ok(ms) => return Duration::from_millis(ms),
+            Err(_) => format!("={v:?} is not a whole number of milliseconds"),
         },
-        Err(std::env::VarError::NotUnicode(_)) => {
-            if !WARNED.swap(true, Ordering::Relaxed) {
-                say!(
-                    "cca: warning: CCA_PROGRESS_AFTER_MS is not valid UTF-8; steps are \
-                     reported after 2 s"
-                );
-            }
-            Duration::from_secs(2)
-        }
+        Err(std::env::VarError::NotUnicode(_)) => " is not valid UTF-8".to_owned(),
+    };
+    if !WARNED.swap(true, Ordering::Relaxed) {
+        say!("cca: warning: CCA_PROGRESS_AFTER_MS{bad}; steps are reported after 2 s");
     }
+    Duration::from_secs(2)
 }
 
 /// A step of unknown length (loading, converting, writing): a spinner with the elapsed time on
