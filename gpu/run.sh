@@ -219,7 +219,7 @@ for phase in $PHASES; do
       step "review_$n" timeout 150 python3 "$P" ${a//\// }
       grep -E '^(PASS|FAIL)' "$OUT/review_$n.log" | cut -c1-300 | tee -a "$S"
     done
-    for a in cca/native cca/cca native/cca cca/refused/default; do
+    for a in cca/native cca/cca native/cca cca/native/default cca/cca/default native-expandable/cca native-expandable/native cca/native-expandable/default; do
       n=${a//[\/:]/_}
       step "cuda_ipc_$n" timeout 150 python3 "$HERE/probes/cuda_ipc.py" ${a//\// }
       grep -E '^(PASS|FAIL)' "$OUT/cuda_ipc_$n.log" | cut -c1-300 | tee -a "$S"

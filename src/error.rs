@@ -226,6 +226,17 @@ pub enum AllocError {
         /// What was wrong.
         reason: &'static str,
     },
+    /// The allocation at `ptr` cannot be shared with another process (see
+    /// [`CachingAllocator::shareable_pages`](crate::CachingAllocator::shareable_pages)): it is not
+    /// a live allocation, or its pages cannot be mapped side by side elsewhere. The message says
+    /// which; the allocator is unchanged.
+    #[error("cannot share {ptr} with another process: {reason}")]
+    NotShareable {
+        /// The pointer.
+        ptr: DeviceAddr,
+        /// What was wrong.
+        reason: String,
+    },
     /// A device call failed with something other than "out of memory". The allocator's state is
     /// unchanged by the failed call; the device itself may be unusable.
     #[error("device call {operation} failed: {source}")]

@@ -20,6 +20,7 @@
 mod error;
 mod hooks;
 mod introspect;
+mod ipc;
 mod pools;
 mod segments;
 mod settings;
@@ -35,6 +36,7 @@ pub use introspect::{
     cca_cache_info, cca_device_stats, cca_memory_fraction, cca_memory_stat,
     cca_reset_accumulated_stats, cca_snapshot,
 };
+pub use ipc::{cca_close_imported, cca_export_pages, cca_import_pages};
 pub use pools::{
     MempoolId, cca_begin_allocate_to_pool, cca_begin_allocate_to_pool_with, cca_create_pool,
     cca_end_allocate_to_pool, cca_pool_use_count, cca_release_pool,

@@ -127,7 +127,7 @@ def library_found_in_package_and_override_checked():
 @test
 def abi_version_and_layouts():
     l = lib()
-    assert l.cca_abi_version() == 4
+    assert l.cca_abi_version() == 5
     assert ctypes.sizeof(DeviceStats) == 976
 
 

@@ -336,17 +336,26 @@ def main():
         diff = max(abs(a - b) for a, b in zip(eager, comp))
         return diff < 2e-3, f"eager {['%.4f' % v for v in eager]} compiled {['%.4f' % v for v in comp]} max diff {diff:.2e}"
 
-    @check("CUDA IPC refused with a clear error")
+    @check("CUDA IPC handle in PyTorch's format")
     def t_ipc():
-        x = torch.empty(1 * MiB, dtype=torch.uint8, device=dev)
-        try:
-            x.untyped_storage()._share_cuda_()
-        except RuntimeError as e:
-            msg = str(e)
-            # The error names the allocator, what CUDA IPC needs and the configuration that has it.
-            ok = all(w in msg for w in ("cuda_caching_allocator", "cudaMalloc", "cca_preset:pytorch"))
-            return ok, msg[:400]
-        return False, "sharing did not raise"
+        import struct
+
+        x = torch.empty(3 * MiB + 4096, dtype=torch.uint8, device=dev)
+        shared = x.untyped_storage()._share_cuda_()
+        handle, size, offset = shared[1], shared[2], shared[3]
+        if len(handle) < 2 or handle[0] != 2:
+            return False, f"version {handle[:1]!r}, {len(handle)} bytes"
+        if chr(handle[1]) == "e":
+            # Pages (the default): PyTorch's ShareHeader (pid, 4 bytes of zero padding, bytes per
+            # handle, handle count), then one POSIX descriptor per handle, open in this process.
+            pid, pad, per, n = struct.unpack_from("<iIQQ", handle, 2)
+            fds = struct.unpack_from(f"<{n}i", handle, 26) if len(handle) == 26 + 4 * n else ()
+            ok = (pid == os.getpid() and pad == 0 and per > 0 and len(fds) == n
+                  and offset < per and offset + size <= per * n
+                  and all(os.path.exists(f"/proc/self/fd/{fd}") for fd in fds))
+            return ok, f"'e': pid {pid}, {n} handles of {per} bytes, offset {offset}, fds {fds}"
+        ok = chr(handle[1]) == "c" and len(handle) == 66
+        return ok, f"'c': {len(handle)} bytes, offset {offset}"
 
     only = [n for n in os.environ.get("CCA_CONFORMANCE_ONLY", "").split(",") if n]
     for t in (t_route, t_allocated, t_stats, t_peaks, t_empty, t_summary, t_fraction_oom,

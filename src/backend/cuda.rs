@@ -38,10 +38,15 @@
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::{CudaContext, CudaStream, sys};
 use parking_lot::{Mutex, RwLock};
+
+mod imported;
+
+pub use imported::ImportedPages;
 
 use super::call_times::{CallClock, CallKind, DeviceCallTimes};
 use super::{
@@ -307,6 +312,17 @@ fn host_location() -> sys::CUmemLocation {
 
 /// Allocation properties for pinned memory on device `ordinal`, or page-locked host memory when
 /// `host` is set.
+/// Whether `cuMemCreate` refused the shareable handle type it was asked for (rather than
+/// failing for want of memory or for another reason).
+fn refuses_handle_type(r: sys::CUresult) -> bool {
+    matches!(
+        r,
+        sys::CUresult::CUDA_ERROR_NOT_SUPPORTED
+            | sys::CUresult::CUDA_ERROR_NOT_PERMITTED
+            | sys::CUresult::CUDA_ERROR_INVALID_VALUE
+    )
+}
+
 fn alloc_prop(ordinal: i32, host: bool) -> sys::CUmemAllocationProp {
     // SAFETY: `CUmemAllocationProp` is plain old data (integers, enums with a zero variant, a null
     // pointer, a byte array); all-zero bytes are a valid value: no shareable handle types, no
@@ -372,6 +388,12 @@ pub struct CudaDevice {
     quiet: Option<u64>,
     /// Other devices granted access to everything `map` maps ([`DeviceBackend::add_peer`]).
     peers: Mutex<Vec<i32>>,
+    /// Whether device pages are created exportable as POSIX file descriptors (as PyTorch's
+    /// expandable segments are); cleared for good the first time the driver refuses that.
+    exportable: AtomicBool,
+    /// Descriptors exported from physical handles ([`CudaDevice::export_handle`]), by handle;
+    /// each is closed when its handle is released.
+    exported: Mutex<HashMap<u64, i32>>,
 }
 
 impl fmt::Debug for CudaDevice {
@@ -389,6 +411,10 @@ impl fmt::Debug for CudaDevice {
 
 impl Drop for CudaDevice {
     fn drop(&mut self) {
+        for (_, fd) in self.exported.get_mut().drain() {
+            // SAFETY: `fd` is a descriptor `export_handle` opened and nothing else closes.
+            unsafe { libc::close(fd) };
+        }
         let Some(quiet) = self.quiet else {
             return;
         };
@@ -510,7 +536,51 @@ impl CudaDevice {
             host,
             quiet,
             peers: Mutex::new(Vec::new()),
+            exportable: AtomicBool::new(!host),
+            exported: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// A POSIX file descriptor for the physical handle `handle` (`cuMemExportToShareableHandle`),
+    /// which another process takes with `pidfd_getfd` and imports
+    /// ([`CudaDevice::import_pages`]). Exported once per handle (it costs about half a
+    /// millisecond) and kept open until the handle is released, as PyTorch's expandable
+    /// segments keep theirs: the descriptor must stay open until every importer has taken it.
+    ///
+    /// # Errors
+    /// [`BackendError::InvalidArgument`] for host pages; a driver error when the handle was
+    /// created without a shareable type (the driver refused one, warned when it happened) or
+    /// the process has no descriptor left (`EMFILE`: raise `ulimit -n`).
+    ///
+    /// # Safety
+    /// `handle` is a live physical handle created by this device and not released.
+    pub unsafe fn export_handle(&self, handle: PhysicalHandle) -> Result<i32, BackendError> {
+        if self.host {
+            return Err(BackendError::InvalidArgument {
+                operation: "cuMemExportToShareableHandle",
+                reason: "host pages are not shared between processes".into(),
+            });
+        }
+        let mut exported = self.exported.lock();
+        if let Some(&fd) = exported.get(&handle.0) {
+            return Ok(fd);
+        }
+        let _bound = self.bind()?;
+        let mut fd: libc::c_int = -1;
+        // SAFETY: `fd` is a live local of the type the POSIX descriptor handle type writes;
+        // `handle` is live by the caller's promise.
+        let r = unsafe {
+            sys::cuMemExportToShareableHandle(
+                (&raw mut fd).cast(),
+                handle.0,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        };
+        r.result()
+            .map_err(|e| driver("cuMemExportToShareableHandle", e))?;
+        exported.insert(handle.0, fd);
+        Ok(fd)
     }
 
     /// The driver calls the cache made through this device so far and the host time spent
@@ -981,12 +1051,26 @@ unsafe impl DeviceBackend for CudaDevice {
         let _timed = self.clock.start(CallKind::Create);
         let _bound = self.bind()?;
         let _relaxed = RelaxedCaptureMode::enter()?;
-        let prop = alloc_prop(self.ordinal, self.host);
+        let mut prop = alloc_prop(self.ordinal, self.host);
+        let exportable = self.exportable.load(Ordering::Relaxed);
+        if exportable {
+            prop.requestedHandleTypes =
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        }
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: `handle` and `prop` are live locals; `prop` describes pinned memory on this
         // device or on the host; `size` is a positive multiple of the granularity (checked
         // above, the granularity of that same kind of memory).
-        let r = unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) };
+        let mut r = unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) };
+        if exportable && refuses_handle_type(r) {
+            // The driver cannot make this memory exportable (as PyTorch, fall back to memory
+            // that other processes cannot import, and say so once).
+            self.exportable.store(false, Ordering::Relaxed);
+            tracing::warn!(target: "cuda_caching_allocator", device = self.ordinal, result = ?r, "cuMemCreate refused exportable memory; pages of this device cannot be shared with other processes");
+            prop.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+            // SAFETY: as above.
+            r = unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) };
+        }
         r.result().map_err(|e| driver("cuMemCreate", e))?;
         Ok(PhysicalHandle(handle))
     }
@@ -1002,7 +1086,13 @@ unsafe impl DeviceBackend for CudaDevice {
         // nowhere.
         unsafe { sys::cuMemRelease(handle.0) }
             .result()
-            .map_err(|e| driver("cuMemRelease", e))
+            .map_err(|e| driver("cuMemRelease", e))?;
+        if let Some(fd) = self.exported.lock().remove(&handle.0) {
+            // SAFETY: `fd` was exported from the handle just released and nothing else closes
+            // it; a process that imported it holds its own reference to the memory.
+            unsafe { libc::close(fd) };
+        }
+        Ok(())
     }
 
     unsafe fn map(

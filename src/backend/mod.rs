@@ -146,6 +146,16 @@ pub enum BackendError {
         /// The index of the failing device call, counting from 1.
         call: u64,
     },
+    /// An operating-system call failed: taking another process's descriptors to import its
+    /// memory (`pidfd_open`, `pidfd_getfd`). The message names the call and the reason.
+    #[error("{operation} failed: {source}")]
+    Os {
+        /// The system call.
+        operation: &'static str,
+        /// The system's error.
+        #[source]
+        source: std::io::Error,
+    },
     /// The driver reported an error; the device or context may be unusable.
     #[error("{operation} failed: {source}")]
     Driver {

@@ -1150,6 +1150,16 @@ impl SimDevice {
             .collect()
     }
 
+    /// Live mappings as `(address, size, physical handle mapped there)`, in address order.
+    pub fn live_mapped_handles(&self) -> Vec<(DeviceAddr, usize, PhysicalHandle)> {
+        self.inner
+            .lock()
+            .mappings
+            .iter()
+            .map(|(&a, &(s, h))| (DeviceAddr(a), s, PhysicalHandle(h)))
+            .collect()
+    }
+
     /// Live mappings as `(address, size)`, in address order.
     pub fn live_mappings(&self) -> Vec<(DeviceAddr, usize)> {
         self.inner

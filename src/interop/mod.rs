@@ -30,6 +30,7 @@
 mod allocator;
 mod capture;
 mod events;
+mod ipc;
 mod pinned;
 pub mod raw;
 mod registry;
@@ -40,6 +41,7 @@ pub use allocator::CudaAllocator;
 pub use capture::{CapturedGraph, GraphPool};
 #[doc(hidden)]
 pub use events::fail_next_event_shells;
+pub use ipc::ExportedPages;
 pub use pinned::{CachedPinned, DEFAULT_PENDING_WAITS, PinnedAllocator};
 pub use registry::AllocatorRegistry;
 pub use slice::CachedSlice;
@@ -127,7 +129,8 @@ fn result_code(e: &AllocError) -> cudarc::driver::sys::CUresult {
         | AllocError::UnknownPointer { .. }
         | AllocError::InvalidFraction(_)
         | AllocError::Config(_)
-        | AllocError::InvalidPool { .. } => R::CUDA_ERROR_INVALID_VALUE,
+        | AllocError::InvalidPool { .. }
+        | AllocError::NotShareable { .. } => R::CUDA_ERROR_INVALID_VALUE,
         AllocError::Unsupported { .. } => R::CUDA_ERROR_NOT_SUPPORTED,
         AllocError::CaptureUnderway { .. } | AllocError::UnroutedCapture { .. } => {
             R::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED

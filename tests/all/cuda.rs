@@ -1965,3 +1965,106 @@ fn cuda_multi_gpu_each_call_binds_its_device_and_restores_the_callers_context() 
     assert_eq!(a0.memory_stats().memory_reserved(), 0);
     a1.check_invariants().unwrap();
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn cuda_exported_pages_map_the_same_bytes_elsewhere() {
+    let g = gpu("cuda_exported_pages_map_the_same_bytes_elsewhere");
+    g.ctx.bind_to_thread().unwrap();
+    let alloc = CudaAllocator::new(Arc::clone(&g.ctx), AllocatorConfig::default()).unwrap();
+    let me = std::process::id() as i32;
+    let mut kept_fds = Vec::new();
+    // Sizes in the small pool, across pages, and one on pages that page reuse moved: the first
+    // 30 MiB is freed and its pages go to the next growth.
+    let first = alloc.allocate(30 * MIB, StreamId::DEFAULT).unwrap();
+    // SAFETY: from `allocate` on this cache, owned by no buffer, never used by work.
+    unsafe { alloc.free(first.ptr) }.unwrap();
+    let spacer = alloc.allocate(3 * MIB, StreamId::DEFAULT).unwrap();
+    for size in [4096usize, 3 * MIB + 256, 20 * MIB, 29 * MIB] {
+        let a = alloc.allocate(size, StreamId::DEFAULT).unwrap();
+        let host: Vec<u32> = (0..size / 4).map(|i| pattern(i as u64, 7)).collect();
+        // SAFETY: `a` holds `size` bytes; the context is current on this thread.
+        unsafe { result::memcpy_htod_sync(a.ptr.0, &host) }.unwrap();
+        let pages = alloc
+            .export_pages(a.ptr)
+            .unwrap()
+            .expect("the default maps pages");
+        assert_eq!(pages.pid, me);
+        assert_eq!(
+            pages.fds.len(),
+            (pages.offset + size).div_ceil(pages.handle_bytes)
+        );
+        let again = alloc.export_pages(a.ptr).unwrap().unwrap();
+        assert_eq!(
+            again, pages,
+            "a page is exported once and its descriptor kept"
+        );
+        let imported = alloc
+            .device()
+            .import_pages(me, pages.handle_bytes, &pages.fds)
+            .unwrap();
+        assert_eq!(imported.size(), pages.fds.len() * pages.handle_bytes);
+        let view = imported.ptr().0 + pages.offset as u64;
+        assert_ne!(view, a.ptr.0, "a second mapping of the same memory");
+        let mut back = vec![0u32; size / 4];
+        // SAFETY: the imported mapping covers `size` bytes from `view`.
+        unsafe { result::memcpy_dtoh_sync(&mut back, view) }.unwrap();
+        assert!(
+            back == host,
+            "{size} bytes: the import reads what the allocation holds"
+        );
+        let other: Vec<u32> = host.iter().map(|x| !x).collect();
+        // SAFETY: as above.
+        unsafe { result::memcpy_htod_sync(view, &other) }.unwrap();
+        // SAFETY: `a` holds `size` bytes.
+        unsafe { result::memcpy_dtoh_sync(&mut back, a.ptr.0) }.unwrap();
+        assert!(
+            back == other,
+            "{size} bytes: the allocation reads what the import wrote"
+        );
+        drop(imported);
+        kept_fds.extend(pages.fds);
+        // SAFETY: as above; the copies above were synchronous.
+        unsafe { alloc.free(a.ptr) }.unwrap();
+    }
+    let open = |fd: i32| {
+        // SAFETY: F_GETFD only reads the descriptor table.
+        unsafe { libc::fcntl(fd, libc::F_GETFD) != -1 }
+    };
+    assert!(
+        kept_fds.iter().all(|&fd| open(fd)),
+        "descriptors kept until release"
+    );
+    // Bad input: a process that does not exist, a descriptor it does not have, a size that is
+    // not the handles'.
+    let dev = alloc.device();
+    let e = dev.import_pages(i32::MAX, 2 * MIB, &[3]).unwrap_err();
+    assert!(e.to_string().contains("pidfd_open"), "{e}");
+    let e = dev.import_pages(me, 2 * MIB, &[1 << 20]).unwrap_err();
+    assert!(e.to_string().contains("pidfd_getfd"), "{e}");
+    let e = dev
+        .import_pages(me, 2 * MIB + 1, &[kept_fds[0]])
+        .unwrap_err();
+    assert!(e.to_string().contains("granularity"), "{e}");
+    let e = dev.import_pages(me, 4 * MIB, &[kept_fds[0]]).unwrap_err();
+    assert!(e.to_string().contains("cuMemMap"), "{e}");
+    // SAFETY: as above.
+    unsafe { alloc.free(spacer.ptr) }.unwrap();
+    alloc.empty_cache().unwrap();
+    // Released pages close their descriptors (a number may be taken again by the driver
+    // meanwhile, so a few may read as open).
+    kept_fds.sort_unstable();
+    kept_fds.dedup();
+    let still = kept_fds.iter().filter(|&&fd| open(fd)).count();
+    assert!(
+        still <= kept_fds.len() / 4,
+        "{still} of {} descriptors still open after empty_cache",
+        kept_fds.len()
+    );
+    // Fixed segments have no pages: the caller shares them with cuIpcGetMemHandle.
+    let fixed = private(g);
+    let a = fixed.allocate(3 * MIB, StreamId::DEFAULT).unwrap();
+    assert_eq!(fixed.export_pages(a.ptr).unwrap(), None);
+    // SAFETY: as above.
+    unsafe { fixed.free(a.ptr) }.unwrap();
+}

@@ -34,6 +34,7 @@ mod ports;
 mod programs;
 mod props;
 mod segment_events;
+mod shared_pages;
 mod stream_safety;
 mod trace_io;
 mod util;

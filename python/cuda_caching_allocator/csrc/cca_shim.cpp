@@ -25,6 +25,7 @@
 
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
+#include <sys/types.h>
 
 #include <algorithm>
 #include <atomic>
@@ -65,7 +66,7 @@ using c10::CachingDeviceAllocator::RecordContext;
 using c10::CachingDeviceAllocator::SegmentInfo;
 using c10::CachingDeviceAllocator::TraceEntry;
 
-constexpr int kAbiVersion = 4;
+constexpr int kAbiVersion = 5;
 
 // Numbers and addresses in error messages are formatted here, not streamed: on the GPU machine
 // an error message that streamed a size_t into TORCH_CHECK crashed the process inside the
@@ -196,6 +197,9 @@ struct Api {
   int (*set_segment_callback)(SegmentEventFn, void*);
   int (*config_expandable)();
   long (*settings_not_applied)(const char*, char*, size_t);
+  ssize_t (*export_pages)(int, uint64_t, int*, size_t, uint64_t*, uint64_t*, int*);
+  void* (*import_pages)(int, int, uint64_t, const int*, size_t, uint64_t*);
+  void (*close_imported)(void*);
 };
 
 template <typename F>
@@ -242,6 +246,9 @@ Api load_api(const std::string& path) {
   bind(lib, "cca_set_segment_callback", a.set_segment_callback);
   bind(lib, "cca_config_expandable", a.config_expandable);
   bind(lib, "cca_settings_not_applied", a.settings_not_applied);
+  bind(lib, "cca_export_pages", a.export_pages);
+  bind(lib, "cca_import_pages", a.import_pages);
+  bind(lib, "cca_close_imported", a.close_imported);
   return a;
 }
 
@@ -681,11 +688,24 @@ class Shim : public CCA::CUDAAllocator {
     return n == expected.size();
   }
 
-  // torch.multiprocessing's sharing of a CUDA tensor: a CUDA IPC handle of the whole segment
-  // holding `ptr` and the offset into it, in PyTorch 2.11's format (version 2, 'c' for cudaMalloc
-  // memory, the 64-byte cudaIpcMemHandle_t), so a process on PyTorch's own allocator opens it as
-  // well. Only segments from cuMemAlloc can be exported this way: pages mapped into expandable
-  // segments (the crate's default) are refused with an error naming the configuration to use.
+  // PyTorch's ExpandableSegment::ShareHeader, as written into an 'e' handle: the exporting
+  // process, the bytes of each physical handle and how many follow (each as a POSIX descriptor
+  // number in that process). Its padding is zeroed, so equal pages give equal handle strings
+  // (PyTorch's consumer caches opened handles by their bytes).
+  struct ShareHeader {
+    pid_t pid;
+    size_t segment_size;
+    size_t num_handles;
+  };
+  static_assert(sizeof(ShareHeader) == 24, "PyTorch's ShareHeader layout");
+
+  // torch.multiprocessing's sharing of a CUDA tensor, in PyTorch 2.11's handle format (version
+  // 2), so a process on PyTorch's own allocator opens it as well:
+  // * pages of an expandable segment (the crate's default): 'e', the header above and the
+  //   descriptors of the physical pages under the block (exported once per page and kept open
+  //   by the library until the page is released), offset from the first page;
+  // * a cuMemAlloc segment ('cca_preset:pytorch'): 'c' and the cudaIpcMemHandle_t of the whole
+  //   segment, offset from its base.
   // PyTorch keeps the block allocated while another process holds it (CudaIPCSentData).
   ShareableHandle shareIpcHandle(void* ptr) override {
     c10::DeviceIndex dev;
@@ -696,26 +716,38 @@ class Shim : public CCA::CUDAAllocator {
                                          addr(ptr), " (shareIpcHandle)"));
       dev = it->second.device;
     }
+    std::vector<int> fds(64);
+    uint64_t handle_bytes = 0, offset = 0;
+    int pid = 0;
+    ssize_t n = 0;
+    for (;;) {
+      n = api_.export_pages(dev, reinterpret_cast<uint64_t>(ptr), fds.data(), fds.size(),
+                            &handle_bytes, &offset, &pid);
+      if (n < 0 || static_cast<size_t>(n) <= fds.size()) break;
+      fds.resize(static_cast<size_t>(n));
+    }
+    TORCH_CHECK(n >= 0, cat("cuda_caching_allocator: shareIpcHandle: ", api_.last_error()));
+    if (n > 0) {
+      ShareHeader header;
+      std::memset(&header, 0, sizeof(header));
+      header.pid = pid;
+      header.segment_size = handle_bytes;
+      header.num_handles = static_cast<size_t>(n);
+      std::string bytes;
+      bytes.push_back(static_cast<char>(2));  // PyTorch's SHAREABLE_HANDLE_VERSION
+      bytes.push_back('e');                   // SHAREABLE_CUDA_EXPANDABLE_SEGMENT
+      bytes.append(reinterpret_cast<const char*>(&header), sizeof(header));
+      bytes.append(reinterpret_cast<const char*>(fds.data()),
+                   static_cast<size_t>(n) * sizeof(int));
+      return ShareableHandle{static_cast<ptrdiff_t>(offset), std::move(bytes)};
+    }
     uint64_t seg_size = 0;
     uint64_t base = api_.base_allocation(dev, reinterpret_cast<uint64_t>(ptr), &seg_size);
     TORCH_CHECK(base != 0, cat("cuda_caching_allocator: shareIpcHandle: no segment holds ",
                                addr(ptr)));
     c10::cuda::CUDAGuard guard(dev);
     cudaIpcMemHandle_t handle;
-    cudaError_t err = cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(base));
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      TORCH_CHECK(false,
-                  cat("cuda_caching_allocator: sharing a CUDA tensor between processes needs "
-                      "segments from cudaMalloc; this one (",
-                      addr(reinterpret_cast<void*>(base)),
-                      ") is not (the crate's default maps pages into expandable segments, which "
-                      "CUDA IPC cannot export). Enable the allocator with "
-                      "config='cca_preset:pytorch' in processes that share CUDA tensors; "
-                      "torch.cuda.memory._set_allocator_settings('expandable_segments:False') "
-                      "does not reach this allocator (cudaIpcGetMemHandle: ",
-                      cudaGetErrorString(err), ")"));
-    }
+    C10_CUDA_CHECK(cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(base)));
     std::string bytes;
     bytes.push_back(static_cast<char>(2));  // PyTorch's SHAREABLE_HANDLE_VERSION
     bytes.push_back('c');                   // SHAREABLE_CUDA_MALLOC
@@ -724,8 +756,8 @@ class Shim : public CCA::CUDAAllocator {
                            std::move(bytes)};
   }
 
-  // The other side: opens a handle of cudaMalloc memory (this shim's, or PyTorch's own, raw or
-  // versioned) on the current device, once per handle while any tensor uses it, as PyTorch's
+  // The other side: opens a handle (this shim's, or PyTorch's own: raw, 'c' or 'e' with POSIX
+  // descriptors) on the current device, once per handle while any tensor uses it, as PyTorch's
   // cache of opened handles does; closed when the last user lets go.
   std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
     std::lock_guard<std::recursive_mutex> g(ipc_mu_);
@@ -733,33 +765,56 @@ class Shim : public CCA::CUDAAllocator {
     if (found != ipc_opened_.end()) {
       if (auto p = found->second.lock()) return p;
     }
-    cudaIpcMemHandle_t h;
-    if (handle.size() == CUDA_IPC_HANDLE_SIZE) {
-      std::memcpy(&h, handle.data(), CUDA_IPC_HANDLE_SIZE);
-    } else {
-      TORCH_CHECK(handle.size() < 2 || handle[1] != 'e',
-                  "cuda_caching_allocator: opening a CUDA IPC handle of an expandable segment "
-                  "(a process on PyTorch's allocator with expandable_segments:True) is not "
-                  "supported; share from a process without expandable segments");
-      // Version 2 is PyTorch 2.11's; 3 is accepted for its identical 'c' payload.
-      TORCH_CHECK(handle.size() == CUDA_IPC_HANDLE_SIZE + 2 && handle[1] == 'c' &&
-                      static_cast<unsigned char>(handle[0]) <= 3,
-                  cat("cuda_caching_allocator: a CUDA IPC handle of an unknown format (",
-                      num(handle.size()), " bytes)"));
-      std::memcpy(&h, handle.data() + 2, CUDA_IPC_HANDLE_SIZE);
-    }
     c10::DeviceIndex dev = c10::cuda::current_device();
-    void* p = nullptr;
-    C10_CUDA_CHECK(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
-    std::shared_ptr<void> sp(p, [this, handle, dev](void* q) {
-      {
-        std::lock_guard<std::recursive_mutex> g2(ipc_mu_);
-        auto it = ipc_opened_.find(handle);
-        if (it != ipc_opened_.end() && it->second.expired()) ipc_opened_.erase(it);
+    auto forget = [this](const std::string& h) {
+      std::lock_guard<std::recursive_mutex> g2(ipc_mu_);
+      auto it = ipc_opened_.find(h);
+      if (it != ipc_opened_.end() && it->second.expired()) ipc_opened_.erase(it);
+    };
+    std::shared_ptr<void> sp;
+    if (handle.size() >= 2 + sizeof(ShareHeader) && handle[1] == 'e') {
+      TORCH_CHECK(static_cast<unsigned char>(handle[0]) <= 3,
+                  cat("cuda_caching_allocator: a CUDA IPC handle of an unknown version (",
+                      num(static_cast<unsigned char>(handle[0])), ")"));
+      ShareHeader header;
+      std::memcpy(&header, handle.data() + 2, sizeof(header));
+      size_t rest = handle.size() - 2 - sizeof(header);
+      TORCH_CHECK(header.num_handles > 0 && rest == header.num_handles * sizeof(int),
+                  cat("cuda_caching_allocator: opening a CUDA IPC handle of an expandable segment "
+                      "with ",
+                      num(header.num_handles), " pages in ", num(rest),
+                      " bytes: only POSIX file descriptors are supported (not fabric handles)"));
+      std::vector<int> fds(header.num_handles);
+      std::memcpy(fds.data(), handle.data() + 2 + sizeof(header), rest);
+      uint64_t base = 0;
+      void* token = api_.import_pages(dev, header.pid, header.segment_size, fds.data(),
+                                      fds.size(), &base);
+      TORCH_CHECK(token != nullptr, cat("cuda_caching_allocator: ", api_.last_error()));
+      sp = std::shared_ptr<void>(reinterpret_cast<void*>(base),
+                                 [this, handle, token, forget](void*) {
+                                   forget(handle);
+                                   api_.close_imported(token);
+                                 });
+    } else {
+      cudaIpcMemHandle_t h;
+      if (handle.size() == CUDA_IPC_HANDLE_SIZE) {
+        std::memcpy(&h, handle.data(), CUDA_IPC_HANDLE_SIZE);
+      } else {
+        // Version 2 is PyTorch 2.11's; 3 is accepted for its identical 'c' payload.
+        TORCH_CHECK(handle.size() == CUDA_IPC_HANDLE_SIZE + 2 && handle[1] == 'c' &&
+                        static_cast<unsigned char>(handle[0]) <= 3,
+                    cat("cuda_caching_allocator: a CUDA IPC handle of an unknown format (",
+                        num(handle.size()), " bytes)"));
+        std::memcpy(&h, handle.data() + 2, CUDA_IPC_HANDLE_SIZE);
       }
-      DeviceScope scope(dev);
-      if (cudaIpcCloseMemHandle(q) != cudaSuccess) (void)cudaGetLastError();
-    });
+      void* p = nullptr;
+      C10_CUDA_CHECK(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
+      sp = std::shared_ptr<void>(p, [handle, dev, forget](void* q) {
+        forget(handle);
+        DeviceScope scope(dev);
+        if (cudaIpcCloseMemHandle(q) != cudaSuccess) (void)cudaGetLastError();
+      });
+    }
     ipc_opened_[handle] = sp;
     return sp;
   }

@@ -190,6 +190,56 @@ impl State {
             .map(|(base, _)| *base)
     }
 
+    /// The physical handles under the live allocation at `ptr`, for sharing it with another
+    /// process: `Ok(None)` when it lies in a fixed (`allocate`) segment, else the address of the
+    /// first handle, the bytes of each handle and the handles in address order. An importer maps
+    /// them side by side, so they must all be of one size; an error says why they cannot be
+    /// shared otherwise.
+    pub(crate) fn handles_under(
+        &self,
+        ptr: u64,
+    ) -> std::result::Result<Option<(u64, usize, Vec<PhysicalHandle>)>, String> {
+        let Some(&id) = self.active.get(&ptr) else {
+            return Err(format!(
+                "{} is not a live allocation of this allocator",
+                DeviceAddr(ptr)
+            ));
+        };
+        let b = self.block(id);
+        if !b.expandable {
+            return Ok(None);
+        }
+        let (end, what) = (b.ptr + b.size as u64, DeviceAddr(ptr));
+        let seg = self
+            .vm_at(b.ptr)
+            .map(|(_, s)| s)
+            .ok_or_else(|| format!("{what} lies in no expandable segment of this allocator"))?;
+        let (mut page, last) = (seg.page_left(b.ptr), seg.page_right(end));
+        let mut handles = Vec::new();
+        let (mut start, mut bytes) = (0u64, 0usize);
+        while page < last {
+            let Some((first, n)) = seg.covering(page) else {
+                return Err(format!("page {page} under {what} is not mapped"));
+            };
+            let Some(&(handle, _)) = seg.handles.get(&first) else {
+                return Err(format!("page {page} under {what} is not mapped"));
+            };
+            let size = n * seg.page_size;
+            if handles.is_empty() {
+                (start, bytes) = (seg.page_addr(first), size);
+            } else if size != bytes {
+                return Err(format!(
+                    "{what} lies on physical handles of different sizes ({bytes} and {size} bytes), \
+                     which another process cannot map side by side; allocations on handles of one \
+                     size (cca_max_handle_size_mb unset, as in the default) can be shared"
+                ));
+            }
+            handles.push(handle);
+            page = first + n;
+        }
+        Ok(Some((start, bytes, handles)))
+    }
+
     /// The expandable segment holding `addr`, with its base address.
     fn vm_at(&self, addr: u64) -> Option<(u64, &VmSegment)> {
         let base = self.vm_segment_of(addr)?;

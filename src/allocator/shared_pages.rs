@@ -1,0 +1,70 @@
+//! The physical pages under a live allocation, for sharing it with another process: what
+//! PyTorch's `ExpandableSegment::share` writes into a CUDA IPC handle of an expandable segment.
+//! May use: `state`.
+#![forbid(unsafe_code)]
+
+use super::CachingAllocator;
+use crate::backend::{DeviceAddr, DeviceBackend, PhysicalHandle};
+use crate::error::{AllocError, Result};
+
+/// The physical handles that hold one live allocation of an expandable segment, in address
+/// order: mapped side by side from `start`, each of `handle_bytes` bytes, they cover the
+/// allocation, which begins `offset` bytes after `start`.
+///
+/// Another process that imports the handles (`cuMemImportFromShareableHandle` of descriptors
+/// exported from them) and maps them in this order at consecutive addresses sees the allocation
+/// at its mapping's base plus `offset`. The handles stay the cache's: they hold the allocation
+/// only while it is allocated here, and the bytes around it belong to other allocations.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SharedPages {
+    /// Address of the first handle's first byte.
+    pub start: DeviceAddr,
+    /// Where the allocation begins, counted from `start`.
+    pub offset: usize,
+    /// Bytes of each handle.
+    pub handle_bytes: usize,
+    /// The handles, in address order.
+    pub handles: Vec<PhysicalHandle>,
+}
+
+impl<B: DeviceBackend> CachingAllocator<B> {
+    /// The physical handles under the live allocation at `ptr`, for sharing it with another
+    /// process, or `None` when it lies in a fixed segment (one `allocate` of the backend, which
+    /// the driver shares whole: `cuIpcGetMemHandle` of the segment's base, see
+    /// [`base_allocation`](Self::base_allocation)).
+    ///
+    /// The handles are valid while the allocation stays allocated; a handle the cache releases
+    /// later (after the allocation was freed) stays alive in a process that imported it until
+    /// that process releases it too.
+    ///
+    /// # Errors
+    /// [`AllocError::NotShareable`] when `ptr` is not a live allocation of this allocator, or
+    /// when the handles under it differ in size (possible only with
+    /// `cca_max_handle_size_mb`), which an importer cannot map side by side.
+    pub fn shareable_pages(&self, ptr: DeviceAddr) -> Result<Option<SharedPages>> {
+        self.with_shareable_pages(ptr, |pages, _| pages)
+    }
+
+    /// Runs `f` on [`shareable_pages`](Self::shareable_pages)'s answer (with the backend) under
+    /// the cache's lock, so that no handle it names can be released meanwhile.
+    pub(crate) fn with_shareable_pages<R>(
+        &self,
+        ptr: DeviceAddr,
+        f: impl FnOnce(SharedPages, &B) -> R,
+    ) -> Result<Option<R>> {
+        let st = self.lock();
+        match st.handles_under(ptr.0) {
+            Ok(None) => Ok(None),
+            Ok(Some((start, handle_bytes, handles))) => {
+                let pages = SharedPages {
+                    start: DeviceAddr(start),
+                    offset: (ptr.0 - start) as usize,
+                    handle_bytes,
+                    handles,
+                };
+                Ok(Some(f(pages, &self.backend)))
+            }
+            Err(reason) => Err(AllocError::NotShareable { ptr, reason }),
+        }
+    }
+}
