@@ -101,7 +101,7 @@ def shim_source_is_packaged():
     with open(src) as f:
         text = f.read()
     assert "class Shim : public CCA::CUDAAllocator" in text
-    assert "kAbiVersion = 4" in text
+    assert "kAbiVersion = 5" in text
 
 
 @test
