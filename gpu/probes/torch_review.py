@@ -5,7 +5,8 @@ session), each a check that fails on the package before the fix: run one per pro
 
 with PROBE one of oom_capture, oom_pool, foreign_stream_alloc, empty_cache_in_pool,
 cache_info, trace_time, oom_observer_fraction, annotations, bad_delete, tracker,
-pool_snapshot_empty, runtime_settings, compile_context (one GPU), record_stream_peer,
+pool_snapshot_empty, runtime_settings, compile_context, graph_tree_checkpoint (one GPU),
+record_stream_peer,
 peer_copy (two GPUs). Prints one line, "PASS ..." or
 "FAIL ...", and exits 0 or 1 (a crash, as the package's SIGSEGV before the fix, exits with the
 signal). `cca` enables cuda_caching_allocator.torch (route shim) with CONFIG (default: the
@@ -330,6 +331,47 @@ if probe == "compile_context":
     ctxs = sorted({str(e.get("compile_context")) for tr in snap["device_traces"] for e in tr})
     named = [c for c in ctxs if c not in ("None", "N/A")]
     done(bool(named) and y.numel() == (1 << 20), f"compile contexts {ctxs[:6]}")
+
+if probe == "graph_tree_checkpoint":
+    # CUDA graph trees (torch.compile(mode="reduce-overhead")) restore the graph pool to a
+    # checkpoint (setCheckpointPoolState) before recording a new graph after replaying others:
+    # here the second part of a function (after a graph break) is recompiled for a new `k` while
+    # the first part replays. Results must equal eager ones; the restore must have happened
+    # (counted through torch._C), with live tensors kept.
+    import torch._dynamo
+
+    calls = {"set": 0, "get": 0}
+    orig_set, orig_get = T._C._cuda_setCheckpointPoolState, T._C._cuda_getCheckpointState
+
+    def counted_set(*a, **k):
+        calls["set"] += 1
+        return orig_set(*a, **k)
+
+    def counted_get(*a, **k):
+        calls["get"] += 1
+        return orig_get(*a, **k)
+
+    T._C._cuda_setCheckpointPoolState = counted_set
+    T._C._cuda_getCheckpointState = counted_get
+
+    def fn(x, k):
+        y = (x * 2 + 1).relu()
+        torch._dynamo.graph_break()
+        return (y * k).cumsum(0) + y.sum()
+
+    cf = T.compile(fn, mode="reduce-overhead")
+    x = T.randn(1 << 16, device="cuda")
+    worst, kept = 0.0, []
+    for k in [1, 1, 1, 2, 2, 2, 3, 3, 1, 2, 3, 1, 2]:
+        got = cf(x, k).clone()
+        want = fn(x, k)
+        kept.append((got, want))  # outputs of earlier steps stay live
+        worst = max(worst, (got - want).abs().max().item() / (want.abs().max().item() + 1e-6))
+    T.cuda.synchronize()
+    still = max((g - w).abs().max().item() for g, w in kept)
+    done(worst < 1e-5 and still < 1e-3 and calls["set"] > 0,
+         f"setCheckpointPoolState called {calls['set']} times, getCheckpointState "
+         f"{calls['get']}; worst relative error {worst:.1e}, kept outputs {still:.1e}")
 
 print(f"unknown probe {probe}")
 sys.exit(2)

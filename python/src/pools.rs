@@ -290,3 +290,107 @@ pub extern "C" fn cca_pool_use_count(device: c_int, pool: MempoolId) -> c_int {
             .unwrap_or(0)
     })
 }
+
+/// One block of a checkpointed segment, for [`cca_restore_pool`]: its address and size, whether
+/// it was allocated (1) or free (0) at the checkpoint, and whether it is the first block of its
+/// segment (1).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CcaCheckpointBlock {
+    /// Start address.
+    pub address: u64,
+    /// Bytes.
+    pub size: u64,
+    /// 1 when the block was allocated at the checkpoint.
+    pub allocated: u32,
+    /// 1 when the block starts a segment.
+    pub segment_start: u32,
+}
+
+const _: () = assert!(std::mem::size_of::<CcaCheckpointBlock>() == 24);
+
+/// PyTorch's `setCheckpointPoolState`: restores private pool `pool` of `device` to the
+/// checkpoint `blocks[..n]` (each segment's blocks in address order, segments one after another),
+/// as [`CudaAllocator::restore_pool`] does. `changed(ctx, ptr, 0)` is called for each allocation
+/// freed, then `changed(ctx, ptr, 1)` for each allocated again, in address order. 0 on success,
+/// -1 on failure (nothing changed; the error is recorded).
+///
+/// # Safety
+/// `blocks` is readable for `n` blocks; `changed` does not call into this library.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cca_restore_pool(
+    device: c_int,
+    pool: MempoolId,
+    blocks: *const CcaCheckpointBlock,
+    n: usize,
+    changed: extern "C" fn(*mut c_void, u64, c_int),
+    ctx: *mut c_void,
+) -> c_int {
+    use cuda_caching_allocator::{
+        BlockSnapshot, BlockState, DeviceAddr, PoolCheckpoint, SegmentSnapshot,
+    };
+    guarded("cca_restore_pool", -1, || {
+        let Some(alloc) = device_cache("setCheckpointPoolState", device) else {
+            return -1;
+        };
+        let blocks: &[CcaCheckpointBlock] = if n == 0 {
+            &[]
+        } else {
+            // SAFETY: readable for `n` blocks by the caller's promise.
+            unsafe { std::slice::from_raw_parts(blocks, n) }
+        };
+        let mut segments: Vec<SegmentSnapshot> = Vec::new();
+        for b in blocks {
+            let block = BlockSnapshot {
+                address: DeviceAddr(b.address),
+                size: b.size as usize,
+                requested_size: if b.allocated != 0 { b.size as usize } else { 0 },
+                state: if b.allocated != 0 {
+                    BlockState::ActiveAllocated
+                } else {
+                    BlockState::Inactive
+                },
+            };
+            match segments.last_mut() {
+                Some(s) if b.segment_start == 0 => {
+                    s.total_size += block.size;
+                    s.blocks.push(block);
+                }
+                _ => segments.push(SegmentSnapshot {
+                    address: block.address,
+                    total_size: block.size,
+                    stream: StreamId::DEFAULT,
+                    pool: cuda_caching_allocator::PoolKind::Large,
+                    is_expandable: false,
+                    private_pool: pool.id(),
+                    blocks: vec![block],
+                }),
+            }
+        }
+        let checkpoint = PoolCheckpoint {
+            pool: pool.id(),
+            segments,
+        };
+        match alloc.restore_pool(&checkpoint) {
+            Ok(r) => {
+                for p in r.freed {
+                    changed(ctx, p.addr(), 0);
+                }
+                for p in r.allocated {
+                    changed(ctx, p.addr(), 1);
+                }
+                0
+            }
+            Err(e) => {
+                fail_alloc(
+                    &format!(
+                        "setCheckpointPoolState(device {device}, pool ({}, {}))",
+                        pool.first, pool.second
+                    ),
+                    &e,
+                );
+                -1
+            }
+        }
+    })
+}

@@ -13,6 +13,7 @@ mod front;
 mod history;
 mod invariants;
 mod pool;
+mod pool_checkpoint;
 mod segment_events;
 mod shared_pages;
 mod snapshot;
@@ -29,6 +30,7 @@ use parking_lot::{Mutex, MutexGuard};
 
 pub use fragmentation::{FragmentationReport, FreeBucket};
 pub use invariants::InvariantViolation;
+pub use pool_checkpoint::{PoolCheckpoint, PoolRestore};
 pub use segment_events::{SegmentAction, SegmentEvent, SegmentObserver};
 pub use shared_pages::SharedPages;
 pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};

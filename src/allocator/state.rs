@@ -10,6 +10,7 @@
 #![forbid(unsafe_code)]
 
 mod borrow;
+mod checkpoint;
 mod expandable;
 mod growth_fit;
 mod handover;

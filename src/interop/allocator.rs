@@ -25,7 +25,7 @@ use crate::host::PinnedError;
 use crate::trace::Trace;
 use crate::{
     AllocError, Allocation, AllocatorConfig, CachingAllocator, DeviceAddr, MemPoolId, MemoryStats,
-    PoolFilter, Result, StreamId,
+    PoolCheckpoint, PoolFilter, PoolRestore, Result, StreamId,
 };
 
 /// A handle to the caching allocator of one CUDA device. Cloning it clones two `Arc`s; every
@@ -383,6 +383,22 @@ impl CudaAllocator {
     /// The first violated invariant.
     pub fn check_invariants(&self) -> std::result::Result<(), InvariantViolation> {
         self.inner.check_invariants()
+    }
+
+    /// The layout of private pool `pool` now ([`CachingAllocator::pool_checkpoint`]).
+    ///
+    /// # Errors
+    /// As [`CachingAllocator::pool_checkpoint`].
+    pub fn pool_checkpoint(&self, pool: MemPoolId) -> Result<PoolCheckpoint> {
+        self.inner.pool_checkpoint(pool)
+    }
+
+    /// Restores a private pool to a checkpoint ([`CachingAllocator::restore_pool`]).
+    ///
+    /// # Errors
+    /// As [`CachingAllocator::restore_pool`].
+    pub fn restore_pool(&self, checkpoint: &PoolCheckpoint) -> Result<PoolRestore> {
+        self.inner.restore_pool(checkpoint)
     }
 
     /// The base address and size of the segment holding the live allocation at `ptr`

@@ -30,6 +30,7 @@ mod names;
 mod package;
 mod pinned;
 mod pinned_pages;
+mod pool_checkpoint;
 mod ports;
 mod programs;
 mod props;

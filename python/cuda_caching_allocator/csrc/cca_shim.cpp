@@ -154,6 +154,13 @@ struct CBlock {
   int state;  // 0 allocated, 1 pending free, 2 inactive
 };
 
+// One block of a checkpointed segment, as cca_restore_pool reads it (python/src/pools.rs).
+struct CCheckpointBlock {
+  uint64_t address, size;
+  uint32_t allocated, segment_start;
+};
+static_assert(sizeof(CCheckpointBlock) == 24, "CcaCheckpointBlock layout");
+
 // The layouts python/src/introspect.rs asserts too.
 static_assert(sizeof(CDeviceStats) == 976, "CcaDeviceStats layout");
 static_assert(sizeof(CSegment) == 56, "CcaSegment layout");
@@ -191,6 +198,8 @@ struct Api {
   void (*release_pool)(int, CPool);
   int (*create_pool)(int, CPool);
   int (*pool_use_count)(int, CPool);
+  int (*restore_pool)(int, CPool, const CCheckpointBlock*, size_t, void (*)(void*, uint64_t, int),
+                      void*);
   const char* (*last_error)();
   int (*last_error_kind)();
   void (*set_quiet)(int);
@@ -240,6 +249,7 @@ Api load_api(const std::string& path) {
   bind(lib, "cca_release_pool", a.release_pool);
   bind(lib, "cca_create_pool", a.create_pool);
   bind(lib, "cca_pool_use_count", a.pool_use_count);
+  bind(lib, "cca_restore_pool", a.restore_pool);
   bind(lib, "cca_last_error", a.last_error);
   bind(lib, "cca_last_error_kind", a.last_error_kind);
   bind(lib, "cca_set_quiet", a.set_quiet);
@@ -309,11 +319,13 @@ struct Route {
   std::shared_ptr<std::function<bool(cudaStream_t)>> filter;
 };
 
-// getCheckpointState's answer: the live allocations of the pool at the checkpoint.
+// getCheckpointState's answer: the pool's layout at the checkpoint, each segment's blocks in
+// address order (from the library's snapshot), with each block's segment stream.
 struct Checkpoint : AllocatorState {
   c10::DeviceIndex device;
   MempoolId_t pool;
-  std::unordered_set<void*> live;
+  std::vector<CCheckpointBlock> blocks;
+  std::unordered_map<uint64_t, cudaStream_t> streams;
 };
 
 void raw_delete_fn(void* ptr);
@@ -913,36 +925,77 @@ class Shim : public CCA::CUDAAllocator {
     return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
   }
 
+  // CUDA graph trees (torch.compile(mode="reduce-overhead")): the pool's block layout now, to
+  // restore before recording a new graph after replaying others (PyTorch's PrivatePoolState).
   std::shared_ptr<AllocatorState> getCheckpointState(c10::DeviceIndex device,
                                                      MempoolId_t id) override {
     auto cp = std::make_shared<Checkpoint>();
     cp->device = device;
     cp->pool = id;
+    struct Walk {
+      Checkpoint* cp;
+      bool in_pool = false, first = false;
+      cudaStream_t stream = nullptr;
+    } w{cp.get()};
     std::lock_guard<std::mutex> g(mu_);
-    for (const auto& [ptr, l] : live_)
-      if (l.device == device && l.pool == id) cp->live.insert(ptr);
+    api_.snapshot(
+        device,
+        [](void* ctx, const CSegment* s) {
+          auto* w = static_cast<Walk*>(ctx);
+          w->in_pool = s->pool.first == w->cp->pool.first && s->pool.second == w->cp->pool.second;
+          w->stream = reinterpret_cast<cudaStream_t>(s->stream);
+          w->first = true;
+        },
+        [](void* ctx, const CBlock* b) {
+          auto* w = static_cast<Walk*>(ctx);
+          if (!w->in_pool) return;
+          w->cp->blocks.push_back(CCheckpointBlock{b->address, b->size, b->state == 0 ? 1u : 0u,
+                                                   w->first ? 1u : 0u});
+          w->cp->streams[b->address] = w->stream;
+          w->first = false;
+        },
+        &w);
     return cp;
   }
 
+  // PyTorch's setCheckpointPoolState: every live allocation of the pool is freed (reported in
+  // ptrs_freed; their tensors are dropped without freeing again), the checkpoint's layout is cut
+  // again and its allocations come back at their addresses (dataptrs_allocd, with this
+  // allocator's deleter, for the live tensors whose memory they are).
   CheckpointDelta setCheckpointPoolState(c10::DeviceIndex device,
                                          std::shared_ptr<AllocatorState> pps) override {
     auto* cp = dynamic_cast<Checkpoint*>(pps.get());
     TORCH_CHECK(cp != nullptr, "cuda_caching_allocator: setCheckpointPoolState: not a "
                                "checkpoint of this allocator");
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      std::unordered_set<void*> now;
-      for (const auto& [ptr, l] : live_)
-        if (l.device == device && l.pool == cp->pool) now.insert(ptr);
-      if (now == cp->live) return CheckpointDelta{};  // nothing to restore
+    TORCH_CHECK(cp->device == device,
+                cat("cuda_caching_allocator: setCheckpointPoolState: a checkpoint of device ",
+                    num(cp->device), " given for device ", num(device)));
+    struct Changes {
+      std::vector<void*> freed, created;
+    } ch;
+    std::lock_guard<std::mutex> g(mu_);
+    int rc = api_.restore_pool(
+        device, cpool(cp->pool), cp->blocks.data(), cp->blocks.size(),
+        [](void* ctx, uint64_t p, int created) {
+          auto* c = static_cast<Changes*>(ctx);
+          (created ? c->created : c->freed).push_back(reinterpret_cast<void*>(p));
+        },
+        &ch);
+    TORCH_CHECK(rc == 0, cat("cuda_caching_allocator: ", api_.last_error()));
+    CheckpointDelta cpd;
+    for (void* p : ch.freed) {
+      live_.erase(p);
+      cpd.ptrs_freed.push_back(p);
     }
-    TORCH_CHECK(false,
-                "cuda_caching_allocator: restoring a CUDA graph pool to a checkpoint "
-                "(setCheckpointPoolState: cudagraph trees re-recording after replaying a path "
-                "whose live tensors differ) is not supported; set "
-                "torch._inductor.config.triton.cudagraph_trees = False, or mark step "
-                "boundaries with torch.compiler.cudagraph_mark_step_begin() "
-                "(docs/pytorch.md, 'Not supported')");
+    std::unordered_map<uint64_t, uint64_t> sizes;
+    for (const auto& b : cp->blocks) sizes[b.address] = b.size;
+    for (void* p : ch.created) {
+      auto a = reinterpret_cast<uint64_t>(p);
+      live_[p] = Live{static_cast<size_t>(sizes[a]), device, cp->streams[a], cp->pool, nullptr};
+      cpd.dataptrs_allocd.emplace_back(p, p, &raw_delete_fn,
+                                       c10::Device(c10::DeviceType::CUDA, device));
+    }
+    return cpd;
   }
 
   std::string name() override { return "cuda_caching_allocator"; }
