@@ -54,6 +54,9 @@ pub(crate) struct Block {
     /// pool's `unmapped` set, never merged; it becomes an ordinary unmapped block once a fence
     /// shows that work complete and the old mapping is gone (Note [Lent pages]).
     pub(crate) lent: bool,
+    /// Allocated, and its pages were exported for another process (`export_pages`): freeing it
+    /// lets go of the pages' exports that no other such allocation needs.
+    pub(crate) exported: bool,
 }
 
 impl Block {
@@ -75,6 +78,7 @@ impl Block {
             owner: 0,
             free_stamp: 0,
             lent: false,
+            exported: false,
         }
     }
 

@@ -475,7 +475,15 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// around it, as the [snapshot](Self::snapshot) lists segments. `None` when no live
     /// allocation starts at `ptr`. A lookup through the block list, not a snapshot.
     pub fn base_allocation(&self, ptr: DeviceAddr) -> Option<(DeviceAddr, usize)> {
-        let (base, size) = snapshot::base_of_allocation(&self.lock(), ptr.0)?;
+        let guard = self.lock();
+        if self
+            .front
+            .as_ref()
+            .is_some_and(|f| f.is_cached(&guard.front, ptr.0))
+        {
+            return None; // freed into a thread's cache
+        }
+        let (base, size) = snapshot::base_of_allocation(&guard, ptr.0)?;
         Some((DeviceAddr(base), size))
     }
 

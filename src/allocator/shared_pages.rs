@@ -42,17 +42,49 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// when the handles under it differ in size (possible only with
     /// `cca_max_handle_size_mb`), which an importer cannot map side by side.
     pub fn shareable_pages(&self, ptr: DeviceAddr) -> Result<Option<SharedPages>> {
-        self.with_shareable_pages(ptr, |pages, _| pages)
+        self.with_shareable_pages(ptr, false, |pages, _| Ok(pages))
+    }
+
+    /// Exports the pages under the live allocation at `ptr`: runs `export` on
+    /// [`shareable_pages`](Self::shareable_pages)'s answer and this allocator's backend under the
+    /// cache's lock (no handle it names can be released meanwhile), and once `export` succeeds
+    /// counts the allocation as exported: when it is freed, the backend's
+    /// [`release_export`](DeviceBackend::release_export) is called for each of its handles that
+    /// no other exported allocation lies on. `None` (and `export` not run) for a fixed segment.
+    /// `CudaAllocator::export_pages` (feature `cuda`) is this with `CudaDevice::export_handle`.
+    ///
+    /// # Errors
+    /// As [`shareable_pages`](Self::shareable_pages), and `export`'s own.
+    pub fn export_pages_with<R>(
+        &self,
+        ptr: DeviceAddr,
+        export: impl FnOnce(SharedPages, &B) -> Result<R>,
+    ) -> Result<Option<R>> {
+        self.with_shareable_pages(ptr, true, export)
     }
 
     /// Runs `f` on [`shareable_pages`](Self::shareable_pages)'s answer (with the backend) under
-    /// the cache's lock, so that no handle it names can be released meanwhile.
+    /// the cache's lock, so that no handle it names can be released meanwhile. With `export`,
+    /// a success of `f` counts the allocation as exported: when it is freed, the backend is told
+    /// to let go of the exports of the handles no other exported allocation lies on
+    /// ([`DeviceBackend::release_export`]).
     pub(crate) fn with_shareable_pages<R>(
         &self,
         ptr: DeviceAddr,
-        f: impl FnOnce(SharedPages, &B) -> R,
+        export: bool,
+        f: impl FnOnce(SharedPages, &B) -> Result<R>,
     ) -> Result<Option<R>> {
-        let st = self.lock();
+        let mut st = self.lock();
+        if let Some(front) = &self.front {
+            if front.is_cached(&st.front, ptr.0) {
+                return Err(AllocError::NotShareable {
+                    ptr,
+                    reason: format!(
+                        "{ptr} is not a live allocation of this allocator (it was freed)"
+                    ),
+                });
+            }
+        }
         match st.handles_under(ptr.0) {
             Ok(None) => Ok(None),
             Ok(Some((start, handle_bytes, handles))) => {
@@ -60,9 +92,13 @@ impl<B: DeviceBackend> CachingAllocator<B> {
                     start: DeviceAddr(start),
                     offset: (ptr.0 - start) as usize,
                     handle_bytes,
-                    handles,
+                    handles: handles.clone(),
                 };
-                Ok(Some(f(pages, &self.backend)))
+                let r = f(pages, &self.backend)?;
+                if export {
+                    st.mark_exported(ptr.0, &handles);
+                }
+                Ok(Some(r))
             }
             Err(reason) => Err(AllocError::NotShareable { ptr, reason }),
         }

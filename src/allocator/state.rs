@@ -18,7 +18,7 @@ mod lending;
 mod page_fence;
 mod private_pool;
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use super::Allocation;
 use super::block::{Arena, Block, BlockId};
@@ -112,6 +112,9 @@ pub(crate) struct State {
     pub(crate) fences: page_fence::PageFences,
     /// Lent blocks whose old mappings are still in place, oldest first (Note [Lent pages]).
     pub(crate) lent: Vec<lending::LentRange>,
+    /// Physical handles exported for other processes, with how many live exported allocations
+    /// lie on each (`shared_pages.rs`); at 0 the export is let go.
+    pub(crate) exported_handles: HashMap<u64, u32>,
     /// Page runs lent (Note [Lent pages]) since the last reset of the accumulated statistics.
     pub(crate) page_loans: u64,
     /// Blocks borrowed across streams (Note [Borrowed blocks]) since the last reset of the
@@ -181,6 +184,7 @@ impl State {
             graph: GraphPools::default(),
             fences: page_fence::PageFences::default(),
             lent: Vec::new(),
+            exported_handles: HashMap::new(),
             page_loans: 0,
             blocks_borrowed: 0,
             last_borrowed: false,
@@ -604,6 +608,9 @@ impl State {
         let Some(id) = self.active.remove(&ptr.0) else {
             return Err(self.classify_bad_pointer(ptr));
         };
+        if self.block(id).exported {
+            self.unexport(dev, id);
+        }
         let max_split = self.config.max_split_size;
         let b = self.block_mut(id);
         b.allocated = false;

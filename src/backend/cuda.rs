@@ -394,6 +394,10 @@ pub struct CudaDevice {
     /// Descriptors exported from physical handles ([`CudaDevice::export_handle`]), by handle;
     /// each is closed when its handle is released.
     exported: Mutex<HashMap<u64, i32>>,
+    /// Other processes' pages mapped here ([`CudaDevice::import_pages`]), base → bytes, so that
+    /// a peer added later is granted them too (as PyTorch's `enablePeerAccess` grants its opened
+    /// handles).
+    imports: Arc<Mutex<HashMap<u64, usize>>>,
 }
 
 impl fmt::Debug for CudaDevice {
@@ -538,14 +542,22 @@ impl CudaDevice {
             peers: Mutex::new(Vec::new()),
             exportable: AtomicBool::new(!host),
             exported: Mutex::new(HashMap::new()),
+            imports: Arc::default(),
         })
+    }
+
+    /// Whether this device's pages are created exportable (`false` for host pages, and once the
+    /// driver refused a shareable handle type).
+    pub fn exports_pages(&self) -> bool {
+        self.exportable.load(Ordering::Relaxed)
     }
 
     /// A POSIX file descriptor for the physical handle `handle` (`cuMemExportToShareableHandle`),
     /// which another process takes with `pidfd_getfd` and imports
-    /// ([`CudaDevice::import_pages`]). Exported once per handle (it costs about half a
-    /// millisecond) and kept open until the handle is released, as PyTorch's expandable
-    /// segments keep theirs: the descriptor must stay open until every importer has taken it.
+    /// ([`CudaDevice::import_pages`]). Exported once per handle (about half a millisecond alone)
+    /// and kept open until [`release_export`](DeviceBackend::release_export) (the cache calls it
+    /// when the last exported allocation on the handle is freed: every importer has taken the
+    /// descriptor by then) or until the handle is released.
     ///
     /// # Errors
     /// [`BackendError::InvalidArgument`] for host pages; a driver error when the handle was
@@ -1153,6 +1165,14 @@ unsafe impl DeviceBackend for CudaDevice {
             .map_err(|e| driver("cuMemUnmap", e))
     }
 
+    fn release_export(&self, handle: PhysicalHandle) {
+        if let Some(fd) = self.exported.lock().remove(&handle.0) {
+            // SAFETY: `fd` was exported from `handle` by `export_handle` and nothing else closes
+            // it; the processes that imported it hold their own references.
+            unsafe { libc::close(fd) };
+        }
+    }
+
     fn add_peer(&self, peer: usize) -> Result<bool, BackendError> {
         if self.granularity.is_none() {
             return Err(BackendError::Unsupported("peer access to mapped memory"));
@@ -1192,6 +1212,22 @@ unsafe impl DeviceBackend for CudaDevice {
             });
         }
         peers.push(id);
+        // Pages of other processes mapped here: granted now (they are mapped nowhere else).
+        let imports = self.imports.lock();
+        if !imports.is_empty() {
+            let _bound = self.bind()?;
+            let desc = sys::CUmemAccessDesc {
+                location: device_location(id),
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            for (&base, &size) in imports.iter() {
+                // SAFETY: `[base, base + size)` is an imported range, wholly mapped while it is
+                // listed (its drop takes it out of the list, under this lock, before unmapping).
+                unsafe { sys::cuMemSetAccess(base, size, &desc, 1) }
+                    .result()
+                    .map_err(|e| driver("cuMemSetAccess", e))?;
+            }
+        }
         Ok(true)
     }
 

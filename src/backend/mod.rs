@@ -440,6 +440,14 @@ pub unsafe trait DeviceBackend: Send + Sync {
         Err(BackendError::Unsupported("peer access to mapped memory"))
     }
 
+    /// Forgets what was exported of physical handle `handle` for other processes (the
+    /// descriptor `CudaDevice::export_handle` keeps open), once no allocation shared from it is
+    /// live any more: every process that was to import it has done so. The cache calls it when
+    /// the last exported allocation on the handle is freed. The default does nothing.
+    fn release_export(&self, handle: PhysicalHandle) {
+        let _ = handle;
+    }
+
     /// Grants device `peer` read and write access to `[va, va + size)`.
     ///
     /// # Errors
@@ -553,6 +561,9 @@ unsafe impl<D: DeviceBackend + ?Sized> DeviceBackend for &D {
     fn add_peer(&self, peer: usize) -> Result<bool, BackendError> {
         (**self).add_peer(peer)
     }
+    fn release_export(&self, handle: PhysicalHandle) {
+        (**self).release_export(handle)
+    }
     unsafe fn grant_peer(
         &self,
         va: DeviceAddr,
@@ -658,6 +669,9 @@ unsafe impl<D: DeviceBackend + ?Sized> DeviceBackend for std::sync::Arc<D> {
     }
     fn add_peer(&self, peer: usize) -> Result<bool, BackendError> {
         (**self).add_peer(peer)
+    }
+    fn release_export(&self, handle: PhysicalHandle) {
+        (**self).release_export(handle)
     }
     unsafe fn grant_peer(
         &self,

@@ -459,6 +459,8 @@ struct Inner {
     next_physical: u64,
     /// Mappings: va → (size, handle).
     mappings: BTreeMap<u64, (usize, u64)>,
+    /// Handles whose export the cache let go of (`release_export`), in order.
+    released_exports: Vec<u64>,
     /// Live mappings per physical handle (absent: none), so `release_physical` checks "still
     /// mapped" without scanning every mapping.
     maps_of_handle: BTreeMap<u64, u32>,
@@ -869,6 +871,7 @@ impl SimDevice {
                 physical: BTreeMap::new(),
                 next_physical: 1,
                 mappings: BTreeMap::new(),
+                released_exports: Vec::new(),
                 peers: Vec::new(),
                 peer_access: BTreeMap::new(),
                 maps_of_handle: BTreeMap::new(),
@@ -1147,6 +1150,17 @@ impl SimDevice {
             .iter()
             .filter(|(_, (_, k))| *k == RangeKind::Segment)
             .map(|(&a, &(s, _))| (DeviceAddr(a), s))
+            .collect()
+    }
+
+    /// The handles whose export the cache let go of ([`DeviceBackend::release_export`]: the
+    /// last exported allocation on them was freed), in order.
+    pub fn released_exports(&self) -> Vec<PhysicalHandle> {
+        self.inner
+            .lock()
+            .released_exports
+            .iter()
+            .map(|&h| PhysicalHandle(h))
             .collect()
     }
 
@@ -1634,6 +1648,10 @@ unsafe impl DeviceBackend for SimDevice {
         g.counters.unmap_calls += 1;
         g.bill(|c| c.unmap_ns);
         Ok(())
+    }
+
+    fn release_export(&self, handle: PhysicalHandle) {
+        self.inner.lock().released_exports.push(handle.0);
     }
 
     fn add_peer(&self, peer: usize) -> Result<bool, BackendError> {

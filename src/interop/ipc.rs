@@ -36,35 +36,51 @@ impl CudaAllocator {
     /// allocated: freeing it here hands the bytes to later allocations, so keep it allocated until
     /// the importer is done (PyTorch's reference counting of shared CUDA tensors does this).
     /// Each page is exported once, under the cache's lock (1 GiB of 2 MiB pages took 57.6 ms the
-    /// first time on an H200 with driver 580, 0.2 ms again), and its descriptor stays open until
-    /// the page is released: a process that shares much memory needs as many descriptors
-    /// (`ulimit -n`).
+    /// first time on an H200 with driver 580, 0.2 ms again), and its descriptor stays open while
+    /// an exported allocation on the page is live: it is closed when the last one is freed (the
+    /// importers have taken it by then) or the page is released. A process needs as many
+    /// descriptors as the pages of the allocations it shares at once (`ulimit -n`).
     ///
     /// # Errors
-    /// [`AllocError::NotShareable`] (not a live allocation, or pages of mixed sizes);
-    /// [`AllocError::Backend`] when the driver cannot export a page (memory created without a
-    /// shareable handle type because the driver refused one, or no descriptor left).
+    /// [`AllocError::NotShareable`]: not a live allocation, pages of mixed sizes, or pages the
+    /// driver would not create exportable (it refused the descriptor handle type; the error says
+    /// to share from `cca_preset:pytorch`); [`AllocError::Backend`] when the driver cannot
+    /// export a page otherwise (no descriptor left, for one).
     ///
     /// [`CudaDevice::import_pages`]: crate::backend::cuda::CudaDevice::import_pages
     pub fn export_pages(&self, ptr: DeviceAddr) -> Result<Option<ExportedPages>> {
-        let exported = self.inner.with_shareable_pages(ptr, |pages, dev| {
+        self.inner.with_shareable_pages(ptr, true, |pages, dev| {
             let fds = pages
                 .handles
                 .iter()
                 // SAFETY: the handles lie under a live allocation and the cache's lock is held,
                 // so none is released during the call.
                 .map(|&h| unsafe { dev.export_handle(h) })
-                .collect::<std::result::Result<Vec<_>, _>>()?;
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map_err(|source| {
+                    if dev.exports_pages() {
+                        AllocError::Backend {
+                            operation: "cuMemExportToShareableHandle",
+                            source,
+                        }
+                    } else {
+                        AllocError::NotShareable {
+                            ptr,
+                            reason: format!(
+                                "the driver refused to create this device's pages exportable \
+                                 (as POSIX file descriptors), so other processes cannot import \
+                                 them ({source}); share from a process whose allocator uses \
+                                 cuMemAlloc segments (cca_preset:pytorch)"
+                            ),
+                        }
+                    }
+                })?;
             Ok(ExportedPages {
                 pid: std::process::id() as i32,
                 handle_bytes: pages.handle_bytes,
                 offset: pages.offset,
                 fds,
             })
-        })?;
-        exported.transpose().map_err(|source| AllocError::Backend {
-            operation: "cuMemExportToShareableHandle",
-            source,
         })
     }
 }

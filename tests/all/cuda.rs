@@ -1974,6 +1974,10 @@ fn cuda_exported_pages_map_the_same_bytes_elsewhere() {
     let alloc = CudaAllocator::new(Arc::clone(&g.ctx), AllocatorConfig::default()).unwrap();
     let me = std::process::id() as i32;
     let mut kept_fds = Vec::new();
+    let open = |fd: i32| {
+        // SAFETY: F_GETFD only reads the descriptor table.
+        unsafe { libc::fcntl(fd, libc::F_GETFD) != -1 }
+    };
     // Sizes in the small pool, across pages, and one on pages that page reuse moved: the first
     // 30 MiB is freed and its pages go to the next growth.
     let first = alloc.allocate(30 * MIB, StreamId::DEFAULT).unwrap();
@@ -2023,18 +2027,14 @@ fn cuda_exported_pages_map_the_same_bytes_elsewhere() {
             "{size} bytes: the allocation reads what the import wrote"
         );
         drop(imported);
+        assert!(
+            pages.fds.iter().all(|&fd| open(fd)),
+            "descriptors open while the exported allocation lives"
+        );
         kept_fds.extend(pages.fds);
         // SAFETY: as above; the copies above were synchronous.
         unsafe { alloc.free(a.ptr) }.unwrap();
     }
-    let open = |fd: i32| {
-        // SAFETY: F_GETFD only reads the descriptor table.
-        unsafe { libc::fcntl(fd, libc::F_GETFD) != -1 }
-    };
-    assert!(
-        kept_fds.iter().all(|&fd| open(fd)),
-        "descriptors kept until release"
-    );
     // Bad input: a process that does not exist, a descriptor it does not have, a size that is
     // not the handles'.
     let dev = alloc.device();
@@ -2051,8 +2051,9 @@ fn cuda_exported_pages_map_the_same_bytes_elsewhere() {
     // SAFETY: as above.
     unsafe { alloc.free(spacer.ptr) }.unwrap();
     alloc.empty_cache().unwrap();
-    // Released pages close their descriptors (a number may be taken again by the driver
-    // meanwhile, so a few may read as open).
+    // Freed exported allocations (flushed from the thread's cache by empty_cache) and released
+    // pages close their descriptors (a number may be taken again by the driver meanwhile, so a
+    // few may read as open).
     kept_fds.sort_unstable();
     kept_fds.dedup();
     let still = kept_fds.iter().filter(|&&fd| open(fd)).count();
@@ -2067,4 +2068,52 @@ fn cuda_exported_pages_map_the_same_bytes_elsewhere() {
     assert_eq!(fixed.export_pages(a.ptr).unwrap(), None);
     // SAFETY: as above.
     unsafe { fixed.free(a.ptr) }.unwrap();
+}
+
+/// Pages of another process (here this one's, imported through `pidfd_getfd` as another
+/// process would) mapped on device 0 are granted to device 1 when peer access is enabled later,
+/// as PyTorch's `enablePeerAccess` grants the handles it opened: a kernel on device 1 reads them.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn cuda_multi_gpu_imported_pages_are_granted_to_a_peer_added_later() {
+    let gs = gpus("cuda_multi_gpu_imported_pages_are_granted_to_a_peer_added_later");
+    let (g0, g1) = (&gs[0], &gs[1]);
+    let a0 = CudaAllocator::new(Arc::clone(&g0.ctx), AllocatorConfig::default()).unwrap();
+    let a1 = CudaAllocator::new(Arc::clone(&g1.ctx), AllocatorConfig::default()).unwrap();
+    let n = (7 * MIB) / 4;
+    let seed = 0x5eed;
+    let s0 = g0.ctx.default_stream();
+    let mut src = uninit::<u32>(&a0, &s0, n);
+    fill!(g0, &s0, &mut src, n, seed);
+    s0.synchronize().unwrap();
+    let pages = a0
+        .export_pages(src.device_ptr_raw())
+        .unwrap()
+        .unwrap();
+    let imported = a0
+        .device()
+        .import_pages(std::process::id() as i32, pages.handle_bytes, &pages.fds)
+        .unwrap();
+    let view = imported.ptr().0 + pages.offset as u64;
+    // Device 1 gets access now: the driver's peer access between the contexts, and the cache's
+    // (which grants mapped pages, the imported ones among them).
+    g1.ctx.bind_to_thread().unwrap();
+    // SAFETY: both contexts are live; enabling twice only reports "already enabled".
+    let _ = unsafe { sys::cuCtxEnablePeerAccess(g0.ctx.cu_ctx(), 0) };
+    a0.enable_peer_access(1).unwrap();
+    let s1 = g1.ctx.default_stream();
+    let n64 = n as u64;
+    let mut bad = a1.alloc_zeros::<u32>(&s1, 1).unwrap();
+    let mut b = s1.launch_builder(&g1.check);
+    b.arg(&view).arg(&n64).arg(&seed).arg(&mut bad);
+    // SAFETY: check_pattern reads `n` values from `view`, which the imported mapping covers and
+    // device 1 was just granted, and writes one counter of its own device.
+    unsafe { b.launch(grid(n)) }.unwrap();
+    assert_eq!(
+        a1.dtoh(&bad).unwrap()[0],
+        0,
+        "device 1 reads the imported pages"
+    );
+    drop(imported);
+    drop(src);
 }

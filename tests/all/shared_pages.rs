@@ -117,11 +117,24 @@ fn fixed_segments_have_no_pages_to_share() {
 
 #[test]
 fn pointers_that_are_not_live_allocations_are_refused_and_nothing_changes() {
-    let config = AllocatorConfigBuilder::from_config(AllocatorConfig::default())
+    let without_fast_path = AllocatorConfigBuilder::from_config(AllocatorConfig::default())
         .fast_path(false)
         .build()
         .unwrap();
+    // The default has the fast path on: a block freed into the thread's cache is still allocated
+    // in the core's books, and must be refused all the same.
+    for config in [AllocatorConfig::default(), without_fast_path] {
+        refused_with(config);
+    }
+}
+
+fn refused_with(config: AllocatorConfig) {
     let a = with_config(4 << 30, config);
+    // Sizes seen before are kept by the fast path's cache when freed.
+    for _ in 0..8 {
+        let p = a.allocate(3 * MIB, StreamId::DEFAULT).unwrap().ptr;
+        a.free(p).unwrap();
+    }
     let keep = a.allocate(5 * MIB, StreamId::DEFAULT).unwrap();
     let gone = a.allocate(3 * MIB, StreamId::DEFAULT).unwrap();
     a.free(gone.ptr).unwrap();
@@ -143,6 +156,11 @@ fn pointers_that_are_not_live_allocations_are_refused_and_nothing_changes() {
         );
     }
     assert_eq!(a.snapshot(), before);
+    assert_eq!(
+        a.base_allocation(gone.ptr),
+        None,
+        "freed: no base allocation either"
+    );
     a.check_invariants().unwrap();
     check_pages(&a, keep.ptr, 5 * MIB);
 }
@@ -169,5 +187,56 @@ fn handles_of_mixed_sizes_are_refused_with_the_reason() {
         }
     });
     assert!(shared > 0 && mixed > 0, "{shared} shared, {mixed} refused");
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn an_export_is_let_go_when_the_last_exported_allocation_on_its_page_is_freed() {
+    let config = AllocatorConfigBuilder::from_config(AllocatorConfig::default())
+        .fast_path(false)
+        .build()
+        .unwrap();
+    let a = with_config(4 << 30, config);
+    let export = |p: DeviceAddr| {
+        a.export_pages_with(p, |pages, _| Ok(pages.handles))
+            .unwrap()
+            .unwrap()
+    };
+    // Two small allocations on one page, a large one on pages of its own.
+    let x = a.allocate(4096, StreamId::DEFAULT).unwrap().ptr;
+    let y = a.allocate(8192, StreamId::DEFAULT).unwrap().ptr;
+    let big = a.allocate(5 * MIB, StreamId::DEFAULT).unwrap().ptr;
+    let (hx, hy, hbig) = (export(x), export(y), export(big));
+    assert_eq!(hx, hy, "one page holds both small allocations");
+    assert_eq!(export(x), hx, "exporting again counts once");
+    assert!(a.backend().released_exports().is_empty());
+    a.free(x).unwrap();
+    assert!(
+        a.backend().released_exports().is_empty(),
+        "y still lies on the page"
+    );
+    a.free(big).unwrap();
+    assert_eq!(
+        a.backend().released_exports(),
+        hbig,
+        "big's pages are let go"
+    );
+    a.free(y).unwrap();
+    let mut want = hbig.clone();
+    want.extend(hy);
+    assert_eq!(a.backend().released_exports(), want, "then the small page");
+    // Allocations never exported let nothing go; a failed export marks nothing.
+    let z = a.allocate(4096, StreamId::DEFAULT).unwrap().ptr;
+    let err = a
+        .export_pages_with(z, |_, _| -> Result<()> {
+            Err(AllocError::Unsupported {
+                operation: "test export",
+                capability: "nothing",
+            })
+        })
+        .unwrap_err();
+    assert!(err.to_string().contains("test export"), "{err}");
+    a.free(z).unwrap();
+    assert_eq!(a.backend().released_exports(), want);
     a.check_invariants().unwrap();
 }

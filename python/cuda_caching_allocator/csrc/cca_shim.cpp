@@ -784,10 +784,14 @@ class Shim : public CCA::CUDAAllocator {
       if (it != ipc_opened_.end() && it->second.expired()) ipc_opened_.erase(it);
     };
     std::shared_ptr<void> sp;
-    if (handle.size() >= 2 + sizeof(ShareHeader) && handle[1] == 'e') {
-      TORCH_CHECK(static_cast<unsigned char>(handle[0]) <= 3,
-                  cat("cuda_caching_allocator: a CUDA IPC handle of an unknown version (",
-                      num(static_cast<unsigned char>(handle[0])), ")"));
+    if (handle.size() != CUDA_IPC_HANDLE_SIZE && handle.size() >= 2 + sizeof(ShareHeader) &&
+        handle[1] == 'e') {
+      // Only PyTorch 2.11's layout (version 2) is known; a later version may lay it out anew.
+      TORCH_CHECK(static_cast<unsigned char>(handle[0]) == 2,
+                  cat("cuda_caching_allocator: a CUDA IPC handle of an expandable segment in "
+                      "format version ",
+                      num(static_cast<unsigned char>(handle[0])),
+                      " (this package reads PyTorch 2.11's, version 2)"));
       ShareHeader header;
       std::memcpy(&header, handle.data() + 2, sizeof(header));
       size_t rest = handle.size() - 2 - sizeof(header);

@@ -658,6 +658,18 @@ impl Front {
         }
     }
 
+    /// Whether `ptr` is a block some thread's cache holds freed (the core still counts it
+    /// allocated): not a live allocation to its user.
+    pub(crate) fn is_cached(&self, fl: &FrontLocked, ptr: u64) -> bool {
+        let mut found = false;
+        for reg in &fl.registry {
+            reg.cell.each_desc(|_, d| {
+                found |= d.state.load(Ordering::Acquire) == CACHED && d.view().ptr == ptr;
+            });
+        }
+        found
+    }
+
     /// Everything cached back to the core and every cache forgotten (allocator drop).
     pub(crate) fn shutdown<B: DeviceBackend>(&self, st: &mut State, fl: &mut FrontLocked, dev: &B) {
         self.flush(st, fl, dev);

@@ -205,7 +205,16 @@ impl State {
                 DeviceAddr(ptr)
             ));
         };
+        self.handles_of(id)
+    }
+
+    /// [`handles_under`](Self::handles_under) for block `id`.
+    fn handles_of(
+        &self,
+        id: BlockId,
+    ) -> std::result::Result<Option<(u64, usize, Vec<PhysicalHandle>)>, String> {
         let b = self.block(id);
+        let ptr = b.ptr;
         if !b.expandable {
             return Ok(None);
         }
@@ -238,6 +247,38 @@ impl State {
             page = first + n;
         }
         Ok(Some((start, bytes, handles)))
+    }
+
+    /// Counts the allocation at `ptr` as exported: each handle under it stays exported until the
+    /// last such allocation on it is freed ([`unexport`](Self::unexport)).
+    pub(crate) fn mark_exported(&mut self, ptr: u64, handles: &[PhysicalHandle]) {
+        let Some(&id) = self.active.get(&ptr) else {
+            return;
+        };
+        if std::mem::replace(&mut self.block_mut(id).exported, true) {
+            return;
+        }
+        for h in handles {
+            *self.exported_handles.entry(h.0).or_insert(0) += 1;
+        }
+    }
+
+    /// The exported allocation `id` is being freed: lets go of the exports of its handles that
+    /// no other live exported allocation lies on.
+    pub(crate) fn unexport<B: DeviceBackend>(&mut self, dev: &B, id: BlockId) {
+        self.block_mut(id).exported = false;
+        let Ok(Some((_, _, handles))) = self.handles_of(id) else {
+            return;
+        };
+        for h in handles {
+            if let Some(n) = self.exported_handles.get_mut(&h.0) {
+                *n -= 1;
+                if *n == 0 {
+                    self.exported_handles.remove(&h.0);
+                    dev.release_export(h);
+                }
+            }
+        }
     }
 
     /// The expandable segment holding `addr`, with its base address.

@@ -6,10 +6,12 @@
 //! and how the package opens its own (`CudaDevice::export_handle` is the other side).
 //! May use: `backend::cuda`.
 
+use std::collections::HashMap;
 use std::io;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, sys};
+use parking_lot::Mutex;
 
 use super::{ContextGuard, CudaDevice, RelaxedCaptureMode, device_location, driver};
 use crate::backend::{BackendError, DeviceAddr};
@@ -24,6 +26,8 @@ pub struct ImportedPages {
     base: u64,
     /// Bytes of address space reserved at `base` (0 once freed).
     reserved: usize,
+    /// The device's list of imported ranges, which holds this one while it is mapped.
+    listed: Option<Arc<Mutex<HashMap<u64, usize>>>>,
     handle_bytes: usize,
     handles: Vec<u64>,
 }
@@ -52,6 +56,9 @@ impl ImportedPages {
     /// Unmaps `mapped` handles from the base, releases every handle and frees the address
     /// range, logging what fails: the undo of a failed import, and the drop.
     fn teardown(&mut self, mapped: usize) {
+        if let Some(list) = self.listed.take() {
+            list.lock().remove(&self.base);
+        }
         for i in 0..mapped {
             let va = self.base + (i * self.handle_bytes) as u64;
             // SAFETY: handle `i` was mapped at `va` with exactly `handle_bytes` bytes, and the
@@ -171,6 +178,7 @@ impl CudaDevice {
             ctx: Arc::clone(&self.ctx),
             base: 0,
             reserved: 0,
+            listed: None,
             handle_bytes,
             handles: Vec::with_capacity(fds.len()),
         };
@@ -216,9 +224,10 @@ impl CudaDevice {
         for i in 0..pages.handles.len() {
             let va = base + (i * handle_bytes) as u64;
             // SAFETY: `[va, va + handle_bytes)` lies in the range reserved above with nothing
-            // mapped there, and handle `i` is a live imported handle; an imported handle's size
-            // is the exporter's, which the caller states as `handle_bytes` (the driver refuses
-            // a size that does not match).
+            // mapped there, and handle `i` is a live imported handle. The driver refuses a size
+            // larger than the handle; a smaller one maps the handle's first bytes only, so a
+            // wrong `handle_bytes` (the exporter's word, as in PyTorch's format) gives wrong
+            // bytes, never memory outside the handle.
             let r = unsafe { sys::cuMemMap(va, handle_bytes, 0, pages.handles[i], 0) };
             if let Err(e) = r.result() {
                 pages.teardown(i);
@@ -226,8 +235,11 @@ impl CudaDevice {
             }
         }
         let rw = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        // Held until the range is listed: a peer added meanwhile is granted it either here or by
+        // `add_peer` (which holds this lock while it walks the list).
+        let peers = self.peers.lock();
         let access: Vec<sys::CUmemAccessDesc> = std::iter::once(self.ordinal)
-            .chain(self.peers.lock().iter().copied())
+            .chain(peers.iter().copied())
             .map(|d| sys::CUmemAccessDesc {
                 location: device_location(d),
                 flags: rw,
@@ -241,6 +253,9 @@ impl CudaDevice {
             pages.teardown(n);
             return Err(driver("cuMemSetAccess", e));
         }
+        pages.listed = Some(Arc::clone(&self.imports));
+        self.imports.lock().insert(base, total);
+        drop(peers);
         Ok(pages)
     }
 }
