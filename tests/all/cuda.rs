@@ -2037,17 +2037,20 @@ fn cuda_exported_pages_map_the_same_bytes_elsewhere() {
     }
     // Bad input: a process that does not exist, a descriptor it does not have, a size that is
     // not the handles'.
+    // (The spacer's pages are exported for this: the freed allocations' descriptors are closed.)
     let dev = alloc.device();
+    let live = alloc.export_pages(spacer.ptr).unwrap().unwrap();
     let e = dev.import_pages(i32::MAX, 2 * MIB, &[3]).unwrap_err();
     assert!(e.to_string().contains("pidfd_open"), "{e}");
     let e = dev.import_pages(me, 2 * MIB, &[1 << 20]).unwrap_err();
     assert!(e.to_string().contains("pidfd_getfd"), "{e}");
     let e = dev
-        .import_pages(me, 2 * MIB + 1, &[kept_fds[0]])
+        .import_pages(me, 2 * MIB + 1, &[live.fds[0]])
         .unwrap_err();
     assert!(e.to_string().contains("granularity"), "{e}");
-    let e = dev.import_pages(me, 4 * MIB, &[kept_fds[0]]).unwrap_err();
+    let e = dev.import_pages(me, 4 * MIB, &[live.fds[0]]).unwrap_err();
     assert!(e.to_string().contains("cuMemMap"), "{e}");
+    kept_fds.extend(live.fds);
     // SAFETY: as above.
     unsafe { alloc.free(spacer.ptr) }.unwrap();
     alloc.empty_cache().unwrap();
@@ -2086,10 +2089,7 @@ fn cuda_multi_gpu_imported_pages_are_granted_to_a_peer_added_later() {
     let mut src = uninit::<u32>(&a0, &s0, n);
     fill!(g0, &s0, &mut src, n, seed);
     s0.synchronize().unwrap();
-    let pages = a0
-        .export_pages(src.device_ptr_raw())
-        .unwrap()
-        .unwrap();
+    let pages = a0.export_pages(src.device_ptr_raw()).unwrap().unwrap();
     let imported = a0
         .device()
         .import_pages(std::process::id() as i32, pages.handle_bytes, &pages.fds)
