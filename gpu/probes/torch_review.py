@@ -5,7 +5,8 @@ session), each a check that fails on the package before the fix: run one per pro
 
 with PROBE one of oom_capture, oom_pool, foreign_stream_alloc, empty_cache_in_pool,
 cache_info, trace_time, oom_observer_fraction, annotations, bad_delete, tracker,
-pool_snapshot_empty, runtime_settings, compile_context, graph_tree_checkpoint (one GPU),
+pool_snapshot_empty, runtime_settings, compile_context, graph_tree_checkpoint, use_on_oom
+(one GPU),
 record_stream_peer,
 peer_copy (two GPUs). Prints one line, "PASS ..." or
 "FAIL ...", and exits 0 or 1 (a crash, as the package's SIGSEGV before the fix, exits with the
@@ -376,6 +377,34 @@ if probe == "graph_tree_checkpoint":
          f"setCheckpointPoolState called {calls['set']} times ({calls['changed']} changing the "
          f"allocated bytes), getCheckpointState {calls['get']}; worst relative error {worst:.1e}, "
          f"kept outputs {still:.1e}")
+
+if probe == "use_on_oom":
+    # torch.cuda.MemPool(use_on_oom=True): an allocation outside the pool that would fail with
+    # out of memory takes a free block of the pool instead (PyTorch's last resort). Under a
+    # memory fraction that leaves room for the pool's 1 GiB and little more, a 768 MiB tensor
+    # outside the pool fits only in the pool's freed block; with use_on_oom=False it fails.
+    GIB = 1 << 30
+    total = T.cuda.get_device_properties(0).total_memory
+    T.cuda.set_per_process_memory_fraction((GIB + (256 << 20)) / total)
+    results = {}
+    for use in (True, False):
+        p = T.cuda.MemPool(use_on_oom=use)
+        with T.cuda.use_mem_pool(p):
+            x = T.empty(GIB, dtype=T.uint8, device="cuda")
+        del x  # the pool keeps its 1 GiB, free
+        try:
+            y = T.full((768 << 20,), 7, dtype=T.uint8, device="cuda")
+            in_pool = any(b.get("address") == y.data_ptr() for s in p.snapshot()
+                          for b in s["blocks"])
+            results[use] = f"served, in the pool {in_pool}, sum ok {int(y.sum()) == 7 * (768 << 20)}"
+            del y
+        except T.OutOfMemoryError:
+            results[use] = "out of memory"
+        del p
+        T.cuda.empty_cache()
+    ok = (results[True] == "served, in the pool True, sum ok True"
+          and results[False] == "out of memory")
+    done(ok, f"use_on_oom=True: {results[True]}; use_on_oom=False: {results[False]}")
 
 print(f"unknown probe {probe}")
 sys.exit(2)

@@ -394,3 +394,28 @@ pub unsafe extern "C" fn cca_restore_pool(
         }
     })
 }
+
+/// PyTorch's `setUseOnOOM` (`torch.cuda.MemPool(use_on_oom=True)`): whether allocations of
+/// `device`'s default pools about to fail with out of memory may take free blocks of private
+/// pool `pool`. 0 on success, -1 on failure (the error is recorded).
+#[unsafe(no_mangle)]
+pub extern "C" fn cca_set_use_on_oom(device: c_int, pool: MempoolId, on: c_int) -> c_int {
+    guarded("cca_set_use_on_oom", -1, || {
+        let Some(alloc) = device_cache("setUseOnOOM", device) else {
+            return -1;
+        };
+        match alloc.set_use_on_oom(pool.id(), on != 0) {
+            Ok(()) => 0,
+            Err(e) => {
+                fail_alloc(
+                    &format!(
+                        "setUseOnOOM(device {device}, pool ({}, {}))",
+                        pool.first, pool.second
+                    ),
+                    &e,
+                );
+                -1
+            }
+        }
+    })
+}

@@ -451,6 +451,17 @@ impl<B: DeviceBackend> CachingAllocator<B> {
         self.lock().release_pool(pool)
     }
 
+    /// PyTorch's `setUseOnOOM` (`torch.cuda.MemPool(use_on_oom=True)`): whether an allocation
+    /// of the default pools that would fail with out of memory, after every release and retry,
+    /// may take a free block of private pool `pool` instead. The block stays the pool's (it goes
+    /// back there when freed); no memory is made for the pool on such an allocation's behalf.
+    ///
+    /// # Errors
+    /// [`AllocError::InvalidPool`] when there is no such private pool.
+    pub fn set_use_on_oom(&self, pool: MemPoolId, on: bool) -> Result<()> {
+        self.lock().set_use_on_oom(pool, on)
+    }
+
     /// The use count of private pool `pool` (`None` when there is no such pool: never made, or
     /// released and emptied).
     pub fn pool_use_count(&self, pool: MemPoolId) -> Option<u32> {

@@ -360,6 +360,9 @@ impl State {
                 found = self.alloc_block(dev, stream, kind, alloc_size, size, true, owner)?;
             }
         }
+        if found.is_none() && owner == 0 {
+            found = self.free_block_of_oom_pools(stream, size, kind);
+        }
         let Some(id) = found else {
             let oom = self.out_of_memory(dev, orig_size, size, alloc_size, stream, kind);
             return Err(match oom {
@@ -389,7 +392,7 @@ impl State {
     /// more than `max_non_split_rounding` larger for an oversize request.
     /// `owner` picks the free sets: 0 the default pools, else a private pool's (whose blocks are
     /// never expandable).
-    fn get_free_block(
+    pub(super) fn get_free_block(
         &mut self,
         stream: StreamId,
         size: usize,

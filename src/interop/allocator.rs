@@ -385,6 +385,15 @@ impl CudaAllocator {
         self.inner.check_invariants()
     }
 
+    /// Lets an allocation about to fail with out of memory take free blocks of private pool
+    /// `pool` ([`CachingAllocator::set_use_on_oom`]).
+    ///
+    /// # Errors
+    /// As [`CachingAllocator::set_use_on_oom`].
+    pub fn set_use_on_oom(&self, pool: MemPoolId, on: bool) -> Result<()> {
+        self.inner.set_use_on_oom(pool, on)
+    }
+
     /// The layout of private pool `pool` now ([`CachingAllocator::pool_checkpoint`]).
     ///
     /// # Errors

@@ -779,3 +779,41 @@ proptest! {
         run_program(config, &ops)?;
     }
 }
+
+/// `set_use_on_oom` (PyTorch's `torch.cuda.MemPool(use_on_oom=True)`): an allocation of the
+/// default pools that would fail with out of memory takes a free block of the pool, which stays
+/// the pool's (it goes back there when freed, also with the fast path on); without the mark the
+/// same allocation fails.
+#[test]
+fn an_allocation_about_to_fail_takes_a_free_block_of_a_use_on_oom_pool() {
+    for (name, config) in crate::util::four_configs() {
+        let a = crate::util::with_config(64 * MIB, config);
+        let s = StreamId::DEFAULT;
+        let pool = MemPoolId::new_user();
+        a.create_pool(pool).unwrap();
+        a.set_use_on_oom(pool, true).unwrap();
+        a.begin_allocate_to_pool(pool, Box::new(|_| true)).unwrap();
+        let x = a.allocate(40 * MIB, s).unwrap();
+        a.end_allocate_to_pool(pool).unwrap();
+        a.free(x.ptr).unwrap();
+        for round in 0..3 {
+            // The device has 24 MiB left: only the pool's free 40 MiB can serve 30 MiB.
+            let y = a.allocate(30 * MIB, s).unwrap();
+            assert_eq!(a.pool_of(y.ptr), Some(pool), "{name}, round {round}");
+            a.free(y.ptr).unwrap();
+            a.check_invariants().unwrap();
+        }
+        // Freed, the block went back to the pool: a small default allocation does not get it.
+        let z = a.allocate(MIB, s).unwrap();
+        assert_eq!(a.pool_of(z.ptr), None, "{name}");
+        a.free(z.ptr).unwrap();
+        a.set_use_on_oom(pool, false).unwrap();
+        let err = a.allocate(30 * MIB, s).unwrap_err();
+        assert!(matches!(err, AllocError::OutOfMemory(_)), "{name}: {err}");
+        assert!(matches!(
+            a.set_use_on_oom(MemPoolId::new_user(), true),
+            Err(AllocError::InvalidPool { .. })
+        ));
+        a.check_invariants().unwrap();
+    }
+}

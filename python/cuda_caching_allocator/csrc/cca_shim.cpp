@@ -200,6 +200,7 @@ struct Api {
   int (*pool_use_count)(int, CPool);
   int (*restore_pool)(int, CPool, const CCheckpointBlock*, size_t, void (*)(void*, uint64_t, int),
                       void*);
+  int (*set_use_on_oom)(int, CPool, int);
   const char* (*last_error)();
   int (*last_error_kind)();
   void (*set_quiet)(int);
@@ -250,6 +251,7 @@ Api load_api(const std::string& path) {
   bind(lib, "cca_create_pool", a.create_pool);
   bind(lib, "cca_pool_use_count", a.pool_use_count);
   bind(lib, "cca_restore_pool", a.restore_pool);
+  bind(lib, "cca_set_use_on_oom", a.set_use_on_oom);
   bind(lib, "cca_last_error", a.last_error);
   bind(lib, "cca_last_error_kind", a.last_error_kind);
   bind(lib, "cca_set_quiet", a.set_quiet);
@@ -676,10 +678,11 @@ class Shim : public CCA::CUDAAllocator {
     if (api_.create_pool(device, cpool(mempool_id)) != 0) fail("torch.cuda.MemPool");
   }
 
-  void setUseOnOOM(c10::DeviceIndex, MempoolId_t, bool use_on_oom) override {
-    TORCH_CHECK(!use_on_oom,
-                "cuda_caching_allocator: torch.cuda.MemPool(use_on_oom=True) is not supported "
-                "(docs/pytorch.md, 'Not supported')");
+  // torch.cuda.MemPool(use_on_oom=True): an allocation of the default pools about to fail with
+  // out of memory takes a free block of the pool (the library's last resort, as PyTorch's).
+  void setUseOnOOM(c10::DeviceIndex device, MempoolId_t id, bool use_on_oom) override {
+    TORCH_CHECK(api_.set_use_on_oom(device, cpool(id), use_on_oom ? 1 : 0) == 0,
+                cat("cuda_caching_allocator: ", api_.last_error()));
   }
 
   void setNoSplit(c10::DeviceIndex, MempoolId_t) override {

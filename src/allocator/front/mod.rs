@@ -403,11 +403,13 @@ impl Front {
                     // Only exact blocks: one with an unsplit tail goes back to the core on free
                     // and merges, as without the fast path (so no slack is kept). A borrowed
                     // block belongs to another stream's segment: the core's (Note [Borrowed
-                    // blocks]).
+                    // blocks]); so does a private pool's block taken on out of memory (Note
+                    // [Pools used on out of memory]), which must go back to its pool.
                     if claimed
                         && !st.last_borrowed
                         && a.block_size == rounded
                         && rounded < self.bounds.max_split_size
+                        && st.pool_of_allocation(a.ptr.0).is_none()
                     {
                         let v = DescView {
                             ptr: a.ptr.0,

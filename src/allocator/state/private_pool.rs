@@ -114,6 +114,9 @@ pub(crate) struct PrivatePool {
     pub(crate) segments: usize,
     pub(crate) small: BlockPool,
     pub(crate) large: BlockPool,
+    /// PyTorch's `use_on_oom`: an allocation of the default pools about to fail with out of
+    /// memory may take a free block of this pool (Note [Pools used on out of memory]).
+    pub(crate) use_on_oom: bool,
 }
 
 impl PrivatePool {
@@ -341,6 +344,45 @@ impl State {
 
     /// `releasePool`: one use less. At 0 the pool is freeable: forgotten at once when it holds no
     /// segment, else its memory goes back at the next `release_cached_blocks`.
+    /// PyTorch's `setUseOnOOM`: whether allocations of the default pools about to fail with out
+    /// of memory may take free blocks of pool `id`.
+    pub(crate) fn set_use_on_oom(&mut self, id: MemPoolId, on: bool) -> Result<()> {
+        let slot = self
+            .graph
+            .slot_of(id)
+            .ok_or_else(|| invalid(id, "no such private pool"))?;
+        let p = self
+            .graph
+            .pools
+            .get_mut(&slot)
+            .ok_or_else(|| invalid(id, "the pool's record is missing"))?;
+        p.use_on_oom = on;
+        Ok(())
+    }
+
+    /// Note [Pools used on out of memory]: PyTorch's last resort before raising out of memory.
+    /// An allocation of the default pools (not routed to a private pool) that found nothing after
+    /// the whole release-and-retry chain takes the best-fitting free block of its stream from
+    /// the pools marked `use_on_oom` (in the order they were made, among those still in use);
+    /// the block stays its pool's and goes back to it when freed. No new memory is made for it.
+    pub(super) fn free_block_of_oom_pools(
+        &mut self,
+        stream: StreamId,
+        size: usize,
+        kind: PoolKind,
+    ) -> Option<BlockId> {
+        let slots: Vec<u32> = self
+            .graph
+            .pools
+            .iter()
+            .filter(|(_, p)| p.use_on_oom && p.use_count > 0)
+            .map(|(&s, _)| s)
+            .collect();
+        slots
+            .into_iter()
+            .find_map(|slot| self.get_free_block(stream, size, kind, slot))
+    }
+
     pub(crate) fn release_pool(&mut self, id: MemPoolId) -> Result<()> {
         let Some(slot) = self.graph.slot_of(id) else {
             return Err(invalid(id, "no such private pool"));
