@@ -63,6 +63,10 @@ pub struct OomReport {
     pub allocated_bytes: usize,
     /// Bytes reserved from the device by this cache.
     pub reserved_bytes: usize,
+    /// Free cached bytes of private pools (CUDA graphs, `MemPool`): reserved, but served only
+    /// to allocations routed to their pool (or, from a pool marked `use_on_oom`, on out of
+    /// memory). PyTorch's message counts them as "allocated in private pools".
+    pub private_pool_free_bytes: usize,
     /// The largest free cached block (any stream), in bytes.
     pub largest_free_block: usize,
     /// The largest free cached block on the request's stream and pool, in bytes.
@@ -88,11 +92,26 @@ impl fmt::Display for OomReport {
         }
         write!(
             f,
-            "Of the allocated memory {} is allocated by the cache, and {} is reserved by the cache but unallocated \
+            "Of the allocated memory {} is allocated by the cache, ",
+            format_size(self.allocated_bytes as u64)
+        )?;
+        if self.private_pool_free_bytes > 0 {
+            write!(
+                f,
+                "{} is cached in private pools (CUDA graphs, MemPool) for their own allocations, ",
+                format_size(self.private_pool_free_bytes as u64)
+            )?;
+        }
+        write!(
+            f,
+            "and {} is reserved by the cache but unallocated \
              (largest free cached block {}, {} on {}; external fragmentation {:.1}%). \
              Request: {} bytes ({} rounded). Verdict: {}.",
-            format_size(self.allocated_bytes as u64),
-            format_size(self.reserved_bytes.saturating_sub(self.allocated_bytes) as u64),
+            format_size(
+                self.reserved_bytes
+                    .saturating_sub(self.allocated_bytes)
+                    .saturating_sub(self.private_pool_free_bytes) as u64
+            ),
             format_size(self.largest_free_block as u64),
             format_size(self.largest_free_block_on_stream as u64),
             self.stream,

@@ -1225,6 +1225,13 @@ impl State {
             limit_bytes: self.allowed_memory_maximum,
             allocated_bytes: self.stats.memory_allocated() as usize,
             reserved_bytes: self.total_allocated_memory,
+            private_pool_free_bytes: self
+                .graph
+                .pools
+                .values()
+                .flat_map(|p| p.small.blocks.iter().chain(p.large.blocks.iter()))
+                .map(|k| k.size)
+                .sum(),
             largest_free_block: largest,
             largest_free_block_on_stream: largest_on_stream,
             external_fragmentation: if free_total == 0 {

@@ -810,6 +810,12 @@ fn an_allocation_about_to_fail_takes_a_free_block_of_a_use_on_oom_pool() {
         a.set_use_on_oom(pool, false).unwrap();
         let err = a.allocate(30 * MIB, s).unwrap_err();
         assert!(matches!(err, AllocError::OutOfMemory(_)), "{name}: {err}");
+        // The message tells the pool's free memory apart from the cache's own.
+        assert!(
+            err.to_string()
+                .contains("40.00 MiB is cached in private pools (CUDA graphs, MemPool)"),
+            "{name}: {err}"
+        );
         assert!(matches!(
             a.set_use_on_oom(MemPoolId::new_user(), true),
             Err(AllocError::InvalidPool { .. })
