@@ -31,6 +31,14 @@ fn layout(cp: &PoolCheckpoint) -> Layout {
         .collect()
 }
 
+/// `now`'s layout of the segments `cp` holds (segments made since are left out).
+fn layout_of_checkpointed(now: &PoolCheckpoint, cp: &PoolCheckpoint) -> Layout {
+    layout(now)
+        .into_iter()
+        .filter(|seg| cp.segments.iter().any(|s| s.address.0 == seg[0].0))
+        .collect()
+}
+
 fn route(a: &CachingAllocator<SimDevice>, pool: MemPoolId) {
     a.begin_allocate_to_pool(pool, Box::new(|_| true)).unwrap();
 }
@@ -67,10 +75,7 @@ fn a_restored_pool_has_the_checkpoints_layout_again() {
         assert_eq!(r.freed, freed, "{name}");
         assert_eq!(r.allocated, back, "{name}");
         let now = a.pool_checkpoint(pool).unwrap();
-        let known: Layout = layout(&now)
-            .into_iter()
-            .filter(|seg| cp.segments.iter().any(|s| s.address.0 == seg[0].0))
-            .collect();
+        let known = layout_of_checkpointed(&now, &cp);
         assert_eq!(known, layout(&cp), "{name}: the checkpoint's layout again");
         let extra: Vec<_> = now
             .segments
@@ -169,10 +174,7 @@ fn restoring_after_random_recordings_gives_the_layout_back() {
             "round {round}: the checkpoint's allocations are back"
         );
         let now = a.pool_checkpoint(pool).unwrap();
-        let known: Layout = layout(&now)
-            .into_iter()
-            .filter(|seg| cp.segments.iter().any(|s| s.address.0 == seg[0].0))
-            .collect();
+        let known = layout_of_checkpointed(&now, &cp);
         assert_eq!(known, layout(&cp), "round {round}");
         a.check_invariants().unwrap();
         live = then;
