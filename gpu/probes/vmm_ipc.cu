@@ -142,6 +142,7 @@ int main() {
   int pipefd[2];
   if (pipe(pipefd) != 0) return 1;
   pid_t parent = getpid();
+  std::fflush(stdout);  // or the child prints the parent's buffered lines again
   pid_t child = fork();
   if (child == 0) {
     long pfd = syscall(SYS_pidfd_open, parent, 0);

@@ -798,7 +798,8 @@ class Shim : public CCA::CUDAAllocator {
       ShareHeader header;
       std::memcpy(&header, handle.data() + 2, sizeof(header));
       size_t rest = handle.size() - 2 - sizeof(header);
-      TORCH_CHECK(header.num_handles > 0 && rest == header.num_handles * sizeof(int),
+      TORCH_CHECK(header.num_handles > 0 && header.num_handles <= rest / sizeof(int) &&
+                      rest == header.num_handles * sizeof(int),
                   cat("cuda_caching_allocator: opening a CUDA IPC handle of an expandable segment "
                       "with ",
                       num(header.num_handles), " pages in ", num(rest),
