@@ -50,8 +50,19 @@ fn check_pages(a: &CachingAllocator<SimDevice>, ptr: DeviceAddr, size: usize) {
 }
 
 /// A deterministic churn of allocations and frees on two streams that makes the default move
-/// pages between segments; checks every live allocation every few steps.
-fn churn(a: &CachingAllocator<SimDevice>, steps: usize, mut check: impl FnMut(DeviceAddr, usize)) {
+/// pages between segments; checks every live allocation every few steps. With `busy`, each
+/// allocation's stream gets queued work that completes only every few steps, so page fences stay
+/// pending and growths lend pages (Note [Lent pages]).
+fn churn(a: &CachingAllocator<SimDevice>, steps: usize, check: impl FnMut(DeviceAddr, usize)) {
+    churn_with(a, steps, false, check)
+}
+
+fn churn_with(
+    a: &CachingAllocator<SimDevice>,
+    steps: usize,
+    busy: bool,
+    mut check: impl FnMut(DeviceAddr, usize),
+) {
     let streams = [StreamId::DEFAULT, StreamId(7)];
     let mut live: HashMap<u64, usize> = HashMap::new();
     let mut order: Vec<u64> = Vec::new();
@@ -78,6 +89,12 @@ fn churn(a: &CachingAllocator<SimDevice>, steps: usize, mut check: impl FnMut(De
             let got = a.allocate(size, s).unwrap();
             live.insert(got.ptr.0, size);
             order.push(got.ptr.0);
+            if busy {
+                a.backend().submit_work(s);
+            }
+        }
+        if busy && step % 7 == 0 {
+            a.backend().complete_work(streams[step / 7 % 2]);
         }
         if step % 16 == 0 {
             for (&p, &n) in &live {
@@ -103,6 +120,14 @@ fn the_pages_named_are_the_handles_mapped_under_the_allocation() {
         a.backend().counters().unmap_calls > unmaps_before,
         "the churn moved pages (page reuse unmapped some)"
     );
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn the_pages_named_are_right_while_pages_are_lent() {
+    let a = with_config(16 << 30, AllocatorConfig::default());
+    churn_with(&a, 3000, true, |p, n| check_pages(&a, p, n));
+    assert!(a.page_loans() > 0, "the churn lent pages");
     a.check_invariants().unwrap();
 }
 
