@@ -364,6 +364,7 @@ if probe == "graph_tree_checkpoint":
         return (y * k).cumsum(0) + y.sum()
 
     cf = T.compile(fn, mode="reduce-overhead")
+    T.cuda.memory._record_memory_history(max_entries=1 << 20)
     x = T.randn(1 << 16, device="cuda")
     worst, kept = 0.0, []
     for k in [1, 1, 1, 2, 2, 2, 3, 3, 1, 2, 3, 1, 2]:
@@ -373,10 +374,20 @@ if probe == "graph_tree_checkpoint":
         worst = max(worst, (got - want).abs().max().item() / (want.abs().max().item() + 1e-6))
     T.cuda.synchronize()
     still = max(((g - w).abs().max() / (w.abs().max() + 1e-6)).item() for g, w in kept)
-    done(worst < 1e-5 and still < 1e-5 and calls["set"] > 0,
+    # The history holds the restores' frees and allocations too: every free_requested entry's
+    # address was allocated before (an entry's pairing, per address, stays consistent).
+    live_addrs, unpaired = set(), 0
+    for e in T.cuda.memory._snapshot()["device_traces"][0]:
+        if e["action"] == "alloc":
+            live_addrs.add(e["addr"])
+        elif e["action"] == "free_requested":
+            unpaired += e["addr"] not in live_addrs
+            live_addrs.discard(e["addr"])
+    T.cuda.memory._record_memory_history(enabled=None)
+    done(worst < 1e-5 and still < 1e-5 and calls["set"] > 0 and unpaired == 0,
          f"setCheckpointPoolState called {calls['set']} times ({calls['changed']} changing the "
          f"allocated bytes), getCheckpointState {calls['get']}; worst relative error {worst:.1e}, "
-         f"kept outputs {still:.1e}")
+         f"kept outputs {still:.1e}; history frees of addresses not allocated before: {unpaired}")
 
 if probe == "use_on_oom":
     # torch.cuda.MemPool(use_on_oom=True): an allocation outside the pool that would fail with

@@ -81,6 +81,18 @@ impl<B: DeviceBackend> CachingAllocator<B> {
         let r = guard
             .st
             .restore_pool(&self.backend, checkpoint.pool, &segments);
+        let st = &mut guard.st;
+        if let (Some(h), Ok((freed, allocated))) = (&mut st.history, &r) {
+            // The history stays a consistent trace: the frees and allocations the restore made.
+            for &p in freed {
+                h.free(p);
+            }
+            for &p in allocated {
+                if let Some(b) = st.active.get(&p.0).and_then(|&id| st.arena.get(id)) {
+                    h.alloc(p, b.requested_size, b.stream);
+                }
+            }
+        }
         self.after_op(&guard.st, "restore_pool");
         let (freed, allocated) = r?;
         Ok(PoolRestore { freed, allocated })

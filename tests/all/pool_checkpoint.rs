@@ -39,6 +39,30 @@ fn layout_of_checkpointed(now: &PoolCheckpoint, cp: &PoolCheckpoint) -> Layout {
         .collect()
 }
 
+/// The recorded history pairs every free with one live allocation and leaves none live (the
+/// restore's frees and allocations are in it).
+fn history_is_consistent(a: &CachingAllocator<SimDevice>, name: &str) {
+    let (trace, dropped) = a.history();
+    assert_eq!(dropped, 0);
+    let mut live = std::collections::HashSet::new();
+    for e in &trace.events {
+        match e.op {
+            trace::TraceOp::Alloc { id, .. } => {
+                assert!(live.insert(id), "{name}: alloc {id} twice")
+            }
+            trace::TraceOp::Free { id } => {
+                assert!(live.remove(&id), "{name}: free of {id} not live")
+            }
+            _ => {}
+        }
+    }
+    assert!(
+        live.is_empty(),
+        "{name}: {} allocations never freed",
+        live.len()
+    );
+}
+
 fn route(a: &CachingAllocator<SimDevice>, pool: MemPoolId) {
     a.begin_allocate_to_pool(pool, Box::new(|_| true)).unwrap();
 }
@@ -47,6 +71,7 @@ fn route(a: &CachingAllocator<SimDevice>, pool: MemPoolId) {
 fn a_restored_pool_has_the_checkpoints_layout_again() {
     for (name, config) in four_configs() {
         let a = with_config(8 << 30, config);
+        a.record_history(1 << 16);
         let s = StreamId::DEFAULT;
         let pool = MemPoolId::new_graph();
         // Recording 1: three outputs stay, one temporary dies.
@@ -99,6 +124,7 @@ fn a_restored_pool_has_the_checkpoints_layout_again() {
         for p in back {
             a.free(p).unwrap();
         }
+        history_is_consistent(&a, name);
         // One use per recording (per graph), as PyTorch counts them.
         a.release_pool(pool).unwrap();
         a.release_pool(pool).unwrap();

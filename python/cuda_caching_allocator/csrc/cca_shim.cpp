@@ -990,16 +990,26 @@ class Shim : public CCA::CUDAAllocator {
         },
         &ch);
     TORCH_CHECK(rc == 0, cat("cuda_caching_allocator: ", api_.last_error()));
+    // The memory history and trace trackers see the restore's frees and allocations, as
+    // PyTorch's (which makes them through its own free and alloc paths).
     CheckpointDelta cpd;
     for (void* p : ch.freed) {
-      live_.erase(p);
+      auto it = live_.find(p);
+      if (it != live_.end()) {
+        const Live& l = it->second;
+        trace(TraceEntry::FREE_REQUESTED, l.device, p, l.size, l.stream, l.pool, nullptr);
+        trace(TraceEntry::FREE_COMPLETED, l.device, p, l.size, l.stream, l.pool, nullptr);
+        live_.erase(it);
+      }
       cpd.ptrs_freed.push_back(p);
     }
     std::unordered_map<uint64_t, uint64_t> sizes;
     for (const auto& b : cp->blocks) sizes[b.address] = b.size;
     for (void* p : ch.created) {
       auto a = reinterpret_cast<uint64_t>(p);
-      live_[p] = Live{static_cast<size_t>(sizes[a]), device, cp->streams[a], cp->pool, nullptr};
+      auto size = static_cast<size_t>(sizes[a]);
+      trace(TraceEntry::ALLOC, device, p, size, cp->streams[a], cp->pool, nullptr);
+      live_[p] = Live{size, device, cp->streams[a], cp->pool, nullptr};
       cpd.dataptrs_allocd.emplace_back(p, p, &raw_delete_fn,
                                        c10::Device(c10::DeviceType::CUDA, device));
     }
