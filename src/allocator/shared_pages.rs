@@ -42,7 +42,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// when the handles under it differ in size (possible only with
     /// `cca_max_handle_size_mb`), which an importer cannot map side by side.
     pub fn shareable_pages(&self, ptr: DeviceAddr) -> Result<Option<SharedPages>> {
-        self.with_shareable_pages(ptr, false, |pages, _| Ok(pages))
+        self.with_shareable_pages(ptr, false, |pages, _| Ok(pages.clone()))
     }
 
     /// Exports the pages under the live allocation at `ptr`: runs `export` on
@@ -58,7 +58,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     pub fn export_pages_with<R>(
         &self,
         ptr: DeviceAddr,
-        export: impl FnOnce(SharedPages, &B) -> Result<R>,
+        export: impl FnOnce(&SharedPages, &B) -> Result<R>,
     ) -> Result<Option<R>> {
         self.with_shareable_pages(ptr, true, export)
     }
@@ -72,7 +72,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
         &self,
         ptr: DeviceAddr,
         export: bool,
-        f: impl FnOnce(SharedPages, &B) -> Result<R>,
+        f: impl FnOnce(&SharedPages, &B) -> Result<R>,
     ) -> Result<Option<R>> {
         let mut st = self.lock();
         if let Some(front) = &self.front {
@@ -92,11 +92,11 @@ impl<B: DeviceBackend> CachingAllocator<B> {
                     start: DeviceAddr(start),
                     offset: (ptr.0 - start) as usize,
                     handle_bytes,
-                    handles: handles.clone(),
+                    handles,
                 };
-                let r = f(pages, &self.backend)?;
+                let r = f(&pages, &self.backend)?;
                 if export {
-                    st.mark_exported(ptr.0, &handles);
+                    st.mark_exported(ptr.0, &pages.handles);
                 }
                 Ok(Some(r))
             }

@@ -120,9 +120,10 @@ pub(crate) struct State {
     /// Blocks borrowed across streams (Note [Borrowed blocks]) since the last reset of the
     /// accumulated statistics.
     pub(crate) blocks_borrowed: u64,
-    /// Whether the last successful `malloc` borrowed its block (the fast path leaves such a
-    /// block to the core).
-    pub(crate) last_borrowed: bool,
+    /// Whether the last successful `malloc`'s block is not one the fast path may keep: borrowed
+    /// from another stream's segment (Note [Borrowed blocks]) or a private pool's taken on out
+    /// of memory (Note [Pools used on out of memory]). Such a block goes back to the core.
+    pub(crate) last_foreign_block: bool,
     /// Devices every mapped page of this allocator was granted to
     /// (`CachingAllocator::enable_peer_access`, once all its grants succeeded).
     pub(crate) peers: Vec<usize>,
@@ -187,7 +188,7 @@ impl State {
             exported_handles: HashMap::new(),
             page_loans: 0,
             blocks_borrowed: 0,
-            last_borrowed: false,
+            last_foreign_block: false,
             peers: Vec::new(),
         };
         s.apply_fraction(s.config.per_process_memory_fraction);
@@ -280,7 +281,7 @@ impl State {
         stream: StreamId,
         before_growth: &mut dyn FnMut(&mut State, Option<StreamId>) -> bool,
     ) -> Result<Allocation> {
-        self.last_borrowed = false;
+        self.last_foreign_block = false;
         if orig_size == 0 {
             return Ok(Allocation {
                 ptr: DeviceAddr::NULL,
@@ -360,8 +361,10 @@ impl State {
                 found = self.alloc_block(dev, stream, kind, alloc_size, size, true, owner)?;
             }
         }
+        let mut from_oom_pool = false;
         if found.is_none() && owner == 0 {
             found = self.free_block_of_oom_pools(stream, size, kind);
+            from_oom_pool = found.is_some();
         }
         let Some(id) = found else {
             let oom = self.out_of_memory(dev, orig_size, size, alloc_size, stream, kind);
@@ -375,7 +378,7 @@ impl State {
         };
         let split = self.should_split(id, size);
         let mut a = self.alloc_found_block(id, size, orig_size, split);
-        self.last_borrowed = borrowed;
+        self.last_foreign_block = borrowed || from_oom_pool;
         if borrowed {
             // Note [Borrowed blocks], step 2: the block's stream stays its segment's; the
             // borrower is a recorded use, so the block returns after an event on it.

@@ -223,7 +223,7 @@ fn an_export_is_let_go_when_the_last_exported_allocation_on_its_page_is_freed() 
         .unwrap();
     let a = with_config(4 << 30, config);
     let export = |p: DeviceAddr| {
-        a.export_pages_with(p, |pages, _| Ok(pages.handles))
+        a.export_pages_with(p, |pages, _| Ok(pages.handles.clone()))
             .unwrap()
             .unwrap()
     };

@@ -406,10 +406,9 @@ impl Front {
                     // blocks]); so does a private pool's block taken on out of memory (Note
                     // [Pools used on out of memory]), which must go back to its pool.
                     if claimed
-                        && !st.last_borrowed
+                        && !st.last_foreign_block
                         && a.block_size == rounded
                         && rounded < self.bounds.max_split_size
-                        && st.pool_of_allocation(a.ptr.0).is_none()
                     {
                         let v = DescView {
                             ptr: a.ptr.0,
