@@ -75,6 +75,8 @@ struct Args {
     traces: PathBuf,
     json: Option<PathBuf>,
     interop: bool,
+    /// `--pairs-rounds N`: only the cached pairs, `N` rounds (0: the whole benchmark).
+    pair_rounds: usize,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -85,6 +87,7 @@ fn parse_args() -> Result<Args, String> {
         traces: support::traces_dir(),
         json: None,
         interop: false,
+        pair_rounds: 0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -100,12 +103,19 @@ fn parse_args() -> Result<Args, String> {
             "--interop" => args.interop = true,
             "--traces" => args.traces = it.next().ok_or("--traces needs a directory")?.into(),
             "--json" => args.json = Some(it.next().ok_or("--json needs a file")?.into()),
+            "--pairs-rounds" => {
+                args.pair_rounds = it
+                    .next()
+                    .and_then(|s| s.parse().ok())
+                    .filter(|&n: &usize| n > 0)
+                    .ok_or("--pairs-rounds needs a number of rounds ≥ 1")?;
+            }
             // `cargo bench` passes `--bench`; ignore it.
             "--bench" => {}
             "-h" | "--help" => {
                 return Err(
                     "usage: gpu_bench [--device cuda|sim] [--ordinal N] [--quick] \
-                            [--traces DIR] [--json FILE] [--interop]"
+                            [--traces DIR] [--json FILE] [--interop] [--pairs-rounds N]"
                         .into(),
                 );
             }
@@ -129,6 +139,21 @@ fn median(runs: usize, mut f: impl FnMut() -> f64) -> f64 {
 fn calibrate(probe: u64, target: Duration, f: &mut dyn FnMut(u64) -> Duration) -> u64 {
     let t = f(probe).as_secs_f64().max(1e-9);
     ((target.as_secs_f64() / t) * probe as f64).clamp(probe as f64, 5e7) as u64
+}
+
+/// ns per warm pair of `size` bytes on `a`: calibrated to about `target` per run, one run to
+/// warm, then the median of `runs`.
+fn pair_ns<B: DeviceBackend>(
+    a: &CachingAllocator<B>,
+    size: usize,
+    stream: StreamId,
+    runs: usize,
+    target: Duration,
+) -> f64 {
+    let mut f = |n: u64| support::pairs(a, size, stream, n);
+    let iters = calibrate(1000, target, &mut f);
+    f(iters);
+    median(runs, || f(iters).as_nanos() as f64 / iters as f64)
 }
 
 /// The figures of one configuration.
@@ -164,11 +189,7 @@ fn measure<B: DeviceBackend>(
     }
     for size in support::PAIR_SIZES {
         let a = make(config.clone())?;
-        let mut f = |n: u64| support::pairs(&a, size, shared, n);
-        let iters = calibrate(1000, target, &mut f);
-        f(iters);
-        fig.pairs
-            .push(median(runs, || f(iters).as_nanos() as f64 / iters as f64));
+        fig.pairs.push(pair_ns(&a, size, shared, runs, target));
         eprint!(".");
     }
     for (own, out) in [
@@ -389,6 +410,9 @@ fn run<B: DeviceBackend>(
     shared: StreamId,
     args: &Args,
 ) -> Result<(), Box<dyn std::error::Error>> {
+    if args.pair_rounds > 0 {
+        return pair_rounds(device, make, shared, args);
+    }
     let traces = support::shipped_traces(&args.traces);
     if traces.is_empty() {
         eprintln!(
@@ -410,6 +434,99 @@ fn run<B: DeviceBackend>(
     println!("host: uncontended compare-and-swap {cas:.1} ns, mutex lock + unlock {lock:.1} ns");
     if let Some(path) = &args.json {
         std::fs::write(path, json(device, &figs))?;
+    }
+    Ok(())
+}
+
+/// `--pairs-rounds N`: the cached pair alone, under the configurations with the fast path
+/// (`pytorch+fast` and `default`), interleaved: each round measures every size under each
+/// configuration (a fresh allocator per size, the median of 5 runs as in the whole benchmark),
+/// the order of the configurations alternating between rounds, so that the host's drift falls
+/// on both alike. Prints every round, then per size and configuration the median and range over
+/// the rounds, and writes them with `--json`.
+fn pair_rounds<B: DeviceBackend>(
+    device: &str,
+    make: &dyn Fn(AllocatorConfig) -> Result<CachingAllocator<B>, AllocError>,
+    shared: StreamId,
+    args: &Args,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let configs: Vec<(&str, AllocatorConfig)> = support::configs(true)
+        .into_iter()
+        .filter(|(name, _)| matches!(*name, "pytorch+fast" | "default"))
+        .collect();
+    let runs = if args.quick { 2 } else { 5 };
+    let target = Duration::from_millis(if args.quick { 50 } else { 200 });
+    {
+        // Warm the CPU as `measure` does.
+        let a = make(configs[0].1.clone())?;
+        pair_ns(&a, 4096, shared, 1, target);
+    }
+    let sizes = support::PAIR_SIZES;
+    // got[config][size]: one figure per round.
+    let mut got = vec![vec![Vec::new(); sizes.len()]; configs.len()];
+    println!("device: {device}\n");
+    println!(
+        "| round | configuration | {} |",
+        sizes.map(support::size_name).join(" | ")
+    );
+    println!("|---:|---|{}", "---:|".repeat(sizes.len()));
+    for round in 0..args.pair_rounds {
+        for k in 0..configs.len() {
+            let c = if round % 2 == 0 {
+                k
+            } else {
+                configs.len() - 1 - k
+            };
+            let (name, config) = &configs[c];
+            let mut cells = Vec::new();
+            for (i, &size) in sizes.iter().enumerate() {
+                let a = make(config.clone())?;
+                let ns = pair_ns(&a, size, shared, runs, target);
+                got[c][i].push(ns);
+                cells.push(format!("{ns:.1}"));
+            }
+            println!("| {round} | `{name}` | {} |", cells.join(" | "));
+        }
+    }
+    println!(
+        "\nover {} rounds, ns per pair: median (min–max)\n",
+        args.pair_rounds
+    );
+    println!(
+        "| configuration | {} | rounds with every size ≤ 60 ns |",
+        sizes.map(support::size_name).join(" | ")
+    );
+    println!("|---|{}---:|", "---:|".repeat(sizes.len()));
+    let mut json = String::from("{");
+    let _ = write!(
+        json,
+        "\"device\":\"{device}\",\"rounds\":{}",
+        args.pair_rounds
+    );
+    for (c, (name, _)) in configs.iter().enumerate() {
+        let mut cells = Vec::new();
+        let _ = write!(json, ",\"{name}\":{{");
+        for (i, &size) in sizes.iter().enumerate() {
+            let mut v = got[c][i].clone();
+            v.sort_by(f64::total_cmp);
+            let (lo, mid, hi) = (v[0], v[v.len() / 2], v[v.len() - 1]);
+            cells.push(format!("{mid:.1} ({lo:.1}–{hi:.1})"));
+            let sep = if i == 0 { "" } else { "," };
+            let _ = write!(json, "{sep}\"{size}\":{:?}", got[c][i]);
+        }
+        json.push('}');
+        let all_under = (0..args.pair_rounds)
+            .filter(|&r| got[c].iter().all(|per_size| per_size[r] <= 60.0))
+            .count();
+        println!(
+            "| `{name}` | {} | {all_under} of {} |",
+            cells.join(" | "),
+            args.pair_rounds
+        );
+    }
+    json.push('}');
+    if let Some(path) = &args.json {
+        std::fs::write(path, json)?;
     }
     Ok(())
 }

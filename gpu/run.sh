@@ -21,7 +21,8 @@
 #                                     # gpu/host_pair.py), ab (after package or install:
 #                                     # clients.py --ab, native and the crate in one process),
 #                                     # bench (gpu_bench --device
-#                                     # cuda), pinned (the pinned host cache benchmark beside
+#                                     # cuda), pairs (gpu_bench --pairs-rounds: the
+#                                     # cached pair alone, interleaved rounds), pinned (the pinned host cache benchmark beside
 #                                     # PyTorch's host cache), probes (after package or
 #                                     # install: gpu/probes/torch_review.py and, on 2 GPUs,
 #                                     # gpu/probes/nccl_register.py)
@@ -198,6 +199,11 @@ for phase in $PHASES; do
     step bench timeout "$(left)" "$HERE/gpu_bench" --device cuda --traces "$HERE/traces" \
       --json "$OUT/bench.json"
     grep -E '^\||own streams' "$OUT/bench.log" | tee -a "$S" ;;
+  pairs) # The cached pair alone (#11, goal 5): gpu_bench --pairs-rounds, pytorch+fast and the
+    # default interleaved round by round (CCA_PAIR_ROUNDS rounds, default 9).
+    step pairs timeout "$(left)" "$HERE/gpu_bench" --device cuda \
+      --pairs-rounds "${CCA_PAIR_ROUNDS:-9}" --json "$OUT/pairs.json"
+    sed -n '/^over/,$p' "$OUT/pairs.log" | tee -a "$S" ;;
   pinned) # The pinned host cache (#16): alloc+free, bandwidth cached vs freshly pinned, the
     # double-buffered pipeline, the mixed workload; then PyTorch's own caching host allocator on
     # that workload.
