@@ -217,7 +217,7 @@ for phase in $PHASES; do
     # (gpu/probes/nccl_register.py: native, native expandable, the crate's default and preset).
     export CCA_SHIM_BUILD_DIR=/tmp/cca-shim-build
     P="$HERE/probes/torch_review.py"
-    ONE="trace_time/native trace_time/cca annotations/native annotations/cca bad_delete/native bad_delete/cca tracker/native tracker/cca tracker/cca/cca_preset:pytorch pool_snapshot_empty/native pool_snapshot_empty/cca runtime_settings/native runtime_settings/cca runtime_settings/cca/cca_preset:pytorch compile_context/native compile_context/cca graph_tree_checkpoint/native graph_tree_checkpoint/cca graph_tree_checkpoint/cca/cca_preset:pytorch use_on_oom/native use_on_oom/cca use_on_oom/cca/cca_preset:pytorch empty_cache_in_pool/cca oom_capture/cca oom_pool/cca cache_info/cca oom_observer_fraction/cca foreign_stream_alloc/cca"
+    ONE="trace_time/native trace_time/cca annotations/native annotations/cca bad_delete/native bad_delete/cca tracker/native tracker/cca tracker/cca/cca_preset:pytorch pool_snapshot_empty/native pool_snapshot_empty/cca runtime_settings/native runtime_settings/cca runtime_settings/cca/cca_preset:pytorch compile_context/native compile_context/cca graph_tree_checkpoint/native graph_tree_checkpoint/cca graph_tree_checkpoint/cca/cca_preset:pytorch use_on_oom/native use_on_oom/cca use_on_oom/cca/cca_preset:pytorch no_split/native no_split/cca no_split/cca/cca_preset:pytorch empty_cache_in_pool/cca oom_capture/cca oom_pool/cca cache_info/cca oom_observer_fraction/cca foreign_stream_alloc/cca"
     TWO="record_stream_peer/native record_stream_peer/cca record_stream_peer/cca/cca_preset:pytorch peer_copy/cca peer_copy/cca/cca_preset:pytorch"
     [ "$NGPU" -ge 2 ] && ONE="$ONE $TWO"
     for a in $ONE; do

@@ -5,8 +5,8 @@ session), each a check that fails on the package before the fix: run one per pro
 
 with PROBE one of oom_capture, oom_pool, foreign_stream_alloc, empty_cache_in_pool,
 cache_info, trace_time, oom_observer_fraction, annotations, bad_delete, tracker,
-pool_snapshot_empty, runtime_settings, compile_context, graph_tree_checkpoint, use_on_oom
-(one GPU),
+pool_snapshot_empty, runtime_settings, compile_context, graph_tree_checkpoint, use_on_oom,
+no_split (one GPU),
 record_stream_peer,
 peer_copy (two GPUs). Prints one line, "PASS ..." or
 "FAIL ...", and exits 0 or 1 (a crash, as the package's SIGSEGV before the fix, exits with the
@@ -421,6 +421,45 @@ if probe == "use_on_oom":
     ok = (results[True] == "served, in the pool True, filled True"
           and results[False] == "out of memory")
     done(ok, f"use_on_oom=True: {results[True]}; use_on_oom=False: {results[False]}")
+
+if probe == "no_split":
+    # torch.cuda.MemPool(no_split=True) (symmetric memory: one signal pad per device
+    # allocation): the pool's blocks are handed out whole. Two 4 MiB and two 512-byte tensors
+    # take a 20 MiB segment and a 2 MiB one each, every tensor's block is its whole segment, and
+    # a freed block serves a later 2 MiB tensor whole at the same address; a pool without the
+    # flag puts them in one segment of each kind. Each tensor keeps its own values.
+    MIB = 1 << 20
+    seen = {}
+    for flag in (False, True):
+        p = T.cuda.MemPool(no_split=flag)
+        with T.cuda.use_mem_pool(p):
+            xs = [T.full((n,), i + 1, dtype=T.uint8, device="cuda")
+                  for i, n in enumerate((4 * MIB, 4 * MIB, 512, 512))]
+        segs = p.snapshot()
+        sizes = sorted(s["total_size"] for s in segs)
+        whole = all(
+            any(b["size"] == s["total_size"] and s["address"] == x.data_ptr()
+                for s in segs for b in s["blocks"] if b["state"] == "active_allocated")
+            for x in xs)
+        values = all(int(x.min()) == int(x.max()) == i + 1 for i, x in enumerate(xs))
+        first = xs[0].data_ptr()
+        del xs[0]
+        with T.cuda.use_mem_pool(p):
+            y = T.full((2 * MIB,), 9, dtype=T.uint8, device="cuda")
+        block = [b["size"] for s in p.snapshot() for b in s["blocks"]
+                 if s["address"] <= y.data_ptr() < s["address"] + s["total_size"]
+                 and b["state"] == "active_allocated"]
+        seen[flag] = (sizes, whole, values, y.data_ptr() == first, block)
+        print(f"no_split={flag}: segments {[s // MIB for s in sizes]} MiB, every block its "
+              f"segment {whole}, values kept {values}, freed block reused at its address "
+              f"{y.data_ptr() == first}, its blocks {[b // MIB for b in block]} MiB", flush=True)
+        del xs, y, p
+    ok = (seen[True][:4] == ([2 * MIB, 2 * MIB, 20 * MIB, 20 * MIB], True, True, True)
+          and seen[True][4] == [20 * MIB]
+          and seen[False][0] == [2 * MIB, 20 * MIB] and seen[False][2])
+    done(ok, f"no_split=True: segments {[s // MIB for s in seen[True][0]]} MiB, whole blocks "
+             f"{seen[True][1]}, 2 MiB reuse takes the 20 MiB block {seen[True][4] == [20 * MIB]}; "
+             f"no_split=False: segments {[s // MIB for s in seen[False][0]]} MiB")
 
 print(f"unknown probe {probe}")
 sys.exit(2)

@@ -395,27 +395,55 @@ pub unsafe extern "C" fn cca_restore_pool(
     })
 }
 
+/// Sets one flag of `device`'s private pool `pool` through `set` (PyTorch's `what`): 0 on success,
+/// -1 on failure (the error is recorded).
+fn set_pool_flag(
+    what: &str,
+    device: c_int,
+    pool: MempoolId,
+    on: c_int,
+    set: fn(&CudaAllocator, MemPoolId, bool) -> cuda_caching_allocator::Result<()>,
+) -> c_int {
+    let Some(alloc) = device_cache(what, device) else {
+        return -1;
+    };
+    match set(alloc, pool.id(), on != 0) {
+        Ok(()) => 0,
+        Err(e) => {
+            fail_alloc(
+                &format!(
+                    "{what}(device {device}, pool ({}, {}))",
+                    pool.first, pool.second
+                ),
+                &e,
+            );
+            -1
+        }
+    }
+}
+
 /// PyTorch's `setUseOnOOM` (`torch.cuda.MemPool(use_on_oom=True)`): whether allocations of
 /// `device`'s default pools about to fail with out of memory may take free blocks of private
 /// pool `pool`. 0 on success, -1 on failure (the error is recorded).
 #[unsafe(no_mangle)]
 pub extern "C" fn cca_set_use_on_oom(device: c_int, pool: MempoolId, on: c_int) -> c_int {
     guarded("cca_set_use_on_oom", -1, || {
-        let Some(alloc) = device_cache("setUseOnOOM", device) else {
-            return -1;
-        };
-        match alloc.set_use_on_oom(pool.id(), on != 0) {
-            Ok(()) => 0,
-            Err(e) => {
-                fail_alloc(
-                    &format!(
-                        "setUseOnOOM(device {device}, pool ({}, {}))",
-                        pool.first, pool.second
-                    ),
-                    &e,
-                );
-                -1
-            }
-        }
+        set_pool_flag(
+            "setUseOnOOM",
+            device,
+            pool,
+            on,
+            CudaAllocator::set_use_on_oom,
+        )
+    })
+}
+
+/// PyTorch's `setNoSplit` (`torch.cuda.MemPool(no_split=True)`): whether blocks of `device`'s
+/// private pool `pool` are handed out whole, never split. 0 on success, -1 on failure (the error
+/// is recorded).
+#[unsafe(no_mangle)]
+pub extern "C" fn cca_set_no_split(device: c_int, pool: MempoolId, on: c_int) -> c_int {
+    guarded("cca_set_no_split", -1, || {
+        set_pool_flag("setNoSplit", device, pool, on, CudaAllocator::set_no_split)
     })
 }

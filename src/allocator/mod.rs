@@ -462,6 +462,19 @@ impl<B: DeviceBackend> CachingAllocator<B> {
         self.lock().set_use_on_oom(pool, on)
     }
 
+    /// PyTorch's `setNoSplit` (`torch.cuda.MemPool(no_split=True)`): whether blocks of private
+    /// pool `pool` are handed out whole, never split, so that each allocation of the pool owns
+    /// its block (symmetric memory's one signal pad per allocation). Only splitting changes:
+    /// sizes are rounded and segments made as for any pool, so a 512-byte allocation of such a
+    /// pool holds a whole 2 MiB block and a 4 MiB one a whole 20 MiB segment, and a freed block
+    /// serves a later, smaller allocation of the pool whole (Note [No-split pools]).
+    ///
+    /// # Errors
+    /// [`AllocError::InvalidPool`] when there is no such private pool.
+    pub fn set_no_split(&self, pool: MemPoolId, on: bool) -> Result<()> {
+        self.lock().set_no_split(pool, on)
+    }
+
     /// The use count of private pool `pool` (`None` when there is no such pool: never made, or
     /// released and emptied).
     pub fn pool_use_count(&self, pool: MemPoolId) -> Option<u32> {

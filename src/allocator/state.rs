@@ -451,6 +451,10 @@ impl State {
 
     fn should_split(&self, id: BlockId, size: usize) -> bool {
         let b = self.block(id);
+        if self.no_split(b.owner) {
+            // Note [No-split pools].
+            return false;
+        }
         let remaining = b.size - size;
         // PyTorch tests the configuration flag, not the block.
         if b.pool == PoolKind::Small || self.expandable {

@@ -394,6 +394,15 @@ impl CudaAllocator {
         self.inner.set_use_on_oom(pool, on)
     }
 
+    /// Hands blocks of private pool `pool` out whole, never split
+    /// ([`CachingAllocator::set_no_split`]).
+    ///
+    /// # Errors
+    /// As [`CachingAllocator::set_no_split`].
+    pub fn set_no_split(&self, pool: MemPoolId, on: bool) -> Result<()> {
+        self.inner.set_no_split(pool, on)
+    }
+
     /// The layout of private pool `pool` now ([`CachingAllocator::pool_checkpoint`]).
     ///
     /// # Errors

@@ -823,3 +823,95 @@ fn an_allocation_about_to_fail_takes_a_free_block_of_a_use_on_oom_pool() {
         a.check_invariants().unwrap();
     }
 }
+
+/// `torch.cuda.MemPool(no_split=True)` (Note [No-split pools]): a block of such a pool is handed
+/// out whole, so each allocation owns its block: two 4 MiB allocations take a 20 MiB segment
+/// each (one shared segment in a pool that splits), two 512-byte ones a 2 MiB block each; a freed
+/// block serves a later, smaller allocation of the pool whole; the statistics count whole blocks.
+#[test]
+fn a_no_split_pool_hands_every_block_out_whole() {
+    for (name, config) in crate::util::four_configs() {
+        let a = crate::util::with_config(1 << 30, config);
+        let s = StreamId::DEFAULT;
+        let pools = [MemPoolId::new_user(), MemPoolId::new_user()];
+        let [whole, split] = pools;
+        for p in pools {
+            a.create_pool(p).unwrap();
+        }
+        a.set_no_split(whole, true).unwrap();
+        let mut got = Vec::new();
+        for p in pools {
+            a.begin_allocate_to_pool(p, Box::new(|_| true)).unwrap();
+            let sizes = [4 * MIB, 4 * MIB, 512, 512];
+            got.push(sizes.map(|n| a.allocate(n, s).unwrap()));
+            a.end_allocate_to_pool(p).unwrap();
+        }
+        let segments_of = |p: MemPoolId| {
+            let mut v: Vec<(PoolKind, usize)> = a
+                .snapshot()
+                .iter()
+                .filter(|g| g.private_pool == p)
+                .map(|g| (g.pool, g.total_size))
+                .collect();
+            v.sort();
+            v
+        };
+        let (small, large) = (2 * MIB, 20 * MIB);
+        assert_eq!(
+            segments_of(whole),
+            [
+                (PoolKind::Small, small),
+                (PoolKind::Small, small),
+                (PoolKind::Large, large),
+                (PoolKind::Large, large)
+            ],
+            "{name}"
+        );
+        assert_eq!(
+            segments_of(split),
+            [(PoolKind::Small, small), (PoolKind::Large, large)],
+            "{name}"
+        );
+        let block_sizes = |g: &[Allocation; 4]| g.map(|x| x.block_size);
+        assert_eq!(block_sizes(&got[0]), [large, large, small, small], "{name}");
+        assert_eq!(block_sizes(&got[1]), [4 * MIB, 4 * MIB, 512, 512], "{name}");
+        // Allocated bytes count the whole blocks of the no-split pool.
+        let allocated = a.memory_stats().allocated_bytes.get(StatType::All).current;
+        assert_eq!(
+            allocated,
+            (2 * large + 2 * small + 8 * MIB + 1024) as i64,
+            "{name}"
+        );
+        // A freed block serves a smaller allocation of the pool whole, at its address.
+        a.free(got[0][0].ptr).unwrap();
+        a.begin_allocate_to_pool(whole, Box::new(|_| true)).unwrap();
+        let again = a.allocate(2 * MIB, s).unwrap();
+        a.end_allocate_to_pool(whole).unwrap();
+        assert_eq!(
+            (again.ptr, again.block_size),
+            (got[0][0].ptr, large),
+            "{name}"
+        );
+        assert_eq!(segments_of(whole).len(), 4, "{name}");
+        a.check_invariants().unwrap();
+        // Everything back, both pools released and emptied: the pools are forgotten.
+        a.free(again.ptr).unwrap();
+        for x in got[0][1..].iter().chain(&got[1]) {
+            a.free(x.ptr).unwrap();
+        }
+        for p in pools {
+            // One use for the pool's making and one per routing into it (PyTorch's
+            // `use_mem_pool` releases each routing's use when it ends).
+            while a.pool_use_count(p).is_some_and(|n| n > 0) {
+                a.release_pool(p).unwrap();
+            }
+        }
+        a.empty_cache().unwrap();
+        assert_eq!(a.pool_use_count(whole), None, "{name}");
+        assert!(matches!(
+            a.set_no_split(whole, true),
+            Err(AllocError::InvalidPool { .. })
+        ));
+        a.check_invariants().unwrap();
+    }
+}

@@ -201,6 +201,7 @@ struct Api {
   int (*restore_pool)(int, CPool, const CCheckpointBlock*, size_t, void (*)(void*, uint64_t, int),
                       void*);
   int (*set_use_on_oom)(int, CPool, int);
+  int (*set_no_split)(int, CPool, int);
   const char* (*last_error)();
   int (*last_error_kind)();
   void (*set_quiet)(int);
@@ -252,6 +253,7 @@ Api load_api(const std::string& path) {
   bind(lib, "cca_pool_use_count", a.pool_use_count);
   bind(lib, "cca_restore_pool", a.restore_pool);
   bind(lib, "cca_set_use_on_oom", a.set_use_on_oom);
+  bind(lib, "cca_set_no_split", a.set_no_split);
   bind(lib, "cca_last_error", a.last_error);
   bind(lib, "cca_last_error_kind", a.last_error_kind);
   bind(lib, "cca_set_quiet", a.set_quiet);
@@ -685,10 +687,11 @@ class Shim : public CCA::CUDAAllocator {
                 cat("cuda_caching_allocator: ", api_.last_error()));
   }
 
-  void setNoSplit(c10::DeviceIndex, MempoolId_t) override {
-    TORCH_CHECK(false,
-                "cuda_caching_allocator: torch.cuda.MemPool(no_split=True) is not supported "
-                "(docs/pytorch.md, 'Not supported')");
+  // torch.cuda.MemPool(no_split=True) (symmetric memory): the pool's blocks are handed out
+  // whole, never split (Note [No-split pools] in the crate).
+  void setNoSplit(c10::DeviceIndex device, MempoolId_t id) override {
+    TORCH_CHECK(api_.set_no_split(device, cpool(id), 1) == 0,
+                cat("cuda_caching_allocator: ", api_.last_error()));
   }
 
   bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId_t mempool_id,

@@ -117,6 +117,8 @@ pub(crate) struct PrivatePool {
     /// PyTorch's `use_on_oom`: an allocation of the default pools about to fail with out of
     /// memory may take a free block of this pool (Note [Pools used on out of memory]).
     pub(crate) use_on_oom: bool,
+    /// PyTorch's `no_split_pools`: a block of this pool is never split (Note [No-split pools]).
+    pub(crate) no_split: bool,
 }
 
 impl PrivatePool {
@@ -342,8 +344,6 @@ impl State {
         Ok(())
     }
 
-    /// `releasePool`: one use less. At 0 the pool is freeable: forgotten at once when it holds no
-    /// segment, else its memory goes back at the next `release_cached_blocks`.
     /// PyTorch's `setUseOnOOM`: whether allocations of the default pools about to fail with out
     /// of memory may take free blocks of pool `id`.
     pub(crate) fn set_use_on_oom(&mut self, id: MemPoolId, on: bool) -> Result<()> {
@@ -383,6 +383,41 @@ impl State {
             .find_map(|slot| self.get_free_block(stream, size, kind, slot))
     }
 
+    /// Note [No-split pools]: PyTorch's `setNoSplit` (`torch.cuda.MemPool(no_split=True)`, made
+    /// for symmetric memory, where each allocation must own its segment: one signal pad per
+    /// device allocation). A block of such a pool is handed out whole, never split: PyTorch's
+    /// `should_split` answers false before its usual rules for a block whose pool is in
+    /// `no_split_pools`, and that is its only effect. Rounding, segment sizes (a 4 MiB request
+    /// still gets a 20 MiB segment, a 512-byte one a 2 MiB block), best fit, merging and release
+    /// are unchanged, so a freed block serves a later smaller allocation of the pool whole, and
+    /// the statistics count the whole block as allocated. A block of the pool taken on out of
+    /// memory (Note [Pools used on out of memory]) is not split either, as in PyTorch, whose
+    /// check follows the block's pool. A checkpoint restore cuts blocks as the checkpoint says
+    /// (PyTorch's `setSegmentStateToCheckpoint` passes its own split flag too). The flag lives
+    /// as long as the pool's record: PyTorch keeps the id in its set until the pool's last use
+    /// is released; here the pool and its flag are forgotten together.
+    pub(crate) fn set_no_split(&mut self, id: MemPoolId, on: bool) -> Result<()> {
+        let slot = self
+            .graph
+            .slot_of(id)
+            .ok_or_else(|| invalid(id, "no such private pool"))?;
+        let p = self
+            .graph
+            .pools
+            .get_mut(&slot)
+            .ok_or_else(|| invalid(id, "the pool's record is missing"))?;
+        p.no_split = on;
+        Ok(())
+    }
+
+    /// Whether blocks of private pool slot `owner` are never split (Note [No-split pools]).
+    #[inline]
+    pub(super) fn no_split(&self, owner: u32) -> bool {
+        owner != 0 && self.graph.pools.get(&owner).is_some_and(|p| p.no_split)
+    }
+
+    /// `releasePool`: one use less. At 0 the pool is freeable: forgotten at once when it holds no
+    /// segment, else its memory goes back at the next `release_cached_blocks`.
     pub(crate) fn release_pool(&mut self, id: MemPoolId) -> Result<()> {
         let Some(slot) = self.graph.slot_of(id) else {
             return Err(invalid(id, "no such private pool"));
