@@ -114,6 +114,11 @@ pub struct ImportReport {
     /// Bytes the import built from the input and counted against
     /// [`ImportOptions::max_bytes`]: trace events, tags and values (not the input itself).
     pub materialised_bytes: u64,
+    /// A snapshot's device whose trace was read (`None` for a CSV log).
+    pub device: Option<usize>,
+    /// A snapshot's devices whose `device_traces` entry holds records, in order (empty for a CSV
+    /// log): more than one means the other devices' histories were not read.
+    pub devices_with_records: Vec<usize>,
 }
 
 impl ImportReport {

@@ -381,6 +381,10 @@ pub(crate) fn read_snapshot_plain(
         None => Vec::new(),
     };
     report.materialised_bytes = budget.used();
+    report.device = Some(device);
+    report.devices_with_records = (0..per_device.len())
+        .filter(|&d| !per_device[d].is_empty())
+        .collect();
     Ok(Snapshot {
         trace,
         device,
@@ -846,8 +850,13 @@ mod tests {
             (snap.device, snap.device_count, snap.trace.events.len()),
             (1, 2, 1)
         );
+        assert_eq!(
+            (snap.report.device, &snap.report.devices_with_records[..]),
+            (Some(1), &[1][..])
+        );
         let snap = read_snapshot(&bytes, &ImportOptions::default().with_device(0)).unwrap();
         assert_eq!((snap.device, snap.trace.events.len()), (0, 0));
+        assert_eq!(snap.report.device, Some(0));
         assert!(matches!(
             read_snapshot(&bytes, &ImportOptions::default().with_device(2)),
             Err(TraceIoError::NoSuchDevice {

@@ -773,3 +773,85 @@ fn cli_closed_stderr_does_not_panic() {
         assert_eq!(out.status.code(), Some(code), "{}", args.join(" "));
     }
 }
+
+/// A snapshot of a two-GPU process holds two allocator histories: `cca` says which one it
+/// replays and names the others, `--snapshot-device N` picks one (a missing device and a CSV log
+/// are clear errors).
+#[test]
+fn cli_snapshot_device_picks_one_of_several_histories() {
+    use cuda_caching_allocator::trace::{PickleValue, write_pickle};
+    const MIB: i128 = 1 << 20;
+    let entry = |action: &str, addr: i128, size: i128, t: i128| {
+        PickleValue::dict([
+            ("action", PickleValue::Str(action.into())),
+            ("addr", PickleValue::Int(addr)),
+            ("size", PickleValue::Int(size)),
+            ("stream", PickleValue::Int(0)),
+            ("time_us", PickleValue::Int(t)),
+        ])
+    };
+    // Device 0: 1 MiB live at most; device 1: 8 MiB.
+    let dev0 = vec![
+        entry("alloc", 1 << 40, MIB, 1),
+        entry("free_requested", 1 << 40, MIB, 2),
+    ];
+    let dev1 = vec![
+        entry("alloc", 2 << 40, 4 * MIB, 1),
+        entry("alloc", (2 << 40) + 4 * MIB, 4 * MIB, 2),
+        entry("free_requested", 2 << 40, 4 * MIB, 3),
+    ];
+    let snapshot = PickleValue::dict([(
+        "device_traces",
+        PickleValue::List(vec![PickleValue::List(dev0), PickleValue::List(dev1)]),
+    )]);
+    let dir = std::env::temp_dir().join(format!("cca-snapshot-device-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("two_gpus.pickle");
+    std::fs::write(&path, write_pickle(&snapshot).unwrap()).unwrap();
+    let p = path.to_str().unwrap();
+    let peak = |out: &Output| {
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(0), "{stderr}");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        (v["peak_live_bytes"].as_u64().unwrap(), stderr)
+    };
+    let (live, stderr) = peak(&cca(&["replay", p, "--json", "--quiet"]));
+    assert_eq!(live, 1 << 20);
+    assert!(
+        stderr.contains("allocator histories of devices 0, 1; this run reads device 0's")
+            && stderr.contains("--snapshot-device N"),
+        "{stderr}"
+    );
+    let (live, stderr) = peak(&cca(&[
+        "replay",
+        p,
+        "--json",
+        "--quiet",
+        "--snapshot-device",
+        "1",
+    ]));
+    assert_eq!(live, 8 << 20);
+    assert!(!stderr.contains("allocator histories"), "{stderr}");
+    let out = cca(&["replay", p, "--quiet", "--snapshot-device", "2"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("the snapshot has 2 device trace(s); device 2 does not exist"),
+        "{stderr}"
+    );
+    let t = trace();
+    let out = cca(&[
+        "replay",
+        t.to_str().unwrap(),
+        "--quiet",
+        "--snapshot-device",
+        "0",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("--snapshot-device applies to PyTorch snapshots"),
+        "{stderr}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -141,14 +141,23 @@ pub(crate) fn parse_bytes(s: &str) -> Result<u64, String> {
 }
 
 /// Reads a trace file in any supported format, holding at most `max_bytes` (the
-/// `--max-import-bytes` flag).
-pub(crate) fn load_trace(path: &Path, lenient: bool, max_bytes: u64) -> CliResult<Trace> {
-    let options = if lenient {
+/// `--max-import-bytes` flag); of a snapshot, the history of `snapshot_device` (the
+/// `--snapshot-device` flag; `None`: the first device that has one).
+pub(crate) fn load_trace(
+    path: &Path,
+    lenient: bool,
+    max_bytes: u64,
+    snapshot_device: Option<usize>,
+) -> CliResult<Trace> {
+    let mut options = if lenient {
         ImportOptions::lenient()
     } else {
         ImportOptions::strict()
     }
     .with_max_bytes(max_bytes);
+    if let Some(d) = snapshot_device {
+        options = options.with_device(d);
+    }
     let step = Step::start(format!("loading {}", path.display()));
     let imported = read_trace_file(path, &options).map_err(|e| {
         // Name the file where the error does not already (a truncated gzip, a bad record).
@@ -160,6 +169,24 @@ pub(crate) fn load_trace(path: &Path, lenient: bool, max_bytes: u64) -> CliResul
         }
     })?;
     step.done(&format!("{} events", imported.trace.events.len()));
+    if snapshot_device.is_some() && imported.format != TraceFormat::PytorchSnapshot {
+        return Err(format!(
+            "{}: --snapshot-device applies to PyTorch snapshots, and this file is an RMM CSV log",
+            path.display()
+        )
+        .into());
+    }
+    let with_records = &imported.report.devices_with_records;
+    if snapshot_device.is_none() && with_records.len() > 1 {
+        let list: Vec<String> = with_records.iter().map(usize::to_string).collect();
+        say!(
+            "cca: note: {}: the snapshot holds allocator histories of devices {}; this run reads \
+             device {}'s (choose another with --snapshot-device N)",
+            path.display(),
+            list.join(", "),
+            imported.report.device.unwrap_or(0)
+        );
+    }
     for note in import_notes(&imported.report) {
         say!("cca: note: {}: {note}", path.display());
     }
@@ -450,7 +477,7 @@ impl Timeline {
 
 /// `cca convert`.
 pub(crate) fn convert(a: &ConvertArgs) -> CliResult<()> {
-    let trace = load_trace(&a.input, a.lenient, a.max_import_bytes)?;
+    let trace = load_trace(&a.input, a.lenient, a.max_import_bytes, a.snapshot_device)?;
     let out = a.output.to_string_lossy().to_ascii_lowercase();
     let gzip = out.ends_with(".gz");
     let stem = out.trim_end_matches(".gz");

@@ -147,6 +147,10 @@ struct TraceArgs {
     /// Skip frees of unknown allocations instead of failing (snapshots with a truncated history).
     #[arg(long)]
     lenient: bool,
+    /// Of a snapshot with several devices' histories (`device_traces`), read device N's
+    /// (default: the first device that has one; a note names the others).
+    #[arg(long, value_name = "N")]
+    snapshot_device: Option<usize>,
     /// PyTorch's figures for the trace (default: reference.json beside the trace, if any).
     #[arg(long)]
     reference: Option<PathBuf>,
@@ -237,6 +241,10 @@ struct ConvertArgs {
     /// Skip frees of unknown allocations instead of failing.
     #[arg(long)]
     lenient: bool,
+    /// Of a snapshot with several devices' histories, read device N's (default: the first
+    /// device that has one).
+    #[arg(long, value_name = "N")]
+    snapshot_device: Option<usize>,
     /// The most bytes the trace import may hold: the decompressed input, and separately what is
     /// built from it (raise it for a trace that really is larger).
     #[arg(long, default_value = "4GiB", value_parser = load::parse_bytes)]

@@ -217,7 +217,12 @@ fn reference_json(reference: &Reference) -> Value {
 /// `cca replay`.
 pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
     let label = load::resolve(a.preset.as_deref(), a.config.as_deref())?;
-    let trace = load::load_trace(&a.trace.trace, a.trace.lenient, a.trace.max_import_bytes)?;
+    let trace = load::load_trace(
+        &a.trace.trace,
+        a.trace.lenient,
+        a.trace.max_import_bytes,
+        a.trace.snapshot_device,
+    )?;
     let run = load::run(&trace, &label.config, &a.trace, &label.label, 0)?;
     let r = &run.report;
     let reference = reference::find(&a.trace.trace, a.trace.reference.as_deref())?;
@@ -457,7 +462,12 @@ pub(crate) fn compare(a: &CompareArgs) -> CliResult<()> {
         &a.configs,
         &["pytorch", "pytorch-expandable", "default"],
     )?;
-    let trace = load::load_trace(&a.trace.trace, a.trace.lenient, a.trace.max_import_bytes)?;
+    let trace = load::load_trace(
+        &a.trace.trace,
+        a.trace.lenient,
+        a.trace.max_import_bytes,
+        a.trace.snapshot_device,
+    )?;
     let mut runs = Vec::new();
     for c in &cols {
         runs.push(load::run(&trace, &c.config, &a.trace, &c.label, 0)?);
