@@ -347,17 +347,20 @@ impl State {
     /// PyTorch's `setUseOnOOM`: whether allocations of the default pools about to fail with out
     /// of memory may take free blocks of pool `id`.
     pub(crate) fn set_use_on_oom(&mut self, id: MemPoolId, on: bool) -> Result<()> {
+        self.pool_mut(id)?.use_on_oom = on;
+        Ok(())
+    }
+
+    /// The record of private pool `id`.
+    fn pool_mut(&mut self, id: MemPoolId) -> Result<&mut PrivatePool> {
         let slot = self
             .graph
             .slot_of(id)
             .ok_or_else(|| invalid(id, "no such private pool"))?;
-        let p = self
-            .graph
+        self.graph
             .pools
             .get_mut(&slot)
-            .ok_or_else(|| invalid(id, "the pool's record is missing"))?;
-        p.use_on_oom = on;
-        Ok(())
+            .ok_or_else(|| invalid(id, "the pool's record is missing"))
     }
 
     /// Note [Pools used on out of memory]: PyTorch's last resort before raising out of memory.
@@ -397,16 +400,7 @@ impl State {
     /// as long as the pool's record: PyTorch keeps the id in its set until the pool's last use
     /// is released; here the pool and its flag are forgotten together.
     pub(crate) fn set_no_split(&mut self, id: MemPoolId, on: bool) -> Result<()> {
-        let slot = self
-            .graph
-            .slot_of(id)
-            .ok_or_else(|| invalid(id, "no such private pool"))?;
-        let p = self
-            .graph
-            .pools
-            .get_mut(&slot)
-            .ok_or_else(|| invalid(id, "the pool's record is missing"))?;
-        p.no_split = on;
+        self.pool_mut(id)?.no_split = on;
         Ok(())
     }
 
