@@ -17,15 +17,25 @@ pub type Result<T, E = AllocError> = std::result::Result<T, E>;
 
 /// Why an allocation could not be satisfied.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum OomVerdict {
     /// The device itself has no room: free memory elsewhere, or use a larger device.
     DeviceFull,
     /// The per-process memory-fraction cap was reached before the device was full: raise the
     /// fraction, or free memory.
     FractionCapReached,
-    /// Enough bytes sit free in the cache, but no free block is large enough (or on the right
-    /// stream): try expandable segments, `max_split_size_mb`, or freeing long-lived blocks.
+    /// Enough bytes sit free in the cache for the request's stream and size class, but no free
+    /// block is large enough: try expandable segments, `max_split_size_mb`, or freeing
+    /// long-lived blocks.
     Fragmented,
+    /// The request (its segment) is larger than the device's whole memory: no freeing makes
+    /// room; split the allocation or use a larger device.
+    LargerThanDevice,
+    /// Enough bytes sit free in the cache, but in blocks this request cannot use: blocks of
+    /// other streams (a cached block serves only its own stream) or of the other size class
+    /// (blocks of at most 1 MiB and larger ones are cached apart). Allocate on the stream that
+    /// freed them, or free the live blocks that keep their segments.
+    CachedForOtherStreams,
 }
 
 impl fmt::Display for OomVerdict {
@@ -35,6 +45,11 @@ impl fmt::Display for OomVerdict {
             OomVerdict::FractionCapReached => "the per-process memory fraction cap is reached",
             OomVerdict::Fragmented => {
                 "the cache is fragmented: enough free cached bytes, but no free block large enough"
+            }
+            OomVerdict::LargerThanDevice => "the request is larger than the device's whole memory",
+            OomVerdict::CachedForOtherStreams => {
+                "enough free cached bytes, but in blocks of other streams or of the other size \
+                 class, which this request cannot use"
             }
         })
     }
@@ -131,6 +146,15 @@ impl fmt::Display for OomReport {
             OomVerdict::Fragmented => write!(
                 f,
                 " If reserved but unallocated memory is large try expandable_segments:True to avoid fragmentation."
+            ),
+            OomVerdict::LargerThanDevice => write!(
+                f,
+                " No freeing can make room: split the allocation or use a device with more memory."
+            ),
+            OomVerdict::CachedForOtherStreams => write!(
+                f,
+                " A cached block serves only its own stream and size class: allocate on the stream \
+                 that freed the memory, or free the live blocks that keep its segments."
             ),
         }
     }

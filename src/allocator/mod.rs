@@ -76,6 +76,11 @@ pub struct Allocation {
 /// assert_eq!(alloc.memory_stats().num_device_alloc, 1);
 /// # alloc.free(b.ptr).unwrap();
 /// ```
+///
+/// Dropping the allocator gives its cached memory back to the device (as
+/// [`empty_cache`](Self::empty_cache) does). Allocations still live then stay valid: the memory
+/// under them is never released (it is leaked, with a `tracing` warning naming how many), while
+/// the rest of the cache is released as usual.
 pub struct CachingAllocator<B: DeviceBackend> {
     backend: B,
     state: Mutex<Locked>,
@@ -846,9 +851,11 @@ impl<B: DeviceBackend> Drop for CachingAllocator<B> {
         }
         let live = st.active.len();
         if live > 0 && !std::thread::panicking() {
-            tracing::warn!(target: "cuda_caching_allocator", live, bytes = st.stats.memory_allocated(), "allocator dropped with live allocations; their segments are leaked");
+            tracing::warn!(target: "cuda_caching_allocator", live, bytes = st.stats.memory_allocated(), "allocator dropped with live allocations; the memory under them is leaked, the rest of the cache released");
         }
-        if live == 0 && !st.capture_underway() {
+        // What empty_cache releases holds no live allocation: release it also when some are
+        // left (their memory stays, so their pointers stay valid).
+        if !st.capture_underway() {
             let _ = st.release_cached_blocks(&self.backend);
         }
         st.destroy_events(&self.backend);

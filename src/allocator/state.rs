@@ -1200,19 +1200,28 @@ impl State {
                 free_total += k.size;
             }
         }
-        // The stream's free blocks, up to the next stream's (none after `u64::MAX`).
+        // The stream's free blocks in the request's size class, up to the next stream's (none
+        // after `u64::MAX`), smallest first.
         let blocks = &self.pool_ref(kind).blocks;
         let lo = FreeKey::search(stream, 0);
-        let largest_on_stream = match stream.0.checked_add(1) {
-            Some(next) => blocks
-                .range(lo..FreeKey::search(StreamId(next), 0))
-                .next_back(),
-            None => blocks.range(lo..).next_back(),
-        }
-        .filter(|k| k.stream == stream)
-        .map_or(0, |k| k.size);
-        let verdict = if free_total >= size {
-            OomVerdict::Fragmented
+        let on_stream = || {
+            match stream.0.checked_add(1) {
+                Some(next) => blocks.range(lo..FreeKey::search(StreamId(next), 0)),
+                None => blocks.range(lo..),
+            }
+            .filter(move |k| k.stream == stream)
+        };
+        let largest_on_stream = on_stream().next_back().map_or(0, |k| k.size);
+        // Free bytes this request could use.
+        let usable: usize = on_stream().map(|k| k.size).sum();
+        let verdict = if info.total > 0 && alloc_size > info.total {
+            OomVerdict::LargerThanDevice
+        } else if free_total >= size {
+            if usable >= size {
+                OomVerdict::Fragmented
+            } else {
+                OomVerdict::CachedForOtherStreams
+            }
         } else if self
             .allowed_memory_maximum
             .is_some_and(|m| self.total_allocated_memory + alloc_size > m)

@@ -235,13 +235,27 @@ fn oom_flushes_the_cache_and_retries_once() {
 
 #[test]
 fn oom_verdicts_name_the_cause() {
-    // Device full.
+    // Larger than the whole device: no freeing helps, and the message does not say otherwise.
     let a = pytorch_on(64 * MIB);
     let err = a.allocate(100 * MIB, S0).unwrap_err();
-    assert_eq!(err.oom_report().unwrap().verdict, OomVerdict::DeviceFull);
-    assert!(err.to_string().starts_with(
+    assert_eq!(
+        err.oom_report().unwrap().verdict,
+        OomVerdict::LargerThanDevice
+    );
+    let text = err.to_string();
+    assert!(text.starts_with(
         "CUDA out of memory. Tried to allocate 100.00 MiB. GPU 0 has a total capacity of 64.00 MiB"
     ));
+    assert!(
+        text.contains("the request is larger than the device's whole memory")
+            && !text.contains("held elsewhere"),
+        "{text}"
+    );
+    // Device full: half the device is live, and the request needs more than the rest.
+    let x = a.allocate(40 * MIB, S0).unwrap();
+    let err = a.allocate(30 * MIB, S0).unwrap_err();
+    assert_eq!(err.oom_report().unwrap().verdict, OomVerdict::DeviceFull);
+    a.free(x.ptr).unwrap();
     // Free whole segments are flushed first; then the device is full.
     let a = pytorch_on(64 * MIB);
     let pieces: Vec<_> = (0..6).map(|_| a.allocate(10 * MIB, S0).unwrap()).collect();
@@ -282,6 +296,18 @@ fn oom_verdicts_name_the_cause() {
     assert_eq!(r.largest_free_block, 6 * MIB);
     assert!((r.external_fragmentation - 0.5).abs() < 1e-9);
     assert!(err.to_string().contains("fragmented"));
+    // The same free bytes do not serve another stream: the verdict says so instead of
+    // "fragmented" (the report's largest block on that stream is 0).
+    let s3 = StreamId(3);
+    let err = a.allocate(4 * MIB, s3).unwrap_err();
+    let r = err.oom_report().unwrap();
+    assert_eq!(r.verdict, OomVerdict::CachedForOtherStreams, "{r:?}");
+    assert_eq!(r.largest_free_block_on_stream, 0);
+    assert!(
+        err.to_string()
+            .contains("in blocks of other streams or of the other size class"),
+        "{err}"
+    );
     a.backend().clear_faults();
     a.free(p[1].ptr).unwrap();
     a.free(p[3].ptr).unwrap();
@@ -557,5 +583,46 @@ fn recorded_history_replays_to_the_same_figures() {
     assert!(a.history().0.events.is_empty());
     for x in live {
         a.free(x.ptr).unwrap();
+    }
+}
+
+/// Dropping the allocator with an allocation still live gives the rest of its cache back to the
+/// device (it kept every cached byte before, with only a `tracing` warning), and the memory
+/// under the live allocation stays mapped, so its pointer stays valid.
+#[test]
+fn dropping_the_allocator_with_a_live_allocation_releases_the_rest_of_the_cache() {
+    for (name, config) in crate::util::four_configs() {
+        let dev = SimDevice::with_capacity(1 << 30);
+        let keep = {
+            let a = CachingAllocator::new(&dev, config).unwrap();
+            let keep = a.allocate(MIB, S0).unwrap();
+            let big = a.allocate(100 * MIB, S0).unwrap();
+            let other = a.allocate(4096, StreamId(2)).unwrap();
+            a.free(big.ptr).unwrap();
+            a.free(other.ptr).unwrap();
+            assert!(
+                dev.counters().reserved_bytes >= 102 * MIB,
+                "{name}: {:?}",
+                dev.counters()
+            );
+            keep
+        };
+        let c = dev.counters();
+        assert_eq!(
+            c.reserved_bytes,
+            2 * MIB,
+            "{name}: only the live MiB's 2 MiB stays"
+        );
+        let held = |start: DeviceAddr, size: usize| {
+            start.0 <= keep.ptr.0 && keep.ptr.0 + keep.size as u64 <= start.0 + size as u64
+        };
+        assert!(
+            dev.live_segments().iter().any(|&(a, s)| held(a, s))
+                || dev
+                    .live_mapped_handles()
+                    .iter()
+                    .any(|&(a, s, _)| held(a, s)),
+            "{name}: the live allocation's memory is still there"
+        );
     }
 }

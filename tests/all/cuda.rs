@@ -754,13 +754,13 @@ fn cuda_fraction_cap_oom_is_clear_and_recoverable() {
     drop(b);
     assert_eq!(alloc.memory_stats().num_ooms, 1);
 
-    // The device itself full: more than it has.
+    // More than the device has.
     alloc.set_memory_fraction(1.0).unwrap();
     let err = alloc.alloc_zeros::<u8>(&stream, total + GIB).unwrap_err();
     assert!(err.is_out_of_memory(), "{err}");
     assert_eq!(
         err.oom_report().map(|r| r.verdict),
-        Some(OomVerdict::DeviceFull),
+        Some(OomVerdict::LargerThanDevice),
         "{err}"
     );
     let c = alloc.alloc_zeros::<u8>(&stream, 8 * MIB).unwrap();

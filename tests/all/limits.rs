@@ -35,10 +35,10 @@ fn a_request_larger_than_the_device_fails_before_mapping_anything() {
                 );
                 assert_eq!(after.create_physical_calls, before.create_physical_calls);
                 assert_eq!(after.reserve_calls, before.reserve_calls);
-                let verdict = if request > 8 * GIB && fraction < 1.0 {
-                    OomVerdict::FractionCapReached
+                let verdict = if request > 16 * GIB {
+                    OomVerdict::LargerThanDevice
                 } else {
-                    OomVerdict::DeviceFull
+                    OomVerdict::FractionCapReached
                 };
                 assert_eq!(report.verdict, verdict, "{preset:?} {fraction} {request}");
                 a.check_invariants().unwrap();
