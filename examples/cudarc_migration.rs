@@ -57,7 +57,7 @@ fn with_cache(
     launch.arg(&2.0f32).arg(&tmp).arg(&mut y).arg(&n);
     // SAFETY: as above: the cached buffers hold `n` floats each.
     unsafe { launch.launch(LaunchConfig::for_num_elems(n)) }?;
-    Ok(alloc.dtoh(&y)?) // was: stream.clone_dtoh(&y)
+    Ok(stream.clone_dtoh(&y)?) // unchanged: cudarc's copies take cached buffers
 }
 
 /// cuBLAS takes cached buffers through the same `DevicePtr` / `DevicePtrMut` traits.

@@ -183,6 +183,16 @@ pub enum AllocError {
         /// The pointer.
         ptr: DeviceAddr,
     },
+    /// `ptr` was freed before, so `operation` (which needs a live allocation, as
+    /// [`record_stream`](crate::CachingAllocator::record_stream) does) cannot apply to it. Call
+    /// it while the allocation is live.
+    #[error("{operation}: {ptr} is not a live allocation (it was freed before)")]
+    FreedPointer {
+        /// The pointer.
+        ptr: DeviceAddr,
+        /// What was asked of it.
+        operation: &'static str,
+    },
     /// `ptr` lies inside memory this cache reserved but is not the start of a live allocation.
     /// Free the pointer that `allocate` returned, not an interior pointer.
     #[error(

@@ -314,16 +314,25 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// `record_stream`).
     ///
     /// # Errors
-    /// [`AllocError::InvalidStream`] when the device rejects `stream`, else the pointer errors
-    /// of [`free`](Self::free); nothing changes on an error.
+    /// [`AllocError::InvalidStream`] when the device rejects `stream`;
+    /// [`AllocError::FreedPointer`] for a pointer freed before; else the other pointer errors of
+    /// [`free`](Self::free). Nothing changes on an error.
     pub fn record_stream(&self, ptr: DeviceAddr, stream: StreamId) -> Result<()> {
         let mut guard = self.lock();
         let Locked { st, front: fl } = &mut *guard;
         st.admit_stream(&self.backend, stream)?;
-        match &self.front {
+        let r = match &self.front {
             Some(front) => front.record_stream_locked(st, fl, ptr, stream),
             None => st.record_stream(ptr, stream),
-        }
+        };
+        // The pointer checks are free's: a freed pointer is no double free here.
+        r.map_err(|e| match e {
+            AllocError::DoubleFree { ptr } => AllocError::FreedPointer {
+                ptr,
+                operation: "record_stream",
+            },
+            e => e,
+        })
     }
 
     /// Forgets `stream` if nothing in the cache refers to it any more: no mapped block (allocated,

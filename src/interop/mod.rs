@@ -67,7 +67,7 @@ fn driver_error(operation: &'static str, e: cudarc::driver::DriverError) -> Allo
 /// | `OutOfMemory`, `TooLarge`, `CaptureOutOfMemory`, a backend out-of-memory | `CUDA_ERROR_OUT_OF_MEMORY` |
 /// | `Backend` carrying a driver error | that error's code |
 /// | `InvalidStream` | `CUDA_ERROR_INVALID_HANDLE` |
-/// | `DoubleFree`, `InteriorPointer`, `UnknownPointer`, `InvalidFraction`, `Config`, `InvalidPool`, `Backend` with an invalid argument | `CUDA_ERROR_INVALID_VALUE` |
+/// | `DoubleFree`, `FreedPointer`, `InteriorPointer`, `UnknownPointer`, `InvalidFraction`, `Config`, `InvalidPool`, `Backend` with an invalid argument | `CUDA_ERROR_INVALID_VALUE` |
 /// | `Unsupported`, `Backend` with an unsupported capability | `CUDA_ERROR_NOT_SUPPORTED` |
 /// | `CaptureUnderway`, `UnroutedCapture` | `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` |
 /// | anything else (an injected fault, a backend error without a code) | `CUDA_ERROR_UNKNOWN` |
@@ -125,6 +125,7 @@ fn result_code(e: &AllocError) -> cudarc::driver::sys::CUresult {
         | AllocError::CaptureOutOfMemory { .. } => R::CUDA_ERROR_OUT_OF_MEMORY,
         AllocError::InvalidStream { .. } => R::CUDA_ERROR_INVALID_HANDLE,
         AllocError::DoubleFree { .. }
+        | AllocError::FreedPointer { .. }
         | AllocError::InteriorPointer { .. }
         | AllocError::UnknownPointer { .. }
         | AllocError::InvalidFraction(_)

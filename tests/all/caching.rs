@@ -626,3 +626,35 @@ fn dropping_the_allocator_with_a_live_allocation_releases_the_rest_of_the_cache(
         );
     }
 }
+
+/// `record_stream` of a freed pointer says the pointer is no longer live, not "double free"
+/// (the user freed it once), with the fast path on and off.
+#[test]
+fn record_stream_of_a_freed_pointer_names_the_pointer_freed() {
+    for (name, config) in crate::util::four_configs() {
+        let a = with_config(1 << 30, config);
+        let x = a.allocate(4096, S0).unwrap();
+        a.free(x.ptr).unwrap();
+        let before = a.memory_stats();
+        let err = a.record_stream(x.ptr, S1).unwrap_err();
+        assert!(
+            matches!(err, AllocError::FreedPointer { ptr, operation: "record_stream" } if ptr == x.ptr),
+            "{name}: {err}"
+        );
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "record_stream: {} is not a live allocation (it was freed before)",
+                x.ptr
+            ),
+            "{name}"
+        );
+        assert_eq!(a.memory_stats(), before, "{name}");
+        // free still calls a second free what it is.
+        assert!(
+            matches!(a.free(x.ptr), Err(AllocError::DoubleFree { .. })),
+            "{name}"
+        );
+        a.check_invariants().unwrap();
+    }
+}

@@ -206,7 +206,7 @@ fn double_frees_are_errors_on_every_path() {
     assert!(matches!(a.free(x.ptr), Err(AllocError::DoubleFree { .. })));
     assert!(matches!(
         a.record_stream(x.ptr, S1),
-        Err(AllocError::DoubleFree { .. })
+        Err(AllocError::FreedPointer { .. })
     ));
     // After a flush the core reports it.
     a.flush_thread_caches();
