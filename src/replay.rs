@@ -165,9 +165,12 @@ impl ReplayReport {
         }
     }
 
-    /// Fragmentation at peak: `1 - peak allocated / peak reserved` (GMLake's and STWeaver's
-    /// "fragmentation ratio").
-    pub fn fragmentation_at_peak(&self) -> f64 {
+    /// The fragmentation ratio: `1 - peak allocated / peak reserved` (GMLake's and STWeaver's),
+    /// the two peaks taken wherever each was reached. The fragmentation at the moment reserved
+    /// bytes peaked is another figure: the field
+    /// [`fragmentation_at_peak`](Self::fragmentation_at_peak)'s
+    /// [`fragmentation()`](FragmentationReport::fragmentation).
+    pub fn fragmentation_ratio(&self) -> f64 {
         if self.peak_reserved_bytes == 0 {
             0.0
         } else {

@@ -104,6 +104,16 @@ fn cli_replay_on_the_simulated_device_reports_wall_time() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["device"], "sim");
     assert_eq!(v["configuration"], "pytorch");
+    // Two fragmentation figures, each under its own name (one name served the first before).
+    let ratio = v["fragmentation_ratio"].as_f64().unwrap();
+    let at_peak = v["fragmentation_at_peak_reserved"].as_f64().unwrap();
+    let (alloc, reserved) = (
+        v["peak_allocated_bytes"].as_f64().unwrap(),
+        v["peak_reserved_bytes"].as_f64().unwrap(),
+    );
+    assert!((ratio - (1.0 - alloc / reserved)).abs() < 1e-12);
+    assert!((0.0..1.0).contains(&at_peak) && at_peak >= ratio - 1e-12);
+    assert!(v.get("fragmentation_at_peak").is_none());
     assert!(
         v["device_description"]
             .as_str()
@@ -476,6 +486,7 @@ fn cli_config_string_means_what_parse_reads() {
         "{text}"
     );
     assert!(text.contains("fragmentation at peak"), "{text}");
+    assert!(text.contains("fragmentation ratio"), "{text}");
     assert!(text.contains("measured on this machine"), "{text}");
     assert!(text.contains("segment statistic does not count"), "{text}");
     let help = cca(&["replay", "--help"]);
@@ -853,5 +864,69 @@ fn cli_snapshot_device_picks_one_of_several_histories() {
         stderr.contains("--snapshot-device applies to PyTorch snapshots"),
         "{stderr}"
     );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `cca convert --run` of a run whose allocations failed out of memory writes nothing and exits 1
+/// (it wrote a snapshot missing the failed allocations and exited 0 before), unless
+/// `--allow-oom`; a CSV export counts the rows it wrote.
+#[test]
+fn cli_convert_run_refuses_a_failed_run() {
+    let dir = std::env::temp_dir().join(format!("cca-convert-oom-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("run.pickle");
+    let (t, o) = (trace(), out.to_str().unwrap().to_string());
+    let args = [
+        "convert",
+        t.to_str().unwrap(),
+        &o,
+        "--run",
+        "pytorch",
+        "--device-memory",
+        "256MiB",
+        "--quiet",
+    ];
+    let failed = cca(&args);
+    let stderr = String::from_utf8_lossy(&failed.stderr);
+    assert_eq!(failed.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("allocations failed out of memory") && stderr.contains("--allow-oom"),
+        "{stderr}"
+    );
+    assert!(!out.exists(), "nothing is written for a failed run");
+    let accepted = cca(&[&args[..], &["--allow-oom"]].concat());
+    assert_eq!(
+        accepted.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&accepted.stderr)
+    );
+    assert!(out.exists());
+    let csv = dir.join("copy.csv");
+    let copied = cca(&["convert", t.to_str().unwrap(), csv.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&copied.stderr);
+    assert_eq!(copied.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("allocation and free rows"), "{stderr}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A trace that asks for 1 EB at once fails whatever the device memory: the warning says so
+/// instead of advising more `--device-memory`.
+#[test]
+fn cli_a_request_of_an_exabyte_is_not_a_device_memory_problem() {
+    let dir = std::env::temp_dir().join(format!("cca-exabyte-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("huge.csv");
+    std::fs::write(
+        &path,
+        "Thread,Time,Action,Pointer,Size,Stream\n0,1,allocate,0x1000,2000000000000000000,0\n\
+         0,2,allocate,0x2000,1024,0\n0,3,free,0x2000,1024,0\n",
+    )
+    .unwrap();
+    let out = cca(&["replay", path.to_str().unwrap(), "--quiet"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("it asks for 1 EB or more"), "{stderr}");
+    assert!(!stderr.contains("raise --device-memory"), "{stderr}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

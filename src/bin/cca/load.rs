@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use cuda_caching_allocator::trace::{
     CsvExportOptions, ImportOptions, ImportReport, SnapshotExportOptions, Trace, TraceFormat,
-    export_rmm_csv_file, export_snapshot_file, read_trace_file,
+    TraceOp, export_rmm_csv_file, export_snapshot_file, read_trace_file,
 };
 use cuda_caching_allocator::{
     AllocatorConfig, CachingAllocator, DeviceBackend, Placement, Preset, ReplayOptions,
@@ -477,14 +477,29 @@ impl Timeline {
 
 /// `cca convert`.
 pub(crate) fn convert(a: &ConvertArgs) -> CliResult<()> {
-    let trace = load_trace(&a.input, a.lenient, a.max_import_bytes, a.snapshot_device)?;
+    // The output format and the preset first: a typo must not cost a load and a replay.
     let out = a.output.to_string_lossy().to_ascii_lowercase();
     let gzip = out.ends_with(".gz");
     let stem = out.trim_end_matches(".gz");
-    let (trace, segments) = match &a.run {
+    let pickle = if stem.ends_with(".pickle") || stem.ends_with(".pkl") {
+        true
+    } else if stem.ends_with(".csv") {
+        false
+    } else {
+        return Err(format!(
+            "cannot tell the output format of '{}': use .pickle or .csv (optionally .gz)",
+            a.output.display()
+        )
+        .into());
+    };
+    let config = match &a.run {
+        Some(preset) => Some((preset, Preset::from_name(preset)?.config())),
+        None => None,
+    };
+    let trace = load_trace(&a.input, a.lenient, a.max_import_bytes, a.snapshot_device)?;
+    let (trace, segments) = match config {
         None => (trace, None),
-        Some(preset) => {
-            let config = Preset::from_name(preset)?.config();
+        Some((preset, config)) => {
             let device = SimDevice::new(SimConfig {
                 capacity: a.device_memory as usize,
                 ..SimConfig::default()
@@ -492,38 +507,42 @@ pub(crate) fn convert(a: &ConvertArgs) -> CliResult<()> {
             let alloc = CachingAllocator::new(device, config)?;
             alloc.record_history(usize::MAX);
             let step = Step::start(format!("replaying through {preset}"));
-            cuda_caching_allocator::replay(&alloc, &trace, &ReplayOptions::default())?;
+            let report = cuda_caching_allocator::replay(&alloc, &trace, &ReplayOptions::default())?;
+            step.done(&format!("{} events", thousands(trace.events.len() as u64)));
+            // A failed run is not a result: its export lacks the failed allocations.
+            crate::report::check_failures(&[(preset.as_str(), &report)], a.allow_oom)?;
             let (recorded, _) = alloc.history();
-            step.done(&format!("{} events", trace.events.len()));
             (recorded, Some(alloc.snapshot()))
         }
     };
     let step = Step::start(format!("writing {}", a.output.display()));
-    if stem.ends_with(".pickle") || stem.ends_with(".pkl") {
+    let written = if pickle {
         let mut options = SnapshotExportOptions::default().with_gzip(gzip);
         if let Some(segs) = &segments {
             options = options.with_allocator_segments(segs);
         }
         export_snapshot_file(&a.output, &trace, &options)?;
-    } else if stem.ends_with(".csv") {
+        format!("{} events", thousands(trace.events.len() as u64))
+    } else {
         export_rmm_csv_file(
             &a.output,
             &trace,
             &CsvExportOptions::default().with_gzip(gzip),
         )?;
-    } else {
-        return Err(format!(
-            "cannot tell the output format of '{}': use .pickle or .csv (optionally .gz)",
-            a.output.display()
+        // An RMM log has rows for allocations and frees only.
+        let rows = trace
+            .events
+            .iter()
+            .filter(|e| matches!(e.op, TraceOp::Alloc { .. } | TraceOp::Free { .. }))
+            .count();
+        format!(
+            "{} allocation and free rows; the trace's other {} events have no CSV row",
+            thousands(rows as u64),
+            thousands((trace.events.len() - rows) as u64)
         )
-        .into());
-    }
-    step.done(&format!("{} events", trace.events.len()));
-    say!(
-        "wrote {} ({} events)",
-        a.output.display(),
-        trace.events.len()
-    );
+    };
+    step.done(&written);
+    say!("wrote {} ({written})", a.output.display());
     Ok(())
 }
 

@@ -138,8 +138,9 @@ struct TraceArgs {
     query_lag: u32,
     /// Host time per operation: time one allocation or free in N, picked at pseudo-random gaps
     /// that are the same every run (1: every operation). Default: 16 on the simulated device,
-    /// where a clock read costs about as much as a cached operation and timing them all slowed
-    /// the replay by a sixth; 1 with `--device cuda`, where rare device calls dominate the mean.
+    /// where two clock reads cost about as much as a cached operation and timing them all slows
+    /// the replay by about half; 1 with `--device cuda`, where rare device calls dominate the
+    /// mean.
     /// The host-ns figures are those of the timed operations (JSON `ns_per_op_timed`: how many);
     /// wall ns per op is the whole loop's either way.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
@@ -238,6 +239,11 @@ struct ConvertArgs {
     /// Simulated device memory for `--run`.
     #[arg(long, default_value = "80GiB", value_parser = load::parse_bytes)]
     device_memory: u64,
+    /// With `--run`: write the export of a run in which allocations failed out of memory (the
+    /// failed ones are missing from it) and exit 0; without it such a run is reported, nothing
+    /// is written, and cca exits with status 1.
+    #[arg(long, requires = "run")]
+    allow_oom: bool,
     /// Skip frees of unknown allocations instead of failing.
     #[arg(long)]
     lenient: bool,

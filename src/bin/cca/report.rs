@@ -47,7 +47,11 @@ fn failure(r: &ReplayReport) -> Option<Failure> {
     if r.allocs == 0 {
         Some(Failure::Empty)
     } else if r.failed_allocs > 0 || r.num_ooms > 0 {
-        Some(Failure::Oom(r.num_ooms.max(r.failed_allocs as u64)))
+        let failed = r.num_ooms.max(r.failed_allocs as u64);
+        // Requests of 1 EB or more fail before the allocator tries (PyTorch refuses them
+        // likewise): `failed_allocs` counts them, `num_ooms` does not.
+        let too_large = (r.failed_allocs as u64).saturating_sub(r.num_ooms);
+        Some(Failure::Oom(failed, too_large))
     } else {
         None
     }
@@ -58,8 +62,9 @@ fn failure(r: &ReplayReport) -> Option<Failure> {
 enum Failure {
     /// The trace has no allocations.
     Empty,
-    /// This many allocations failed out of memory.
-    Oom(u64),
+    /// This many allocations failed out of memory, the second figure of them because they
+    /// asked for 1 EB or more.
+    Oom(u64, u64),
 }
 
 impl Failure {
@@ -67,7 +72,7 @@ impl Failure {
     fn status(self) -> &'static str {
         match self {
             Failure::Empty => "empty",
-            Failure::Oom(_) => "oom",
+            Failure::Oom(..) => "oom",
         }
     }
 
@@ -75,12 +80,29 @@ impl Failure {
     fn describe(self) -> String {
         match self {
             Failure::Empty => "the trace has no allocations: nothing was measured".to_string(),
-            Failure::Oom(n) => format!(
-                "{} allocation{} failed out of memory: the figures describe a failed run \
-                 (raise --device-memory, or pass --allow-oom to accept it)",
-                thousands(n),
-                if n == 1 { "" } else { "s" }
-            ),
+            Failure::Oom(n, too_large) => {
+                let advice = if too_large == n {
+                    format!(
+                        "{} for 1 EB or more, which no device memory serves and PyTorch refuses \
+                         too; pass --allow-oom to accept the run",
+                        if n == 1 { "it asks" } else { "they ask" }
+                    )
+                } else if too_large > 0 {
+                    format!(
+                        "{} of them ask for 1 EB or more, which no device memory serves; for \
+                         the others raise --device-memory, or pass --allow-oom to accept it",
+                        thousands(too_large)
+                    )
+                } else {
+                    "raise --device-memory, or pass --allow-oom to accept it".to_string()
+                };
+                format!(
+                    "{} allocation{} failed out of memory: the figures describe a failed run \
+                     ({advice})",
+                    thousands(n),
+                    if n == 1 { "" } else { "s" }
+                )
+            }
         }
     }
 }
@@ -164,7 +186,8 @@ fn run_json(label: &Labelled, run: &Run, trace_args: &TraceArgs) -> Value {
         "peak_allocated_bytes": r.peak_allocated_bytes,
         "peak_reserved_bytes": r.peak_reserved_bytes,
         "reserved_over_live": r.reserved_over_live(),
-        "fragmentation_at_peak": r.fragmentation_at_peak(),
+        "fragmentation_ratio": r.fragmentation_ratio(),
+        "fragmentation_at_peak_reserved": r.fragmentation_at_peak.fragmentation(),
         "segment_count_peak": r.segment_count_peak,
         "num_device_alloc": r.num_device_alloc,
         "num_device_free": r.num_device_free,
@@ -223,9 +246,10 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
         a.trace.max_import_bytes,
         a.trace.snapshot_device,
     )?;
+    // Before the replay: a bad --reference must not cost one.
+    let reference = reference::find(&a.trace.trace, a.trace.reference.as_deref())?;
     let run = load::run(&trace, &label.config, &a.trace, &label.label, 0)?;
     let r = &run.report;
-    let reference = reference::find(&a.trace.trace, a.trace.reference.as_deref())?;
     let mut o = String::new();
     if a.json {
         let mut v = run_json(&label, &run, &a.trace);
@@ -309,9 +333,15 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
     };
     outln!(
         o,
-        "{:<26}{:>18.2}%",
+        "{:<26}{:>18.2}%  (1 - peak allocated / peak reserved, each peak where it was reached)",
+        "fragmentation ratio",
+        r.fragmentation_ratio() * 100.0
+    );
+    outln!(
+        o,
+        "{:<26}{:>18.2}%  (1 - allocated / reserved when reserved bytes peaked)",
         "fragmentation at peak",
-        r.fragmentation_at_peak() * 100.0
+        r.fragmentation_at_peak.fragmentation() * 100.0
     );
     outln!(
         o,
@@ -382,8 +412,19 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
                     let asyncmax = x
                         .async_ns_per_op
                         .map_or(String::new(), |a| format!("; cudaMallocAsync {a}"));
+                    // PyTorch's figure includes its driver calls; this run's host time has
+                    // none (the simulated device costs nothing), so add the modeled device time
+                    // per operation for the figure to set beside it.
+                    let ops = (r.allocs + r.frees).max(1) as f64;
+                    let with_device = r.modeled_device_ns.map_or(String::new(), |ns| {
+                        format!(
+                            "; this run with its modeled device time: {:.0}",
+                            lat.mean_ns + ns as f64 / ops
+                        )
+                    });
                     format!(
-                        "{t:>18}  (PyTorch native{asyncmax}; measured on another machine: {})",
+                        "{t:>18}  (PyTorch native{asyncmax}, driver calls included, measured on \
+                         another machine: {}{with_device})",
                         x.device
                     )
                 })
@@ -468,6 +509,7 @@ pub(crate) fn compare(a: &CompareArgs) -> CliResult<()> {
         a.trace.max_import_bytes,
         a.trace.snapshot_device,
     )?;
+    let reference = reference::find(&a.trace.trace, a.trace.reference.as_deref())?;
     let mut runs = Vec::new();
     for c in &cols {
         runs.push(load::run(&trace, &c.config, &a.trace, &c.label, 0)?);
@@ -482,7 +524,13 @@ pub(crate) fn compare(a: &CompareArgs) -> CliResult<()> {
         let arr: Vec<Value> = cols
             .iter()
             .zip(&runs)
-            .map(|(c, r)| run_json(c, r, &a.trace))
+            .map(|(c, r)| {
+                let mut v = run_json(c, r, &a.trace);
+                if let (Some(obj), Some(rf)) = (v.as_object_mut(), &reference) {
+                    obj.insert("pytorch_reference".into(), reference_json(rf));
+                }
+                v
+            })
             .collect();
         outln!(o, "{}", serde_json::to_string_pretty(&arr)?);
         emit(&o)?;
@@ -520,13 +568,13 @@ pub(crate) fn compare(a: &CompareArgs) -> CliResult<()> {
         let status = match failure(&r.report) {
             None => "ok".to_string(),
             Some(Failure::Empty) => "FAILED: empty".to_string(),
-            Some(Failure::Oom(n)) => format!("FAILED: {} OOMs", thousands(n)),
+            Some(Failure::Oom(n, _)) => format!("FAILED: {} OOMs", thousands(n)),
         };
         out!(o, "{:>w$}", status);
     }
     outln!(o);
     type Row = (&'static str, fn(&ReplayReport) -> String);
-    let rows: [Row; 13] = [
+    let rows: [Row; 14] = [
         ("peak live bytes", |r| thousands(r.peak_live_bytes)),
         ("peak allocated bytes", |r| {
             thousands(r.peak_allocated_bytes)
@@ -535,8 +583,11 @@ pub(crate) fn compare(a: &CompareArgs) -> CliResult<()> {
         ("reserved / live", |r| {
             format!("{:.4}", r.reserved_over_live())
         }),
+        ("fragmentation ratio", |r| {
+            format!("{:.2}%", r.fragmentation_ratio() * 100.0)
+        }),
         ("fragmentation at peak", |r| {
-            format!("{:.2}%", r.fragmentation_at_peak() * 100.0)
+            format!("{:.2}%", r.fragmentation_at_peak.fragmentation() * 100.0)
         }),
         ("segments at peak", |r| thousands(r.segment_count_peak)),
         ("device allocs", |r| thousands(r.num_device_alloc)),
@@ -586,7 +637,7 @@ pub(crate) fn compare(a: &CompareArgs) -> CliResult<()> {
              in a reserved address range, which the segment statistic does not count)"
         );
     }
-    if let Some(rf) = reference::find(&a.trace.trace, a.trace.reference.as_deref())? {
+    if let Some(rf) = reference {
         outln!(o);
         let live = rf.peak_live_bytes.unwrap_or(0);
         for (name, v) in [
