@@ -318,6 +318,19 @@ pub(crate) fn run(
     label: &str,
     points: usize,
 ) -> CliResult<Run> {
+    if config.garbage_collection_threshold > 0.0
+        && !trace
+            .events
+            .iter()
+            .any(|e| matches!(e.op, TraceOp::SetFraction { .. }))
+    {
+        // As in PyTorch, the threshold acts only under a memory fraction.
+        say!(
+            "cca: note: {label}: garbage_collection_threshold acts only under a memory fraction \
+             (set_per_process_memory_fraction), which this trace never sets: it changes nothing \
+             in this run"
+        );
+    }
     match args.device {
         DeviceArg::Sim => run_sim(trace, config, args, label, points),
         DeviceArg::Cuda(ordinal) => {
