@@ -902,6 +902,31 @@ fn cli_convert_run_refuses_a_failed_run() {
         String::from_utf8_lossy(&accepted.stderr)
     );
     assert!(out.exists());
+    // A configuration string of one's own, as `replay --config` reads it.
+    let mine = dir.join("mine.pickle");
+    let run = cca(&[
+        "convert",
+        t.to_str().unwrap(),
+        mine.to_str().unwrap(),
+        "--config",
+        "max_split_size_mb:40",
+        "--quiet",
+    ]);
+    assert_eq!(
+        run.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(mine.exists());
+    let plain_oom = cca(&[
+        "convert",
+        t.to_str().unwrap(),
+        mine.to_str().unwrap(),
+        "--allow-oom",
+    ]);
+    assert_eq!(plain_oom.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&plain_oom.stderr).contains("--allow-oom applies to a replay"));
     let csv = dir.join("copy.csv");
     let copied = cca(&["convert", t.to_str().unwrap(), csv.to_str().unwrap()]);
     let stderr = String::from_utf8_lossy(&copied.stderr);

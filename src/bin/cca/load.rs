@@ -505,25 +505,28 @@ pub(crate) fn convert(a: &ConvertArgs) -> CliResult<()> {
         )
         .into());
     };
-    let config = match &a.run {
-        Some(preset) => Some((preset, Preset::from_name(preset)?.config())),
-        None => None,
+    let config = if a.run.is_some() || a.config.is_some() {
+        Some(resolve(a.run.as_deref(), a.config.as_deref())?)
+    } else if a.allow_oom {
+        return Err("--allow-oom applies to a replay: add --run PRESET or --config STRING".into());
+    } else {
+        None
     };
     let trace = load_trace(&a.input, a.lenient, a.max_import_bytes, a.snapshot_device)?;
     let (trace, segments) = match config {
         None => (trace, None),
-        Some((preset, config)) => {
+        Some(Labelled { label, config, .. }) => {
             let device = SimDevice::new(SimConfig {
                 capacity: a.device_memory as usize,
                 ..SimConfig::default()
             });
             let alloc = CachingAllocator::new(device, config)?;
             alloc.record_history(usize::MAX);
-            let step = Step::start(format!("replaying through {preset}"));
+            let step = Step::start(format!("replaying through {label}"));
             let report = cuda_caching_allocator::replay(&alloc, &trace, &ReplayOptions::default())?;
             step.done(&format!("{} events", thousands(trace.events.len() as u64)));
             // A failed run is not a result: its export lacks the failed allocations.
-            crate::report::check_failures(&[(preset.as_str(), &report)], a.allow_oom)?;
+            crate::report::check_failures(&[(label.as_str(), &report)], a.allow_oom)?;
             let (recorded, _) = alloc.history();
             (recorded, Some(alloc.snapshot()))
         }

@@ -233,16 +233,23 @@ struct ConvertArgs {
     /// Output file: `.pickle` (PyTorch snapshot, opens in memory_viz) or `.csv`; add `.gz` to compress.
     output: PathBuf,
     /// Export a replay of the input through this preset instead of the input itself: the snapshot
-    /// then holds this allocator's segments, blocks and segment events.
+    /// then holds this allocator's segments, blocks and segment events. (Without `--run` or
+    /// `--config` the input's events are exported as they are; a snapshot's `allocator_settings`
+    /// are not carried over.)
     #[arg(long)]
     run: Option<String>,
+    /// Export a replay through this configuration string in PyTorch's syntax: alone on top of
+    /// PyTorch's defaults, with `--run` on top of that preset (as `cca replay --config` reads
+    /// it).
+    #[arg(long)]
+    config: Option<String>,
     /// Simulated device memory for `--run`.
     #[arg(long, default_value = "80GiB", value_parser = load::parse_bytes)]
     device_memory: u64,
-    /// With `--run`: write the export of a run in which allocations failed out of memory (the
-    /// failed ones are missing from it) and exit 0; without it such a run is reported, nothing
-    /// is written, and cca exits with status 1.
-    #[arg(long, requires = "run")]
+    /// With `--run` or `--config`: write the export of a run in which allocations failed out of
+    /// memory (the failed ones are missing from it) and exit 0; without it such a run is
+    /// reported, nothing is written, and cca exits with status 1.
+    #[arg(long)]
     allow_oom: bool,
     /// Skip frees of unknown allocations instead of failing.
     #[arg(long)]

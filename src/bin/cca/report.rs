@@ -288,7 +288,25 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
     };
     outln!(o, "{:<26}{:>18}  {header}", "", "this run");
     // A reference figure that is not of this configuration is printed only where it says so.
-    outln!(o, "{:<26}{:>18}", "events", thousands(r.events as u64));
+    // A snapshot's events include its segment observations, which a CSV log has no rows for:
+    // say so where they differ from the allocations and frees.
+    let others = r.events.saturating_sub(r.allocs + r.frees);
+    outln!(
+        o,
+        "{:<26}{:>18}  {}",
+        "events",
+        thousands(r.events as u64),
+        if others > 0 {
+            format!(
+                "({} allocations and frees, {} other: segment observations, cache empties, \
+                 fraction changes)",
+                thousands((r.allocs + r.frees) as u64),
+                thousands(others as u64)
+            )
+        } else {
+            String::new()
+        }
+    );
     outln!(o, "{:<26}{:>18}", "allocations", thousands(r.allocs as u64));
     outln!(
         o,
