@@ -1028,7 +1028,7 @@ class Shim : public CCA::CUDAAllocator {
   // and the default streams' handles (0, 1, 2) name a stream on every device, so passing the
   // handle on would record the use on the wrong device's stream and let the block be reused
   // under the other device's work. As PyTorch does, the stream is noted here, and the free
-  // waits for the work queued on it at that time (free_ptr).
+  // orders the block's reuse after the work queued on it at that time (free_ptr).
   void record_foreign_use(void* p, CUDAStream stream) {
     std::lock_guard<std::mutex> g(mu_);
     auto it = live_.find(p);
@@ -1038,11 +1038,74 @@ class Shim : public CCA::CUDAAllocator {
     if (std::find(uses.begin(), uses.end(), use) == uses.end()) uses.push_back(use);
   }
 
-  // Waits until the work queued on each stream `l` was recorded on (another device's) is done:
-  // PyTorch records an event on each at the free and reuses the block once they complete; the
-  // shim waits for them on the host, so that the block never reaches the library's cache under
-  // the other device's work. Returns false when a wait could not be made (the caller then keeps
-  // the block out of use for good); `exiting` is set when the CUDA runtime is shutting down.
+  // Orders the block's reuse after the work queued on each stream of another device that `l`
+  // was recorded on, without waiting on the host, as PyTorch does (it records an event on each
+  // such stream at the free and reuses the block once they complete): an event recorded on each
+  // foreign stream is waited for by a stream of the block's own device that serves only these
+  // waits (foreign_waiter), and that stream is recorded on the block in the library, whose free
+  // then holds the block until an event on it completes. Returns the waiting stream, or nullptr
+  // when an order could not be made (a capturing foreign stream, an event error): the caller
+  // then waits on the host (wait_foreign_uses).
+  cudaStream_t order_after_foreign_uses(const Live& l) {
+    cudaStream_t waiter = foreign_waiter(l.device);
+    if (waiter == nullptr) return nullptr;
+    for (const auto& [device, stream] : l.foreign_uses) {
+      cudaEvent_t ev = nullptr;
+      {
+        DeviceScope scope(device);
+        RelaxedCapture relaxed;
+        cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+        if (stream != nullptr && cudaStreamIsCapturing(stream, &capturing) != cudaSuccess) {
+          capturing = cudaStreamCaptureStatusInvalidated;
+        }
+        if (capturing != cudaStreamCaptureStatusNone ||
+            cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) {
+          (void)cudaGetLastError();
+          return nullptr;
+        }
+        if (cudaEventRecord(ev, stream) != cudaSuccess) {
+          (void)cudaEventDestroy(ev);
+          (void)cudaGetLastError();
+          return nullptr;
+        }
+      }
+      DeviceScope scope(l.device);
+      // A destroyed event that a stream waits for is released once it completes (CUDA's
+      // cudaEventDestroy), so the wait holds.
+      cudaError_t e = cudaStreamWaitEvent(waiter, ev, 0);
+      (void)cudaEventDestroy(ev);
+      if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return nullptr;
+      }
+    }
+    return waiter;
+  }
+
+  // The stream of `device` that waits for other devices' work on behalf of freed blocks
+  // (order_after_foreign_uses); made once per device and kept for the process's life. nullptr
+  // when it cannot be made.
+  cudaStream_t foreign_waiter(c10::DeviceIndex device) {
+    std::lock_guard<std::mutex> g(waiters_mu_);
+    if (device < 0) return nullptr;
+    if (foreign_waiters_.size() <= static_cast<size_t>(device))
+      foreign_waiters_.resize(device + 1, nullptr);
+    cudaStream_t& s = foreign_waiters_[device];
+    if (s == nullptr) {
+      DeviceScope scope(device);
+      if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
+        (void)cudaGetLastError();
+        s = nullptr;
+      }
+    }
+    return s;
+  }
+
+  // Waits until the work queued on each stream `l` was recorded on (another device's) is done,
+  // where order_after_foreign_uses could not order the reuse by events, so that the block never
+  // reaches the library's cache under the other device's work. Returns false when a wait could
+  // not be made (the caller then keeps the block out of use for good); `exiting` is set when the
+  // CUDA runtime is shutting down.
   static bool wait_foreign_uses(const Live& l, bool* exiting) {
     for (const auto& [device, stream] : l.foreign_uses) {
       DeviceScope scope(device);
@@ -1097,7 +1160,12 @@ class Shim : public CCA::CUDAAllocator {
     }
     if (!l.foreign_uses.empty()) {
       bool exiting = false;
-      if (!wait_foreign_uses(l, &exiting)) {
+      cudaStream_t waiter = order_after_foreign_uses(l);
+      if (waiter != nullptr) {
+        api_.record_stream(ptr, waiter);
+        if (api_.last_error_kind() != 0) waiter = nullptr;
+      }
+      if (waiter == nullptr && !wait_foreign_uses(l, &exiting)) {
         // The other device's work may still use the block: never hand it out again (at exit,
         // when the runtime is unloading, quietly).
         if (!exiting) {
@@ -1344,6 +1412,11 @@ class Shim : public CCA::CUDAAllocator {
   std::atomic<bool> history_on_{false};
   std::atomic<bool> record_all_{false};
   std::mutex mu_;
+  // Guards foreign_waiters_ (taken alone).
+  std::mutex waiters_mu_;
+  // Per device, the stream that orders freed blocks after other devices' work
+  // (foreign_waiter).
+  std::vector<cudaStream_t> foreign_waiters_;
   // Handles opened by getIpcDevPtr, by handle bytes.
   // Recursive: a shared_ptr whose construction fails runs its deleter, which takes it, at once.
   std::recursive_mutex ipc_mu_;
