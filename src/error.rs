@@ -31,8 +31,9 @@ pub enum OomVerdict {
     /// The request (its segment) is larger than the device's whole memory: no freeing makes
     /// room; split the allocation or use a larger device.
     LargerThanDevice,
-    /// Enough bytes sit free in the cache, but in blocks this request cannot use: blocks of
-    /// other streams (a cached block serves only its own stream) or of the other size class
+    /// Enough bytes sit free in the pools the request was served from, but in blocks it could
+    /// not use: blocks of other streams (a cached block serves its own stream; the cross-stream
+    /// mechanisms, where on, take only what they can order safely) or of the other size class
     /// (blocks of at most 1 MiB and larger ones are cached apart). Allocate on the stream that
     /// freed them, or free the live blocks that keep their segments.
     CachedForOtherStreams,
@@ -49,7 +50,7 @@ impl fmt::Display for OomVerdict {
             OomVerdict::LargerThanDevice => "the request is larger than the device's whole memory",
             OomVerdict::CachedForOtherStreams => {
                 "enough free cached bytes, but in blocks of other streams or of the other size \
-                 class, which this request cannot use"
+                 class, which this request could not use"
             }
         })
     }
@@ -153,8 +154,9 @@ impl fmt::Display for OomReport {
             ),
             OomVerdict::CachedForOtherStreams => write!(
                 f,
-                " A cached block serves only its own stream and size class: allocate on the stream \
-                 that freed the memory, or free the live blocks that keep its segments."
+                " Cached blocks of other streams or of the other size class could not serve this \
+                 request: allocate on the stream that freed the memory, or free the live blocks \
+                 that keep its segments."
             ),
         }
     }
@@ -183,9 +185,9 @@ pub enum AllocError {
         /// The pointer.
         ptr: DeviceAddr,
     },
-    /// `ptr` was freed before, so `operation` (which needs a live allocation, as
-    /// [`record_stream`](crate::CachingAllocator::record_stream) does) cannot apply to it. Call
-    /// it while the allocation is live.
+    /// `ptr` was freed before (a free block still starts there), so `operation` (which needs a
+    /// live allocation, as [`record_stream`](crate::CachingAllocator::record_stream) does)
+    /// cannot apply to it. Call it while the allocation is live.
     #[error("{operation}: {ptr} is not a live allocation (it was freed before)")]
     FreedPointer {
         /// The pointer.

@@ -77,10 +77,13 @@ pub struct Allocation {
 /// # alloc.free(b.ptr).unwrap();
 /// ```
 ///
-/// Dropping the allocator gives its cached memory back to the device (as
-/// [`empty_cache`](Self::empty_cache) does). Allocations still live then stay valid: the memory
-/// under them is never released (it is leaked, with a `tracing` warning naming how many), while
-/// the rest of the cache is released as usual.
+/// Dropping the allocator gives its cached memory back to the device as
+/// [`empty_cache`](Self::empty_cache) does, so it waits for the device's queued work on that
+/// memory first. Allocations still live then stay valid: the memory under them is never released
+/// (it is leaked, with a `tracing` warning naming how many), nor are the free segments of private
+/// pools still in use (a captured graph may replay into them), while the rest of the cache is
+/// released. With a graph capture underway nothing is released, nor while unwinding from a panic
+/// with allocations live.
 pub struct CachingAllocator<B: DeviceBackend> {
     backend: B,
     state: Mutex<Locked>,
@@ -315,8 +318,10 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     ///
     /// # Errors
     /// [`AllocError::InvalidStream`] when the device rejects `stream`;
-    /// [`AllocError::FreedPointer`] for a pointer freed before; else the other pointer errors of
-    /// [`free`](Self::free). Nothing changes on an error.
+    /// [`AllocError::FreedPointer`] for a pointer freed before at which a free block still
+    /// starts; else the other pointer errors of [`free`](Self::free) (a freed block merged into
+    /// a neighbour's reads as an interior pointer, a released one as unknown). Nothing changes on
+    /// an error.
     pub fn record_stream(&self, ptr: DeviceAddr, stream: StreamId) -> Result<()> {
         let mut guard = self.lock();
         let Locked { st, front: fl } = &mut *guard;
@@ -859,13 +864,25 @@ impl<B: DeviceBackend> Drop for CachingAllocator<B> {
             front.shutdown(st, fl, &self.backend);
         }
         let live = st.active.len();
-        if live > 0 && !std::thread::panicking() {
-            tracing::warn!(target: "cuda_caching_allocator", live, bytes = st.stats.memory_allocated(), "allocator dropped with live allocations; the memory under them is leaked, the rest of the cache released");
-        }
         // What empty_cache releases holds no live allocation: release it also when some are
-        // left (their memory stays, so their pointers stay valid).
-        if !st.capture_underway() {
-            let _ = st.release_cached_blocks(&self.backend);
+        // left (their memory stays, so their pointers stay valid). Not while unwinding with
+        // allocations live: the release waits for the device, where work on them may never end.
+        let released = if (live > 0 && std::thread::panicking()) || st.capture_underway() {
+            Err("not released (a panic or a capture underway)".to_string())
+        } else {
+            st.release_cached_blocks(&self.backend)
+                .map_err(|e| format!("the release failed: {e}"))
+        };
+        if live > 0 && !std::thread::panicking() {
+            let after = st.total_allocated_memory;
+            match released {
+                Ok(()) => {
+                    tracing::warn!(target: "cuda_caching_allocator", live, bytes = st.stats.memory_allocated(), still_reserved = after, "allocator dropped with live allocations: the memory under them is leaked, with what private pools still in use keep; the rest of the cache was released")
+                }
+                Err(why) => {
+                    tracing::warn!(target: "cuda_caching_allocator", live, bytes = st.stats.memory_allocated(), still_reserved = after, why, "allocator dropped with live allocations: the memory under them is leaked, and the cache was not released")
+                }
+            }
         }
         st.destroy_events(&self.backend);
     }

@@ -367,7 +367,7 @@ impl State {
             from_oom_pool = found.is_some();
         }
         let Some(id) = found else {
-            let oom = self.out_of_memory(dev, orig_size, size, alloc_size, stream, kind);
+            let oom = self.out_of_memory(dev, orig_size, size, alloc_size, stream, kind, owner);
             return Err(match oom {
                 AllocError::OutOfMemory(report) if capture => AllocError::CaptureOutOfMemory {
                     pool: self.graph.id_of(owner),
@@ -1181,6 +1181,7 @@ impl State {
 
     // ---- out of memory ---------------------------------------------------------------------
 
+    #[allow(clippy::too_many_arguments)]
     fn out_of_memory<B: DeviceBackend>(
         &mut self,
         dev: &B,
@@ -1189,6 +1190,7 @@ impl State {
         alloc_size: usize,
         stream: StreamId,
         kind: PoolKind,
+        owner: u32,
     ) -> AllocError {
         self.stats.num_ooms += 1;
         let info = dev.mem_info().unwrap_or_default();
@@ -1212,11 +1214,29 @@ impl State {
             .filter(move |k| k.stream == stream)
         };
         let largest_on_stream = on_stream().next_back().map_or(0, |k| k.size);
-        // Free bytes this request could use.
-        let usable: usize = on_stream().map(|k| k.size).sum();
+        // The free bytes of the pools the request was served from (a private pool's, when it was
+        // routed to one), and of those the ones it could use: its stream's, in its size class.
+        let (pool_free, usable) = if owner == 0 {
+            (free_total, on_stream().map(|k| k.size).sum::<usize>())
+        } else {
+            let pool = self.graph.pools.get(&owner);
+            let sets = pool.map(|p| [p.set_ref(PoolKind::Small), p.set_ref(PoolKind::Large)]);
+            let all = sets.map_or(0, |s| {
+                s.iter().flat_map(|b| &b.blocks).map(|k| k.size).sum()
+            });
+            let mine = pool.map_or(0, |p| {
+                p.set_ref(kind)
+                    .blocks
+                    .iter()
+                    .filter(|k| k.stream == stream)
+                    .map(|k| k.size)
+                    .sum()
+            });
+            (all, mine)
+        };
         let verdict = if info.total > 0 && alloc_size > info.total {
             OomVerdict::LargerThanDevice
-        } else if free_total >= size {
+        } else if pool_free >= size {
             if usable >= size {
                 OomVerdict::Fragmented
             } else {

@@ -558,51 +558,6 @@ impl<'a, T> CachedViewMut<'a, T> {
         ))
     }
 
-    /// cudarc's `CudaViewMut::chunks_exact_mut`: this view cut into consecutive mutable views of
-    /// `chunk_size` values, each with the buffer's events.
-    ///
-    /// # Panics
-    /// When `len` is not a multiple of `chunk_size` (or `chunk_size` is 0 and `len` is not), as
-    /// cudarc's does.
-    pub fn chunks_exact_mut(self, chunk_size: usize) -> impl Iterator<Item = CachedViewMut<'a, T>> {
-        let chunks = match self.len.checked_rem(chunk_size) {
-            Some(0) => self.len / chunk_size,
-            None if self.len == 0 => 0,
-            _ => panic!(
-                "CachedViewMut::chunks_exact_mut: {} values do not split into chunks of {chunk_size}",
-                self.len
-            ),
-        };
-        let size = std::mem::size_of::<T>();
-        let CachedViewMut {
-            ptr,
-            base,
-            stream,
-            alloc,
-            cu,
-            ..
-        } = self;
-        let mut events: Box<dyn Iterator<Item = ViewEvents<'a, T>> + 'a> = match cu {
-            _ if chunks == 0 => Box::new(std::iter::empty()),
-            ViewEvents::Typed(v) => {
-                Box::new(chunk_starts(v, chunk_size, chunks).map(ViewEvents::Typed))
-            }
-            ViewEvents::Bytes(v) => {
-                Box::new(chunk_starts(v, chunk_size * size, chunks).map(ViewEvents::Bytes))
-            }
-            ViewEvents::None => Box::new(std::iter::empty()),
-        };
-        (0..chunks).map(move |i| {
-            let start = if ptr == 0 {
-                0
-            } else {
-                ptr + (i * chunk_size * size) as u64
-            };
-            let cu = events.next().unwrap_or(ViewEvents::None);
-            CachedViewMut::new(start, chunk_size, base, stream, alloc, cu)
-        })
-    }
-
     /// This view as cudarc's `CudaViewMut<'a, T>`, or `None` unless the buffer has a typed shell
     /// (it has one once [`CachedSlice::as_cuda_slice`](super::CachedSlice::as_cuda_slice) was
     /// called; [`CachedSlice::as_cuda_view_mut`](super::CachedSlice::as_cuda_view_mut) makes it).
@@ -612,35 +567,6 @@ impl<'a, T> CachedViewMut<'a, T> {
             _ => None,
         }
     }
-}
-
-/// cudarc views of the first `chunks` chunks of `chunk` units of `v` (a view with the buffer's
-/// events that starts where the chunked view starts), each starting where its chunk does.
-///
-/// A typed view covers exactly the chunked view's values, so these are exactly the chunks. A
-/// byte view may run past the chunked view's end (a pooled byte shell can be longer than the
-/// buffer), and cudarc only cuts a view into chunks that divide its length: it is cut into
-/// chunks of the greatest common divisor of its length and `chunk`, and every `chunk / g`-th
-/// is taken. Such a byte view is shorter than its chunk, which nothing reads: a byte view
-/// serves only for its address and events (launch arguments and device pointers), never for
-/// its length, and is not handed to the caller.
-fn chunk_starts<'a, U>(
-    v: CudaViewMut<'a, U>,
-    chunk: usize,
-    chunks: usize,
-) -> impl Iterator<Item = CudaViewMut<'a, U>> {
-    let g = gcd(v.len(), chunk).max(1);
-    v.chunks_exact_mut(g)
-        .step_by((chunk / g).max(1))
-        .take(chunks)
-}
-
-/// The greatest common divisor (`gcd(n, 0) = n`).
-fn gcd(mut a: usize, mut b: usize) -> usize {
-    while b != 0 {
-        (a, b) = (b, a % b);
-    }
-    a
 }
 
 impl<T> cu::DevicePtr<T> for CachedViewMut<'_, T> {

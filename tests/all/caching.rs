@@ -308,6 +308,17 @@ fn oom_verdicts_name_the_cause() {
             .contains("in blocks of other streams or of the other size class"),
         "{err}"
     );
+    // A request routed to a private pool is judged by that pool's free blocks: the default
+    // pools' 12 MiB free do not make it "fragmented".
+    let pool = MemPoolId::new_user();
+    a.begin_allocate_to_pool(pool, Box::new(|_| true)).unwrap();
+    let err = a.allocate(4 * MIB, S0).unwrap_err();
+    a.end_allocate_to_pool(pool).unwrap();
+    assert_eq!(
+        err.oom_report().unwrap().verdict,
+        OomVerdict::DeviceFull,
+        "{err}"
+    );
     a.backend().clear_faults();
     a.free(p[1].ptr).unwrap();
     a.free(p[3].ptr).unwrap();

@@ -687,7 +687,7 @@ class Shim : public CCA::CUDAAllocator {
                 cat("cuda_caching_allocator: ", api_.last_error()));
   }
 
-  // torch.cuda.MemPool(no_split=True) (symmetric memory): the pool's blocks are handed out
+  // torch.cuda.MemPool(no_split=True): the pool's blocks are handed out
   // whole, never split (Note [No-split pools] in the crate).
   void setNoSplit(c10::DeviceIndex device, MempoolId_t id) override {
     TORCH_CHECK(api_.set_no_split(device, cpool(id), 1) == 0,

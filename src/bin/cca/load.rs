@@ -319,16 +319,18 @@ pub(crate) fn run(
     points: usize,
 ) -> CliResult<Run> {
     if config.garbage_collection_threshold > 0.0
+        && config.per_process_memory_fraction >= 1.0
         && !trace
             .events
             .iter()
-            .any(|e| matches!(e.op, TraceOp::SetFraction { .. }))
+            .any(|e| matches!(e.op, TraceOp::SetFraction { fraction } if fraction < 1.0))
     {
         // As in PyTorch, the threshold acts only under a memory fraction.
         say!(
             "cca: note: {label}: garbage_collection_threshold acts only under a memory fraction \
-             (set_per_process_memory_fraction), which this trace never sets: it changes nothing \
-             in this run"
+             below 1 (set_per_process_memory_fraction, or per_process_memory_fraction in the \
+             configuration), which neither this trace nor the configuration sets: it changes \
+             nothing in this run"
         );
     }
     match args.device {
@@ -525,8 +527,11 @@ pub(crate) fn convert(a: &ConvertArgs) -> CliResult<()> {
             let step = Step::start(format!("replaying through {label}"));
             let report = cuda_caching_allocator::replay(&alloc, &trace, &ReplayOptions::default())?;
             step.done(&format!("{} events", thousands(trace.events.len() as u64)));
-            // A failed run is not a result: its export lacks the failed allocations.
-            crate::report::check_failures(&[(label.as_str(), &report)], a.allow_oom)?;
+            // A failed run is not a result: its export lacks the failed allocations. (A trace
+            // without allocations exports as it is.)
+            if report.allocs > 0 {
+                crate::report::check_failures(&[(label.as_str(), &report)], a.allow_oom)?;
+            }
             let (recorded, _) = alloc.history();
             (recorded, Some(alloc.snapshot()))
         }
