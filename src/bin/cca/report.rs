@@ -31,9 +31,18 @@ macro_rules! out {
 /// Any other write error.
 pub(crate) fn emit(text: &str) -> CliResult<()> {
     use std::io::Write as _;
+    // Columns padded for an empty last cell leave spaces at line ends: drop them.
+    let mut trimmed = String::with_capacity(text.len());
+    for line in text.split_inclusive('\n') {
+        let body = line.strip_suffix('\n');
+        trimmed.push_str(body.unwrap_or(line).trim_end());
+        if body.is_some() {
+            trimmed.push('\n');
+        }
+    }
     let mut stdout = std::io::stdout().lock();
     match stdout
-        .write_all(text.as_bytes())
+        .write_all(trimmed.as_bytes())
         .and_then(|()| stdout.flush())
     {
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
