@@ -140,6 +140,11 @@ pub(crate) fn parse_bytes(s: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
+/// The trace that `--trace` and its import flags name ([`load_trace`]).
+pub(crate) fn load_trace_of(t: &TraceArgs) -> CliResult<Trace> {
+    load_trace(&t.trace, t.lenient, t.max_import_bytes, t.snapshot_device)
+}
+
 /// Reads a trace file in any supported format, holding at most `max_bytes` (the
 /// `--max-import-bytes` flag); of a snapshot, the history of `snapshot_device` (the
 /// `--snapshot-device` flag; `None`: the first device that has one).

@@ -128,12 +128,7 @@ pub(crate) fn plot(a: &PlotArgs) -> CliResult<()> {
     };
     check_writable(&a.output)?;
     let cols = load::columns(&a.presets, &a.configs, &["pytorch", "default"])?;
-    let trace = load::load_trace(
-        &a.trace.trace,
-        a.trace.lenient,
-        a.trace.max_import_bytes,
-        a.trace.snapshot_device,
-    )?;
+    let trace = load::load_trace_of(&a.trace)?;
     let axis = XAxis::pick(a.x_axis, &trace)?;
     let points = (a.width as usize).max(100);
     let mut series = Vec::new();

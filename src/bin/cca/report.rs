@@ -249,12 +249,7 @@ fn reference_json(reference: &Reference) -> Value {
 /// `cca replay`.
 pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
     let label = load::resolve(a.preset.as_deref(), a.config.as_deref())?;
-    let trace = load::load_trace(
-        &a.trace.trace,
-        a.trace.lenient,
-        a.trace.max_import_bytes,
-        a.trace.snapshot_device,
-    )?;
+    let trace = load::load_trace_of(&a.trace)?;
     // Before the replay: a bad --reference must not cost one.
     let reference = reference::find(&a.trace.trace, a.trace.reference.as_deref())?;
     let run = load::run(&trace, &label.config, &a.trace, &label.label, 0)?;
@@ -530,12 +525,7 @@ pub(crate) fn compare(a: &CompareArgs) -> CliResult<()> {
         &a.configs,
         &["pytorch", "pytorch-expandable", "default"],
     )?;
-    let trace = load::load_trace(
-        &a.trace.trace,
-        a.trace.lenient,
-        a.trace.max_import_bytes,
-        a.trace.snapshot_device,
-    )?;
+    let trace = load::load_trace_of(&a.trace)?;
     let reference = reference::find(&a.trace.trace, a.trace.reference.as_deref())?;
     let mut runs = Vec::new();
     for c in &cols {
