@@ -100,9 +100,18 @@ if probe == "record_stream_peer":
         T.cuda.synchronize(1)
         bad += int(q.sum().item() != 0)
         del q
-    done(bad == 0 and slowest_del < 0.25,
+    # Once the other device's work is done, every freed block is free again (none kept out of
+    # use for good): after an allocation on device 0 (which looks at pending blocks), nothing
+    # is active there.
+    T.cuda.synchronize(0)
+    T.cuda.synchronize(1)
+    x = T.empty(1, device="cuda:0")
+    del x
+    active = T.cuda.memory_stats(0)["active_bytes.all.current"]
+    done(bad == 0 and slowest_del < 0.25 and active == 0,
          f"{bad} of 4 fresh tensors held the other device's writes; slowest free "
-         f"{slowest_del * 1e3:.1f} ms (the other device's queued work takes about a second)")
+         f"{slowest_del * 1e3:.1f} ms (the other device's queued work takes about a second); "
+         f"active bytes on device 0 at the end {active}")
 
 if probe == "peer_copy":
     # Peer copies both ways, contiguous and strided, into memory mapped before and after the

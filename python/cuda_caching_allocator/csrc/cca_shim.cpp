@@ -37,9 +37,11 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
@@ -1039,17 +1041,20 @@ class Shim : public CCA::CUDAAllocator {
   }
 
   // Orders the block's reuse after the work queued on each stream of another device that `l`
-  // was recorded on, without waiting on the host, as PyTorch does (it records an event on each
-  // such stream at the free and reuses the block once they complete): an event recorded on each
-  // foreign stream is waited for by a stream of the block's own device that serves only these
-  // waits (foreign_waiter), and that stream is recorded on the block in the library, whose free
-  // then holds the block until an event on it completes. Returns the waiting stream, or nullptr
-  // when an order could not be made (a capturing foreign stream, an event error): the caller
-  // then waits on the host (wait_foreign_uses).
-  cudaStream_t order_after_foreign_uses(const Live& l) {
-    cudaStream_t waiter = foreign_waiter(l.device);
-    if (waiter == nullptr) return nullptr;
+  // was recorded on, without waiting on the host (PyTorch records an event on each such stream at
+  // the free and reuses the block once they complete): an event recorded on the foreign stream
+  // is waited for by a stream of the block's own device that serves only the waits for that
+  // foreign stream (foreign_waiter), and that stream is recorded on the block in the library,
+  // whose free then holds the block until an event on it completes. One waiter per foreign
+  // stream keeps a block freed behind short work from queueing behind another's long work.
+  // Unlike PyTorch, a synchronization of the block's whole device (torch.cuda.synchronize(d),
+  // emptyCache) then also waits for the foreign work queued before the free. Returns false when
+  // a use could not be ordered so (a capturing foreign stream, an event error): the caller then
+  // waits on the host (wait_foreign_uses); uses recorded before that only hold the block longer.
+  bool order_after_foreign_uses(void* ptr, const Live& l) {
     for (const auto& [device, stream] : l.foreign_uses) {
+      cudaStream_t waiter = foreign_waiter(l.device, device, stream);
+      if (waiter == nullptr) return false;
       cudaEvent_t ev = nullptr;
       {
         DeviceScope scope(device);
@@ -1061,43 +1066,54 @@ class Shim : public CCA::CUDAAllocator {
         if (capturing != cudaStreamCaptureStatusNone ||
             cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) {
           (void)cudaGetLastError();
-          return nullptr;
+          return false;
         }
         if (cudaEventRecord(ev, stream) != cudaSuccess) {
           (void)cudaEventDestroy(ev);
           (void)cudaGetLastError();
-          return nullptr;
+          return false;
         }
       }
-      DeviceScope scope(l.device);
-      // A destroyed event that a stream waits for is released once it completes (CUDA's
-      // cudaEventDestroy), so the wait holds.
-      cudaError_t e = cudaStreamWaitEvent(waiter, ev, 0);
-      (void)cudaEventDestroy(ev);
-      if (e != cudaSuccess) {
-        (void)cudaGetLastError();
-        return nullptr;
+      {
+        DeviceScope scope(l.device);
+        // A destroyed event that a stream waits for is released once it completes (CUDA's
+        // cudaEventDestroy), so the wait holds.
+        cudaError_t e = cudaStreamWaitEvent(waiter, ev, 0);
+        cudaError_t d = cudaEventDestroy(ev);
+        if (e != cudaSuccess || d != cudaSuccess) {
+          (void)cudaGetLastError();
+          if (e != cudaSuccess) return false;
+        }
       }
+      api_.record_stream(ptr, waiter);
+      if (api_.last_error_kind() != 0) return false;
     }
-    return waiter;
+    return true;
   }
 
-  // The stream of `device` that waits for other devices' work on behalf of freed blocks
-  // (order_after_foreign_uses); made once per device and kept for the process's life. nullptr
-  // when it cannot be made.
-  cudaStream_t foreign_waiter(c10::DeviceIndex device) {
-    std::lock_guard<std::mutex> g(waiters_mu_);
+  // The stream of `device` that waits for the work of `foreign` (a stream of device
+  // `foreign_device`) on behalf of freed blocks (order_after_foreign_uses); made at first need
+  // and kept for the process's life. Past kMaxWaiters foreign streams (a program making streams
+  // without end), one stream of `device` serves the rest. nullptr when it cannot be made.
+  cudaStream_t foreign_waiter(c10::DeviceIndex device, c10::DeviceIndex foreign_device,
+                              cudaStream_t foreign) {
+    constexpr size_t kMaxWaiters = 64;
     if (device < 0) return nullptr;
-    if (foreign_waiters_.size() <= static_cast<size_t>(device))
-      foreign_waiters_.resize(device + 1, nullptr);
-    cudaStream_t& s = foreign_waiters_[device];
-    if (s == nullptr) {
-      DeviceScope scope(device);
-      if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
-        (void)cudaGetLastError();
-        s = nullptr;
-      }
+    std::lock_guard<std::mutex> g(waiters_mu_);
+    auto key = std::make_tuple(device, foreign_device, foreign);
+    auto it = foreign_waiters_.find(key);
+    if (it == foreign_waiters_.end() && foreign_waiters_.size() >= kMaxWaiters) {
+      key = std::make_tuple(device, static_cast<c10::DeviceIndex>(-1), cudaStream_t{nullptr});
+      it = foreign_waiters_.find(key);
     }
+    if (it != foreign_waiters_.end()) return it->second;
+    cudaStream_t s = nullptr;
+    DeviceScope scope(device);
+    if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    foreign_waiters_.emplace(key, s);
     return s;
   }
 
@@ -1111,8 +1127,12 @@ class Shim : public CCA::CUDAAllocator {
       DeviceScope scope(device);
       RelaxedCapture relaxed;
       cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-      if (stream != nullptr && cudaStreamIsCapturing(stream, &capturing) != cudaSuccess) {
-        capturing = cudaStreamCaptureStatusInvalidated;
+      cudaError_t q = stream != nullptr ? cudaStreamIsCapturing(stream, &capturing) : cudaSuccess;
+      if (q != cudaSuccess) {
+        // At exit the query fails as the runtime unloads: quietly, as the wait would.
+        *exiting = q == cudaErrorCudartUnloading;
+        (void)cudaGetLastError();
+        return false;
       }
       cudaError_t e = capturing == cudaStreamCaptureStatusNone ? cudaStreamSynchronize(stream)
                                                                : cudaErrorStreamCaptureUnsupported;
@@ -1160,12 +1180,7 @@ class Shim : public CCA::CUDAAllocator {
     }
     if (!l.foreign_uses.empty()) {
       bool exiting = false;
-      cudaStream_t waiter = order_after_foreign_uses(l);
-      if (waiter != nullptr) {
-        api_.record_stream(ptr, waiter);
-        if (api_.last_error_kind() != 0) waiter = nullptr;
-      }
-      if (waiter == nullptr && !wait_foreign_uses(l, &exiting)) {
+      if (!order_after_foreign_uses(ptr, l) && !wait_foreign_uses(l, &exiting)) {
         // The other device's work may still use the block: never hand it out again (at exit,
         // when the runtime is unloading, quietly).
         if (!exiting) {
@@ -1414,9 +1429,10 @@ class Shim : public CCA::CUDAAllocator {
   std::mutex mu_;
   // Guards foreign_waiters_ (taken alone).
   std::mutex waiters_mu_;
-  // Per device, the stream that orders freed blocks after other devices' work
-  // (foreign_waiter).
-  std::vector<cudaStream_t> foreign_waiters_;
+  // The streams that order freed blocks after other devices' work, by (the block's device, the
+  // foreign stream's device, the foreign stream) (foreign_waiter).
+  std::map<std::tuple<c10::DeviceIndex, c10::DeviceIndex, cudaStream_t>, cudaStream_t>
+      foreign_waiters_;
   // Handles opened by getIpcDevPtr, by handle bytes.
   // Recursive: a shared_ptr whose construction fails runs its deleter, which takes it, at once.
   std::recursive_mutex ipc_mu_;
