@@ -101,11 +101,12 @@ if probe == "record_stream_peer":
         bad += int(q.sum().item() != 0)
         del q
     # Once the other device's work is done, every freed block is free again (none kept out of
-    # use for good): after an allocation on device 0 (which looks at pending blocks), nothing
-    # is active there.
+    # use for good): after an allocation on device 0 that the allocator itself serves (which
+    # looks at pending blocks; a size not seen before, since the crate's fast path serves a
+    # repeated size from its thread cache without looking), nothing is active there.
     T.cuda.synchronize(0)
     T.cuda.synchronize(1)
-    x = T.empty(1, device="cuda:0")
+    x = T.empty((7 << 20) + 123, dtype=T.uint8, device="cuda:0")
     del x
     active = T.cuda.memory_stats(0)["active_bytes.all.current"]
     done(bad == 0 and slowest_del < 0.25 and active == 0,
