@@ -91,6 +91,35 @@ pub unsafe extern "C" fn cca_record_stream(ptr: *mut c_void, stream: *mut c_void
     })
 }
 
+/// [`cca_record_stream`] with its outcome returned: 0 when the use was recorded, -1 when it
+/// was not (the error is recorded too). The C++ shim orders a block's reuse through it, where
+/// reading the thread's last error would not do: during the thread's exit that record is gone,
+/// and a failure would read as success.
+///
+/// # Safety
+/// As [`cca_record_stream`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cca_record_stream_checked(ptr: *mut c_void, stream: *mut c_void) -> c_int {
+    guarded("cca_record_stream_checked", -1, || {
+        if ptr.is_null() {
+            return -1;
+        }
+        let (p, s) = (
+            DeviceAddr(ptr.addr() as u64),
+            StreamId(stream.addr() as u64),
+        );
+        // SAFETY: the caller's promise about `stream` is `raw::record_stream_on_owner`'s
+        // obligation.
+        match unsafe { raw::record_stream_on_owner(p, s) } {
+            Ok(_) => 0,
+            Err(e) => {
+                fail_alloc(&format!("cca_record_stream_checked({p}, {s})"), &e);
+                -1
+            }
+        }
+    })
+}
+
 /// `void reset()`, PyTorch's pluggable `empty_cache` hook: returns every device's cached, unused
 /// memory to the driver. Errors are recorded.
 #[unsafe(no_mangle)]

@@ -183,6 +183,7 @@ struct Api {
   void* (*alloc)(ssize_t, int, void*);
   void (*free)(void*, ssize_t, int, void*);
   void (*record_stream)(void*, void*);
+  int (*record_stream_checked)(void*, void*);
   void (*init)(int);
   int (*check_config)();
   int (*empty_cache)(int);
@@ -236,6 +237,7 @@ Api load_api(const std::string& path) {
   bind(lib, "cca_alloc", a.alloc);
   bind(lib, "cca_free", a.free);
   bind(lib, "cca_record_stream", a.record_stream);
+  bind(lib, "cca_record_stream_checked", a.record_stream_checked);
   bind(lib, "cca_init", a.init);
   bind(lib, "cca_check_config", a.check_config);
   bind(lib, "cca_empty_cache", a.empty_cache);
@@ -1085,8 +1087,9 @@ class Shim : public CCA::CUDAAllocator {
           if (e != cudaSuccess) return false;
         }
       }
-      api_.record_stream(ptr, waiter);
-      if (api_.last_error_kind() != 0) return false;
+      // The returned status, not the thread's last error: that record is gone while the thread
+      // exits, and a failure must not read as success here.
+      if (api_.record_stream_checked(ptr, waiter) != 0) return false;
     }
     return true;
   }
