@@ -955,3 +955,57 @@ fn cli_a_request_of_an_exabyte_is_not_a_device_memory_problem() {
     assert!(!stderr.contains("raise --device-memory"), "{stderr}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A plain `cca convert` of a snapshot to a snapshot keeps its `allocator_settings` (it wrote an
+/// empty dict before).
+#[test]
+fn cli_convert_keeps_a_snapshots_allocator_settings() {
+    use cuda_caching_allocator::trace::{
+        ImportOptions, PickleValue, read_snapshot_file, write_pickle,
+    };
+    let entry = |action: &str, t: i128| {
+        PickleValue::dict([
+            ("action", PickleValue::Str(action.into())),
+            ("addr", PickleValue::Int(1 << 40)),
+            ("size", PickleValue::Int(4096)),
+            ("stream", PickleValue::Int(0)),
+            ("time_us", PickleValue::Int(t)),
+        ])
+    };
+    let settings = PickleValue::dict([
+        (
+            "PYTORCH_CUDA_ALLOC_CONF",
+            PickleValue::Str("expandable_segments:True".into()),
+        ),
+        ("max_split_size", PickleValue::Int(-1)),
+    ]);
+    let snapshot = PickleValue::dict([
+        (
+            "device_traces",
+            PickleValue::List(vec![PickleValue::List(vec![
+                entry("alloc", 1),
+                entry("free_requested", 2),
+            ])]),
+        ),
+        ("allocator_settings", settings.clone()),
+    ]);
+    let dir = std::env::temp_dir().join(format!("cca-convert-settings-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (input, output) = (dir.join("in.pickle"), dir.join("out.pickle"));
+    std::fs::write(&input, write_pickle(&snapshot).unwrap()).unwrap();
+    let out = cca(&[
+        "convert",
+        input.to_str().unwrap(),
+        output.to_str().unwrap(),
+        "--quiet",
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let back = read_snapshot_file(&output, &ImportOptions::default()).unwrap();
+    assert_eq!(back.allocator_settings, Some(settings));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

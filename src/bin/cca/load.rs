@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use cuda_caching_allocator::trace::{
     CsvExportOptions, ImportOptions, ImportReport, SnapshotExportOptions, Trace, TraceFormat,
-    TraceOp, export_rmm_csv_file, export_snapshot_file, read_trace_file,
+    TraceOp, TraceSource, export_rmm_csv_file, export_snapshot_file, read_snapshot_file,
+    read_trace_file,
 };
 use cuda_caching_allocator::{
     AllocatorConfig, CachingAllocator, DeviceBackend, Placement, Preset, ReplayOptions,
@@ -145,6 +146,20 @@ pub(crate) fn load_trace_of(t: &TraceArgs) -> CliResult<Trace> {
     load_trace(&t.trace, t.lenient, t.max_import_bytes, t.snapshot_device)
 }
 
+/// The import options of the flags `--lenient`, `--max-import-bytes` and `--snapshot-device`.
+fn import_options(lenient: bool, max_bytes: u64, snapshot_device: Option<usize>) -> ImportOptions {
+    let options = if lenient {
+        ImportOptions::lenient()
+    } else {
+        ImportOptions::strict()
+    }
+    .with_max_bytes(max_bytes);
+    match snapshot_device {
+        Some(d) => options.with_device(d),
+        None => options,
+    }
+}
+
 /// Reads a trace file in any supported format, holding at most `max_bytes` (the
 /// `--max-import-bytes` flag); of a snapshot, the history of `snapshot_device` (the
 /// `--snapshot-device` flag; `None`: the first device that has one).
@@ -154,15 +169,7 @@ pub(crate) fn load_trace(
     max_bytes: u64,
     snapshot_device: Option<usize>,
 ) -> CliResult<Trace> {
-    let mut options = if lenient {
-        ImportOptions::lenient()
-    } else {
-        ImportOptions::strict()
-    }
-    .with_max_bytes(max_bytes);
-    if let Some(d) = snapshot_device {
-        options = options.with_device(d);
-    }
+    let options = import_options(lenient, max_bytes, snapshot_device);
     let step = Step::start(format!("loading {}", path.display()));
     let imported = read_trace_file(path, &options).map_err(|e| {
         // Name the file where the error does not already (a truncated gzip, a bad record).
@@ -541,11 +548,22 @@ pub(crate) fn convert(a: &ConvertArgs) -> CliResult<()> {
             (recorded, Some(alloc.snapshot()))
         }
     };
+    // A plain conversion of a snapshot keeps its `allocator_settings` (read again: the trace
+    // import leaves them out).
+    let settings = if segments.is_none() && pickle && trace.source == TraceSource::PytorchSnapshot {
+        let options = import_options(a.lenient, a.max_import_bytes, a.snapshot_device);
+        read_snapshot_file(&a.input, &options)?.allocator_settings
+    } else {
+        None
+    };
     let step = Step::start(format!("writing {}", a.output.display()));
     let written = if pickle {
         let mut options = SnapshotExportOptions::default().with_gzip(gzip);
         if let Some(segs) = &segments {
             options = options.with_allocator_segments(segs);
+        }
+        if let Some(settings) = settings {
+            options = options.with_allocator_settings(settings);
         }
         export_snapshot_file(&a.output, &trace, &options)?;
         format!("{} events", thousands(trace.events.len() as u64))

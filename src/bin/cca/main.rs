@@ -234,8 +234,8 @@ struct ConvertArgs {
     output: PathBuf,
     /// Export a replay of the input through this preset instead of the input itself: the snapshot
     /// then holds this allocator's segments, blocks and segment events. (Without `--run` or
-    /// `--config` the input's events are exported as they are; a snapshot's `allocator_settings`
-    /// are not carried over.)
+    /// `--config` the input's events are exported as they are, with a snapshot's
+    /// `allocator_settings`.)
     #[arg(long)]
     run: Option<String>,
     /// Export a replay through this configuration string in PyTorch's syntax: alone on top of
