@@ -75,20 +75,8 @@ pub extern "C" fn cca_free(ptr: *mut c_void, _size: isize, device: c_int, _strea
 /// streams do).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cca_record_stream(ptr: *mut c_void, stream: *mut c_void) {
-    guarded("cca_record_stream", (), || {
-        if ptr.is_null() {
-            return;
-        }
-        let (p, s) = (
-            DeviceAddr(ptr.addr() as u64),
-            StreamId(stream.addr() as u64),
-        );
-        // SAFETY: the caller's promise about `stream` is `raw::record_stream_on_owner`'s
-        // obligation.
-        if let Err(e) = unsafe { raw::record_stream_on_owner(p, s) } {
-            fail_alloc(&format!("cca_record_stream({p}, {s})"), &e);
-        }
-    })
+    // SAFETY: the caller's promise is `record_on_owner`'s.
+    unsafe { record_on_owner("cca_record_stream", ptr, stream) };
 }
 
 /// [`cca_record_stream`] with its outcome returned: 0 when the use was recorded, -1 when it
@@ -100,7 +88,17 @@ pub unsafe extern "C" fn cca_record_stream(ptr: *mut c_void, stream: *mut c_void
 /// As [`cca_record_stream`].
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cca_record_stream_checked(ptr: *mut c_void, stream: *mut c_void) -> c_int {
-    guarded("cca_record_stream_checked", -1, || {
+    // SAFETY: the caller's promise is `record_on_owner`'s.
+    unsafe { record_on_owner("cca_record_stream_checked", ptr, stream) }
+}
+
+/// Records the use of the allocation at `ptr` on `stream` with the cache that owns it (`what`
+/// names the entry point in errors): 0 when recorded, -1 when not (a null `ptr` quietly).
+///
+/// # Safety
+/// As [`cca_record_stream`].
+unsafe fn record_on_owner(what: &str, ptr: *mut c_void, stream: *mut c_void) -> c_int {
+    guarded(what, -1, || {
         if ptr.is_null() {
             return -1;
         }
@@ -113,7 +111,7 @@ pub unsafe extern "C" fn cca_record_stream_checked(ptr: *mut c_void, stream: *mu
         match unsafe { raw::record_stream_on_owner(p, s) } {
             Ok(_) => 0,
             Err(e) => {
-                fail_alloc(&format!("cca_record_stream_checked({p}, {s})"), &e);
+                fail_alloc(&format!("{what}({p}, {s})"), &e);
                 -1
             }
         }

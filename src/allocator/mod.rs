@@ -340,6 +340,14 @@ impl<B: DeviceBackend> CachingAllocator<B> {
         })
     }
 
+    /// Whether `ptr` was freed into some thread's fast-path cache: the core still counts it
+    /// allocated, but it is no live allocation to its user.
+    fn freed_into_a_thread_cache(&self, locked: &Locked, ptr: DeviceAddr) -> bool {
+        self.front
+            .as_ref()
+            .is_some_and(|f| f.is_cached(&locked.front, ptr.0))
+    }
+
     /// Forgets `stream` if nothing in the cache refers to it any more: no mapped block (allocated,
     /// pending or cached free) belongs to it, no block lists it among the streams using it
     /// (`record_stream`), and no event recorded on it is outstanding. Then, still under the
@@ -519,12 +527,8 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// allocation starts at `ptr`. A lookup through the block list, not a snapshot.
     pub fn base_allocation(&self, ptr: DeviceAddr) -> Option<(DeviceAddr, usize)> {
         let guard = self.lock();
-        if self
-            .front
-            .as_ref()
-            .is_some_and(|f| f.is_cached(&guard.front, ptr.0))
-        {
-            return None; // freed into a thread's cache
+        if self.freed_into_a_thread_cache(&guard, ptr) {
+            return None;
         }
         let (base, size) = snapshot::base_of_allocation(&guard, ptr.0)?;
         Some((DeviceAddr(base), size))

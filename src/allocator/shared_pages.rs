@@ -75,15 +75,11 @@ impl<B: DeviceBackend> CachingAllocator<B> {
         f: impl FnOnce(&SharedPages, &B) -> Result<R>,
     ) -> Result<Option<R>> {
         let mut st = self.lock();
-        if let Some(front) = &self.front {
-            if front.is_cached(&st.front, ptr.0) {
-                return Err(AllocError::NotShareable {
-                    ptr,
-                    reason: format!(
-                        "{ptr} is not a live allocation of this allocator (it was freed)"
-                    ),
-                });
-            }
+        if self.freed_into_a_thread_cache(&st, ptr) {
+            return Err(AllocError::NotShareable {
+                ptr,
+                reason: format!("{ptr} is not a live allocation of this allocator (it was freed)"),
+            });
         }
         match st.handles_under(ptr.0) {
             Ok(None) => Ok(None),

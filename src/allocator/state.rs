@@ -1216,24 +1216,30 @@ impl State {
         let largest_on_stream = on_stream().next_back().map_or(0, |k| k.size);
         // The free bytes of the pools the request was served from (a private pool's, when it was
         // routed to one), and of those the ones it could use: its stream's, in its size class.
-        let (pool_free, usable) = if owner == 0 {
-            (free_total, on_stream().map(|k| k.size).sum::<usize>())
-        } else {
-            let pool = self.graph.pools.get(&owner);
-            let sets = pool.map(|p| [p.set_ref(PoolKind::Small), p.set_ref(PoolKind::Large)]);
-            let all = sets.map_or(0, |s| {
-                s.iter().flat_map(|b| &b.blocks).map(|k| k.size).sum()
-            });
-            let mine = pool.map_or(0, |p| {
-                p.set_ref(kind)
+        let sets = match owner {
+            0 => Some((&self.small, &self.large)),
+            _ => self.graph.pools.get(&owner).map(|p| (&p.small, &p.large)),
+        };
+        let (pool_free, usable) = sets.map_or((0, 0), |(small, large)| {
+            let mine = if kind == PoolKind::Small {
+                small
+            } else {
+                large
+            };
+            (
+                small
                     .blocks
+                    .iter()
+                    .chain(&large.blocks)
+                    .map(|k| k.size)
+                    .sum(),
+                mine.blocks
                     .iter()
                     .filter(|k| k.stream == stream)
                     .map(|k| k.size)
-                    .sum()
-            });
-            (all, mine)
-        };
+                    .sum::<usize>(),
+            )
+        });
         let verdict = if info.total > 0 && alloc_size > info.total {
             OomVerdict::LargerThanDevice
         } else if pool_free >= size {

@@ -11,6 +11,7 @@ use std::path::Path;
 use super::compress::{decompress_if_gzip, read_file_limited};
 use super::event::Trace;
 use super::io_error::{Position, TraceIoError};
+use super::pickle::PickleValue;
 use super::{rmm_csv, snapshot};
 
 /// How to import a trace.
@@ -294,11 +295,13 @@ pub struct Imported {
     pub trace: Trace,
     /// What the import counted and skipped.
     pub report: ImportReport,
+    /// A snapshot's `allocator_settings`, when present (`None` for a CSV log).
+    pub allocator_settings: Option<PickleValue>,
 }
 
 /// Imports a PyTorch snapshot or an RMM CSV log, plain or gzipped, detecting which
 /// ([`detect_format`]). Use [`read_snapshot`](super::read_snapshot) to also get a snapshot's
-/// segments and settings.
+/// segments.
 ///
 /// # Errors
 /// [`TraceIoError::Gzip`] for corrupt gzip data, [`TraceIoError::UnknownFormat`] when the
@@ -313,6 +316,7 @@ pub fn read_trace(bytes: &[u8], options: &ImportOptions) -> Result<Imported, Tra
                 format: TraceFormat::PytorchSnapshot,
                 trace: snap.trace,
                 report: snap.report,
+                allocator_settings: snap.allocator_settings,
             })
         }
         Some(TraceFormat::RmmCsv) => {
@@ -321,6 +325,7 @@ pub fn read_trace(bytes: &[u8], options: &ImportOptions) -> Result<Imported, Tra
                 format: TraceFormat::RmmCsv,
                 trace: log.trace,
                 report: log.report,
+                allocator_settings: None,
             })
         }
         None => {

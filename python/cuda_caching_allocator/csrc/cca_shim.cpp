@@ -1061,11 +1061,8 @@ class Shim : public CCA::CUDAAllocator {
       {
         DeviceScope scope(device);
         RelaxedCapture relaxed;
-        cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-        if (stream != nullptr && cudaStreamIsCapturing(stream, &capturing) != cudaSuccess) {
-          capturing = cudaStreamCaptureStatusInvalidated;
-        }
-        if (capturing != cudaStreamCaptureStatusNone ||
+        bool capturing = false;
+        if (capture_status(stream, &capturing) != cudaSuccess || capturing ||
             cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) {
           (void)cudaGetLastError();
           return false;
@@ -1120,6 +1117,17 @@ class Shim : public CCA::CUDAAllocator {
     return s;
   }
 
+  // Whether `stream` (a stream of the current device; the legacy default stream for nullptr,
+  // which never captures) is capturing a graph, in `capturing`; the query's error, cleared from
+  // the runtime, when it fails.
+  static cudaError_t capture_status(cudaStream_t stream, bool* capturing) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    cudaError_t e = stream != nullptr ? cudaStreamIsCapturing(stream, &status) : cudaSuccess;
+    if (e != cudaSuccess) (void)cudaGetLastError();
+    *capturing = status != cudaStreamCaptureStatusNone;
+    return e;
+  }
+
   // Waits until the work queued on each stream `l` was recorded on (another device's) is done,
   // where order_after_foreign_uses could not order the reuse by events, so that the block never
   // reaches the library's cache under the other device's work. Returns false when a wait could
@@ -1129,16 +1137,14 @@ class Shim : public CCA::CUDAAllocator {
     for (const auto& [device, stream] : l.foreign_uses) {
       DeviceScope scope(device);
       RelaxedCapture relaxed;
-      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-      cudaError_t q = stream != nullptr ? cudaStreamIsCapturing(stream, &capturing) : cudaSuccess;
+      bool capturing = false;
+      cudaError_t q = capture_status(stream, &capturing);
       if (q != cudaSuccess) {
         // At exit the query fails as the runtime unloads: quietly, as the wait would.
         *exiting = q == cudaErrorCudartUnloading;
-        (void)cudaGetLastError();
         return false;
       }
-      cudaError_t e = capturing == cudaStreamCaptureStatusNone ? cudaStreamSynchronize(stream)
-                                                               : cudaErrorStreamCaptureUnsupported;
+      cudaError_t e = capturing ? cudaErrorStreamCaptureUnsupported : cudaStreamSynchronize(stream);
       if (e != cudaSuccess) {
         *exiting = e == cudaErrorCudartUnloading;
         (void)cudaGetLastError();

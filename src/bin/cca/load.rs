@@ -6,9 +6,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use cuda_caching_allocator::trace::{
-    CsvExportOptions, ImportOptions, ImportReport, SnapshotExportOptions, Trace, TraceFormat,
-    TraceOp, TraceSource, export_rmm_csv_file, export_snapshot_file, read_snapshot_file,
-    read_trace_file,
+    CsvExportOptions, ImportOptions, ImportReport, Imported, SnapshotExportOptions, Trace,
+    TraceFormat, TraceOp, export_rmm_csv_file, export_snapshot_file, read_trace_file,
 };
 use cuda_caching_allocator::{
     AllocatorConfig, CachingAllocator, DeviceBackend, Placement, Preset, ReplayOptions,
@@ -146,20 +145,6 @@ pub(crate) fn load_trace_of(t: &TraceArgs) -> CliResult<Trace> {
     load_trace(&t.trace, t.lenient, t.max_import_bytes, t.snapshot_device)
 }
 
-/// The import options of the flags `--lenient`, `--max-import-bytes` and `--snapshot-device`.
-fn import_options(lenient: bool, max_bytes: u64, snapshot_device: Option<usize>) -> ImportOptions {
-    let options = if lenient {
-        ImportOptions::lenient()
-    } else {
-        ImportOptions::strict()
-    }
-    .with_max_bytes(max_bytes);
-    match snapshot_device {
-        Some(d) => options.with_device(d),
-        None => options,
-    }
-}
-
 /// Reads a trace file in any supported format, holding at most `max_bytes` (the
 /// `--max-import-bytes` flag); of a snapshot, the history of `snapshot_device` (the
 /// `--snapshot-device` flag; `None`: the first device that has one).
@@ -169,7 +154,25 @@ pub(crate) fn load_trace(
     max_bytes: u64,
     snapshot_device: Option<usize>,
 ) -> CliResult<Trace> {
-    let options = import_options(lenient, max_bytes, snapshot_device);
+    Ok(load_imported(path, lenient, max_bytes, snapshot_device)?.trace)
+}
+
+/// [`load_trace`], with what else the import tells (a snapshot's settings).
+fn load_imported(
+    path: &Path,
+    lenient: bool,
+    max_bytes: u64,
+    snapshot_device: Option<usize>,
+) -> CliResult<Imported> {
+    let mut options = if lenient {
+        ImportOptions::lenient()
+    } else {
+        ImportOptions::strict()
+    }
+    .with_max_bytes(max_bytes);
+    if let Some(d) = snapshot_device {
+        options = options.with_device(d);
+    }
     let step = Step::start(format!("loading {}", path.display()));
     let imported = read_trace_file(path, &options).map_err(|e| {
         // Name the file where the error does not already (a truncated gzip, a bad record).
@@ -212,7 +215,7 @@ pub(crate) fn load_trace(
             path.display()
         );
     }
-    Ok(imported.trace)
+    Ok(imported)
 }
 
 /// What the import left out of the trace, in words: records that a replay will not see. Skipped
@@ -526,7 +529,8 @@ pub(crate) fn convert(a: &ConvertArgs) -> CliResult<()> {
     } else {
         None
     };
-    let trace = load_trace(&a.input, a.lenient, a.max_import_bytes, a.snapshot_device)?;
+    let imported = load_imported(&a.input, a.lenient, a.max_import_bytes, a.snapshot_device)?;
+    let trace = imported.trace;
     let (trace, segments) = match config {
         None => (trace, None),
         Some(Labelled { label, config, .. }) => {
@@ -548,11 +552,9 @@ pub(crate) fn convert(a: &ConvertArgs) -> CliResult<()> {
             (recorded, Some(alloc.snapshot()))
         }
     };
-    // A plain conversion of a snapshot keeps its `allocator_settings` (read again: the trace
-    // import leaves them out).
-    let settings = if segments.is_none() && pickle && trace.source == TraceSource::PytorchSnapshot {
-        let options = import_options(a.lenient, a.max_import_bytes, a.snapshot_device);
-        read_snapshot_file(&a.input, &options)?.allocator_settings
+    // A plain conversion of a snapshot keeps its `allocator_settings`.
+    let settings = if segments.is_none() {
+        imported.allocator_settings
     } else {
         None
     };
