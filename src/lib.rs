@@ -22,9 +22,9 @@ pub mod trace;
 
 pub use allocator::{
     Allocation, BlockSnapshot, BlockState, CachingAllocator, FragmentationReport, FreeBucket,
-    InvariantViolation, MemPoolId, OwnedAllocation, PoolCheckpoint, PoolFilter, PoolRestore,
-    SegmentAction, SegmentEvent, SegmentObserver, SegmentSnapshot, SharedPages, capture_filter,
-    memory_summary,
+    FreeOutcome, InvariantViolation, MemPoolId, OwnedAllocation, PoolCheckpoint, PoolFilter,
+    PoolRestore, SegmentAction, SegmentEvent, SegmentObserver, SegmentSnapshot, SharedPages,
+    capture_filter, memory_summary,
 };
 pub use backend::call_times::{CALL_KINDS, DeviceCallTimes};
 pub use backend::sim::{

@@ -1,20 +1,25 @@
-"""Probes for five defects an adversarial review of the PyTorch package found (thirteenth
-session), each a check that fails on the package before the fix: run one per process,
+"""Probes for the defects adversarial reviews of the PyTorch package found (the thirteenth
+session's and later ones), each a check that fails on the package before the fix: run one per
+process,
 
     python3 gpu/probes/torch_review.py PROBE native|cca [CONFIG]
 
 with PROBE one of oom_capture, oom_pool, foreign_stream_alloc, empty_cache_in_pool,
 cache_info, trace_time, oom_observer_fraction, annotations, bad_delete, tracker,
 pool_snapshot_empty, runtime_settings, compile_context, graph_tree_checkpoint, use_on_oom,
-no_split (one GPU),
-record_stream_peer,
-peer_copy (two GPUs). Prints one line, "PASS ..." or
+no_split, free_completed, gpu_trace, caching_disabled, no_caching_env, oom_device_free,
+snapshot_entry (one GPU),
+record_stream_peer, peer_copy, record_stream_capture (two GPUs). Prints one line, "PASS ..." or
 "FAIL ...", and exits 0 or 1 (a crash, as the package's SIGSEGV before the fix, exits with the
 signal). `cca` enables cuda_caching_allocator.torch (route shim) with CONFIG (default: the
 crate's default).
 """
+import os
 import sys
 import time
+
+if sys.argv[1] == "no_caching_env":  # read once, at the first allocation
+    os.environ["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
 
 import torch as T
 
@@ -176,6 +181,156 @@ if probe == "trace_time":
     near = [t for t in times if abs(t / 1e6 - now) < 600]
     ok = bool(times) and len(near) == len(times)
     done(ok, f"{len(times)} entries, first {times[:1]}, now {now:.0f} s")
+
+def trace_of(snap, dev=0):
+    return snap["device_traces"][dev]
+
+
+if probe == "free_completed":
+    # A tensor recorded on a side stream whose work is still queued: PyTorch traces
+    # free_requested at the free and free_completed only once that work is done, at the first
+    # allocation after it (its process_events); the package traced both at the free, so the
+    # memory viewer showed the memory released while the side stream still used it.
+    T.cuda.memory._record_memory_history(max_entries=10000)
+    side = T.cuda.Stream()
+    x = T.empty((3 << 20) + 4096, dtype=T.uint8, device="cuda")
+    side.wait_stream(T.cuda.current_stream())
+    with T.cuda.stream(side):
+        T.cuda._sleep(int(1e9))  # about half a second of queued work
+        x.add_(1)
+    x.record_stream(side)
+    xp = x.data_ptr()
+    del x
+    # Sizes not seen before, so that each allocation reaches the allocator's core.
+    y = T.empty((5 << 20) + 8192, dtype=T.uint8, device="cuda")
+    yp = y.data_ptr()
+    T.cuda.synchronize()
+    z = T.empty((7 << 20) + 12288, dtype=T.uint8, device="cuda")
+    zp = z.data_ptr()
+    tr = trace_of(T.cuda.memory._snapshot())
+
+    def first(action, addr):
+        return next((i for i, e in enumerate(tr) if e["action"] == action and e["addr"] == addr), -1)
+
+    req, done_x = first("free_requested", xp), first("free_completed", xp)
+    ay, az = first("alloc", yp), first("alloc", zp)
+    n_done = sum(1 for e in tr if e["action"] == "free_completed" and e["addr"] == xp)
+    ok = 0 <= req < ay < done_x < az and n_done == 1
+    done(ok, f"entry order free_requested {req}, alloc y {ay}, free_completed {done_x}, alloc z "
+             f"{az} (want free_requested < alloc y < free_completed < alloc z); "
+             f"{n_done} free_completed entries for the tensor")
+
+if probe == "gpu_trace":
+    # torch.cuda's GPU trace (the CUDA sanitizer, TORCH_CUDA_SANITIZER=1, and
+    # torch.utils._cuda_trace) is told of every allocation and free by PyTorch's allocator.
+    from torch.utils import _cuda_trace as CT
+    T._C._activate_gpu_trace()
+    allocs, frees = [], []
+    CT.register_callback_for_memory_allocation(allocs.append)
+    CT.register_callback_for_memory_deallocation(frees.append)
+    x = T.empty(1 << 20, device="cuda")
+    p = x.data_ptr()
+    del x
+    y = T.empty(3 << 20, device="cuda")
+    q = y.data_ptr()
+    del y
+    ok = p in allocs and p in frees and q in allocs and q in frees
+    done(ok, f"allocations seen {len(allocs)}, frees seen {len(frees)}; first tensor "
+             f"{p in allocs}/{p in frees}, second {q in allocs}/{q in frees}")
+
+if probe in ("caching_disabled", "no_caching_env"):
+    # PyTorch's bypass of its cache: torch.cuda.memory.caching_allocator_enable(False) or
+    # PYTORCH_NO_CUDA_MEMORY_CACHING=1 (set by this probe before torch loads): allocations go to
+    # cudaMalloc and back to cudaFree at once (compute-sanitizer then sees each one's bounds),
+    # untouched by the cache's statistics. The package ignored both.
+    T.cuda.init()
+    if probe == "caching_disabled":
+        T.cuda.memory.caching_allocator_enable(False)
+    big = 256 << 20
+    free0 = T.cuda.mem_get_info()[0]
+    x = T.empty(big, dtype=T.uint8, device="cuda")
+    x.fill_(1)
+    T.cuda.synchronize()
+    free1 = T.cuda.mem_get_info()[0]
+    allocated = T.cuda.memory_allocated()
+    del x
+    T.cuda.synchronize()
+    free2 = T.cuda.mem_get_info()[0]
+    ok = free0 - free1 >= big and free2 - free1 >= big and allocated == 0
+    what = (f"device free bytes fell by {(free0 - free1) >> 20} MiB at the allocation and rose "
+            f"by {(free2 - free1) >> 20} MiB at its free (want >= {big >> 20} both); "
+            f"memory_allocated {allocated} (want 0)")
+    if probe == "caching_disabled" and ok:
+        T.cuda.memory.caching_allocator_enable(True)
+        y = T.empty(big, dtype=T.uint8, device="cuda")
+        ok = T.cuda.memory_allocated() >= big
+        what += f"; enabled again, memory_allocated {T.cuda.memory_allocated()}"
+        del y
+    done(ok, what)
+
+if probe == "oom_device_free":
+    # The memory history's OOM entry names the device's free bytes (PyTorch records them in the
+    # entry's address field; the snapshot calls it device_free); the package recorded 0.
+    T.cuda.memory._record_memory_history(max_entries=1000)
+    T.empty(1 << 20, device="cuda")
+    try:
+        T.empty(HUGE, dtype=T.uint8, device="cuda")
+    except T.OutOfMemoryError:
+        pass
+    ooms = [e for e in trace_of(T.cuda.memory._snapshot()) if e["action"] == "oom"]
+    free = T.cuda.mem_get_info()[0]
+    got = ooms[0].get("device_free", 0) if ooms else None
+    ok = bool(ooms) and got > 0 and abs(got - free) < max(free // 10, 1 << 30)
+    done(ok, f"{len(ooms)} oom entries, device_free {got}, device free now {free}")
+
+if probe == "snapshot_entry":
+    # Each snapshot leaves a "snapshot" entry (the active bytes it listed) in the history, as
+    # PyTorch's does; the next snapshot's trace shows it.
+    T.cuda.memory._record_memory_history(max_entries=1000)
+    x = T.empty(3 << 20, dtype=T.uint8, device="cuda")
+    T.cuda.memory._snapshot()
+    tr = trace_of(T.cuda.memory._snapshot())
+    snaps = [e for e in tr if e["action"] == "snapshot"]
+    ok = len(snaps) >= 1 and snaps[0]["size"] >= x.numel()
+    done(ok, f"{len(snaps)} snapshot entries, sizes {[e['size'] for e in snaps][:2]}")
+
+if probe == "record_stream_capture":
+    # A tensor of device 0 read by a copy on a stream of device 1, recorded there, then freed
+    # while a graph capture is underway on that stream: no event may be recorded on the stream
+    # then. PyTorch defers such frees until its captures end; the package used to keep the block
+    # out of use for good (with a warning). Now the free waits for the capture's end and the
+    # block comes back once the copy is done. (Native PyTorch checks only the tensor's own
+    # device for captures: this probe judges the package.)
+    import warnings
+    N = 1 << 22
+    s1 = T.cuda.Stream(1)
+    src = T.full((N,), 3.0, device="cuda:1")
+    x = T.zeros(N, device="cuda:0")
+    T.cuda.synchronize(0)
+    T.cuda.synchronize(1)
+    with T.cuda.device(1), T.cuda.stream(s1):
+        T.cuda._sleep(int(1e9))
+        x.copy_(src)
+    x.record_stream(s1)
+    g = T.cuda.CUDAGraph()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with T.cuda.device(1):
+            with T.cuda.graph(g, stream=s1):
+                w = src * 2
+                del x  # the free, while s1 captures
+        T.cuda.synchronize(0)
+        T.cuda.synchronize(1)
+        g.replay()
+        T.cuda.synchronize(1)
+    ok_graph = bool((w == 6.0).all().item())
+    y = T.empty((9 << 20) + 4096, dtype=T.uint8, device="cuda:0")  # reaches the core
+    del y
+    active = T.cuda.memory_stats(0)["active_bytes.all.current"]
+    kept = [str(c.message) for c in caught if "kept out of use" in str(c.message)]
+    ok = ok_graph and active == 0 and not kept
+    done(ok, f"graph result {'right' if ok_graph else 'WRONG'}; active bytes on device 0 at the "
+             f"end {active}; warnings of a block kept out of use {len(kept)}")
 
 if probe == "oom_observer_fraction":
     # With a memory fraction set, PyTorch's OOM observers get the cap as the device total.

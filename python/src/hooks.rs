@@ -7,7 +7,7 @@ use std::ffi::{c_int, c_void};
 use std::time::Instant;
 
 use cuda_caching_allocator::interop::{AllocatorRegistry, raw};
-use cuda_caching_allocator::{AllocError, AllocatorConfig, DeviceAddr, StreamId};
+use cuda_caching_allocator::{AllocError, AllocatorConfig, DeviceAddr, FreeOutcome, StreamId};
 
 use crate::error::{KIND_OTHER, fail, fail_alloc, guarded};
 
@@ -61,6 +61,34 @@ pub extern "C" fn cca_free(ptr: *mut c_void, _size: isize, device: c_int, _strea
         // buffer of the registry; its streams are declared through `cca_record_stream`.
         if let Err(e) = unsafe { raw::free(device, DeviceAddr(ptr.addr() as u64)) } {
             fail_alloc(&format!("cca_free({ptr:?}, device {device})"), &e);
+        }
+    })
+}
+
+/// [`cca_free`] with its outcome returned: 0 when the block is back in the cache, 1 when it
+/// waits for the work of streams recorded on it (the segment callback's action 4 names it when
+/// it is back: PyTorch's `free_completed`), -1 on an error (recorded). The C++ shim writes its
+/// `free_completed` trace entries from these.
+#[unsafe(no_mangle)]
+pub extern "C" fn cca_free_checked(
+    ptr: *mut c_void,
+    _size: isize,
+    device: c_int,
+    _stream: *mut c_void,
+) -> c_int {
+    guarded("cca_free_checked", -1, || {
+        let Some(device) = ordinal(device) else {
+            fail(KIND_OTHER, format!("cca_free_checked: bad device {device}"));
+            return -1;
+        };
+        // SAFETY: as in `cca_free`.
+        match unsafe { raw::free_with_outcome(device, DeviceAddr(ptr.addr() as u64)) } {
+            Ok(FreeOutcome::AwaitingStreams) => 1,
+            Ok(_) => 0,
+            Err(e) => {
+                fail_alloc(&format!("cca_free_checked({ptr:?}, device {device})"), &e);
+                -1
+            }
         }
     })
 }

@@ -16,7 +16,8 @@ use crate::pools::MempoolId;
 pub(crate) const ABI_VERSION: c_int = 5;
 
 /// The C ABI's version (5: `cca_export_pages`, `cca_import_pages`, `cca_close_imported`,
-/// `cca_restore_pool`, `cca_set_use_on_oom`, `cca_set_no_split`, `cca_record_stream_checked`; 4:
+/// `cca_restore_pool`, `cca_set_use_on_oom`, `cca_set_no_split`, `cca_record_stream_checked`,
+/// `cca_free_checked` and the segment callback's action 4; 4:
 /// `cca_settings_not_applied`; 3: segment events, `CcaSegment::pool`): bumped whenever a signature or
 /// struct changes.
 #[unsafe(no_mangle)]

@@ -28,8 +28,9 @@ mod settings;
 pub use error::{cca_last_error, cca_last_error_kind, cca_set_quiet};
 pub use hooks::{
     cca_alloc, cca_bench_alloc_free, cca_check_config, cca_empty_cache, cca_enable_peer_access,
-    cca_free, cca_init, cca_memory_fraction_hook, cca_print_summary, cca_record_stream,
-    cca_record_stream_checked, cca_reset, cca_reset_peak_stats, cca_set_memory_fraction,
+    cca_free, cca_free_checked, cca_init, cca_memory_fraction_hook, cca_print_summary,
+    cca_record_stream, cca_record_stream_checked, cca_reset, cca_reset_peak_stats,
+    cca_set_memory_fraction,
 };
 pub use introspect::{
     CcaBlock, CcaDeviceStats, CcaSegment, CcaStat, cca_abi_version, cca_base_allocation,

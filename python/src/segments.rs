@@ -15,7 +15,9 @@ use crate::error::{KIND_OTHER, fail, guarded};
 use crate::pools::MempoolId;
 
 /// `void cb(void* ctx, int action, int device, uint64_t addr, uint64_t size, void* stream,
-/// MempoolId pool)`; `action` is 0 alloc, 1 free, 2 map, 3 unmap.
+/// MempoolId pool)`; `action` is 0 alloc, 1 free, 2 map, 3 unmap (of segments or pages), 4 a
+/// block whose free waited for recorded streams is back in the cache (`addr` the allocation's
+/// address, `size` its requested size; see `cca_free_checked`).
 pub type SegmentCallback =
     extern "C" fn(*mut c_void, c_int, c_int, u64, u64, *mut c_void, MempoolId);
 
@@ -38,6 +40,7 @@ impl CCallback {
             SegmentAction::Free => 1,
             SegmentAction::Map => 2,
             SegmentAction::Unmap => 3,
+            SegmentAction::FreeCompleted => 4,
             // An action this C ABI version has no number for is not passed on.
             _ => return,
         };

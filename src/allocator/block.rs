@@ -57,6 +57,10 @@ pub(crate) struct Block {
     /// Allocated, and its pages were exported for another process (`export_pages`): freeing it
     /// lets go of the pages' exports that no other such allocation needs.
     pub(crate) exported: bool,
+    /// Freed while other streams' work still used it: its free returned before the block came
+    /// back to the cache, and coming back is told to the segment observer
+    /// (`SegmentAction::FreeCompleted`).
+    pub(crate) awaited: bool,
 }
 
 impl Block {
@@ -79,6 +83,7 @@ impl Block {
             free_stamp: 0,
             lent: false,
             exported: false,
+            awaited: false,
         }
     }
 

@@ -535,7 +535,8 @@ fn check_active_map(st: &State) -> Result<(), InvariantViolation> {
 
 /// Every outstanding event names a live block that is freed but pending (not allocated, mapped),
 /// and each block's `event_count` equals the number of events naming it; the `unsynced` list
-/// holds exactly the freed blocks that still have stream uses.
+/// holds exactly the freed blocks that still have stream uses; exactly the freed blocks still
+/// waiting for streams are marked `awaited`.
 fn check_pending_events(st: &State) -> Result<(), InvariantViolation> {
     let mut named: BTreeMap<BlockId, u32> = BTreeMap::new();
     for queue in st.pending_events.values() {
@@ -567,6 +568,17 @@ fn check_pending_events(st: &State) -> Result<(), InvariantViolation> {
                 detail: format!(
                     "freed with stream uses: {unsynced}, listed as unsynced: {}",
                     !unsynced
+                ),
+            });
+        }
+        // Waiting after its free returned is what `awaited` records (its completion is told).
+        let waiting = !b.allocated && (b.event_count > 0 || !b.stream_uses.is_empty());
+        if b.awaited != waiting {
+            return Err(InvariantViolation::PendingEventsMismatch {
+                block: DeviceAddr(b.ptr),
+                detail: format!(
+                    "waiting for streams: {waiting}, marked awaited: {}",
+                    b.awaited
                 ),
             });
         }

@@ -63,6 +63,18 @@ pub struct Allocation {
     pub stream: StreamId,
 }
 
+/// What a free did with its block ([`CachingAllocator::free_with_outcome`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum FreeOutcome {
+    /// The block is back in the cache (or in the calling thread's fast-path cache).
+    Cached,
+    /// The block waits for the work that streams recorded with
+    /// [`CachingAllocator::record_stream`] had queued by the free; a
+    /// [`SegmentAction::FreeCompleted`] event names it when it is back.
+    AwaitingStreams,
+}
+
 /// A PyTorch-style caching allocator over a device backend.
 ///
 /// ```
@@ -292,15 +304,33 @@ impl<B: DeviceBackend> CachingAllocator<B> {
                 return r;
             }
         }
+        self.free_locked(ptr).map(|_| ())
+    }
+
+    /// [`free`](Self::free), telling whether the block is back in the cache or still waits for
+    /// the work of streams recorded with [`record_stream`](Self::record_stream). A segment
+    /// observer ([`set_segment_observer`](Self::set_segment_observer)) is told
+    /// [`SegmentAction::FreeCompleted`] when such a block comes back: with both, a caller can
+    /// write PyTorch's `free_requested` / `free_completed` trace entries as PyTorch does.
+    ///
+    /// # Errors
+    /// As [`free`](Self::free).
+    pub fn free_with_outcome(&self, ptr: DeviceAddr) -> Result<FreeOutcome> {
+        if let Some(front) = &self.front {
+            if let FastFree::Done(r) = front.try_free(ptr) {
+                return r.map(|()| FreeOutcome::Cached);
+            }
+        }
         self.free_locked(ptr)
     }
 
     /// `free` under the lock (everything but a free into this thread's front cache), out of line
     /// so that the fast path keeps a small frame.
     #[inline(never)]
-    fn free_locked(&self, ptr: DeviceAddr) -> Result<()> {
+    fn free_locked(&self, ptr: DeviceAddr) -> Result<FreeOutcome> {
         let mut guard = self.lock();
         let Locked { st, front: fl } = &mut *guard;
+        st.last_free_awaited = false;
         let r = match &self.front {
             Some(front) => front.free_locked(st, fl, &self.backend, ptr),
             None => st.free(&self.backend, ptr),
@@ -308,8 +338,15 @@ impl<B: DeviceBackend> CachingAllocator<B> {
         if let (Some(h), Ok(())) = (&mut st.history, &r) {
             h.free(ptr);
         }
+        let awaited = std::mem::take(&mut st.last_free_awaited);
         self.after_op(st, "free");
-        r
+        r.map(|()| {
+            if awaited {
+                FreeOutcome::AwaitingStreams
+            } else {
+                FreeOutcome::Cached
+            }
+        })
     }
 
     /// Marks the live allocation at `ptr` as used by `stream` too: when it is freed, its block is

@@ -1,6 +1,7 @@
 //! Segment events: a callback told whenever the cache takes device memory from the driver or
 //! gives it back, as PyTorch's allocator tells its trace trackers (`attachAllocatorTraceTracker`:
-//! `SEGMENT_ALLOC`, `SEGMENT_FREE`, `SEGMENT_MAP`, `SEGMENT_UNMAP`).
+//! `SEGMENT_ALLOC`, `SEGMENT_FREE`, `SEGMENT_MAP`, `SEGMENT_UNMAP`), and when a block whose free
+//! waited for other streams' work comes back to the cache (`FREE_COMPLETED`).
 //!
 //! Libraries that keep their own record of device memory need these: NCCL's user-buffer
 //! registration (PyTorch's `TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK`) registers a segment
@@ -30,6 +31,15 @@ pub enum SegmentAction {
     Map,
     /// Pages of an expandable segment were unmapped (reported after unmapping, as PyTorch does).
     Unmap,
+    /// A block whose free had to wait for other streams' work (uses declared with
+    /// `record_stream`) is back in the cache: PyTorch's `free_completed` trace entry for such a
+    /// block. `addr` is the freed allocation's address and `size` its requested size. Only
+    /// frees that returned while the block was still waiting are told (those for which
+    /// `CachingAllocator::free_with_outcome` answered [`FreeOutcome::AwaitingStreams`]
+    /// (crate::FreeOutcome::AwaitingStreams)); a free that put its block back at once is complete
+    /// when it returns. Told when the allocator next looks at its events (an allocation that
+    /// reaches the core, `empty_cache`, the out-of-memory path), as PyTorch's are.
+    FreeCompleted,
 }
 
 impl SegmentAction {
@@ -40,6 +50,7 @@ impl SegmentAction {
             SegmentAction::Free => "segment_free",
             SegmentAction::Map => "segment_map",
             SegmentAction::Unmap => "segment_unmap",
+            SegmentAction::FreeCompleted => "free_completed",
         }
     }
 }

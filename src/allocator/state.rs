@@ -101,6 +101,11 @@ pub(crate) struct State {
     pub(crate) history: Option<History>,
     /// The segment observer, when one is set (`CachingAllocator::set_segment_observer`).
     pub(crate) segment_observer: ObserverSlot,
+    /// Awaited frees that completed (address, requested size, stream, owner), to tell the
+    /// observer as `FreeCompleted` where a backend is at hand (`tell_completed_frees`).
+    completed_frees: Vec<(u64, usize, StreamId, u32)>,
+    /// Whether the last `free` left its block waiting for other streams' work (`awaited`).
+    pub(crate) last_free_awaited: bool,
     /// Segments handed over from one stream to another (`cca_cross_stream_reuse`) since the
     /// last reset of the accumulated statistics.
     pub(crate) cross_stream_handovers: u64,
@@ -180,6 +185,8 @@ impl State {
             cap_grace: 0,
             history: None,
             segment_observer: ObserverSlot::default(),
+            completed_frees: Vec::new(),
+            last_free_awaited: false,
             cross_stream_handovers: 0,
             handover_events_unsupported: false,
             graph: GraphPools::default(),
@@ -635,12 +642,32 @@ impl State {
             // Events recorded now could not be queried until the capture ends: wait for that
             // (PyTorch's deferred blocks). The block stays active until then.
             self.graph.deferred.push(id);
+            self.await_block(id);
             Ok(())
         } else if has_uses {
-            self.insert_events(dev, id)
+            let r = self.insert_events(dev, id);
+            // Still waiting, unless every stream was waited for on the spot.
+            let b = self.block(id);
+            if !b.allocated && (b.event_count > 0 || !b.stream_uses.is_empty()) {
+                self.await_block(id);
+            }
+            r
         } else {
             self.free_block(id);
             Ok(())
+        }
+    }
+
+    /// Marks freed block `id` as waiting for other streams' work after its free returned.
+    fn await_block(&mut self, id: BlockId) {
+        self.block_mut(id).awaited = true;
+        self.last_free_awaited = true;
+    }
+
+    /// Tells the segment observer of the awaited frees that completed since the last call.
+    pub(crate) fn tell_completed_frees<B: DeviceBackend>(&mut self, dev: &B) {
+        for (ptr, size, stream, owner) in std::mem::take(&mut self.completed_frees) {
+            self.segment_event(dev, SegmentAction::FreeCompleted, ptr, size, stream, owner);
         }
     }
 
@@ -682,8 +709,14 @@ impl State {
     /// Returns a no-longer-used block to its pool, merging with free neighbours.
     fn free_block(&mut self, id: BlockId) {
         let (orig_size, requested, kind, prev, next) = {
-            let b = self.block(id);
-            (b.size, b.requested_size, b.pool, b.prev, b.next)
+            let b = self.block_mut(id);
+            let awaited = std::mem::take(&mut b.awaited);
+            let told = (b.ptr, b.requested_size, b.stream, b.owner);
+            let sizes = (b.size, b.requested_size, b.pool, b.prev, b.next);
+            if awaited && self.segment_observer.0.is_some() {
+                self.completed_frees.push(told);
+            }
+            sizes
         };
         let mut net_blocks: i64 = 0;
         let mut net_bytes: i64 = 0;
@@ -907,6 +940,12 @@ impl State {
 
     /// Frees blocks whose events completed; per stream, stops at the first pending event.
     pub(crate) fn process_events<B: DeviceBackend>(&mut self, dev: &B) -> Result<()> {
+        let r = self.complete_events(dev);
+        self.tell_completed_frees(dev);
+        r
+    }
+
+    fn complete_events<B: DeviceBackend>(&mut self, dev: &B) -> Result<()> {
         // A block whose stream could be neither fenced nor waited for stays parked (out of the
         // cache) when the retry fails again; the allocation that retried goes on, since its
         // request has nothing to do with that stream (`empty_cache` and the out-of-memory
@@ -943,6 +982,12 @@ impl State {
     }
 
     fn synchronize_and_free_events<B: DeviceBackend>(&mut self, dev: &B) -> Result<()> {
+        let r = self.wait_for_all_events(dev);
+        self.tell_completed_frees(dev);
+        r
+    }
+
+    fn wait_for_all_events<B: DeviceBackend>(&mut self, dev: &B) -> Result<()> {
         self.stats.num_sync_all_streams += 1;
         if !self.unsynced.is_empty() {
             self.retry_unsynced(dev)?;

@@ -632,8 +632,9 @@ impl CudaDevice {
         self.ctx.ordinal()
     }
 
-    /// Makes this device's context current on the calling thread until the guard drops.
-    fn bind(&self) -> Result<ContextGuard, BackendError> {
+    /// Makes this device's context current on the calling thread until the guard drops (which
+    /// puts the caller's context back, or none).
+    pub(crate) fn bind(&self) -> Result<impl Drop + use<>, BackendError> {
         ContextGuard::bind(&self.ctx)
     }
 

@@ -114,11 +114,11 @@ impl CudaHost {
         self.registered.lock().len()
     }
 
-    fn bind(&self) -> Result<(), BackendError> {
-        self.device
-            .context()
-            .bind_to_thread()
-            .map_err(|e| driver("cuCtxSetCurrent", e))
+    /// Makes the device's context current for the driver calls until the guard drops, which
+    /// puts the caller's context back (a pin or unpin must not leave the calling thread on
+    /// another device: a caller that never made a context current keeps none).
+    fn bind(&self) -> Result<impl Drop + use<>, BackendError> {
+        self.device.bind()
     }
 
     fn alloc_host(size: usize) -> Result<HostPtr, BackendError> {
@@ -272,7 +272,7 @@ unsafe impl HostBackend for CudaHost {
     }
 
     fn pin(&self, size: usize) -> Result<Pinned, BackendError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let t = Instant::now();
         match self.method {
             #[cfg(target_os = "linux")]
@@ -312,7 +312,7 @@ unsafe impl HostBackend for CudaHost {
     }
 
     unsafe fn unpin(&self, ptr: HostPtr, _size: usize) -> Result<u64, BackendError> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let t = Instant::now();
         let map = self.registered.lock().get(&(ptr.0 as u64)).copied();
         match map {

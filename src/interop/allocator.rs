@@ -17,7 +17,9 @@ use parking_lot::Mutex;
 use super::events::ShellPool;
 use super::pinned::{CachedPinned, PinnedAllocator};
 use super::{driver_error, registry::AllocatorRegistry, slice::CachedSlice};
-use crate::allocator::{FragmentationReport, InvariantViolation, SegmentObserver, SegmentSnapshot};
+use crate::allocator::{
+    FragmentationReport, FreeOutcome, InvariantViolation, SegmentObserver, SegmentSnapshot,
+};
 use crate::backend::DeviceBackend;
 use crate::backend::call_times::DeviceCallTimes;
 use crate::backend::cuda::CudaDevice;
@@ -229,6 +231,18 @@ impl CudaAllocator {
     ///    that stream was declared with [`record_stream`](Self::record_stream).
     pub unsafe fn free(&self, ptr: DeviceAddr) -> Result<()> {
         self.inner.free(ptr)
+    }
+
+    /// [`free`](Self::free), telling whether the block still waits for recorded streams' work
+    /// (see [`CachingAllocator::free_with_outcome`]).
+    ///
+    /// # Errors
+    /// As [`free`](Self::free).
+    ///
+    /// # Safety
+    /// As [`free`](Self::free).
+    pub unsafe fn free_with_outcome(&self, ptr: DeviceAddr) -> Result<FreeOutcome> {
+        self.inner.free_with_outcome(ptr)
     }
 
     /// Marks the allocation at `ptr` as used on `stream` (PyTorch's `recordStream`); see

@@ -8,7 +8,9 @@
 //! May use: `interop::registry`, `backend::cuda`, the core.
 
 use super::registry::AllocatorRegistry;
-use crate::{AllocError, Allocation, DeviceAddr, DeviceCallTimes, MemoryStats, Result, StreamId};
+use crate::{
+    AllocError, Allocation, DeviceAddr, DeviceCallTimes, FreeOutcome, MemoryStats, Result, StreamId,
+};
 
 /// Allocates `size` bytes on device `device` for use on `stream`, from the device's shared
 /// cache. A `size` of 0 returns an allocation with the null pointer.
@@ -50,6 +52,23 @@ pub unsafe fn free(device: usize, ptr: DeviceAddr) -> Result<()> {
     let alloc = AllocatorRegistry::global().get(device)?;
     // SAFETY: the caller's obligations 1 and 2 are `CudaAllocator::free`'s.
     unsafe { alloc.free(ptr) }
+}
+
+/// [`free`], telling whether the block still waits for the work of streams recorded with
+/// [`record_stream`] ([`CachingAllocator::free_with_outcome`](crate::CachingAllocator::free_with_outcome)).
+///
+/// # Errors
+/// As [`free`].
+///
+/// # Safety
+/// As [`free`].
+pub unsafe fn free_with_outcome(device: usize, ptr: DeviceAddr) -> Result<FreeOutcome> {
+    if ptr.is_null() {
+        return Ok(FreeOutcome::Cached);
+    }
+    let alloc = AllocatorRegistry::global().get(device)?;
+    // SAFETY: the caller's obligations are `CudaAllocator::free_with_outcome`'s.
+    unsafe { alloc.free_with_outcome(ptr) }
 }
 
 /// Marks the allocation at `ptr` as used on `stream` (PyTorch's `recordStream`).

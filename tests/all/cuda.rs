@@ -10,6 +10,7 @@
 use std::sync::{Arc, Barrier, OnceLock};
 
 use cuda_caching_allocator::backend::cuda::{CudaDevice, stream_id};
+use cuda_caching_allocator::host::{CudaHost, PinnedCache, PinnedConfig};
 use cuda_caching_allocator::interop::{AllocatorRegistry, CachedSlice, CudaAllocator, raw};
 use cuda_caching_allocator::{
     AllocError, AllocatorConfig, DeviceAddr, DeviceBackend, OomVerdict, StreamId,
@@ -1465,6 +1466,15 @@ fn cuda_calls_leave_the_callers_current_context_as_they_found_it() {
                 "a driver call left a context current"
             );
             assert_eq!(alloc.memory_stats().memory_reserved(), 0);
+            // The pinned host cache's pins and unpins too (they once left the device's context
+            // current behind them).
+            let host = CudaHost::new(Arc::new(CudaDevice::open(0).unwrap()));
+            let pinned = PinnedCache::new(host, PinnedConfig::default()).unwrap();
+            let block = pinned.alloc(3 * MIB).unwrap();
+            assert!(current_ctx().is_null(), "a pin left a context current");
+            pinned.free(block.ptr).unwrap();
+            assert!(pinned.empty_cache().unwrap() > 0, "nothing was unpinned");
+            assert!(current_ctx().is_null(), "an unpin left a context current");
         });
     });
     // With the device's own context current, it stays current (and nothing is restored).

@@ -61,6 +61,8 @@ fn observed(config: AllocatorConfig) -> (Arc<Alloc>, Arc<Mutex<Seen>>) {
                 SegmentAction::Alloc | SegmentAction::Free => in_segments,
                 SegmentAction::Map => mapped == size,
                 SegmentAction::Unmap => mapped == 0,
+                // Told of a block, not of device memory: checked by the test that makes them.
+                SegmentAction::FreeCompleted => true,
                 _ => false,
             };
             if !ok {
@@ -80,6 +82,7 @@ fn observed(config: AllocatorConfig) -> (Arc<Alloc>, Arc<Mutex<Seen>>) {
                     s.errors.push(format!("{e:?}: no such segment was told"));
                 }
             }
+            SegmentAction::FreeCompleted => {}
             _ => {
                 // An unmap may cover parts of earlier maps: cut [addr, addr + size) out.
                 let end = addr + size as u64;
@@ -255,6 +258,93 @@ fn private_pool_segments_carry_the_pool_id_and_removing_the_observer_stops_event
         a.release_pool(pool).unwrap();
         a.empty_cache().unwrap();
         assert_eq!(seen.lock().unwrap().events.len(), before, "{name}");
+        assert!(seen.lock().unwrap().errors.is_empty(), "{name}");
+    }
+}
+
+/// The `FreeCompleted` events so far, as (address, size, stream).
+fn completed(seen: &Mutex<Seen>) -> Vec<(u64, usize, StreamId)> {
+    let s = seen.lock().unwrap();
+    s.events
+        .iter()
+        .filter(|e| e.action == SegmentAction::FreeCompleted)
+        .map(|e| (e.addr.0, e.size, e.stream))
+        .collect()
+}
+
+/// PyTorch's `free_completed` for blocks whose free waited on recorded streams: a free that puts
+/// its block back at once answers `Cached` and is told nothing; one whose block waits for
+/// another stream's work answers `AwaitingStreams`, and the observer is told once (the
+/// allocation's address, requested size and stream) when the allocator finds that work done,
+/// at an allocation that reaches the core or at `empty_cache`, and also for a free deferred
+/// while a pool routing is underway.
+#[test]
+fn an_awaited_free_is_told_once_its_streams_work_is_done() {
+    let (s0, s1) = (StreamId(0), StreamId(1));
+    for (name, config) in crate::util::four_configs() {
+        let (a, seen) = observed(config);
+        let x = a.allocate(3 * MIB + 5, s0).unwrap();
+        a.record_stream(x.ptr, s1).unwrap();
+        a.backend().submit_work(s1);
+        assert_eq!(
+            a.free_with_outcome(x.ptr).unwrap(),
+            FreeOutcome::AwaitingStreams,
+            "{name}"
+        );
+        // Sizes not seen before, so that each allocation reaches the core and looks at events.
+        let y = a.allocate(5 * MIB + 17, s0).unwrap();
+        assert!(
+            completed(&seen).is_empty(),
+            "{name}: told before the work completed"
+        );
+        a.backend().complete_work(s1);
+        let z = a.allocate(7 * MIB + 123, s0).unwrap();
+        assert_eq!(completed(&seen), [(x.ptr.0, 3 * MIB + 5, s0)], "{name}");
+        // A plain free, and a use recorded on the allocation's own stream: back at once.
+        assert_eq!(
+            a.free_with_outcome(y.ptr).unwrap(),
+            FreeOutcome::Cached,
+            "{name}"
+        );
+        a.record_stream(z.ptr, s0).unwrap();
+        assert_eq!(
+            a.free_with_outcome(z.ptr).unwrap(),
+            FreeOutcome::Cached,
+            "{name}"
+        );
+        // Waiting, then told by empty_cache's synchronization.
+        let w = a.allocate(MIB + 1, s0).unwrap();
+        a.record_stream(w.ptr, s1).unwrap();
+        a.backend().submit_work(s1);
+        assert_eq!(
+            a.free_with_outcome(w.ptr).unwrap(),
+            FreeOutcome::AwaitingStreams,
+            "{name}"
+        );
+        a.empty_cache().unwrap();
+        assert_eq!(completed(&seen).len(), 2, "{name}");
+        assert_eq!(completed(&seen)[1], (w.ptr.0, MIB + 1, s0), "{name}");
+        // Deferred while a routing is underway (no event may be recorded then), told after.
+        let pool = MemPoolId::new_user();
+        a.create_pool(pool).unwrap();
+        let v = a.allocate(2 * MIB + 3, s0).unwrap();
+        a.record_stream(v.ptr, s1).unwrap();
+        a.begin_allocate_to_pool(pool, Box::new(|s| s == StreamId(2)))
+            .unwrap();
+        assert_eq!(
+            a.free_with_outcome(v.ptr).unwrap(),
+            FreeOutcome::AwaitingStreams,
+            "{name}"
+        );
+        a.end_allocate_to_pool(pool).unwrap();
+        a.backend().complete_work(s1);
+        let u = a.allocate(11 * MIB + 1, s0).unwrap();
+        a.free(u.ptr).unwrap();
+        a.empty_cache().unwrap();
+        assert_eq!(completed(&seen).len(), 3, "{name}: {:?}", completed(&seen));
+        assert_eq!(completed(&seen)[2], (v.ptr.0, 2 * MIB + 3, s0), "{name}");
+        a.release_pool(pool).unwrap();
+        a.check_invariants().unwrap();
         assert!(seen.lock().unwrap().errors.is_empty(), "{name}");
     }
 }

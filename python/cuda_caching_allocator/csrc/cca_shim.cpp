@@ -21,7 +21,9 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/core/impl/GPUTrace.h>
 #include <c10/util/ApproximateClock.h>
+#include <c10/util/env.h>
 
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
@@ -173,8 +175,9 @@ static_assert(sizeof(CPool) == 16, "MempoolId layout");
 using AcceptFn = bool (*)(void*, void*);
 using DropFn = void (*)(void*);
 using SegFn = void (*)(void*, const CSegment*);
-// cca_set_segment_callback's callback: (ctx, action 0 alloc / 1 free / 2 map / 3 unmap, device,
-// address, size, stream, pool).
+// cca_set_segment_callback's callback: (ctx, action 0 alloc / 1 free / 2 map / 3 unmap of a
+// segment or pages, 4 a block whose free waited for recorded streams is back in the cache,
+// device, address, size, stream, pool).
 using SegmentEventFn = void (*)(void*, int, int, uint64_t, uint64_t, void*, CPool);
 using BlockFn = void (*)(void*, const CBlock*);
 
@@ -182,6 +185,7 @@ struct Api {
   int (*abi_version)();
   void* (*alloc)(ssize_t, int, void*);
   void (*free)(void*, ssize_t, int, void*);
+  int (*free_checked)(void*, ssize_t, int, void*);
   void (*record_stream)(void*, void*);
   int (*record_stream_checked)(void*, void*);
   void (*init)(int);
@@ -236,6 +240,7 @@ Api load_api(const std::string& path) {
                   " (reinstall the package)"));
   bind(lib, "cca_alloc", a.alloc);
   bind(lib, "cca_free", a.free);
+  bind(lib, "cca_free_checked", a.free_checked);
   bind(lib, "cca_record_stream", a.record_stream);
   bind(lib, "cca_record_stream_checked", a.record_stream_checked);
   bind(lib, "cca_init", a.init);
@@ -292,19 +297,107 @@ struct Live {
   std::shared_ptr<c10::GatheredContext> context;
   // Streams of other devices that Tensor.record_stream named (see record_foreign_use).
   std::vector<std::pair<c10::DeviceIndex, cudaStream_t>> foreign_uses;
+  // Tensor.record_stream named a stream of this device: the free may leave the block waiting.
+  bool recorded = false;
 };
 
-// Makes `device` current for its lifetime and restores the caller's device; errors are ignored
-// (it runs in deleters, which must not throw; a failed switch makes the waits below fail, and
-// those failures are handled there).
+// A free whose block waits for recorded streams' work: what its FREE_COMPLETED entry will say
+// when the library calls back (Shim::on_segment, action 4).
+struct PendingFree {
+  size_t size;
+  cudaStream_t stream;
+  MempoolId_t pool;
+  std::shared_ptr<c10::GatheredContext> context;
+};
+
+// PyTorch's PYTORCH_NO_CUDA_MEMORY_CACHING (or its HIP name): every allocation goes straight to
+// cudaMalloc and back to cudaFree, as PyTorch's own allocator does (forceUncachedAllocator), so
+// that compute-sanitizer sees each allocation's bounds.
+bool force_uncached() {
+  static const bool force = [] {
+    try {
+      return c10::utils::check_env("PYTORCH_NO_CUDA_MEMORY_CACHING") == true ||
+             c10::utils::check_env("PYTORCH_NO_HIP_MEMORY_CACHING") == true;
+    } catch (...) {
+      return false;
+    }
+  }();
+  return force;
+}
+
+// torch.cuda's GPU trace (the CUDA sanitizer, torch.utils._cuda_trace callbacks): told of every
+// allocation handed out and every free, as PyTorch's allocator tells it.
+void gpu_trace_alloc(void* p) {
+  const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace();
+  if (C10_UNLIKELY(interp)) {
+    (*interp)->trace_gpu_memory_allocation(c10::kCUDA, reinterpret_cast<uintptr_t>(p));
+  }
+}
+void gpu_trace_free(void* p) {
+  const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace();
+  if (C10_UNLIKELY(interp)) {
+    (*interp)->trace_gpu_memory_deallocation(c10::kCUDA, reinterpret_cast<uintptr_t>(p));
+  }
+}
+
+// cudaMalloc for the uncached mode (PyTorch's uncached_allocate): deliberately not capture-aware,
+// so that a graph capture fails loudly, as PyTorch's does.
+void* uncached_alloc(size_t n) {
+  void* p = nullptr;
+  C10_CUDA_CHECK(cudaMalloc(&p, n));
+  gpu_trace_alloc(p);
+  return p;
+}
+
+// The deleter of uncached allocations (PyTorch's uncached_delete); warns instead of throwing,
+// since deleters run where exceptions must not escape.
+void uncached_delete_fn(void* p) {
+  if (p == nullptr) return;
+  gpu_trace_free(p);
+  cudaError_t e = cudaFree(p);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    TORCH_WARN(std::string("cuda_caching_allocator: cudaFree of an uncached allocation failed: ") +
+               cudaGetErrorString(e));
+  }
+}
+
+// Makes `device` current for its lifetime and puts the caller's device back as PyTorch's
+// CUDAGuard does: c10::cuda::MaybeSetDevice, which makes the old device current only where its
+// primary context exists and otherwise just notes it, so that a thread that never chose a device
+// (the runtime answers 0) does not get a context made on GPU 0 by the restore
+// (gpu/probes/device_guard.py). Errors are cleared and otherwise ignored (it runs in deleters,
+// which must not throw; a failed switch makes the calls below fail, and those failures are
+// handled there).
 struct DeviceScope {
-  int old = -1;
-  explicit DeviceScope(int device) {
-    if (cudaGetDevice(&old) != cudaSuccess) old = -1;
-    if (old != device) (void)cudaSetDevice(device);
+  c10::DeviceIndex old = -1;  // the device to put back; -1: nothing to put back
+  explicit DeviceScope(int device) noexcept {
+    try {
+      c10::DeviceIndex noted = -1;  // PyTorch's idea of the current device (may be only noted)
+      int running = -1;             // the runtime's
+      if (c10::cuda::GetDevice(&noted) != cudaSuccess || cudaGetDevice(&running) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return;
+      }
+      if (noted == device && running == device) return;
+      if (c10::cuda::SetDevice(static_cast<c10::DeviceIndex>(device), /*force=*/true) !=
+          cudaSuccess) {
+        (void)cudaGetLastError();
+        return;
+      }
+      old = noted;
+    } catch (...) {
+      (void)cudaGetLastError();
+    }
   }
   ~DeviceScope() {
-    if (old >= 0) (void)cudaSetDevice(old);
+    if (old < 0) return;
+    try {
+      if (c10::cuda::MaybeSetDevice(old) != cudaSuccess) (void)cudaGetLastError();
+    } catch (...) {
+      // hasPrimaryContext throws once PyTorch's CUDA hooks are gone (at exit).
+      (void)cudaGetLastError();
+    }
   }
   DeviceScope(const DeviceScope&) = delete;
   DeviceScope& operator=(const DeviceScope&) = delete;
@@ -412,12 +505,22 @@ class Shim : public CCA::CUDAAllocator {
 
   c10::DataPtr allocate(size_t n) override {
     c10::DeviceIndex dev = c10::cuda::current_device();
+    if (uncached()) {
+      void* p = uncached_alloc(n);
+      return {p, p, &uncached_delete_fn, c10::Device(c10::DeviceType::CUDA, dev)};
+    }
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
     void* p = n == 0 ? nullptr : malloc_on(n, dev, stream);
     return {p, p, &raw_delete_fn, c10::Device(c10::DeviceType::CUDA, dev)};
   }
 
-  c10::DeleterFnPtr raw_deleter() const override { return &raw_delete_fn; }
+  c10::DeleterFnPtr raw_deleter() const override {
+    return uncached() ? &uncached_delete_fn : &raw_delete_fn;
+  }
+
+  // PyTorch's bypass of the cache: PYTORCH_NO_CUDA_MEMORY_CACHING, or
+  // torch._C._cuda_cudaCachingAllocator_enable(False) (caching_allocator_enable).
+  bool uncached() const { return force_uncached() || !enabled_.load(std::memory_order_relaxed); }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
@@ -470,18 +573,36 @@ class Shim : public CCA::CUDAAllocator {
 
   void* raw_alloc(size_t nbytes) override {
     if (nbytes == 0) return nullptr;
+    if (uncached()) return uncached_alloc(nbytes);
     c10::DeviceIndex dev = c10::cuda::current_device();
     return malloc_on(nbytes, dev, c10::cuda::getCurrentCUDAStream(dev).stream());
   }
 
   void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
     if (nbytes == 0) return nullptr;
+    if (uncached()) return uncached_alloc(nbytes);
     return malloc_on(nbytes, c10::cuda::current_device(), stream);
   }
 
   // torch.cuda.caching_allocator_delete: an unknown pointer raises, as PyTorch's "invalid device
-  // pointer" (a tensor's deleter, which must not throw, only warns: free_ptr's default).
-  void raw_delete(void* ptr) override { free_ptr(ptr, /*strict=*/true); }
+  // pointer" (a tensor's deleter, which must not throw, only warns: free_ptr's default). While
+  // the cache is bypassed a pointer the cache did not hand out goes to cudaFree, as PyTorch's
+  // (a cached one made before the bypass still goes back to the cache).
+  void raw_delete(void* ptr) override {
+    if (ptr != nullptr && uncached()) {
+      bool cached = false;
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        cached = live_.count(ptr) != 0;
+      }
+      if (!cached) {
+        gpu_trace_free(ptr);
+        C10_CUDA_CHECK(cudaFree(ptr));
+        return;
+      }
+    }
+    free_ptr(ptr, /*strict=*/true);
+  }
 
   void init(int device_count) override {
     device_count_.store(device_count);
@@ -544,6 +665,9 @@ class Shim : public CCA::CUDAAllocator {
     }
     api_.record_stream(ptr.get(), stream.stream());
     if (api_.last_error_kind() != 0) fail("Tensor.record_stream");
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = live_.find(ptr.get());
+    if (it != live_.end()) it->second.recorded = true;
   }
 
   SnapshotInfo snapshot(MempoolId_t mempool_id, bool include_traces) override {
@@ -552,9 +676,12 @@ class Shim : public CCA::CUDAAllocator {
       Shim* self;
       c10::DeviceIndex device;
       std::vector<SegmentInfo>* out;
+      bool failed = false;  // out of memory building the lists (nothing may unwind into Rust)
     };
     const int n_devices = devices();
-    std::lock_guard<std::mutex> g(mu_);
+    // Per device: the active bytes of the segments listed (PyTorch's SNAPSHOT trace entry).
+    std::vector<size_t> active(static_cast<size_t>(std::max(n_devices, 0)), 0);
+    std::unique_lock<std::mutex> g(mu_);
     for (int d = 0; d < n_devices; ++d) {
       std::vector<SegmentInfo> segs;
       Builder b{this, static_cast<c10::DeviceIndex>(d), &segs};
@@ -562,6 +689,8 @@ class Shim : public CCA::CUDAAllocator {
           d,
           [](void* ctx, const CSegment* s) {
             auto* b = static_cast<Builder*>(ctx);
+            if (b->failed) return;
+            try {
             SegmentInfo si;
             si.device = b->device;
             si.address = s->address;
@@ -574,31 +703,43 @@ class Shim : public CCA::CUDAAllocator {
             // snapshot, empty cached segments included, as PyTorch's lists them).
             si.owner_private_pool_id = MempoolId_t{s->pool.first, s->pool.second};
             b->out->push_back(std::move(si));
+            } catch (...) {
+              b->failed = true;
+            }
           },
           [](void* ctx, const CBlock* blk) {
             auto* b = static_cast<Builder*>(ctx);
-            if (b->out->empty()) return;
+            if (b->failed || b->out->empty()) return;
+            try {
             SegmentInfo& si = b->out->back();
             BlockInfo bi;
             bi.size = blk->size;
             bi.requested_size = blk->requested_size;
             bi.allocated = blk->state == 0;
             bi.active = blk->state <= 1;
-            si.requested_size += blk->requested_size;
             if (bi.allocated) si.allocated_size += blk->size;
-            if (bi.active) si.active_size += blk->size;
+            if (bi.active) {
+              si.active_size += blk->size;
+              si.requested_size += blk->requested_size;
+            }
             auto it = b->self->live_.find(reinterpret_cast<void*>(blk->address));
             if (bi.allocated && it != b->self->live_.end()) {
               bi.context_when_allocated = it->second.context;
             }
             si.blocks.push_back(std::move(bi));
+            } catch (...) {
+              b->failed = true;
+            }
           },
           &b);
+      TORCH_CHECK(!b.failed, "cuda_caching_allocator: memory_snapshot: out of host memory");
       for (auto& s : segs) {
         if (mempool_id != MempoolId_t{0, 0} && s.owner_private_pool_id != mempool_id) continue;
+        active[static_cast<size_t>(d)] += s.active_size;
         info.segments.push_back(std::move(s));
       }
     }
+    g.unlock();
     std::lock_guard<std::mutex> t(trace_mu_);
     if (traces_.size() < static_cast<size_t>(n_devices)) traces_.resize(n_devices);
     // The converter gives nanoseconds; PyTorch's snapshot divides by 1000 (`time_us`).
@@ -616,6 +757,12 @@ class Shim : public CCA::CUDAAllocator {
       }
     } else {
       info.device_traces.resize(traces_.size());
+    }
+    // As PyTorch's: each snapshot leaves a SNAPSHOT entry (the active bytes it listed) in each
+    // device's history, after the entries it returned.
+    for (int d = 0; d < n_devices; ++d) {
+      trace_locked(TraceEntry::SNAPSHOT, static_cast<c10::DeviceIndex>(d), nullptr,
+                   active[static_cast<size_t>(d)], nullptr, mempool_id, nullptr);
     }
     info.config_metadata.garbage_collection_threshold = 0.0;
     info.config_metadata.max_split_size = 0;
@@ -662,6 +809,7 @@ class Shim : public CCA::CUDAAllocator {
     drop_route(device, mempool_id);
     api_.end_pool(device, cpool(mempool_id));
     if (api_.last_error_kind() != 0) fail("endAllocateToPool");
+    flush_deferred_foreign();
   }
 
   void releasePool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
@@ -987,16 +1135,24 @@ class Shim : public CCA::CUDAAllocator {
                     num(cp->device), " given for device ", num(device)));
     struct Changes {
       std::vector<void*> freed, created;
+      bool lost = false;  // out of host memory listing a change (nothing may unwind into Rust)
     } ch;
     std::lock_guard<std::mutex> g(mu_);
     int rc = api_.restore_pool(
         device, cpool(cp->pool), cp->blocks.data(), cp->blocks.size(),
         [](void* ctx, uint64_t p, int created) {
           auto* c = static_cast<Changes*>(ctx);
-          (created ? c->created : c->freed).push_back(reinterpret_cast<void*>(p));
+          try {
+            (created ? c->created : c->freed).push_back(reinterpret_cast<void*>(p));
+          } catch (...) {
+            c->lost = true;
+          }
         },
         &ch);
     TORCH_CHECK(rc == 0, cat("cuda_caching_allocator: ", api_.last_error()));
+    TORCH_CHECK(!ch.lost, "cuda_caching_allocator: setCheckpointPoolState: out of host memory "
+                          "while listing the pool's changes; the pool was restored but this "
+                          "allocator's record of its live allocations is incomplete");
     // The memory history and trace trackers see the restore's frees and allocations, as
     // PyTorch's (which makes them through its own free and alloc paths).
     CheckpointDelta cpd;
@@ -1004,8 +1160,11 @@ class Shim : public CCA::CUDAAllocator {
       auto it = live_.find(p);
       if (it != live_.end()) {
         const Live& l = it->second;
-        trace(TraceEntry::FREE_REQUESTED, l.device, p, l.size, l.stream, l.pool, nullptr);
-        trace(TraceEntry::FREE_COMPLETED, l.device, p, l.size, l.stream, l.pool, nullptr);
+        {
+          std::lock_guard<std::mutex> t(trace_mu_);
+          trace_locked(TraceEntry::FREE_REQUESTED, l.device, p, l.size, l.stream, l.pool, nullptr);
+          trace_locked(TraceEntry::FREE_COMPLETED, l.device, p, l.size, l.stream, l.pool, nullptr);
+        }
         live_.erase(it);
       }
       cpd.ptrs_freed.push_back(p);
@@ -1169,6 +1328,7 @@ class Shim : public CCA::CUDAAllocator {
       }
       if (recorder) free_ctx = recorder();
     }
+    bool awaits = false, deferred = false, ordered = false;
     {
       std::lock_guard<std::mutex> g(mu_);
       auto it = live_.find(ptr);
@@ -1181,15 +1341,48 @@ class Shim : public CCA::CUDAAllocator {
       }
       l = std::move(it->second);
       live_.erase(it);
+      const bool keep = record_when_ == RecordContext::ALLOC || record_when_ == RecordContext::ALL;
       std::shared_ptr<c10::GatheredContext> ctx;
-      if (record_when_ == RecordContext::ALLOC || record_when_ == RecordContext::ALL)
-        ctx = free_ctx ? free_ctx : l.context;
-      trace(TraceEntry::FREE_REQUESTED, l.device, ptr, l.size, l.stream, l.pool, ctx);
-      trace(TraceEntry::FREE_COMPLETED, l.device, ptr, l.size, l.stream, l.pool, std::move(ctx));
+      if (keep) ctx = free_ctx ? free_ctx : l.context;
+      // As PyTorch's: FREE_COMPLETED goes with FREE_REQUESTED, side by side, unless the block
+      // may wait for recorded streams' work; then it comes when the block is back (the
+      // library's segment callback, action 4, or release() when it did not wait after all).
+      awaits = l.recorded || !l.foreign_uses.empty();
+      {
+        std::lock_guard<std::mutex> t(trace_mu_);
+        trace_locked(TraceEntry::FREE_REQUESTED, l.device, ptr, l.size, l.stream, l.pool, ctx);
+        if (awaits) {
+          pending_frees_[std::make_pair(l.device, ptr)] =
+              PendingFree{l.size, l.stream, l.pool, keep ? l.context : nullptr};
+        } else {
+          trace_locked(TraceEntry::FREE_COMPLETED, l.device, ptr, l.size, l.stream, l.pool,
+                       std::move(ctx));
+        }
+      }
+      if (!l.foreign_uses.empty()) {
+        // Still under mu_, which beginAllocateToPool takes and which PyTorch calls before it
+        // begins a capture (CUDAGraph::capture_begin): no capture through PyTorch begins on
+        // the foreign stream between the capture check and the event record. While a routing
+        // is underway on the foreign device, the free waits for it to end, as PyTorch's
+        // deferred blocks wait for their device's captures (flush_deferred_foreign).
+        if (foreign_device_routed(l)) {
+          deferred = true;
+          deferred_foreign_.emplace_back(ptr, std::move(l));
+        } else {
+          ordered = order_after_foreign_uses(ptr, l);
+        }
+      }
     }
-    if (!l.foreign_uses.empty()) {
+    gpu_trace_free(ptr);
+    if (!deferred) release(ptr, l, awaits, ordered);
+  }
+
+  // Hands a freed allocation back to the library. `ordered`: its uses on other devices' streams
+  // were ordered by events (order_after_foreign_uses); otherwise they are waited for here.
+  void release(void* ptr, const Live& l, bool awaits, bool ordered) {
+    if (!l.foreign_uses.empty() && !ordered) {
       bool exiting = false;
-      if (!order_after_foreign_uses(ptr, l) && !wait_foreign_uses(l, &exiting)) {
+      if (!wait_foreign_uses(l, &exiting)) {
         // The other device's work may still use the block: never hand it out again (at exit,
         // when the runtime is unloading, quietly).
         if (!exiting) {
@@ -1197,12 +1390,69 @@ class Shim : public CCA::CUDAAllocator {
                      "device that Tensor.record_stream named failed (or that stream is "
                      "capturing a graph); the block is kept out of use for good");
         }
+        std::lock_guard<std::mutex> t(trace_mu_);
+        pending_frees_.erase(std::make_pair(l.device, ptr));
         return;
       }
     }
-    api_.free(ptr, static_cast<ssize_t>(l.size), l.device, l.stream);
-    if (api_.last_error_kind() != 0)
-      TORCH_WARN(cat("cuda_caching_allocator: free: ", api_.last_error()));
+    if (!awaits) {
+      api_.free(ptr, static_cast<ssize_t>(l.size), l.device, l.stream);
+      if (api_.last_error_kind() != 0)
+        TORCH_WARN(cat("cuda_caching_allocator: free: ", api_.last_error()));
+      return;
+    }
+    // 1: the block waits (the library calls back when it is back); 0: back now; -1: an error,
+    // after which a block left waiting still calls back.
+    int rc = api_.free_checked(ptr, static_cast<ssize_t>(l.size), l.device, l.stream);
+    if (rc < 0) TORCH_WARN(cat("cuda_caching_allocator: free: ", api_.last_error()));
+    if (rc == 0) complete_pending_free(l.device, ptr, /*contain=*/false);
+  }
+
+  // FREE_COMPLETED for a free whose block waited (free_ptr registered it in pending_frees_). As
+  // PyTorch's, it carries the context of the allocation during which the library found the
+  // block back (under context "alloc" or "all"), else the freed allocation's.
+  void complete_pending_free(c10::DeviceIndex device, void* ptr, bool contain) {
+    std::lock_guard<std::mutex> t(trace_mu_);
+    auto it = pending_frees_.find(std::make_pair(device, ptr));
+    if (it == pending_frees_.end()) return;
+    PendingFree f = std::move(it->second);
+    pending_frees_.erase(it);
+    auto ctx = t_alloc_context != nullptr && *t_alloc_context ? *t_alloc_context : f.context;
+    trace_locked(TraceEntry::FREE_COMPLETED, device, ptr, f.size, f.stream, f.pool,
+                 std::move(ctx), contain);
+  }
+
+  // Whether a routing (a capture or a use_mem_pool) is underway on a device of `l`'s foreign
+  // uses. mu_ held.
+  bool foreign_device_routed(const Live& l) const {
+    for (const auto& r : routes_) {
+      for (const auto& use : l.foreign_uses) {
+        if (use.first == r.device) return true;
+      }
+    }
+    return false;
+  }
+
+  // The frees deferred by free_ptr whose foreign devices have no routing underway any more go
+  // back to the library, their uses ordered by events under mu_ as free_ptr orders them.
+  void flush_deferred_foreign() {
+    std::vector<std::pair<void*, Live>> ready;
+    std::vector<bool> ordered;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      for (auto it = deferred_foreign_.begin(); it != deferred_foreign_.end();) {
+        if (foreign_device_routed(it->second)) {
+          ++it;
+          continue;
+        }
+        ordered.push_back(order_after_foreign_uses(it->first, it->second));
+        ready.push_back(std::move(*it));
+        it = deferred_foreign_.erase(it);
+      }
+    }
+    for (size_t i = 0; i < ready.size(); ++i) {
+      release(ready[i].first, ready[i].second, /*awaits=*/true, ordered[i]);
+    }
   }
 
  private:
@@ -1232,6 +1482,17 @@ class Shim : public CCA::CUDAAllocator {
     static const TraceEntry::Action kActions[] = {
         TraceEntry::SEGMENT_ALLOC, TraceEntry::SEGMENT_FREE, TraceEntry::SEGMENT_MAP,
         TraceEntry::SEGMENT_UNMAP};
+    if (action == 4) {
+      // A free that waited for recorded streams is complete: its FREE_COMPLETED entry.
+      try {
+        static_cast<Shim*>(self)->complete_pending_free(static_cast<c10::DeviceIndex>(device),
+                                                        reinterpret_cast<void*>(address),
+                                                        /*contain=*/true);
+      } catch (...) {
+        std::fprintf(stderr, "cuda_caching_allocator: a free_completed trace entry was lost\n");
+      }
+      return;
+    }
     if (action < 0 || action > 3) return;
     try {
       std::shared_ptr<c10::GatheredContext> ctx;
@@ -1313,6 +1574,14 @@ class Shim : public CCA::CUDAAllocator {
              cudaStream_t stream, MempoolId_t pool, std::shared_ptr<c10::GatheredContext> ctx,
              bool contain = false) {
     std::lock_guard<std::mutex> t(trace_mu_);
+    trace_locked(action, device, addr, size, stream, pool, std::move(ctx), contain);
+  }
+
+  // trace() with trace_mu_ held by the caller (entries that must sit side by side, as a free's
+  // FREE_REQUESTED and FREE_COMPLETED, which PyTorch's memory viewer merges when adjacent).
+  void trace_locked(TraceEntry::Action action, c10::DeviceIndex device, void* addr, size_t size,
+                    cudaStream_t stream, MempoolId_t pool,
+                    std::shared_ptr<c10::GatheredContext> ctx, bool contain = false) {
     if (!history_enabled_ && trackers_.empty()) return;
     TraceEntry te(action, device, reinterpret_cast<size_t>(addr), size, stream, pool,
                   c10::getApproximateTime(), std::move(ctx),
@@ -1393,19 +1662,21 @@ class Shim : public CCA::CUDAAllocator {
     }
     if (p == nullptr) {
       std::vector<OutOfMemoryObserver> observers;
+      size_t device_free = 0, device_total = 0;
+      if (oom) {
+        c10::cuda::CUDAGuard g(dev);
+        if (cudaMemGetInfo(&device_free, &device_total) != cudaSuccess) (void)cudaGetLastError();
+      }
       {
         std::lock_guard<std::mutex> g(mu_);
         if (oom) {
-          trace(TraceEntry::OOM, dev, nullptr, n, stream, pool, ctx);
+          // As PyTorch's: the OOM entry's address field carries the device's free bytes
+          // (memory_snapshot's "device_free").
+          trace(TraceEntry::OOM, dev, reinterpret_cast<void*>(device_free), n, stream, pool, ctx);
           observers = oom_observers_;
         }
       }
       if (oom) {
-        size_t device_free = 0, device_total = 0;
-        {
-          c10::cuda::CUDAGuard g(dev);
-          (void)cudaMemGetInfo(&device_free, &device_total);
-        }
         // As PyTorch's: with a memory fraction set, observers get the cap as the total.
         const double fraction = api_.memory_fraction(dev);
         size_t total_seen = device_total;
@@ -1418,10 +1689,14 @@ class Shim : public CCA::CUDAAllocator {
       TORCH_CHECK(false, cat("cuda_caching_allocator: allocation of ", num(n),
                              " bytes on device ", num(dev), " failed: ", msg));
     }
-    std::lock_guard<std::mutex> g(mu_);
-    trace(TraceEntry::ALLOC, dev, p, n, stream, pool,
-          when == RecordContext::ALLOC || when == RecordContext::ALL ? ctx : nullptr);
-    live_[p] = Live{n, dev, stream, pool, std::move(ctx)};
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      trace(TraceEntry::ALLOC, dev, p, n, stream, pool,
+            when == RecordContext::ALLOC || when == RecordContext::ALL ? ctx : nullptr);
+      live_[p] = Live{n, dev, stream, pool, std::move(ctx)};
+    }
+    // Outside the lock: the GPU trace's callbacks take the GIL.
+    gpu_trace_alloc(p);
     return p;
   }
 
@@ -1448,6 +1723,9 @@ class Shim : public CCA::CUDAAllocator {
   std::unordered_map<std::string, std::weak_ptr<void>> ipc_opened_;
   std::unordered_map<void*, Live> live_;
   std::vector<Route> routes_;
+  // Frees with uses on streams of a device where a routing was underway (free_ptr), until it
+  // ends (flush_deferred_foreign).
+  std::vector<std::pair<void*, Live>> deferred_foreign_;
   // Guards traces_, annotations_, history_enabled_, max_entries_, skip_ and trackers_ (the rest
   // is mu_'s): the segment callback takes it under the library's lock, so nothing holding it
   // calls into the library, and it is taken after mu_ where both are.
@@ -1464,6 +1742,9 @@ class Shim : public CCA::CUDAAllocator {
   std::unordered_set<std::string> skip_;
   std::vector<OutOfMemoryObserver> oom_observers_;
   std::vector<AllocatorTraceTracker> trackers_;
+  // Frees whose blocks wait for recorded streams, by (device, address): their FREE_COMPLETED
+  // entries to come (complete_pending_free). Guarded by trace_mu_.
+  std::map<std::pair<c10::DeviceIndex, void*>, PendingFree> pending_frees_;
 };
 
 // The allocator is immortal, as PyTorch's own is: at exit, torch's static destructors and the

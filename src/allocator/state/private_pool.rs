@@ -445,6 +445,8 @@ impl State {
                 first_err.get_or_insert(e);
             }
         }
+        // Blocks whose streams were waited for on the spot are back already.
+        self.tell_completed_frees(dev);
         first_err.map_or(Ok(()), Err)
     }
 
