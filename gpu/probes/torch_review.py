@@ -216,14 +216,19 @@ if probe == "free_completed":
     ay, az = first("alloc", yp), first("alloc", zp)
     n_done = sum(1 for e in tr if e["action"] == "free_completed" and e["addr"] == xp)
     ok = 0 <= req < ay < done_x < az and n_done == 1
+    names = {xp: "x", yp: "y", zp: "z"}
+    seq = " ".join(f"{e['action']}:{names.get(e['addr'], hex(e['addr']))}:{e['size']}" for e in tr)
     done(ok, f"entry order free_requested {req}, alloc y {ay}, free_completed {done_x}, alloc z "
              f"{az} (want free_requested < alloc y < free_completed < alloc z); "
-             f"{n_done} free_completed entries for the tensor")
+             f"{n_done} free_completed entries for the tensor; trace: {seq}")
 
 if probe == "gpu_trace":
     # torch.cuda's GPU trace (the CUDA sanitizer, TORCH_CUDA_SANITIZER=1, and
     # torch.utils._cuda_trace) is told of every allocation and free by PyTorch's allocator.
-    from torch.utils import _cuda_trace as CT
+    try:
+        from torch.cuda import _gpu_trace as CT
+    except ImportError:
+        from torch.utils import _cuda_trace as CT
     T._C._activate_gpu_trace()
     allocs, frees = [], []
     CT.register_callback_for_memory_allocation(allocs.append)

@@ -965,9 +965,14 @@ class Shim : public CCA::CUDAAllocator {
       void* token = api_.import_pages(dev, header.pid, header.segment_size, fds.data(),
                                       fds.size(), &base);
       TORCH_CHECK(token != nullptr, cat("cuda_caching_allocator: ", api_.last_error()));
+      // The release runs on the opening device, as PyTorch's (whose ExpandableSegment unmaps
+      // under a CUDAGuard): PyTorch's IPC storage deleter then synchronizes the device's
+      // current stream, which in a thread that never chose a device would otherwise make a
+      // context on GPU 0 (gpu/probes/device_guard.py).
       sp = std::shared_ptr<void>(reinterpret_cast<void*>(base),
-                                 [this, handle, token, forget](void*) {
+                                 [this, handle, token, forget, dev](void*) {
                                    forget(handle);
+                                   DeviceScope scope(dev);
                                    api_.close_imported(token);
                                  });
     } else {
