@@ -191,12 +191,13 @@ if probe == "free_completed":
     # free_requested at the free and free_completed only once that work is done, at the first
     # allocation after it (its process_events); the package traced both at the free, so the
     # memory viewer showed the memory released while the side stream still used it.
-    T.cuda.memory._record_memory_history(max_entries=10000)
+    # Python stacks only: gathering C++ stacks can take longer than the side stream's work.
+    T.cuda.memory._record_memory_history(max_entries=10000, stacks="python")
     side = T.cuda.Stream()
     x = T.empty((3 << 20) + 4096, dtype=T.uint8, device="cuda")
     side.wait_stream(T.cuda.current_stream())
     with T.cuda.stream(side):
-        T.cuda._sleep(int(1e9))  # about half a second of queued work
+        T.cuda._sleep(int(6e9))  # about three seconds of queued work
         x.add_(1)
     x.record_stream(side)
     xp = x.data_ptr()
@@ -204,6 +205,7 @@ if probe == "free_completed":
     # Sizes not seen before, so that each allocation reaches the allocator's core.
     y = T.empty((5 << 20) + 8192, dtype=T.uint8, device="cuda")
     yp = y.data_ptr()
+    still_running = not side.query()
     T.cuda.synchronize()
     z = T.empty((7 << 20) + 12288, dtype=T.uint8, device="cuda")
     zp = z.data_ptr()
@@ -215,12 +217,13 @@ if probe == "free_completed":
     req, done_x = first("free_requested", xp), first("free_completed", xp)
     ay, az = first("alloc", yp), first("alloc", zp)
     n_done = sum(1 for e in tr if e["action"] == "free_completed" and e["addr"] == xp)
-    ok = 0 <= req < ay < done_x < az and n_done == 1
-    names = {xp: "x", yp: "y", zp: "z"}
+    ok = still_running and 0 <= req < ay < done_x < az and n_done == 1
+    names = {yp: "y", zp: "z", xp: "x"}
     seq = " ".join(f"{e['action']}:{names.get(e['addr'], hex(e['addr']))}:{e['size']}" for e in tr)
     done(ok, f"entry order free_requested {req}, alloc y {ay}, free_completed {done_x}, alloc z "
              f"{az} (want free_requested < alloc y < free_completed < alloc z); "
-             f"{n_done} free_completed entries for the tensor; trace: {seq}")
+             f"{n_done} free_completed entries for the tensor; side stream still busy at y's "
+             f"allocation {still_running}; trace: {seq}")
 
 if probe == "gpu_trace":
     # torch.cuda's GPU trace (the CUDA sanitizer, TORCH_CUDA_SANITIZER=1, and
