@@ -194,6 +194,13 @@ if probe == "free_completed":
     # Python stacks only: gathering C++ stacks can take longer than the side stream's work.
     T.cuda.memory._record_memory_history(max_entries=10000, stacks="python")
     side = T.cuda.Stream()
+    # Load the kernels first: a kernel's first launch loads it (lazy loading), which waits for
+    # the device, the sleep below included.
+    w = T.zeros(8, dtype=T.uint8, device="cuda")
+    w.add_(1)
+    T.cuda._sleep(1)
+    T.cuda.synchronize()
+    del w
     x = T.empty((3 << 20) + 4096, dtype=T.uint8, device="cuda")
     side.wait_stream(T.cuda.current_stream())
     with T.cuda.stream(side):
