@@ -1,13 +1,17 @@
 """Install cuda-caching-allocator as PyTorch's CUDA allocator.
 
     import cuda_caching_allocator.torch as cca
-    cca.enable(config="expandable_segments:True")   # before the first CUDA allocation
+    cca.enable()                  # before the first CUDA allocation; the crate's default
     ...
-    torch.cuda.memory_stats()                        # our figures, through PyTorch's own API
+    torch.cuda.memory_stats()     # our figures, through PyTorch's own API
+
+A configuration string is read on top of PyTorch's defaults, as PYTORCH_CUDA_ALLOC_CONF is:
+``cca.enable(config="max_split_size_mb:256")`` is PyTorch's policy with that key, and
+``cca.enable(config="cca_preset:default,max_split_size_mb:256")`` the crate's default with it.
 
 Two routes (docs/pytorch.md):
 
-* ``"shim"`` (the default when a C++ compiler and the CUDA toolkit are present): a C++
+* ``"shim"`` (the default when a C++ compiler, the CUDA toolkit and ninja are present): a C++
   ``c10::cuda::CUDACachingAllocator::CUDAAllocator`` over the native library
   (``csrc/cca_shim.cpp``), compiled against the installed torch by
   ``torch.utils.cpp_extension.load`` at the first :func:`enable` (cached in
@@ -39,7 +43,7 @@ _SHIM_DIR_ENV = "CCA_SHIM_BUILD_DIR"
 _ROUTE_ENV = "CCA_TORCH_ROUTE"
 
 _state = {"lib": None, "allocator": None, "path": None, "graph_hooks": False, "route": None,
-          "shim": None}
+          "shim": None, "config": None, "asked_route": None}
 
 
 class EnableError(RuntimeError):
@@ -92,12 +96,40 @@ def _load_library(path):
     return lib
 
 
-def _check_config(lib):
-    if lib.cca_check_config() != 0:
-        reason = (lib.cca_last_error() or b"").decode(errors="replace")
-        raise EnableError(
-            f"bad allocator configuration: {reason} (check {_CONFIG_ENV} / PYTORCH_CUDA_ALLOC_CONF)"
-        )
+def _check_config(lib, given=False):
+    """Raises EnableError naming what is wrong with the configuration the library would read;
+    ``given``: it came from ``enable(config=...)`` rather than the environment."""
+    lib.cca_set_quiet(1)  # the message goes into the exception, not to stderr as well
+    try:
+        bad = lib.cca_check_config() != 0
+        reason = (lib.cca_last_error() or b"").decode(errors="replace") if bad else ""
+    finally:
+        lib.cca_set_quiet(0)
+    if bad:
+        prefix = "bad configuration: "
+        if reason.startswith(prefix):
+            reason = reason[len(prefix):]
+        where = "enable(config=...)" if given else f"check {_CONFIG_ENV} / PYTORCH_CUDA_ALLOC_CONF"
+        raise EnableError(f"bad allocator configuration: {reason} ({where})")
+
+
+def _configure(config, path):
+    """Puts ``config`` in the environment, loads the library at ``path`` and checks the
+    configuration with it; returns (configuration string, library). A bad configuration leaves
+    the environment as it was, so that a corrected call (and child processes) do not inherit
+    it."""
+    previous = os.environ.get(_CONFIG_ENV)
+    cfg = _apply_config(config)
+    try:
+        lib = _load_library(path)
+        _check_config(lib, given=config is not None)
+    except BaseException:
+        if previous is None:
+            os.environ.pop(_CONFIG_ENV, None)
+        else:
+            os.environ[_CONFIG_ENV] = previous
+        raise
+    return cfg, lib
 
 
 def shim_source():
@@ -124,14 +156,19 @@ def _missing_toolchain():
 
     if cpp_extension.CUDA_HOME is None:
         return "no CUDA toolkit (CUDA_HOME not set and nvcc not found)"
+    if shutil.which("ninja") is None:
+        try:
+            cpp_extension.verify_ninja_availability()
+        except RuntimeError:
+            return "no ninja (torch.utils.cpp_extension builds with it: pip install ninja)"
     return None
 
 
-def _resolve_route(route, missing):
+def _resolve_route(route, missing, source="enable(route=...)"):
     """The route to take: ``route`` as asked, ``"auto"`` picking the shim unless ``missing``
-    says why it cannot be built."""
+    says why it cannot be built; ``source`` names where ``route`` came from."""
     if route not in ("auto", "shim", "pluggable"):
-        raise EnableError(f"route must be 'auto', 'shim' or 'pluggable', not {route!r}")
+        raise EnableError(f"{source} must be 'auto', 'shim' or 'pluggable', not {route!r}")
     if route == "shim" and missing:
         raise EnableError(f"the C++ shim cannot be built: {missing}")
     if route == "auto":
@@ -169,6 +206,12 @@ def _install_pluggable(torch, lib, path, graphs):
     hooks.set_memory_fraction_fn(_address(lib, "cca_memory_fraction_hook"))
     hooks.set_init_fn(_address(lib, "cca_init"))
     graph_hooks = False
+    if graphs and not hasattr(hooks, "set_begin_allocate_to_pool"):
+        raise EnableError(
+            f"torch {torch.__version__}'s CUDAPluggableAllocator has no CUDA-graph pool hooks "
+            "(set_begin_allocate_to_pool): pass graphs=False, or use a newer torch or the shim "
+            "route"
+        )
     if graphs:
         hooks.set_begin_allocate_to_pool(_address(lib, "cca_begin_allocate_to_pool"))
         hooks.set_end_allocate_to_pool_fn(_address(lib, "cca_end_allocate_to_pool"))
@@ -275,31 +318,29 @@ def enable(config=None, library=None, graphs=True, route="auto", build_dir=None,
     import torch
 
     if _state["allocator"] is not None:
-        if library and os.path.abspath(library) != _state["path"]:
-            raise EnableError("enable() was already called with another library: " + _state["path"])
+        _check_same_as_first(library, config, route)
         return _state["allocator"]
     path = _find_library(library)
-    cfg = _apply_config(config)
-    lib = _load_library(path)
-    _check_config(lib)
-    if route == "auto":
-        route = os.environ.get(_ROUTE_ENV, "auto")
+    asked_route = route
+    cfg, lib = _configure(config, path)
+    source = "enable(route=...)"
+    if route == "auto" and os.environ.get(_ROUTE_ENV):
+        route, source = os.environ[_ROUTE_ENV], _ROUTE_ENV
     missing = _missing_toolchain() if route in ("auto", "shim") else None
-    chosen = _resolve_route(route, missing)
+    chosen = _resolve_route(route, missing, source)
     if route == "auto" and chosen == "pluggable":
-        warnings.warn(
-            f"cuda_caching_allocator: {missing}; falling back to PyTorch's CUDAPluggableAllocator, "
-            "on which torch.cuda.memory_stats(), snapshots, OOM observers and cacheInfo are "
-            "refused (docs/pytorch.md)",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+        _warn_pluggable(missing)
+    shim = None
+    if chosen == "shim":
+        try:
+            shim = build_shim(build_dir, verbose)
+        except Exception as e:  # a compiler error, a missing header: say which
+            if route != "auto":
+                raise EnableError(f"building the C++ shim failed: {e}") from e
+            chosen = "pluggable"
+            _warn_pluggable(f"building the C++ shim failed ({e})")
     try:
         if chosen == "shim":
-            try:
-                shim = build_shim(build_dir, verbose)
-            except Exception as e:  # a compiler error, a missing header: say which
-                raise EnableError(f"building the C++ shim failed: {e}") from e
             shim.install(path, cfg)
             _state["shim"] = shim
             alloc = torch.cuda.memory._get_current_allocator()
@@ -310,12 +351,41 @@ def enable(config=None, library=None, graphs=True, route="auto", build_dir=None,
     except RuntimeError as e:
         if isinstance(e, EnableError):
             raise
-        raise EnableError(
-            "PyTorch's CUDA allocator is already in use: call enable() before the first CUDA "
-            f"allocation of the process ({e})"
-        ) from e
-    _state.update(lib=lib, allocator=alloc, path=path, graph_hooks=graph_hooks, route=chosen)
+        if "already initialized" in str(e):
+            raise EnableError(
+                "PyTorch's CUDA allocator is already in use: call enable() before the first "
+                f"CUDA allocation of the process ({e})"
+            ) from e
+        raise EnableError(f"installing the allocator failed: {e}") from e
+    _state.update(lib=lib, allocator=alloc, path=path, graph_hooks=graph_hooks, route=chosen,
+                  config=cfg, asked_route=asked_route)
     return alloc
+
+
+def _warn_pluggable(why):
+    warnings.warn(
+        f"cuda_caching_allocator: {why}; falling back to PyTorch's CUDAPluggableAllocator, on "
+        "which torch.cuda.memory_stats(), snapshots, OOM observers and cacheInfo are refused "
+        "(docs/pytorch.md)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _check_same_as_first(library, config, route):
+    """A second enable() returns the running allocator, unless it asks for something else."""
+    if library and os.path.abspath(library) != _state["path"]:
+        raise EnableError("enable() was already called with another library: " + _state["path"])
+    if config is not None and config != _state["config"]:
+        raise EnableError(
+            f"enable() was already called and the allocator runs with configuration "
+            f"{_state['config']!r}; it cannot change to {config!r} in this process"
+        )
+    if route != "auto" and route != _state["route"]:
+        raise EnableError(
+            f"enable() was already called and took the {_state['route']!r} route; it cannot "
+            f"change to {route!r} in this process"
+        )
 
 
 def route():
@@ -340,7 +410,8 @@ def library():
 
 def stat(key, device=0):
     """One statistic of ``device``'s cache by its ``torch.cuda.memory_stats()`` key, or ``None``
-    when the key is unknown or the device's cache was never used.
+    when the key is unknown or the device's cache was never used (``max_split_size`` is -1 for
+    "no limit", as in PyTorch's statistics).
 
     Beyond PyTorch's keys, ``device_calls.KIND`` counts the driver calls the cache made and
     ``device_ns.KIND`` the host nanoseconds spent inside them, ``KIND`` one of ``map``,
@@ -352,6 +423,10 @@ def stat(key, device=0):
     if lib is None:
         raise EnableError("enable() was not called")
     value = lib.cca_memory_stat(device, key.encode())
+    if value == -1 and key == "max_split_size":
+        # PyTorch's -1 for "no limit": a value, when the device's cache is in use.
+        used = lib.cca_memory_stat(device, b"num_alloc_retries") >= 0
+        return -1 if used else None
     return None if value < 0 else value
 
 

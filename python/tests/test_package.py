@@ -148,6 +148,55 @@ def bad_config_reported_with_reason():
 
 
 @test
+def bad_config_leaves_the_environment_as_it_was():
+    # enable(config="...banana") must not leave the bad string behind: a corrected call (and
+    # child processes) would inherit it. The message names the key once and where it came from.
+    path = cca._find_library(None)
+    os.environ.pop(CONF, None)
+    try:
+        expect_error(lambda: cca._configure("max_split_size_mb:banana", path),
+                     "max_split_size_mb", "enable(config=...)")
+        try:
+            cca._configure("max_split_size_mb:banana", path)
+        except cca.EnableError as e:
+            assert str(e).count("bad configuration") == 0, str(e)
+        assert CONF not in os.environ, os.environ.get(CONF)
+        cfg, _ = cca._configure("max_split_size_mb:256", path)
+        assert cfg == "max_split_size_mb:256" and os.environ[CONF] == cfg
+        os.environ[CONF] = "cca_preset:default"
+        expect_error(lambda: cca._configure("max_split_size_mb:banana", path), "choose one")
+        assert os.environ[CONF] == "cca_preset:default"
+        os.environ[CONF] = "max_split_size_mb:banana"
+        expect_error(lambda: cca._configure(None, path), CONF)
+        assert os.environ[CONF] == "max_split_size_mb:banana"
+    finally:
+        os.environ.pop(CONF, None)
+
+
+@test
+def second_enable_asking_for_something_else_refused():
+    saved = dict(cca._state)
+    try:
+        cca._state.update(allocator=object(), path="/x/_cca.so", config="cca_preset:pytorch",
+                          route="shim")
+        cca._check_same_as_first(None, None, "auto")
+        cca._check_same_as_first(None, "cca_preset:pytorch", "shim")
+        expect_error(lambda: cca._check_same_as_first(None, "cca_preset:default", "auto"),
+                     "'cca_preset:pytorch'", "'cca_preset:default'")
+        expect_error(lambda: cca._check_same_as_first(None, None, "pluggable"), "'shim'")
+        expect_error(lambda: cca._check_same_as_first("/y/_cca.so", None, "auto"), "/x/_cca.so")
+    finally:
+        cca._state.clear()
+        cca._state.update(saved)
+
+
+@test
+def route_error_names_its_source():
+    expect_error(lambda: cca._resolve_route("Shim", None, "CCA_TORCH_ROUTE"),
+                 "CCA_TORCH_ROUTE", "'Shim'")
+
+
+@test
 def unused_device_reads_as_empty():
     l = lib()
     s = DeviceStats()
