@@ -35,9 +35,9 @@ pub enum SegmentAction {
     /// `record_stream`) is back in the cache: PyTorch's `free_completed` trace entry for such a
     /// block. `addr` is the freed allocation's address and `size` its requested size. Only
     /// frees that returned while the block was still waiting are told (those for which
-    /// `CachingAllocator::free_with_outcome` answered [`FreeOutcome::AwaitingStreams`]
-    /// (crate::FreeOutcome::AwaitingStreams)); a free that put its block back at once is complete
-    /// when it returns. Told when the allocator next looks at its events (an allocation that
+    /// `CachingAllocator::free_with_outcome` answered
+    /// [`AwaitingStreams`](crate::FreeOutcome::AwaitingStreams)); a free that put its block back
+    /// at once is complete when it returns. Told when the allocator next looks at its events (an allocation that
     /// reaches the core, `empty_cache`, the out-of-memory path), as PyTorch's are.
     FreeCompleted,
 }
