@@ -1104,6 +1104,7 @@ class Shim : public CCA::CUDAAllocator {
       Checkpoint* cp;
       bool in_pool = false, first = false;
       cudaStream_t stream = nullptr;
+      bool failed = false;  // out of host memory (nothing may unwind into Rust)
     } w{cp.get()};
     std::lock_guard<std::mutex> g(mu_);
     api_.snapshot(
@@ -1116,13 +1117,19 @@ class Shim : public CCA::CUDAAllocator {
         },
         [](void* ctx, const CBlock* b) {
           auto* w = static_cast<Walk*>(ctx);
-          if (!w->in_pool) return;
-          w->cp->blocks.push_back(CCheckpointBlock{b->address, b->size, b->state == 0 ? 1u : 0u,
-                                                   w->first ? 1u : 0u});
-          w->cp->streams[b->address] = w->stream;
+          if (!w->in_pool || w->failed) return;
+          try {
+            w->cp->blocks.push_back(CCheckpointBlock{b->address, b->size,
+                                                     b->state == 0 ? 1u : 0u,
+                                                     w->first ? 1u : 0u});
+            w->cp->streams[b->address] = w->stream;
+          } catch (...) {
+            w->failed = true;
+          }
           w->first = false;
         },
         &w);
+    TORCH_CHECK(!w.failed, "cuda_caching_allocator: getCheckpointState: out of host memory");
     return cp;
   }
 
