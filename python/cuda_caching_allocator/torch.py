@@ -93,18 +93,22 @@ def _load_library(path):
     lib.cca_memory_stat.restype = ctypes.c_int64
     lib.cca_memory_stat.argtypes = [ctypes.c_int, ctypes.c_char_p]
     lib.cca_abi_version.restype = ctypes.c_int
+    lib.cca_set_quiet.restype = ctypes.c_int
+    lib.cca_set_quiet.argtypes = [ctypes.c_int]
     return lib
 
 
 def _check_config(lib, given=False):
     """Raises EnableError naming what is wrong with the configuration the library would read;
     ``given``: it came from ``enable(config=...)`` rather than the environment."""
-    lib.cca_set_quiet(1)  # the message goes into the exception, not to stderr as well
+    # The message goes into the exception, not to stderr as well; the previous setting comes
+    # back after (the shim, once installed, keeps the library quiet).
+    was_quiet = lib.cca_set_quiet(1)
     try:
         bad = lib.cca_check_config() != 0
         reason = (lib.cca_last_error() or b"").decode(errors="replace") if bad else ""
     finally:
-        lib.cca_set_quiet(0)
+        lib.cca_set_quiet(was_quiet)
     if bad:
         prefix = "bad configuration: "
         if reason.startswith(prefix):
@@ -124,12 +128,17 @@ def _configure(config, path):
         lib = _load_library(path)
         _check_config(lib, given=config is not None)
     except BaseException:
-        if previous is None:
-            os.environ.pop(_CONFIG_ENV, None)
-        else:
-            os.environ[_CONFIG_ENV] = previous
+        _restore_config_env(previous)
         raise
     return cfg, lib
+
+
+def _restore_config_env(previous):
+    """Puts back the value ``CUDA_CACHING_ALLOCATOR_CONF`` had (``None``: unset)."""
+    if previous is None:
+        os.environ.pop(_CONFIG_ENV, None)
+    else:
+        os.environ[_CONFIG_ENV] = previous
 
 
 def shim_source():
@@ -321,8 +330,21 @@ def enable(config=None, library=None, graphs=True, route="auto", build_dir=None,
         _check_same_as_first(library, config, route)
         return _state["allocator"]
     path = _find_library(library)
-    asked_route = route
+    previous = os.environ.get(_CONFIG_ENV)
     cfg, lib = _configure(config, path)
+    try:
+        alloc = _install(torch, lib, path, cfg, graphs, route, build_dir, verbose)
+    except BaseException:
+        # Nothing installed (or an install that failed): the environment as it was, so that a
+        # corrected call and child processes do not inherit this call's configuration.
+        _restore_config_env(previous)
+        raise
+    return alloc
+
+
+def _install(torch, lib, path, cfg, graphs, route, build_dir, verbose):
+    """enable() once the configuration is checked: picks the route, installs, records it."""
+    asked_route = route
     source = "enable(route=...)"
     if route == "auto" and os.environ.get(_ROUTE_ENV):
         route, source = os.environ[_ROUTE_ENV], _ROUTE_ENV
@@ -368,7 +390,7 @@ def _warn_pluggable(why):
         "which torch.cuda.memory_stats(), snapshots, OOM observers and cacheInfo are refused "
         "(docs/pytorch.md)",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=4,  # enable()'s caller: _warn_pluggable <- _install <- enable <- caller
     )
 
 

@@ -94,8 +94,9 @@ pub extern "C" fn cca_last_error_kind() -> c_int {
 }
 
 /// `quiet` non-zero: failures are no longer printed on stderr (the C++ shim raises them as
-/// Python exceptions instead); zero: printed again.
+/// Python exceptions instead); zero: printed again. Returns the previous setting (1 quiet, 0
+/// not), so that a caller that silences the library for a moment can put back what it found.
 #[unsafe(no_mangle)]
-pub extern "C" fn cca_set_quiet(quiet: c_int) {
-    QUIET.store(quiet != 0, Ordering::Relaxed);
+pub extern "C" fn cca_set_quiet(quiet: c_int) -> c_int {
+    c_int::from(QUIET.swap(quiet != 0, Ordering::Relaxed))
 }

@@ -174,6 +174,45 @@ def bad_config_leaves_the_environment_as_it_was():
 
 
 @test
+def failed_enable_leaves_the_environment_as_it_was():
+    # A good configuration but a failure after it (here a bad route) must not leave the
+    # configuration behind either. A stand-in for torch: enable() imports it first.
+    import types
+    saved_torch = sys.modules.get("torch")
+    sys.modules["torch"] = types.ModuleType("torch")
+    os.environ.pop(CONF, None)
+    try:
+        expect_error(lambda: cca.enable(config="max_split_size_mb:256", route="Shim"),
+                     "'Shim'")
+        assert CONF not in os.environ, os.environ.get(CONF)
+        os.environ[CONF] = "max_split_size_mb:256"
+        expect_error(lambda: cca.enable(route="Shim"), "'Shim'")
+        assert os.environ[CONF] == "max_split_size_mb:256"
+        assert not cca.enabled()
+    finally:
+        os.environ.pop(CONF, None)
+        if saved_torch is None:
+            sys.modules.pop("torch", None)
+        else:
+            sys.modules["torch"] = saved_torch
+
+
+@test
+def checking_the_config_keeps_the_quiet_setting():
+    # _check_config silences the library for its check only: a shim that made it quiet for good
+    # (its errors go into Python exceptions) must not find it printing again.
+    l = lib()
+    assert l.cca_set_quiet(1) == 0
+    try:
+        cca._check_config(l)
+        assert l.cca_set_quiet(1) == 1, "the check turned quiet off"
+    finally:
+        l.cca_set_quiet(0)
+    cca._check_config(l)
+    assert l.cca_set_quiet(0) == 0, "the check left the library quiet"
+
+
+@test
 def second_enable_asking_for_something_else_refused():
     saved = dict(cca._state)
     try:

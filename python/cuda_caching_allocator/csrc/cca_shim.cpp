@@ -39,9 +39,12 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <iterator>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -211,7 +214,7 @@ struct Api {
   int (*set_no_split)(int, CPool, int);
   const char* (*last_error)();
   int (*last_error_kind)();
-  void (*set_quiet)(int);
+  int (*set_quiet)(int);
   int (*set_segment_callback)(SegmentEventFn, void*);
   int (*config_expandable)();
   long (*settings_not_applied)(const char*, char*, size_t);
@@ -297,8 +300,12 @@ struct Live {
   std::shared_ptr<c10::GatheredContext> context;
   // Streams of other devices that Tensor.record_stream named (see record_foreign_use).
   std::vector<std::pair<c10::DeviceIndex, cudaStream_t>> foreign_uses;
-  // Tensor.record_stream named a stream of this device: the free may leave the block waiting.
+  // Tensor.record_stream named another stream of this device: the free may leave the block
+  // waiting.
   bool recorded = false;
+  // Set at the free: the key of its FREE_COMPLETED entry to come in Shim::pending_frees_ (0
+  // when none was registered).
+  uint64_t pending_gen = 0;
 };
 
 // A free whose block waits for recorded streams' work: what its FREE_COMPLETED entry will say
@@ -667,7 +674,9 @@ class Shim : public CCA::CUDAAllocator {
     if (api_.last_error_kind() != 0) fail("Tensor.record_stream");
     std::lock_guard<std::mutex> g(mu_);
     auto it = live_.find(ptr.get());
-    if (it != live_.end()) it->second.recorded = true;
+    // The library ignores the allocation's own stream: only another stream may leave the
+    // block waiting.
+    if (it != live_.end() && stream.stream() != it->second.stream) it->second.recorded = true;
   }
 
   SnapshotInfo snapshot(MempoolId_t mempool_id, bool include_traces) override {
@@ -1107,6 +1116,7 @@ class Shim : public CCA::CUDAAllocator {
       bool failed = false;  // out of host memory (nothing may unwind into Rust)
     } w{cp.get()};
     std::lock_guard<std::mutex> g(mu_);
+    check_no_deferred_frees("getCheckpointState", device, id);
     api_.snapshot(
         device,
         [](void* ctx, const CSegment* s) {
@@ -1150,6 +1160,7 @@ class Shim : public CCA::CUDAAllocator {
       bool lost = false;  // out of host memory listing a change (nothing may unwind into Rust)
     } ch;
     std::lock_guard<std::mutex> g(mu_);
+    check_no_deferred_frees("setCheckpointPoolState", device, cp->pool);
     int rc = api_.restore_pool(
         device, cpool(cp->pool), cp->blocks.data(), cp->blocks.size(),
         [](void* ctx, uint64_t p, int created) {
@@ -1343,6 +1354,8 @@ class Shim : public CCA::CUDAAllocator {
     bool awaits = false, deferred = false, ordered = false;
     {
       std::lock_guard<std::mutex> g(mu_);
+      // Nothing below may throw once the allocation has left live_ but before the block is
+      // handed back, or the block would be lost: the two containers that grow reserve first.
       auto it = live_.find(ptr);
       if (it == live_.end()) {
         TORCH_CHECK(!strict, cat("cuda_caching_allocator: invalid device pointer ", addr(ptr),
@@ -1363,10 +1376,21 @@ class Shim : public CCA::CUDAAllocator {
       {
         std::lock_guard<std::mutex> t(trace_mu_);
         trace_locked(TraceEntry::FREE_REQUESTED, l.device, ptr, l.size, l.stream, l.pool, ctx);
-        if (awaits) {
-          pending_frees_[std::make_pair(l.device, ptr)] =
-              PendingFree{l.size, l.stream, l.pool, keep ? l.context : nullptr};
-        } else {
+        if (awaits && (history_enabled_ || !trackers_.empty())) {
+          // Keyed by a generation too: once the library has the block back, another thread may
+          // allocate and free the same address before this free's entry is written (release(),
+          // rc 0), and each free must find its own entry.
+          try {
+            const uint64_t gen = ++next_free_gen_;
+            pending_frees_.emplace(std::make_tuple(l.device, ptr, gen),
+                                   PendingFree{l.size, l.stream, l.pool, keep ? l.context : nullptr});
+            l.pending_gen = gen;
+          } catch (const std::bad_alloc&) {
+            // Out of host memory: the entry comes now rather than not at all.
+            trace_locked(TraceEntry::FREE_COMPLETED, l.device, ptr, l.size, l.stream, l.pool,
+                         std::move(ctx));
+          }
+        } else if (!awaits) {
           trace_locked(TraceEntry::FREE_COMPLETED, l.device, ptr, l.size, l.stream, l.pool,
                        std::move(ctx));
         }
@@ -1377,10 +1401,21 @@ class Shim : public CCA::CUDAAllocator {
         // the foreign stream between the capture check and the event record. While a routing
         // is underway on the foreign device, the free waits for it to end, as PyTorch's
         // deferred blocks wait for their device's captures (flush_deferred_foreign).
+        // Out of host memory for the list, the free does not wait for the routing: release()
+        // then waits on the host (and keeps the block out of use if a stream it waits for is
+        // capturing).
+        bool listed = false;
         if (foreign_device_routed(l)) {
+          try {
+            deferred_foreign_.reserve(deferred_foreign_.size() + 1);
+            listed = true;
+          } catch (const std::bad_alloc&) {
+          }
+        }
+        if (listed) {
           deferred = true;
           deferred_foreign_.emplace_back(ptr, std::move(l));
-        } else {
+        } else if (!foreign_device_routed(l)) {
           ordered = order_after_foreign_uses(ptr, l);
         }
       }
@@ -1402,8 +1437,10 @@ class Shim : public CCA::CUDAAllocator {
                      "device that Tensor.record_stream named failed (or that stream is "
                      "capturing a graph); the block is kept out of use for good");
         }
-        std::lock_guard<std::mutex> t(trace_mu_);
-        pending_frees_.erase(std::make_pair(l.device, ptr));
+        if (l.pending_gen != 0) {
+          std::lock_guard<std::mutex> t(trace_mu_);
+          pending_frees_.erase(std::make_tuple(l.device, ptr, l.pending_gen));
+        }
         return;
       }
     }
@@ -1417,21 +1454,52 @@ class Shim : public CCA::CUDAAllocator {
     // after which a block left waiting still calls back.
     int rc = api_.free_checked(ptr, static_cast<ssize_t>(l.size), l.device, l.stream);
     if (rc < 0) TORCH_WARN(cat("cuda_caching_allocator: free: ", api_.last_error()));
-    if (rc == 0) complete_pending_free(l.device, ptr, /*contain=*/false);
+    if (rc == 0 && l.pending_gen != 0) {
+      complete_pending_free(l.device, ptr, l.pending_gen, /*contain=*/false);
+    }
   }
 
-  // FREE_COMPLETED for a free whose block waited (free_ptr registered it in pending_frees_). As
-  // PyTorch's, it carries the context of the allocation during which the library found the
-  // block back (under context "alloc" or "all"), else the freed allocation's.
-  void complete_pending_free(c10::DeviceIndex device, void* ptr, bool contain) {
+  // FREE_COMPLETED for a free whose block waited (free_ptr registered it in pending_frees_):
+  // the entry of generation `gen`, or for the library's callback (gen 0), the newest entry of
+  // the address, the only one whose block can be waiting (an older one belongs to a free whose
+  // block came back at once, release() about to write it). As PyTorch's free_block, it carries
+  // the context of the allocation during which the library found the block back (under context
+  // "alloc" or "all"), else the freed allocation's.
+  void complete_pending_free(c10::DeviceIndex device, void* ptr, uint64_t gen, bool contain) {
     std::lock_guard<std::mutex> t(trace_mu_);
-    auto it = pending_frees_.find(std::make_pair(device, ptr));
+    auto it = pending_frees_.end();
+    if (gen != 0) {
+      it = pending_frees_.find(std::make_tuple(device, ptr, gen));
+    } else {
+      auto after = pending_frees_.upper_bound(
+          std::make_tuple(device, ptr, std::numeric_limits<uint64_t>::max()));
+      if (after != pending_frees_.begin()) {
+        auto newest = std::prev(after);
+        if (std::get<0>(newest->first) == device && std::get<1>(newest->first) == ptr) {
+          it = newest;
+        }
+      }
+    }
     if (it == pending_frees_.end()) return;
     PendingFree f = std::move(it->second);
     pending_frees_.erase(it);
     auto ctx = t_alloc_context != nullptr && *t_alloc_context ? *t_alloc_context : f.context;
     trace_locked(TraceEntry::FREE_COMPLETED, device, ptr, f.size, f.stream, f.pool,
                  std::move(ctx), contain);
+  }
+
+  // Refuses a checkpoint of `pool` on `device` while a free of that pool waits in
+  // deferred_foreign_: the library still counts its block as allocated, so the checkpoint would
+  // bring back an allocation no tensor holds. mu_ held.
+  void check_no_deferred_frees(const char* what, c10::DeviceIndex device, MempoolId_t pool) {
+    for (const auto& [ptr, l] : deferred_foreign_) {
+      if (l.device != device || l.pool != pool || l.foreign_uses.empty()) continue;
+      TORCH_CHECK(false, cat("cuda_caching_allocator: ", what, ": the freed tensor at ", addr(ptr),
+                             " of this pool was used on a stream of device ",
+                             num(l.foreign_uses.front().first),
+                             " (Tensor.record_stream), where a graph capture or use_mem_pool is "
+                             "underway; its block goes back to the pool when that ends"));
+    }
   }
 
   // Whether a routing (a capture or a use_mem_pool) is underway on a device of `l`'s foreign
@@ -1499,7 +1567,7 @@ class Shim : public CCA::CUDAAllocator {
       try {
         static_cast<Shim*>(self)->complete_pending_free(static_cast<c10::DeviceIndex>(device),
                                                         reinterpret_cast<void*>(address),
-                                                        /*contain=*/true);
+                                                        /*gen=*/0, /*contain=*/true);
       } catch (...) {
         std::fprintf(stderr, "cuda_caching_allocator: a free_completed trace entry was lost\n");
       }
@@ -1684,7 +1752,9 @@ class Shim : public CCA::CUDAAllocator {
         if (oom) {
           // As PyTorch's: the OOM entry's address field carries the device's free bytes
           // (memory_snapshot's "device_free").
-          trace(TraceEntry::OOM, dev, reinterpret_cast<void*>(device_free), n, stream, pool, ctx);
+          // The stack only where PyTorch's trace keeps one (context "alloc" or "all").
+          trace(TraceEntry::OOM, dev, reinterpret_cast<void*>(device_free), n, stream, pool,
+                when == RecordContext::ALLOC || when == RecordContext::ALL ? ctx : nullptr);
           observers = oom_observers_;
         }
       }
@@ -1723,7 +1793,8 @@ class Shim : public CCA::CUDAAllocator {
   std::atomic<bool> history_on_{false};
   std::atomic<bool> record_all_{false};
   std::mutex mu_;
-  // Guards foreign_waiters_ (taken alone).
+  // Guards foreign_waiters_; taken after mu_ where both are held (order_after_foreign_uses runs
+  // under mu_), and nothing holding it takes mu_ or calls into the library.
   std::mutex waiters_mu_;
   // The streams that order freed blocks after other devices' work, by (the block's device, the
   // foreign stream's device, the foreign stream) (foreign_waiter).
@@ -1754,9 +1825,11 @@ class Shim : public CCA::CUDAAllocator {
   std::unordered_set<std::string> skip_;
   std::vector<OutOfMemoryObserver> oom_observers_;
   std::vector<AllocatorTraceTracker> trackers_;
-  // Frees whose blocks wait for recorded streams, by (device, address): their FREE_COMPLETED
-  // entries to come (complete_pending_free). Guarded by trace_mu_.
-  std::map<std::pair<c10::DeviceIndex, void*>, PendingFree> pending_frees_;
+  // Frees whose blocks wait for recorded streams, by (device, address, generation): their
+  // FREE_COMPLETED entries to come (complete_pending_free). Registered only while a history or
+  // a tracker is on. Guarded by trace_mu_, as the generation counter is.
+  std::map<std::tuple<c10::DeviceIndex, void*, uint64_t>, PendingFree> pending_frees_;
+  uint64_t next_free_gen_ = 0;
 };
 
 // The allocator is immortal, as PyTorch's own is: at exit, torch's static destructors and the
