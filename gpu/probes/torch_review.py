@@ -8,7 +8,7 @@ with PROBE one of oom_capture, oom_pool, foreign_stream_alloc, empty_cache_in_po
 cache_info, trace_time, oom_observer_fraction, annotations, bad_delete, tracker,
 pool_snapshot_empty, runtime_settings, compile_context, graph_tree_checkpoint, use_on_oom,
 no_split, free_completed, gpu_trace, caching_disabled, no_caching_env, oom_device_free,
-snapshot_entry (one GPU),
+oom_state_context, snapshot_entry (one GPU),
 record_stream_peer, peer_copy, record_stream_capture (two GPUs). Prints one line, "PASS ..." or
 "FAIL ...", and exits 0 or 1 (a crash, as the package's SIGSEGV before the fix, exits with the
 signal). `cca` enables cuda_caching_allocator.torch (route shim) with CONFIG (default: the
@@ -297,6 +297,21 @@ if probe == "oom_device_free":
     got = ooms[0].get("device_free", 0) if ooms else None
     ok = bool(ooms) and got > 0 and abs(got - free) < max(free // 10, 1 << 30)
     done(ok, f"{len(ooms)} oom entries, device_free {got}, device free now {free}")
+
+if probe == "oom_state_context":
+    # Under context="state" the history's entries carry no stack (only the live blocks keep
+    # theirs, for the snapshot's segments); the package's OOM entry carried the allocation's.
+    T.cuda.memory._record_memory_history(enabled="all", context="state", stacks="python",
+                                         max_entries=1000)
+    x = T.empty(1 << 20, device="cuda")
+    try:
+        T.empty(HUGE, dtype=T.uint8, device="cuda")
+    except T.OutOfMemoryError:
+        pass
+    tr = trace_of(T.cuda.memory._snapshot())
+    frames = {e["action"]: len(e.get("frames", [])) for e in tr if e["action"] in ("alloc", "oom")}
+    ok = frames.get("oom") == 0 and frames.get("alloc") == 0
+    done(ok, f"frames per entry kind {frames}")
 
 if probe == "snapshot_entry":
     # Each snapshot leaves a "snapshot" entry (the active bytes it listed) in the history, as
