@@ -671,16 +671,24 @@ impl State {
         }
     }
 
-    /// Whether the allocated block at `ptr` touches a free cached block, so that freeing it would
-    /// merge (the fast path's Note [Cached blocks next to free memory]).
-    pub(crate) fn touches_free_block(&self, ptr: u64) -> bool {
+    /// Whether the allocated block at `ptr` touches a free cached block and would, freed and
+    /// merged with its free neighbours, make a free block of at least `need` bytes (the fast
+    /// path's Note [Cached blocks next to free memory]).
+    pub(crate) fn touches_free_block(&self, ptr: u64, need: usize) -> bool {
         let Some(b) = self.active.get(&ptr).and_then(|&id| self.arena.get(id)) else {
             return false;
         };
-        [b.prev, b.next]
-            .into_iter()
-            .flatten()
-            .any(|n| self.arena.get(n).is_some_and(|b| b.mapped) && self.allocatable(n))
+        let mut merged = b.size;
+        let mut touches = false;
+        for n in [b.prev, b.next].into_iter().flatten() {
+            if let Some(free) = self.arena.get(n).filter(|f| f.mapped) {
+                if self.allocatable(n) {
+                    touches = true;
+                    merged = merged.saturating_add(free.size);
+                }
+            }
+        }
+        touches && merged >= need
     }
 
     fn classify_bad_pointer(&self, ptr: DeviceAddr) -> AllocError {
