@@ -874,3 +874,57 @@ fn many_streams_at_the_floor_settle_without_moving_pages_while_warm() {
     assert_eq!(timed_calls, 0, "device calls while every thread was warm");
     a.check_invariants().unwrap();
 }
+
+/// `gpu/host_pair.py`'s same-thread pattern (`gpu/fifo_ring_trace.py` writes it as a trace):
+/// sixteen sizes of a transformer step in turn, each allocation freeing the one made eight
+/// before. Page reuse moves pages in the first few thousand pairs; the default's cache must
+/// still settle into hits afterwards. Before Note [Cached blocks next to free memory] bounded
+/// what a miss gives back, every miss gave back blocks that then missed in turn, and the cache
+/// stayed paused with nothing in it.
+#[test]
+fn a_ring_of_mixed_sizes_keeps_hitting_after_page_reuse() {
+    const SIZES: [usize; 16] = [
+        3072,
+        1 << 20,
+        2359296,
+        4718592,
+        6291456,
+        9437184,
+        512,
+        25165824,
+        12582912,
+        3072,
+        786432,
+        100663296,
+        2359296,
+        49152,
+        6291456,
+        37748736,
+    ];
+    let a = with_config(80 << 30, AllocatorConfig::default());
+    let mut ring: [Option<DeviceAddr>; 8] = [None; 8];
+    let mut cached_at_checks = Vec::new();
+    for i in 0..40_000 {
+        let x = a.allocate(SIZES[i % SIZES.len()], S0).unwrap();
+        if let Some(old) = ring[i % 8].replace(x.ptr) {
+            a.free(old).unwrap();
+        }
+        // Every 5,000 pairs once page reuse is done: how many blocks the cache holds (the
+        // flush empties it; a working cache fills again within a few rounds).
+        if i >= 15_000 && i % 5_000 == 0 {
+            cached_at_checks.push(a.flush_thread_caches());
+        }
+    }
+    for p in ring.into_iter().flatten() {
+        a.free(p).unwrap();
+    }
+    a.check_invariants().unwrap();
+    assert!(
+        a.backend().counters().unmap_calls > 0,
+        "page reuse moved no page: the test lost its setting"
+    );
+    assert!(
+        cached_at_checks.iter().all(|&n| n >= 4),
+        "blocks in the front cache at each check: {cached_at_checks:?} (a paused cache holds none)"
+    );
+}
