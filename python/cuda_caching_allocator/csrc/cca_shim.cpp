@@ -1354,8 +1354,6 @@ class Shim : public CCA::CUDAAllocator {
     bool awaits = false, deferred = false, ordered = false;
     {
       std::lock_guard<std::mutex> g(mu_);
-      // Nothing below may throw once the allocation has left live_ but before the block is
-      // handed back, or the block would be lost: the two containers that grow reserve first.
       auto it = live_.find(ptr);
       if (it == live_.end()) {
         TORCH_CHECK(!strict, cat("cuda_caching_allocator: invalid device pointer ", addr(ptr),
@@ -1386,7 +1384,8 @@ class Shim : public CCA::CUDAAllocator {
                                    PendingFree{l.size, l.stream, l.pool, keep ? l.context : nullptr});
             l.pending_gen = gen;
           } catch (const std::bad_alloc&) {
-            // Out of host memory: the entry comes now rather than not at all.
+            // Out of host memory (the allocation has left live_: a throw here would lose the
+            // block): the entry comes now rather than not at all.
             trace_locked(TraceEntry::FREE_COMPLETED, l.device, ptr, l.size, l.stream, l.pool,
                          std::move(ctx));
           }
@@ -1401,21 +1400,17 @@ class Shim : public CCA::CUDAAllocator {
         // the foreign stream between the capture check and the event record. While a routing
         // is underway on the foreign device, the free waits for it to end, as PyTorch's
         // deferred blocks wait for their device's captures (flush_deferred_foreign).
-        // Out of host memory for the list, the free does not wait for the routing: release()
-        // then waits on the host (and keeps the block out of use if a stream it waits for is
-        // capturing).
-        bool listed = false;
         if (foreign_device_routed(l)) {
+          // Out of host memory for the list (the allocation has left live_: a throw here would
+          // lose the block), the free does not wait for the routing: release() then waits on
+          // the host, and keeps the block out of use if a stream it waits for is capturing.
           try {
             deferred_foreign_.reserve(deferred_foreign_.size() + 1);
-            listed = true;
+            deferred = true;
           } catch (const std::bad_alloc&) {
           }
-        }
-        if (listed) {
-          deferred = true;
-          deferred_foreign_.emplace_back(ptr, std::move(l));
-        } else if (!foreign_device_routed(l)) {
+          if (deferred) deferred_foreign_.emplace_back(ptr, std::move(l));
+        } else {
           ordered = order_after_foreign_uses(ptr, l);
         }
       }
