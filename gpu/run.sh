@@ -218,7 +218,7 @@ for phase in $PHASES; do
     export CCA_SHIM_BUILD_DIR=/tmp/cca-shim-build
     P="$HERE/probes/torch_review.py"
     ONE="trace_time/native trace_time/cca annotations/native annotations/cca bad_delete/native bad_delete/cca tracker/native tracker/cca tracker/cca/cca_preset:pytorch pool_snapshot_empty/native pool_snapshot_empty/cca runtime_settings/native runtime_settings/cca runtime_settings/cca/cca_preset:pytorch compile_context/native compile_context/cca graph_tree_checkpoint/native graph_tree_checkpoint/cca graph_tree_checkpoint/cca/cca_preset:pytorch use_on_oom/native use_on_oom/cca use_on_oom/cca/cca_preset:pytorch no_split/native no_split/cca no_split/cca/cca_preset:pytorch free_completed/native free_completed/cca free_completed/cca/cca_preset:pytorch gpu_trace/native gpu_trace/cca caching_disabled/native caching_disabled/cca no_caching_env/native no_caching_env/cca oom_device_free/native oom_device_free/cca oom_state_context/native oom_state_context/cca snapshot_entry/native snapshot_entry/cca empty_cache_in_pool/cca oom_capture/cca oom_pool/cca cache_info/cca oom_observer_fraction/cca foreign_stream_alloc/cca"
-    TWO="record_stream_peer/native record_stream_peer/cca record_stream_peer/cca/cca_preset:pytorch peer_copy/cca peer_copy/cca/cca_preset:pytorch record_stream_capture/cca record_stream_capture/cca/cca_preset:pytorch"
+    TWO="record_stream_peer/native record_stream_peer/cca record_stream_peer/cca/cca_preset:pytorch peer_copy/cca peer_copy/cca/cca_preset:pytorch record_stream_capture/cca record_stream_capture/cca/cca_preset:pytorch checkpoint_deferred_free/native checkpoint_deferred_free/cca checkpoint_deferred_free/cca/cca_preset:pytorch"
     [ "$NGPU" -ge 2 ] && ONE="$ONE $TWO"
     for a in $ONE; do
       n=${a//[\/:]/_}

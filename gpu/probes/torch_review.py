@@ -9,7 +9,7 @@ cache_info, trace_time, oom_observer_fraction, annotations, bad_delete, tracker,
 pool_snapshot_empty, runtime_settings, compile_context, graph_tree_checkpoint, use_on_oom,
 no_split, free_completed, gpu_trace, caching_disabled, no_caching_env, oom_device_free,
 oom_state_context, snapshot_entry (one GPU),
-record_stream_peer, peer_copy, record_stream_capture (two GPUs). Prints one line, "PASS ..." or
+record_stream_peer, peer_copy, record_stream_capture, checkpoint_deferred_free (two GPUs). Prints one line, "PASS ..." or
 "FAIL ...", and exits 0 or 1 (a crash, as the package's SIGSEGV before the fix, exits with the
 signal). `cca` enables cuda_caching_allocator.torch (route shim) with CONFIG (default: the
 crate's default).
@@ -361,6 +361,51 @@ if probe == "record_stream_capture":
     ok = ok_graph and active == 0 and not kept
     done(ok, f"graph result {'right' if ok_graph else 'WRONG'}; active bytes on device 0 at the "
              f"end {active}; warnings of a block kept out of use {len(kept)}")
+
+if probe == "checkpoint_deferred_free":
+    # A tensor of a private pool on device 0, used on a stream of device 1 (record_stream), is
+    # freed while use_mem_pool routes device 1's allocations: the package defers that free until
+    # the routing ends (record_stream_capture). Meanwhile a checkpoint of device 0's pool must not
+    # count the freed tensor's block as allocated (a restore would bring back an allocation no
+    # tensor holds): the package refuses, naming record_stream; a checkpoint taken then must not
+    # see the block. Once the routing ends, the checkpoint works and the block is free.
+    N = 1 << 22
+    p0 = T.cuda.MemPool()  # device 0's
+    with T.cuda.device(1):
+        p1 = T.cuda.MemPool()
+    with T.cuda.use_mem_pool(p0):
+        keep = T.ones(1 << 10, device="cuda:0")
+        x = T.zeros(N, device="cuda:0")
+    kept_bytes = T.cuda.memory_allocated(0)
+    s1 = T.cuda.Stream(1)
+    src = T.full((N,), 5.0, device="cuda:1")
+    T.cuda.synchronize(0)
+    T.cuda.synchronize(1)
+    with T.cuda.device(1), T.cuda.stream(s1):
+        T.cuda._sleep(int(2e8))
+        x.copy_(src)
+    x.record_stream(s1)
+    during = None
+    with T.cuda.use_mem_pool(p1, device=1):
+        del x  # deferred by the package while device 1 routes
+        allocated_during = T.cuda.memory_allocated(0)
+        try:
+            T._C._cuda_getCheckpointState(0, p0.id)
+            during = "taken"
+        except RuntimeError as e:
+            during = str(e).splitlines()[0][:200]
+    T.cuda.synchronize(1)
+    after = "taken"
+    try:
+        T._C._cuda_getCheckpointState(0, p0.id)
+    except RuntimeError as e:
+        after = str(e).splitlines()[0][:200]
+    allocated_after = T.cuda.memory_allocated(0)
+    refused = during != "taken" and "record_stream" in during
+    right_during = refused or allocated_during == kept_bytes
+    ok = right_during and after == "taken" and allocated_after == kept_bytes
+    done(ok, f"checkpoint during the routing: {during!r} (allocated {allocated_during}, kept "
+             f"{kept_bytes}); after: {after!r} (allocated {allocated_after})")
 
 if probe == "oom_observer_fraction":
     # With a memory fraction set, PyTorch's OOM observers get the cap as the device total.
