@@ -368,15 +368,18 @@ if probe == "checkpoint_deferred_free":
     # the routing ends (record_stream_capture). Meanwhile a checkpoint of device 0's pool must not
     # count the freed tensor's block as allocated (a restore would bring back an allocation no
     # tensor holds): the package refuses, naming record_stream; a checkpoint taken then must not
-    # see the block. Once the routing ends, the checkpoint works and the block is free.
+    # see the block. Once the routing ends, the checkpoint works and the block is free. (Native
+    # PyTorch frees at once, and its getCheckpointState refuses while any block of the pool has
+    # events outstanding, "Events should have synchronized when checkpointing block", until an
+    # allocation processes them: stricter, not wrong, so the native arm may refuse after too.)
     N = 1 << 22
     p0 = T.cuda.MemPool()  # device 0's
     with T.cuda.device(1):
         p1 = T.cuda.MemPool()
     with T.cuda.use_mem_pool(p0):
         keep = T.ones(1 << 10, device="cuda:0")
+        kept_bytes = T.cuda.memory_allocated(0)
         x = T.zeros(N, device="cuda:0")
-    kept_bytes = T.cuda.memory_allocated(0)
     s1 = T.cuda.Stream(1)
     src = T.full((N,), 5.0, device="cuda:1")
     T.cuda.synchronize(0)
@@ -401,9 +404,9 @@ if probe == "checkpoint_deferred_free":
     except RuntimeError as e:
         after = str(e).splitlines()[0][:200]
     allocated_after = T.cuda.memory_allocated(0)
-    refused = during != "taken" and "record_stream" in during
+    refused = during != "taken" and (who == "native" or "record_stream" in during)
     right_during = refused or allocated_during == kept_bytes
-    ok = right_during and after == "taken" and allocated_after == kept_bytes
+    ok = right_during and (after == "taken" or who == "native") and allocated_after == kept_bytes
     done(ok, f"checkpoint during the routing: {during!r} (allocated {allocated_during}, kept "
              f"{kept_bytes}); after: {after!r} (allocated {allocated_after})")
 
