@@ -11,14 +11,18 @@
 //! `TRACE` is a trace with thread ids (an RMM-style CSV log such as `gpu/clients.py --record
 //! --record-threads` writes); `LAG` the simulated device's event-query lag (default 0);
 //! `CONFIG`s are configuration strings (default: the crate's default with and without the fast
-//! path). Prints, per configuration, peak reserved over peak live bytes, the device calls and
-//! the modeled device time, first with every event on one thread and then on its own thread.
+//! path). Prints, per configuration, peak reserved over peak live bytes, the device calls, the
+//! modeled device time and the host ns of the allocator's own calls (mean and median per call),
+//! first with every event on one thread (`replay`, every operation timed) and then on its own
+//! thread (each `allocate` and `free` timed around the call; the hand-over between threads is
+//! not counted, but it leaves each call starting on a thread that just woke up).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::HashMap;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread;
+use std::time::Instant;
 
 use cuda_caching_allocator::trace::{ImportOptions, Trace, TraceOp, read_trace_file};
 use cuda_caching_allocator::{
@@ -31,12 +35,16 @@ enum Job {
     Free { id: u64 },
 }
 
-/// Peak reserved bytes, peak live bytes, device calls (map, unmap, create) and modeled ns.
+/// Peak reserved bytes, peak live bytes, device calls (map, unmap, create), modeled ns, and the
+/// host ns the allocator's own calls took (allocate and free, each timed around the call): the
+/// mean and the median per call.
 struct Outcome {
     peak_reserved: u64,
     peak_live: u64,
     calls: Vec<(&'static str, u64)>,
     modeled_ns: u64,
+    host_ns_mean: f64,
+    host_ns_p50: u64,
 }
 
 fn threaded(trace: &Trace, config: AllocatorConfig, lag: u32) -> Outcome {
@@ -51,6 +59,7 @@ fn threaded(trace: &Trace, config: AllocatorConfig, lag: u32) -> Outcome {
     let mut live_bytes = 0u64;
     let mut peak_live = 0u64;
     let mut peak_reserved = 0u64;
+    let host_ns: Arc<Mutex<Vec<u64>>> = Arc::default();
     for ev in &trace.events {
         let job = match ev.op {
             TraceOp::Alloc {
@@ -71,17 +80,24 @@ fn threaded(trace: &Trace, config: AllocatorConfig, lag: u32) -> Outcome {
             let (tx, rx) = mpsc::sync_channel::<Job>(0);
             let alloc = Arc::clone(&alloc);
             let live = Arc::clone(&live);
+            let host_ns = Arc::clone(&host_ns);
             let done = done_tx.clone();
             handles.push(thread::spawn(move || {
                 for job in rx {
                     match job {
                         Job::Alloc { id, size, stream } => {
+                            let t = Instant::now();
                             let a = alloc.allocate(size, StreamId(stream)).expect("allocate");
+                            let ns = t.elapsed().as_nanos() as u64;
+                            host_ns.lock().unwrap().push(ns);
                             live.lock().unwrap().insert(id, (a.ptr, size as u64));
                         }
                         Job::Free { id } => {
                             let (ptr, _) = live.lock().unwrap().remove(&id).expect("known id");
+                            let t = Instant::now();
                             alloc.free(ptr).expect("free");
+                            let ns = t.elapsed().as_nanos() as u64;
+                            host_ns.lock().unwrap().push(ns);
                         }
                     }
                     done.send(()).unwrap();
@@ -102,6 +118,7 @@ fn threaded(trace: &Trace, config: AllocatorConfig, lag: u32) -> Outcome {
     for h in handles {
         h.join().unwrap();
     }
+    let mut times = std::mem::take(&mut *host_ns.lock().unwrap());
     let after = alloc.backend().counters();
     let calls = after
         .call_counts()
@@ -115,6 +132,8 @@ fn threaded(trace: &Trace, config: AllocatorConfig, lag: u32) -> Outcome {
         peak_live,
         calls,
         modeled_ns: after.modeled_device_ns - before.modeled_device_ns,
+        host_ns_mean: mean(&times),
+        host_ns_p50: median(&mut times),
     }
 }
 
@@ -122,7 +141,12 @@ fn one_thread(trace: &Trace, config: AllocatorConfig, lag: u32) -> Outcome {
     let dev = SimDevice::default();
     dev.set_event_query_lag(lag);
     let alloc = CachingAllocator::new(dev, config).unwrap();
-    let r = replay(&alloc, trace, &ReplayOptions::default()).unwrap();
+    let options = ReplayOptions {
+        timing: true,
+        time_one_in: 1,
+        ..ReplayOptions::default()
+    };
+    let r = replay(&alloc, trace, &options).unwrap();
     Outcome {
         peak_reserved: r.peak_reserved_bytes,
         peak_live: r.peak_live_bytes,
@@ -131,7 +155,18 @@ fn one_thread(trace: &Trace, config: AllocatorConfig, lag: u32) -> Outcome {
             .map(|n| (*n, r.device_call(n)))
             .collect(),
         modeled_ns: r.modeled_device_ns.unwrap_or(0),
+        host_ns_mean: r.latency.as_ref().map_or(f64::NAN, |l| l.mean_ns),
+        host_ns_p50: r.latency.as_ref().map_or(0, |l| l.p50_ns),
     }
+}
+
+fn mean(v: &[u64]) -> f64 {
+    v.iter().sum::<u64>() as f64 / v.len().max(1) as f64
+}
+
+fn median(v: &mut [u64]) -> u64 {
+    v.sort_unstable();
+    v.get(v.len() / 2).copied().unwrap_or(0)
 }
 
 fn main() {
@@ -158,8 +193,10 @@ fn main() {
         trace.events.len(),
         threads.len()
     );
-    println!("| configuration | replay | reserved / live | create | map | unmap | modeled ms |");
-    println!("|---|---|---:|---:|---:|---:|---:|");
+    println!(
+        "| configuration | replay | reserved / live | create | map | unmap | modeled ms | host ns per call: mean, median |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|---:|");
     for c in &configs {
         let config = AllocatorConfig::parse(c).unwrap();
         for (name, o) in [
@@ -171,12 +208,14 @@ fn main() {
         ] {
             let get = |k: &str| o.calls.iter().find(|(n, _)| *n == k).map_or(0, |v| v.1);
             println!(
-                "| `{c}` | {name} | {:.4} | {} | {} | {} | {:.1} |",
+                "| `{c}` | {name} | {:.4} | {} | {} | {} | {:.1} | {:.0}, {} |",
                 o.peak_reserved as f64 / o.peak_live.max(1) as f64,
                 get("create"),
                 get("map"),
                 get("unmap"),
-                o.modeled_ns as f64 / 1e6
+                o.modeled_ns as f64 / 1e6,
+                o.host_ns_mean,
+                o.host_ns_p50
             );
         }
     }
