@@ -37,6 +37,21 @@ def done(ok, what):
 
 HUGE = 400 << 30  # more than any GPU here has
 
+
+def written_on_peer_stream(x, value, sleep_cycles):
+    """Copies `value` into device 0's `x` on a new stream of device 1, behind a delay kernel
+    of `sleep_cycles`, and records that stream on `x` (Tensor.record_stream). Returns the
+    stream and the source tensor."""
+    s1 = T.cuda.Stream(1)
+    src = T.full((x.numel(),), value, device="cuda:1")
+    T.cuda.synchronize(0)
+    T.cuda.synchronize(1)
+    with T.cuda.device(1), T.cuda.stream(s1):
+        T.cuda._sleep(sleep_cycles)
+        x.copy_(src)
+    x.record_stream(s1)
+    return s1, src
+
 if probe == "oom_capture":
     # Out of memory inside a graph capture: PyTorch raises torch.OutOfMemoryError (the
     # package's error path crashed with SIGSEGV while formatting the message).
@@ -333,15 +348,8 @@ if probe == "record_stream_capture":
     # device for captures: this probe judges the package.)
     import warnings
     N = 1 << 22
-    s1 = T.cuda.Stream(1)
-    src = T.full((N,), 3.0, device="cuda:1")
     x = T.zeros(N, device="cuda:0")
-    T.cuda.synchronize(0)
-    T.cuda.synchronize(1)
-    with T.cuda.device(1), T.cuda.stream(s1):
-        T.cuda._sleep(int(1e9))
-        x.copy_(src)
-    x.record_stream(s1)
+    s1, src = written_on_peer_stream(x, 3.0, int(1e9))
     g = T.cuda.CUDAGraph()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -380,14 +388,7 @@ if probe == "checkpoint_deferred_free":
         keep = T.ones(1 << 10, device="cuda:0")
         kept_bytes = T.cuda.memory_allocated(0)
         x = T.zeros(N, device="cuda:0")
-    s1 = T.cuda.Stream(1)
-    src = T.full((N,), 5.0, device="cuda:1")
-    T.cuda.synchronize(0)
-    T.cuda.synchronize(1)
-    with T.cuda.device(1), T.cuda.stream(s1):
-        T.cuda._sleep(int(2e8))
-        x.copy_(src)
-    x.record_stream(s1)
+    s1, src = written_on_peer_stream(x, 5.0, int(2e8))
     during = None
     with T.cuda.use_mem_pool(p1, device=1):
         del x  # deferred by the package while device 1 routes
