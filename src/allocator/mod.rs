@@ -261,8 +261,10 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// intact after any error.
     pub fn allocate(&self, size: usize, stream: StreamId) -> Result<Allocation> {
         if let Some(front) = &self.front {
-            if let Some(a) = front.try_alloc(size, stream) {
-                return Ok(a);
+            if !front.dormant() {
+                if let Some(a) = front.try_alloc(size, stream) {
+                    return Ok(a);
+                }
             }
         }
         self.allocate_locked(size, stream)
@@ -299,7 +301,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// the cache until a later attempt (at the next allocation or `empty_cache`) fences or waits
     /// for the stream.
     pub fn free(&self, ptr: DeviceAddr) -> Result<()> {
-        if let Some(front) = &self.front {
+        if let Some(front) = self.front.as_ref().filter(|f| !f.dormant()) {
             if let FastFree::Done(r) = front.try_free(ptr) {
                 return r;
             }
@@ -316,7 +318,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// # Errors
     /// As [`free`](Self::free).
     pub fn free_with_outcome(&self, ptr: DeviceAddr) -> Result<FreeOutcome> {
-        if let Some(front) = &self.front {
+        if let Some(front) = self.front.as_ref().filter(|f| !f.dormant()) {
             if let FastFree::Done(r) = front.try_free(ptr) {
                 return r.map(|()| FreeOutcome::Cached);
             }
@@ -332,8 +334,9 @@ impl<B: DeviceBackend> CachingAllocator<B> {
         let Locked { st, front: fl } = &mut *guard;
         st.last_free_awaited = false;
         let r = match &self.front {
-            Some(front) => front.free_locked(st, fl, &self.backend, ptr),
-            None => st.free(&self.backend, ptr),
+            // Note [Dormant front] (front/mod.rs): no cache manages a block.
+            Some(front) if !front.dormant() => front.free_locked(st, fl, &self.backend, ptr),
+            _ => st.free(&self.backend, ptr),
         };
         if let (Some(h), Ok(())) = (&mut st.history, &r) {
             h.free(ptr);

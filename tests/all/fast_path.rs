@@ -722,6 +722,83 @@ fn a_cache_that_does_not_pay_pauses_and_tries_again_after_longer_pauses() {
     a.check_invariants().unwrap();
 }
 
+/// Note [Dormant front]: a paused cache with nothing cached hands its live blocks back to the
+/// core, and while every cache is so, allocations and frees skip the front. Blocks managed
+/// before the pause (long-lived ones, as weights) are then freed by their thread and by
+/// another one: each goes back to the core once, the statistics equal those of the same
+/// program without the fast path, and the cache hits again after its pause.
+#[test]
+fn a_paused_cache_hands_back_its_live_blocks_and_the_front_sleeps() {
+    let run = |config: AllocatorConfig| {
+        let a = std::sync::Arc::new(with_config(1 << 30, config));
+        let mut kept = Vec::new();
+        for size in [6000, 7000, 9000] {
+            admit(&a, size);
+            kept.push(a.allocate(size, S0).unwrap().ptr);
+        }
+        // Three windows of misses with no hits: paused, then dormant.
+        for k in 0..3 * 256 {
+            let x = a.allocate(20_000 + 512 * k, S0).unwrap();
+            a.free(x.ptr).unwrap();
+        }
+        a.check_invariants().unwrap();
+        a.free(kept[0]).unwrap();
+        assert!(matches!(
+            a.free(kept[0]),
+            Err(AllocError::DoubleFree { .. })
+        ));
+        let (b, p) = (std::sync::Arc::clone(&a), kept[1]);
+        std::thread::spawn(move || b.free(p).unwrap())
+            .join()
+            .unwrap();
+        a.check_invariants().unwrap();
+        let paused_pairs = {
+            for _ in 0..4 {
+                let x = a.allocate(1000, S1).unwrap();
+                a.free(x.ptr).unwrap();
+            }
+            a.flush_thread_caches()
+        };
+        // The rest of the pause (8 windows of 256 misses from the end of the first), then a
+        // trial window in which one size recurs.
+        for k in 0..6 * 256 - 4 {
+            let x = a.allocate(600_000 + 512 * k, S0).unwrap();
+            a.free(x.ptr).unwrap();
+        }
+        let active_pairs = {
+            for _ in 0..4 {
+                let x = a.allocate(1000, S1).unwrap();
+                a.free(x.ptr).unwrap();
+            }
+            a.flush_thread_caches()
+        };
+        a.free(kept[2]).unwrap();
+        a.check_invariants().unwrap();
+        (paused_pairs, active_pairs, a.memory_stats())
+    };
+    let (paused, active, fast) = run(fast());
+    assert_eq!((paused, active), (0, 1), "paused, then active again");
+    let (_, _, plain) = run(AllocatorConfig::builder().fast_path(false).build().unwrap());
+    for (name, f, p) in [
+        ("allocation", fast.allocation, plain.allocation),
+        (
+            "allocated_bytes",
+            fast.allocated_bytes,
+            plain.allocated_bytes,
+        ),
+        (
+            "requested_bytes",
+            fast.requested_bytes,
+            plain.requested_bytes,
+        ),
+        ("active_bytes", fast.active_bytes, plain.active_bytes),
+    ] {
+        let (f, p) = (f.get(StatType::All), p.get(StatType::All));
+        assert_eq!((f.current, f.peak), (p.current, p.peak), "{name}");
+        assert_eq!(f.current, 0, "{name}: everything freed");
+    }
+}
+
 /// A cache pays when it hits at least twice per miss over a window (`HITS_PER_MISS`): one hit
 /// per miss is not enough (on FSDP2 such caches held blocks out of page reuse's reach and cost
 /// more in page moves than their hits saved), three hits per miss are.

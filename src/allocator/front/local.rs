@@ -191,6 +191,8 @@ pub(crate) struct Local {
     window_misses: u32,
     window_hits: u32,
     paused: u32,
+    /// This pause's live blocks went back to the core (Note [Dormant front]).
+    handed_back: bool,
     /// The length of the last pause (0 after a productive window).
     pause: u32,
     /// The address the last free found unmanaged here, until the locked path takes the answer
@@ -224,6 +226,7 @@ impl Local {
             window_misses: 0,
             window_hits: 0,
             paused: 0,
+            handed_back: false,
             pause: 0,
             not_mine: None,
         }
@@ -482,7 +485,56 @@ impl Local {
             self.window_misses = 0;
             self.window_hits = 0;
         }
+        if self.paused == 0 {
+            self.handed_back = false;
+        }
         self.paused == 0
+    }
+
+    /// Once per pause, when nothing is cached: the live blocks this cache manages go back to
+    /// the core, which holds them as allocated already (a block live in a cache counts the
+    /// same in the user view as in the core's unless a hit served it for another requested
+    /// size; those stay). Returns their addresses, for the owner map. A paused cache caches no
+    /// free, so without this its long-lived blocks (weights, optimizer state) would keep it
+    /// managing blocks, and every free looking it up, for good (Note [Dormant front]).
+    pub(crate) fn hand_back_live(&mut self) -> Vec<u64> {
+        if self.paused == 0 || self.handed_back || self.cached_count > 0 || self.live_count == 0 {
+            return Vec::new();
+        }
+        self.handed_back = true;
+        let mut out = Vec::new();
+        let entries: Vec<(u64, u32)> = self.index.iter().map(|(&p, &i)| (p, i)).collect();
+        for (ptr, i) in entries {
+            let Some(d) = self.desc(i) else {
+                continue;
+            };
+            let v = d.view();
+            if v.ptr != ptr || v.user_req != v.core_req || d.transition(LIVE, VACANT).is_err() {
+                continue;
+            }
+            self.live_count -= 1;
+            self.forget(i, ptr);
+            out.push(ptr);
+        }
+        out
+    }
+
+    /// Paused and managing no block at all (none live, none cached, none taken away and not yet
+    /// cleaned up, no counters left to publish): while every cache is so, the allocator may
+    /// skip the front altogether (Note [Dormant front]). Publishes the answer in the shared half
+    /// for the other threads' locked paths.
+    pub(crate) fn publish_ready(&mut self) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        let ready = self.paused > 0
+            && self.cached_count == 0
+            && self.live_count == 0
+            && !self.dirty
+            && !self.retired
+            && !self.shared.taken_pending.load(Relaxed);
+        if self.shared.ready.load(Relaxed) != ready {
+            self.shared.ready.store(ready, Relaxed);
+        }
+        ready
     }
 
     /// Nothing to do on the locked path: no hit possible before the next synchronisation (see

@@ -310,6 +310,10 @@ pub(crate) struct Shared {
     pub(crate) exited: AtomicBool,
     /// The allocator's count of exited caches to reclaim.
     pub(crate) exits: Arc<AtomicUsize>,
+    /// The owner's cache was, at its last locked allocation, paused and managing no block
+    /// ([`Local::publish_ready`](super::local::Local::publish_ready); written by the owner under
+    /// the core lock, read under it: Note [Dormant front]).
+    pub(crate) ready: AtomicBool,
 }
 
 impl Shared {
@@ -321,6 +325,7 @@ impl Shared {
             taken_pending: AtomicBool::new(false),
             exited: AtomicBool::new(false),
             exits,
+            ready: AtomicBool::new(false),
         }
     }
 
