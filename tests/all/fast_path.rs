@@ -799,6 +799,67 @@ fn a_paused_cache_hands_back_its_live_blocks_and_the_front_sleeps() {
     }
 }
 
+/// Note [Dormant front] under threads: four threads go through pauses (dormant periods),
+/// trials and hits at their own pace, each also freeing blocks another thread allocated (some
+/// managed, some handed back); at the end everything is freed exactly once, the statistics are
+/// zero and the invariants hold.
+#[test]
+fn threads_going_dormant_and_waking_free_each_others_blocks_once() {
+    use std::sync::{Arc, mpsc};
+    let a = Arc::new(fast_on(1 << 32));
+    let (tx, rx) = mpsc::channel::<(usize, u64)>();
+    let rx = Arc::new(std::sync::Mutex::new(rx));
+    let handles: Vec<_> = (0..4usize)
+        .map(|t| {
+            let (a, tx, rx) = (Arc::clone(&a), tx.clone(), Arc::clone(&rx));
+            std::thread::spawn(move || {
+                let mut freed = 0usize;
+                for round in 0..3usize {
+                    // Kept blocks of a recurring size (managed once admitted), handed over.
+                    admit(&a, 4096 * (t + 1));
+                    for _ in 0..4 {
+                        let x = a.allocate(4096 * (t + 1), S0).unwrap();
+                        tx.send((t, x.ptr.0)).unwrap();
+                    }
+                    // Misses enough for a pause, and another thread's blocks freed meanwhile.
+                    for k in 0..10 * 256 + 100 * t {
+                        let x = a.allocate(50_000 + 512 * (k + 3000 * round + 10_000 * t), S0);
+                        a.free(x.unwrap().ptr).unwrap();
+                        if k >= 5 * 256 && k % 128 == 0 {
+                            if let Ok((_, p)) = rx.lock().unwrap().try_recv() {
+                                a.free(DeviceAddr(p)).unwrap();
+                                freed += 1;
+                            }
+                        }
+                    }
+                    // Hits of one size (a trial that pays, once the pause is over).
+                    for _ in 0..64 {
+                        let x = a.allocate(1000 + t, S1).unwrap();
+                        a.free(x.ptr).unwrap();
+                    }
+                }
+                freed
+            })
+        })
+        .collect();
+    drop(tx);
+    let mut freed: usize = handles.into_iter().map(|h| h.join().unwrap()).sum();
+    while let Ok((_, p)) = rx.lock().unwrap().try_recv() {
+        a.free(DeviceAddr(p)).unwrap();
+        freed += 1;
+    }
+    assert_eq!(freed, 4 * 3 * 4, "every handed-over block freed once");
+    a.check_invariants().unwrap();
+    let s = a.memory_stats();
+    for (name, v) in [
+        ("allocation", s.allocation),
+        ("allocated_bytes", s.allocated_bytes),
+        ("requested_bytes", s.requested_bytes),
+    ] {
+        assert_eq!(v.get(StatType::All).current, 0, "{name}");
+    }
+}
+
 /// A cache pays when it hits at least twice per miss over a window (`HITS_PER_MISS`): one hit
 /// per miss is not enough (on FSDP2 such caches held blocks out of page reuse's reach and cost
 /// more in page moves than their hits saved), three hits per miss are.
