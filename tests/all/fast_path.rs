@@ -860,6 +860,87 @@ fn threads_going_dormant_and_waking_free_each_others_blocks_once() {
     }
 }
 
+/// Note [Dormant front]: a cache that was ready (paused, managing nothing) and becomes active
+/// again must stop saying so at once. Here thread A's pause ends and A's cache manages a block;
+/// then thread B, paused with nothing, makes a locked allocation: the front must not go dormant
+/// on A's stale answer (a free of A's block would then bypass A's cache).
+#[test]
+fn a_cache_active_again_keeps_the_front_awake() {
+    use std::sync::{Arc, mpsc};
+    type Job = Box<dyn FnOnce(&CachingAllocator<SimDevice>) + Send>;
+    let a = Arc::new(fast_on(1 << 32));
+    // Thread B, kept alive between steps (its cache is thread-local).
+    let (tx, rx) = mpsc::channel::<(Job, mpsc::Sender<()>)>();
+    let b = {
+        let a = Arc::clone(&a);
+        std::thread::spawn(move || {
+            for (job, done) in rx {
+                job(&a);
+                done.send(()).unwrap();
+            }
+        })
+    };
+    let on_b = |job: Job| {
+        let (done_tx, done_rx) = mpsc::channel();
+        tx.send((job, done_tx)).unwrap();
+        done_rx.recv().unwrap();
+    };
+    let misses = |a: &CachingAllocator<SimDevice>, n: usize, from: usize| {
+        for k in 0..n {
+            let x = a.allocate(40_000 + 512 * (from + k), S0).unwrap();
+            a.free(x.ptr).unwrap();
+        }
+    };
+    // Both caches pause (a window of misses each) and say they are ready.
+    on_b(Box::new(move |a| misses(a, 300, 100_000)));
+    misses(&a, 300, 0);
+    // A's pause ends (8 windows after the first); A admits a size and keeps a managed block.
+    misses(&a, 8 * 256, 1000);
+    admit(&a, 6000);
+    let kept = a.allocate(6000, S0).unwrap();
+    // B, still paused, allocates under the lock.
+    on_b(Box::new(move |a| misses(a, 1, 200_000)));
+    a.check_invariants().unwrap();
+    a.free(kept.ptr).unwrap();
+    assert!(matches!(
+        a.free(kept.ptr),
+        Err(AllocError::DoubleFree { .. })
+    ));
+    a.check_invariants().unwrap();
+    drop(tx);
+    b.join().unwrap();
+}
+
+/// Note [Dormant front]: a thread without a cache yet, allocating while the front is dormant
+/// (the only cache, another thread's, paused), gets its cache and its hits.
+#[test]
+fn a_new_thread_wakes_a_dormant_front() {
+    let a = std::sync::Arc::new(fast_on(1 << 32));
+    let b = std::sync::Arc::clone(&a);
+    let (paused_tx, paused_rx) = std::sync::mpsc::channel();
+    let (end_tx, end_rx) = std::sync::mpsc::channel::<()>();
+    let t = std::thread::spawn(move || {
+        for k in 0..300 {
+            let x = b.allocate(40_000 + 512 * k, S0).unwrap();
+            b.free(x.ptr).unwrap();
+        }
+        paused_tx.send(()).unwrap();
+        end_rx.recv().unwrap();
+    });
+    paused_rx.recv().unwrap();
+    admit(&a, 6000);
+    let x = a.allocate(6000, S0).unwrap();
+    a.free(x.ptr).unwrap();
+    assert_eq!(
+        a.flush_thread_caches(),
+        1,
+        "this thread's cache held the freed block"
+    );
+    a.check_invariants().unwrap();
+    end_tx.send(()).unwrap();
+    t.join().unwrap();
+}
+
 /// A cache pays when it hits at least twice per miss over a window (`HITS_PER_MISS`): one hit
 /// per miss is not enough (on FSDP2 such caches held blocks out of page reuse's reach and cost
 /// more in page moves than their hits saved), three hits per miss are.
