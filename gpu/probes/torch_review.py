@@ -7,7 +7,7 @@ process,
 with PROBE one of oom_capture, oom_pool, foreign_stream_alloc, empty_cache_in_pool,
 cache_info, trace_time, oom_observer_fraction, annotations, bad_delete, tracker,
 pool_snapshot_empty, runtime_settings, compile_context, graph_tree_checkpoint, use_on_oom,
-no_split, free_completed, gpu_trace, caching_disabled, no_caching_env, oom_device_free,
+no_split, free_completed, gpu_trace, caching_disabled, no_caching_env, oom_device_free, oom_sizes,
 oom_state_context, snapshot_entry (one GPU),
 record_stream_peer, peer_copy, record_stream_capture, checkpoint_deferred_free (two GPUs). Prints one line, "PASS ..." or
 "FAIL ...", and exits 0 or 1 (a crash, as the package's SIGSEGV before the fix, exits with the
@@ -312,6 +312,26 @@ if probe == "oom_device_free":
     got = ooms[0].get("device_free", 0) if ooms else None
     ok = bool(ooms) and got > 0 and abs(got - free) < max(free // 10, 1 << 30)
     done(ok, f"{len(ooms)} oom entries, device_free {got}, device free now {free}")
+
+if probe == "oom_sizes":
+    # PyTorch's sizes of a failed request: the history's OOM entry has the rounded size
+    # (round_size: 512-byte multiples here), an out-of-memory observer gets the device
+    # allocation tried (get_allocation_size: 2 MiB multiples above 10 MiB). The package gave
+    # both the request's own size.
+    n = HUGE + 12345
+    rounded = -(-n // 512) * 512
+    segment = -(-rounded // (2 << 20)) * (2 << 20)
+    seen = []
+    T._C._cuda_attach_out_of_memory_observer(lambda d, a, t, f: seen.append(a))
+    T.cuda.memory._record_memory_history(max_entries=1000)
+    try:
+        T.empty(n, dtype=T.uint8, device="cuda")
+    except T.OutOfMemoryError:
+        pass
+    sizes = [e["size"] for e in trace_of(T.cuda.memory._snapshot()) if e["action"] == "oom"]
+    ok = sizes == [rounded] and seen == [segment]
+    done(ok, f"request {n}: oom entry sizes {sizes} (want [{rounded}]), observer sizes {seen} "
+             f"(want [{segment}])")
 
 if probe == "oom_state_context":
     # Under context="state" the history's entries carry no stack (only the live blocks keep

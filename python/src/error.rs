@@ -1,6 +1,7 @@
 //! Failure reporting across the C boundary: a panic guard, the calling thread's last error
-//! (message and kind) for [`cca_last_error`] / [`cca_last_error_kind`], and the stderr line the
-//! pluggable route relies on, which [`cca_set_quiet`] turns off.
+//! (message and kind) for [`cca_last_error`] / [`cca_last_error_kind`], an out-of-memory
+//! failure's sizes for [`cca_last_oom_sizes`], and the stderr line the pluggable route relies
+//! on, which [`cca_set_quiet`] turns off.
 
 use std::cell::RefCell;
 use std::ffi::{CString, c_char, c_int};
@@ -18,12 +19,26 @@ pub(crate) const KIND_OTHER: c_int = 2;
 
 static QUIET: AtomicBool = AtomicBool::new(false);
 
+/// A thread's last failure: its kind, its message, and for an out-of-memory failure with a
+/// report the request's rounded size and the device allocation the cache tried to make.
+#[derive(Default)]
+struct Last {
+    kind: c_int,
+    text: CString,
+    oom_sizes: Option<(usize, usize)>,
+}
+
 thread_local! {
-    static LAST: RefCell<(c_int, CString)> = RefCell::new((KIND_NONE, CString::default()));
+    static LAST: RefCell<Last> = RefCell::new(Last::default());
 }
 
 /// Records `msg` as this thread's last error of `kind`, and prints it unless quiet.
 pub(crate) fn fail(kind: c_int, msg: String) {
+    record(kind, msg, None);
+}
+
+/// [`fail`], with an out-of-memory failure's sizes (rounded request, device allocation).
+fn record(kind: c_int, msg: String, oom_sizes: Option<(usize, usize)>) {
     if !QUIET.load(Ordering::Relaxed) {
         eprintln!("cuda_caching_allocator: {msg}");
     }
@@ -36,7 +51,13 @@ pub(crate) fn fail(kind: c_int, msg: String) {
     let text = CString::new(bytes).unwrap_or_default();
     // During the thread's exit (frees from static destructors, such as PyTorch's CUDA IPC limbo
     // at process exit) the slot is gone: the error is only printed then.
-    let _ = LAST.try_with(|l| *l.borrow_mut() = (kind, text));
+    let _ = LAST.try_with(|l| {
+        *l.borrow_mut() = Last {
+            kind,
+            text,
+            oom_sizes,
+        }
+    });
 }
 
 /// Records an allocator error, classified (out of memory or other). Out of memory inside a
@@ -48,15 +69,16 @@ pub(crate) fn fail_alloc(context: &str, e: &AllocError) {
     } else {
         KIND_OTHER
     };
-    fail(kind, format!("{context}: {e}"));
+    let sizes = e.oom_report().map(|r| (r.rounded_bytes, r.segment_bytes));
+    record(kind, format!("{context}: {e}"), sizes);
 }
 
 /// Clears this thread's last error (a call that succeeded).
 pub(crate) fn clear() {
     let _ = LAST.try_with(|l| {
         let mut l = l.borrow_mut();
-        if l.0 != KIND_NONE {
-            *l = (KIND_NONE, CString::default());
+        if l.kind != KIND_NONE {
+            *l = Last::default();
         }
     });
 }
@@ -82,7 +104,7 @@ pub(crate) fn guarded<T>(what: &str, fallback: T, f: impl FnOnce() -> T) -> T {
 /// valid until the next call into this library on the same thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn cca_last_error() -> *const c_char {
-    LAST.try_with(|l| l.borrow().1.as_ptr())
+    LAST.try_with(|l| l.borrow().text.as_ptr())
         .unwrap_or(c"".as_ptr())
 }
 
@@ -90,7 +112,31 @@ pub extern "C" fn cca_last_error() -> *const c_char {
 /// error.
 #[unsafe(no_mangle)]
 pub extern "C" fn cca_last_error_kind() -> c_int {
-    LAST.try_with(|l| l.borrow().0).unwrap_or(KIND_NONE)
+    LAST.try_with(|l| l.borrow().kind).unwrap_or(KIND_NONE)
+}
+
+/// The sizes of the calling thread's last call's out-of-memory failure, as PyTorch's allocator
+/// uses them: `rounded` the request after rounding (its memory history's `oom` entry), `segment`
+/// the device allocation the cache tried to make (what its out-of-memory observers and message
+/// get). Returns 0 with both written, or -1, writing nothing, when that call did not fail for
+/// lack of memory with a report (a request of 1 EiB or more has none).
+///
+/// # Safety
+/// `rounded` and `segment` must be valid for a write of one `size_t` each.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cca_last_oom_sizes(rounded: *mut usize, segment: *mut usize) -> c_int {
+    let sizes = LAST.try_with(|l| l.borrow().oom_sizes).ok().flatten();
+    match sizes {
+        Some((r, s)) if !rounded.is_null() && !segment.is_null() => {
+            // SAFETY: the caller passes pointers valid for one write each (checked non-null).
+            unsafe {
+                rounded.write(r);
+                segment.write(s);
+            }
+            0
+        }
+        _ => -1,
+    }
 }
 
 /// `quiet` non-zero: failures are no longer printed on stderr (the C++ shim raises them as

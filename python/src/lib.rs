@@ -25,7 +25,7 @@ mod pools;
 mod segments;
 mod settings;
 
-pub use error::{cca_last_error, cca_last_error_kind, cca_set_quiet};
+pub use error::{cca_last_error, cca_last_error_kind, cca_last_oom_sizes, cca_set_quiet};
 pub use hooks::{
     cca_alloc, cca_bench_alloc_free, cca_check_config, cca_empty_cache, cca_enable_peer_access,
     cca_free, cca_free_checked, cca_init, cca_memory_fraction_hook, cca_print_summary,

@@ -101,7 +101,7 @@ def shim_source_is_packaged():
     with open(src) as f:
         text = f.read()
     assert "class Shim : public CCA::CUDAAllocator" in text
-    assert "kAbiVersion = 5" in text
+    assert "kAbiVersion = 6" in text
 
 
 @test
@@ -127,7 +127,7 @@ def library_found_in_package_and_override_checked():
 @test
 def abi_version_and_layouts():
     l = lib()
-    assert l.cca_abi_version() == 5
+    assert l.cca_abi_version() == 6
     assert ctypes.sizeof(DeviceStats) == 976
 
 
@@ -265,6 +265,24 @@ def bad_alloc_arguments_are_errors_not_crashes():
         assert b"peer -1" in l.cca_last_error(), l.cca_last_error()
         # A good call clears the error.
         assert l.cca_check_config() == 0 and l.cca_last_error_kind() == 0
+    finally:
+        l.cca_set_quiet(0)
+
+
+@test
+def oom_sizes_only_after_an_out_of_memory_failure():
+    # cca_last_oom_sizes answers -1 and writes nothing after any other failure or a success
+    # (its out-of-memory answer needs a GPU: gpu/probes/torch_review.py oom_sizes).
+    l = lib()
+    rounded, segment = ctypes.c_size_t(7), ctypes.c_size_t(7)
+    l.cca_set_quiet(1)
+    try:
+        assert l.cca_alloc(-5, 0, None) is None and l.cca_last_error_kind() == 2
+        assert l.cca_last_oom_sizes(ctypes.byref(rounded), ctypes.byref(segment)) == -1
+        assert l.cca_check_config() == 0
+        assert l.cca_last_oom_sizes(ctypes.byref(rounded), ctypes.byref(segment)) == -1
+        assert l.cca_last_oom_sizes(None, None) == -1
+        assert (rounded.value, segment.value) == (7, 7)
     finally:
         l.cca_set_quiet(0)
 

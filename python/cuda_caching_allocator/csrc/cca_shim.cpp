@@ -73,7 +73,7 @@ using c10::CachingDeviceAllocator::RecordContext;
 using c10::CachingDeviceAllocator::SegmentInfo;
 using c10::CachingDeviceAllocator::TraceEntry;
 
-constexpr int kAbiVersion = 5;
+constexpr int kAbiVersion = 6;
 
 // Numbers and addresses in error messages are formatted here, not streamed: on the GPU machine
 // an error message that streamed a size_t into TORCH_CHECK crashed the process inside the
@@ -214,6 +214,7 @@ struct Api {
   int (*set_no_split)(int, CPool, int);
   const char* (*last_error)();
   int (*last_error_kind)();
+  int (*last_oom_sizes)(size_t*, size_t*);
   int (*set_quiet)(int);
   int (*set_segment_callback)(SegmentEventFn, void*);
   int (*config_expandable)();
@@ -268,6 +269,7 @@ Api load_api(const std::string& path) {
   bind(lib, "cca_set_no_split", a.set_no_split);
   bind(lib, "cca_last_error", a.last_error);
   bind(lib, "cca_last_error_kind", a.last_error_kind);
+  bind(lib, "cca_last_oom_sizes", a.last_oom_sizes);
   bind(lib, "cca_set_quiet", a.set_quiet);
   bind(lib, "cca_set_segment_callback", a.set_segment_callback);
   bind(lib, "cca_config_expandable", a.config_expandable);
@@ -1703,6 +1705,9 @@ class Shim : public CCA::CUDAAllocator {
     void* p = nullptr;
     std::string msg;
     bool oom = false;
+    // PyTorch's sizes of a failed request: its OOM trace entry has the rounded size
+    // (params.size()), its observers the device allocation it tried (alloc_size).
+    size_t oom_rounded = n, oom_segment = n;
     for (int attempt = 0; attempt < 2; ++attempt) {
       {
         // Segment entries keep the stack only where PyTorch's do (context "alloc" or "all").
@@ -1731,6 +1736,9 @@ class Shim : public CCA::CUDAAllocator {
       // Read before the callbacks: their frees clear the library's last error.
       msg = api_.last_error();
       oom = api_.last_error_kind() == 1;
+      if (oom && api_.last_oom_sizes(&oom_rounded, &oom_segment) != 0) {
+        oom_rounded = oom_segment = n;  // a request of 1 EiB or more: no report
+      }
       // Out of memory: PyTorch's free-memory callbacks (torch.multiprocessing's cuda_ipc_collect
       // gives back shared blocks other processes have let go of) may free some; then once more.
       if (attempt == 1 || !oom || !run_free_memory_callbacks()) break;
@@ -1748,7 +1756,8 @@ class Shim : public CCA::CUDAAllocator {
           // As PyTorch's: the OOM entry's address field carries the device's free bytes
           // (memory_snapshot's "device_free").
           // The stack only where PyTorch's trace keeps one (context "alloc" or "all").
-          trace(TraceEntry::OOM, dev, reinterpret_cast<void*>(device_free), n, stream, pool,
+          trace(TraceEntry::OOM, dev, reinterpret_cast<void*>(device_free), oom_rounded, stream,
+                pool,
                 when == RecordContext::ALLOC || when == RecordContext::ALL ? ctx : nullptr);
           observers = oom_observers_;
         }
@@ -1760,7 +1769,7 @@ class Shim : public CCA::CUDAAllocator {
         if (fraction < 1.0) {
           total_seen = static_cast<size_t>(fraction * static_cast<double>(device_total));
         }
-        for (auto& o : observers) o(dev, n, total_seen, device_free);
+        for (auto& o : observers) o(dev, oom_segment, total_seen, device_free);
         TORCH_CHECK_WITH(OutOfMemoryError, false, cat("cuda_caching_allocator: ", msg));
       }
       TORCH_CHECK(false, cat("cuda_caching_allocator: allocation of ", num(n),
