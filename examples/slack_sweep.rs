@@ -11,7 +11,13 @@
 //! cargo run --release --example slack_sweep --features trace-io -- 0.01 0.0125 0.015
 //! ```
 //!
-//! With no argument it compares the default's slack (0.01) with 0.015.
+//! With no argument it compares the default's slack (0.01) with 0.015. An argument that is not a
+//! number is a configuration string on top of the default (`cca_max_handle_size_mb:4`), so that
+//! other growth knobs can be swept over the same traces:
+//!
+//! ```text
+//! cargo run --release --example slack_sweep --features trace-io -- 0.01 cca_max_handle_size_mb:4
+//! ```
 #![allow(clippy::unwrap_used)]
 
 use cuda_caching_allocator::synth::Workload;
@@ -61,14 +67,19 @@ fn main() {
     let configs: Vec<AllocatorConfig> = slacks
         .iter()
         .map(|s| {
-            AllocatorConfig::parse(&format!("cca_preset:default,cca_page_reuse_slack:{s}")).unwrap()
+            let extra = if s.parse::<f64>().is_ok() {
+                format!("cca_page_reuse_slack:{s}")
+            } else {
+                s.clone()
+            };
+            AllocatorConfig::parse(&format!("cca_preset:default,{extra}")).unwrap()
         })
         .collect();
     let mut header = String::from("| trace |");
     let mut rule = String::from("|---|");
     for s in &slacks {
         for lag in LAGS {
-            header += &format!(" slack {s}, lag {lag}: reserved / live, modeled ms, unmaps |");
+            header += &format!(" {s}, lag {lag}: reserved / live, modeled ms, unmaps |");
             rule += "---|";
         }
     }
