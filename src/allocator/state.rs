@@ -94,6 +94,10 @@ pub(crate) struct State {
     /// Pages page reuse moved since the peak of allocated bytes last rose (Note [Page-move
     /// budget] in `expandable.rs`).
     pub(crate) steady_moves: u64,
+    /// The allocated bytes' peak as of the program's last reset of the peak statistics: page
+    /// reuse measures its slack and budget against the all-time peak, which a program's
+    /// `reset_peak_stats` must not move (Note [The policy's own peak] in `state/growth_fit.rs`).
+    pub(crate) allocated_peak_before_reset: usize,
     /// Reserved bytes when the cap was last set, shrinking as segments are released: lowering
     /// the cap below what is reserved is allowed; growing above it is not.
     pub(crate) cap_grace: usize,
@@ -182,6 +186,7 @@ impl State {
             event_pool: Vec::new(),
             cap_rejected: false,
             steady_moves: 0,
+            allocated_peak_before_reset: 0,
             cap_grace: 0,
             history: None,
             segment_observer: ObserverSlot::default(),

@@ -169,6 +169,50 @@ fn a_steady_rotating_queue_stops_moving_pages() {
     );
 }
 
+/// Page reuse's decisions (the slack over the allocated peak, the page-move budget's count) must
+/// not follow the peak statistics a program resets (`torch.cuda.reset_peak_memory_stats()` in a
+/// training loop that logs each step's peak): the allocator behaves the same with and without
+/// the resets. Before the policy kept a peak of its own, every allocation past the reset peak
+/// restarted the budget's count and the rotating queue moved pages for ever.
+#[test]
+fn resetting_the_peak_statistics_changes_no_page_reuse_decision() {
+    let calls_of = |events: usize, reset_every: Option<usize>| {
+        let queue = rotating_queue(events, 8);
+        let alloc =
+            CachingAllocator::new(SimDevice::default(), AllocatorConfig::default()).unwrap();
+        let r = cuda_caching_allocator::replay::replay_observed(
+            &alloc,
+            &queue,
+            &ReplayOptions::default(),
+            None,
+            &mut |i, _, a| {
+                if reset_every.is_some_and(|k| i % k == 0) {
+                    a.reset_peak_stats();
+                }
+            },
+        )
+        .unwrap();
+        let k = alloc.backend().counters();
+        (
+            k.create_physical_calls,
+            k.map_calls,
+            k.unmap_calls,
+            r.failed_allocs,
+        )
+    };
+    let plain = calls_of(20_000, None);
+    for every in [16, 100, 1_000] {
+        assert_eq!(
+            calls_of(20_000, Some(every)),
+            plain,
+            "(creates, maps, unmaps, failures) with the peak reset every {every} events, \
+             against none"
+        );
+    }
+    // And the queue still settles with the resets.
+    assert_eq!(calls_of(10_000, Some(100)), calls_of(20_000, Some(100)));
+}
+
 #[test]
 fn page_move_budget_parses_and_is_off_in_the_pytorch_presets() {
     assert_eq!(AllocatorConfig::default().page_move_budget, 8);

@@ -64,9 +64,20 @@ impl State {
     /// bytes the page-reuse slack allows: `(1 + cca_page_reuse_slack) × max(after, peak)`. The
     /// one measure behind the slack's rules (`acquire_pages`, Note [Fewest-pages growth], Note
     /// [Flush before a new peak]).
+    ///
+    /// Note [The policy's own peak]: the peak here is the all-time one. The statistics' peak
+    /// is the program's to reset (`torch.cuda.reset_peak_memory_stats()`, which training loops
+    /// call every step to log each step's peak), and PyTorch's allocator decides nothing by it.
+    /// Read from the statistics alone, a reset made every allocation past it a new peak: the
+    /// page-move budget's count restarted at each, so a rotating queue moved pages for ever
+    /// (12,534 unmaps in 20,000 pairs with a reset every 16 events, against 837), the slack
+    /// shrank to the current step's bytes, and growths flushed every front cache as if they
+    /// set a new peak. `reset_peak_stats` keeps the peak it clears in
+    /// `allocated_peak_before_reset`.
     pub(super) fn slack_limit(&self, size: usize) -> SlackLimit {
         let after = (self.stats.memory_allocated().max(0) as usize).saturating_add(size);
-        let peak = self.stats.max_memory_allocated().max(0) as usize;
+        let peak = (self.stats.max_memory_allocated().max(0) as usize)
+            .max(self.allocated_peak_before_reset);
         let limit = (after.max(peak) as f64 * (1.0 + self.config.page_reuse_slack)) as usize;
         SlackLimit { after, peak, limit }
     }
