@@ -94,6 +94,9 @@ pub(crate) struct State {
     /// Pages page reuse moved since the peak of allocated bytes last rose (Note [Page-move
     /// budget] in `expandable.rs`).
     pub(crate) steady_moves: u64,
+    /// Allocations of the core (`malloc_with`) since the peak of allocated bytes last rose: each
+    /// earns the page-move budget a fraction of a move (Note [Page-move budget]).
+    pub(crate) allocs_since_peak: u64,
     /// The allocated bytes' peak as of the program's last reset of the peak statistics: page
     /// reuse measures its slack and budget against the all-time peak, which a program's
     /// `reset_peak_stats` must not move (Note [The policy's own peak] in `state/growth_fit.rs`).
@@ -186,6 +189,7 @@ impl State {
             event_pool: Vec::new(),
             cap_rejected: false,
             steady_moves: 0,
+            allocs_since_peak: 0,
             allocated_peak_before_reset: 0,
             cap_grace: 0,
             history: None,
@@ -294,6 +298,7 @@ impl State {
         before_growth: &mut dyn FnMut(&mut State, Option<StreamId>) -> bool,
     ) -> Result<Allocation> {
         self.last_foreign_block = false;
+        self.allocs_since_peak = self.allocs_since_peak.wrapping_add(1);
         if orig_size == 0 {
             return Ok(Allocation {
                 ptr: DeviceAddr::NULL,

@@ -146,6 +146,13 @@ fn a_steady_rotating_queue_stops_moving_pages() {
         "{:?} ns",
         l.modeled_device_ns
     );
+    // The credit of one move per 128 core allocations (Note [Page-move budget]) lets the
+    // queue buy later, into a tighter layout: 1.2426 × live without it.
+    assert!(
+        l.reserved_over_live() < 1.2,
+        "the queue settled at {:.4} × live",
+        l.reserved_over_live()
+    );
     let pytorch = run(&long, Preset::Pytorch.config());
     assert!(
         l.reserved_over_live() < pytorch.reserved_over_live(),
