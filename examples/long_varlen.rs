@@ -77,28 +77,6 @@ fn main() {
             report.reserved_over_live(),
             alloc.backend().counters().modeled_device_ns as f64 / 1e6
         );
-        if std::env::var_os("PEAK").is_some() {
-            let st = &report.stats_at_peak;
-            println!(
-                "peak live {}, peak allocated {}, peak reserved {}; at the reserved peak: \
-                 allocated {}, reserved {}, large pool reserved {}, small {}",
-                report.peak_live_bytes,
-                report.peak_allocated_bytes,
-                report.peak_reserved_bytes,
-                st.allocated_bytes
-                    .get(cuda_caching_allocator::stats::StatType::All)
-                    .current,
-                st.reserved_bytes
-                    .get(cuda_caching_allocator::stats::StatType::All)
-                    .current,
-                st.reserved_bytes
-                    .get(cuda_caching_allocator::stats::StatType::LargePool)
-                    .current,
-                st.reserved_bytes
-                    .get(cuda_caching_allocator::stats::StatType::SmallPool)
-                    .current,
-            );
-        }
         println!(
             "| steps | unmaps | creates | modeled device ms | peak reserved so far ÷ peak live so far |\n\
              |---|---:|---:|---:|---:|"
