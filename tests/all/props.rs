@@ -64,6 +64,51 @@ proptest! {
         check_model(&run)?;
     }
 
+    /// Reading or resetting statistics changes no decision (Note [The policy's own peak]): the
+    /// crate's default runs a random program twice, once with every statistics call a program
+    /// can make after each operation, and hands out the same addresses and makes the same
+    /// device calls.
+    #[test]
+    fn statistics_calls_change_no_decision(
+        fast in any::<bool>(),
+        capacity_mib in 64usize..400,
+        ops in random_program(Mix { min_size: 0, all_streams: false, event_faults: false, uses: false }),
+    ) {
+        let config = AllocatorConfig::parse(if fast {
+            "cca_preset:default"
+        } else {
+            "cca_preset:default,cca_fast_path:False"
+        })
+        .unwrap();
+        let mut plain = Run::new(capacity_mib, config.clone());
+        let mut probed = Run::new(capacity_mib, config);
+        for (i, op) in ops.iter().enumerate() {
+            plain.step(op)?;
+            probed.step(op)?;
+            let a = &probed.a;
+            let _ = a.memory_stats();
+            let _ = a.memory_reserved();
+            match i % 3 {
+                0 => a.reset_peak_stats(),
+                1 => a.reset_accumulated_stats(),
+                _ => {
+                    let _ = a.snapshot();
+                }
+            }
+            prop_assert_eq!(
+                plain.live.keys().collect::<Vec<_>>(),
+                probed.live.keys().collect::<Vec<_>>(),
+                "live addresses differ after operation {} ({:?})",
+                i,
+                op
+            );
+        }
+        prop_assert_eq!(
+            plain.a.backend().counters().call_counts(),
+            probed.a.backend().counters().call_counts()
+        );
+    }
+
     #[test]
     fn size_class_laws(size in 1usize..(1usize << 40), divisions in prop_oneof![Just(0usize), Just(1), Just(2), Just(4), Just(8), Just(16)]) {
         let c = AllocatorConfig::builder().roundup_power2_divisions(divisions).build().unwrap();
