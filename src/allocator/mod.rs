@@ -700,14 +700,9 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     pub fn reset_peak_stats(&self) {
         let mut guard = self.lock();
         let Locked { st, front: fl } = &mut *guard;
-        st.handles.reset_peak();
-        // Note [The policy's own peak] (state/growth_fit.rs).
-        st.allocated_peak_before_reset = st
-            .allocated_peak_before_reset
-            .max(st.stats.max_memory_allocated().max(0) as usize);
         match &self.front {
             Some(front) => front.reset_peak(st, fl),
-            None => st.stats.reset_peak(),
+            None => st.reset_peak_stats(),
         }
     }
 

@@ -285,6 +285,17 @@ impl State {
         self.malloc_with(dev, orig_size, stream, &mut |_, _| false)
     }
 
+    /// `reset_peak_memory_stats` of the core: every statistic's and the handle count's peak
+    /// becomes its current value. Page reuse keeps the allocated bytes' all-time peak
+    /// (Note [The policy's own peak] in `state/growth_fit.rs`).
+    pub(crate) fn reset_peak_stats(&mut self) {
+        self.allocated_peak_before_reset = self
+            .allocated_peak_before_reset
+            .max(self.stats.max_memory_allocated().max(0) as usize);
+        self.stats.reset_peak();
+        self.handles.reset_peak();
+    }
+
     /// `malloc` with a hook for the fast path: when no cached block fits, `before_growth(Some(
     /// stream))` runs before anything else (a cross-stream handover, garbage collection, device
     /// allocation, the release-and-retry chain), and `before_growth(None)` once more before the

@@ -697,7 +697,7 @@ impl Front {
     /// `reset_peak_memory_stats` of the user view.
     pub(crate) fn reset_peak(&self, st: &mut State, fl: &mut FrontLocked) {
         local::with_local(self.id, |l| self.process_taken_own(l, fl));
-        st.stats.reset_peak();
+        st.reset_peak_stats();
         let sum = self.exact_sum(fl);
         let mut now = Five::of_core(&st.stats);
         now.add(&sum.five());

@@ -72,8 +72,8 @@ impl State {
     /// page-move budget's count restarted at each, so a rotating queue moved pages for ever
     /// (12,534 unmaps in 20,000 pairs with a reset every 16 events, against 837), the slack
     /// shrank to the current step's bytes, and growths flushed every front cache as if they
-    /// set a new peak. `reset_peak_stats` keeps the peak it clears in
-    /// `allocated_peak_before_reset`.
+    /// set a new peak. `State::reset_peak_stats`, the one way to reset them, keeps the peak it
+    /// clears in `allocated_peak_before_reset`.
     pub(super) fn slack_limit(&self, size: usize) -> SlackLimit {
         let after = (self.stats.memory_allocated().max(0) as usize).saturating_add(size);
         let peak = (self.stats.max_memory_allocated().max(0) as usize)
