@@ -161,8 +161,24 @@ fn check(a: &CachingAllocator<SimDevice>, live: &BTreeMap<u64, Allocation>) {
 struct Workers<'scope, 'env> {
     tx: Vec<Option<mpsc::Sender<Op>>>,
     rx: Vec<Option<mpsc::Receiver<Done>>>,
+    threads: Vec<Option<std::thread::ScopedJoinHandle<'scope, ()>>>,
     scope: &'scope std::thread::Scope<'scope, 'env>,
     a: &'env CachingAllocator<SimDevice>,
+}
+
+impl Drop for Workers<'_, '_> {
+    /// Closes every worker's channel and joins its thread, also when a program ends early (its
+    /// input ran out): the scope alone waits for the closures, not for the threads' exits, and
+    /// LeakSanitizer reads thread-locals not yet dropped as leaks.
+    fn drop(&mut self) {
+        for t in 0..self.threads.len() {
+            self.tx[t] = None;
+            self.rx[t] = None;
+            if let Some(h) = self.threads[t].take() {
+                let _ = h.join();
+            }
+        }
+    }
 }
 
 impl<'scope, 'env> Workers<'scope, 'env> {
@@ -170,7 +186,7 @@ impl<'scope, 'env> Workers<'scope, 'env> {
         let (op_tx, op_rx) = mpsc::channel::<Op>();
         let (done_tx, done_rx) = mpsc::channel::<Done>();
         let a = self.a;
-        self.scope.spawn(move || {
+        self.threads[t] = Some(self.scope.spawn(move || {
             for op in op_rx {
                 let exit = matches!(op, Op::Exit);
                 let _ = done_tx.send(run_op(a, op));
@@ -178,7 +194,7 @@ impl<'scope, 'env> Workers<'scope, 'env> {
                     break;
                 }
             }
-        });
+        }));
         self.tx[t] = Some(op_tx);
         self.rx[t] = Some(done_rx);
     }
@@ -192,10 +208,13 @@ impl<'scope, 'env> Workers<'scope, 'env> {
         assert!(sent, "worker {t} is gone");
         let done = self.rx[t].as_ref().and_then(|rx| rx.recv().ok()).expect("worker answered");
         if matches!(op, Op::Exit) {
-            // Wait for the thread to finish (its thread-locals dropped): its channel closes.
+            // Wait for the thread to end, its thread-locals dropped: a join waits for the
+            // thread itself (its channel closes earlier, before the thread-local destructors
+            // run, which left a race that LeakSanitizer reported as a leak).
             self.tx[t] = None;
-            if let Some(rx) = self.rx[t].take() {
-                while rx.recv().is_ok() {}
+            self.rx[t] = None;
+            if let Some(h) = self.threads[t].take() {
+                assert!(h.join().is_ok(), "worker {t} panicked");
             }
         }
         done
@@ -219,7 +238,13 @@ fn run(data: &[u8]) -> Result<()> {
     let mut freed: Vec<DeviceAddr> = Vec::new();
     let steps = u.int_in_range(1..=200u32)?;
     std::thread::scope(|scope| -> Result<()> {
-        let mut w = Workers { tx: vec![None, None, None], rx: vec![None, None, None], scope, a: &a };
+        let mut w = Workers {
+            tx: vec![None, None, None],
+            rx: vec![None, None, None],
+            threads: vec![None, None, None],
+            scope,
+            a: &a,
+        };
         for _ in 0..steps {
             let t = u.int_in_range(0..=threads - 1)?;
             match u.int_in_range(0..=14u8)? {
