@@ -8,7 +8,7 @@ with PROBE one of oom_capture, oom_pool, foreign_stream_alloc, empty_cache_in_po
 cache_info, trace_time, oom_observer_fraction, annotations, bad_delete, tracker,
 pool_snapshot_empty, runtime_settings, compile_context, graph_tree_checkpoint, use_on_oom,
 no_split, free_completed, gpu_trace, caching_disabled, no_caching_env, oom_device_free, oom_sizes,
-oom_state_context, snapshot_entry (one GPU),
+oom_state_context, snapshot_entry, reset_peak_moves (one GPU),
 record_stream_peer, peer_copy, record_stream_capture, checkpoint_deferred_free (two GPUs). Prints one line, "PASS ..." or
 "FAIL ...", and exits 0 or 1 (a crash, as the package's SIGSEGV before the fix, exits with the
 signal). `cca` enables cuda_caching_allocator.torch (route shim) with CONFIG (default: the
@@ -733,3 +733,27 @@ if probe == "no_split":
 
 print(f"unknown probe {probe}")
 sys.exit(2)
+
+if probe == "reset_peak_moves":
+    # torch.cuda.reset_peak_memory_stats() changes no allocation decision: a training loop that
+    # logs each step's peak resets it every step. The crate's page reuse read the peak statistic
+    # before fac4e52, so a reset made every later allocation a new peak, the page-move budget
+    # restarted and a rotating queue moved pages for ever. Here the queue (gpu/host_pair.py's
+    # sixteen sizes, a FIFO ring of eight live tensors) runs 12,000 allocations with a reset
+    # every 16; it must move pages while it settles (first half) and none after (second half).
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from host_pair import SIZES
+
+    ring = [None] * 8
+    unmaps = []
+    for i in range(12_000):
+        if i % 16 == 0:
+            T.cuda.reset_peak_memory_stats()
+        if i % 6_000 == 0:
+            unmaps.append(T.cuda.memory_stats().get("num_device_free", 0))
+        ring[i % 8] = T.empty(SIZES[i % len(SIZES)], dtype=T.uint8, device="cuda")
+    unmaps.append(T.cuda.memory_stats().get("num_device_free", 0))
+    first, second = unmaps[1] - unmaps[0], unmaps[2] - unmaps[1]
+    ok = first > 0 and second == 0
+    done(ok, f"unmaps in allocations 0-6,000: {first}, in 6,000-12,000: {second} "
+             f"(a reset every 16 allocations; want some, then none)")
