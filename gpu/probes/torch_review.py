@@ -731,9 +731,6 @@ if probe == "no_split":
              f"{seen[True][1]}, 2 MiB reuse takes the 20 MiB block {seen[True][4] == [20 * MIB]}; "
              f"no_split=False: segments {[s // MIB for s in seen[False][0]]} MiB")
 
-print(f"unknown probe {probe}")
-sys.exit(2)
-
 if probe == "reset_peak_moves":
     # torch.cuda.reset_peak_memory_stats() changes no allocation decision: a training loop that
     # logs each step's peak resets it every step. The crate's page reuse read the peak statistic
@@ -757,3 +754,6 @@ if probe == "reset_peak_moves":
     ok = first > 0 and second == 0
     done(ok, f"unmaps in allocations 0-6,000: {first}, in 6,000-12,000: {second} "
              f"(a reset every 16 allocations; want some, then none)")
+
+print(f"unknown probe {probe}")
+sys.exit(2)
