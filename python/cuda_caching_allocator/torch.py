@@ -40,6 +40,8 @@ _CONFIG_ENV = "CUDA_CACHING_ALLOCATOR_CONF"
 _NATIVE_MODULE = "cuda_caching_allocator._cca"
 
 _SHIM_DIR_ENV = "CCA_SHIM_BUILD_DIR"
+# The native library's C ABI this package speaks (the shim checks its own copy, kAbiVersion).
+_ABI_VERSION = 6
 _ROUTE_ENV = "CCA_TORCH_ROUTE"
 
 _state = {"lib": None, "allocator": None, "path": None, "graph_hooks": False, "route": None,
@@ -87,12 +89,25 @@ def _apply_config(config):
 
 
 def _load_library(path):
+    """Loads the native library at ``path``; raises EnableError unless it speaks this package's
+    C ABI (a stale ``CCA_TORCH_LIBRARY`` or ``library=`` otherwise failed later, inside PyTorch's
+    settings hook, on a missing symbol)."""
     lib = ctypes.CDLL(path)
+    try:
+        lib.cca_abi_version.restype = ctypes.c_int
+        version = lib.cca_abi_version()
+    except AttributeError:
+        raise EnableError(f"{path} is not cuda_caching_allocator's native library "
+                          "(no cca_abi_version)") from None
+    if version != _ABI_VERSION:
+        raise EnableError(
+            f"the native library {path} has C ABI version {version}; this package needs "
+            f"{_ABI_VERSION}: use the library of the same build as the package"
+        )
     lib.cca_check_config.restype = ctypes.c_int
     lib.cca_last_error.restype = ctypes.c_char_p
     lib.cca_memory_stat.restype = ctypes.c_int64
     lib.cca_memory_stat.argtypes = [ctypes.c_int, ctypes.c_char_p]
-    lib.cca_abi_version.restype = ctypes.c_int
     lib.cca_set_quiet.restype = ctypes.c_int
     lib.cca_set_quiet.argtypes = [ctypes.c_int]
     return lib
@@ -208,6 +223,11 @@ def build_shim(build_dir=None, verbose=False):
 
 
 def _install_pluggable(torch, lib, path, graphs):
+    # Note [Configuration fixed at enable] (python/src/hooks.rs): the caches read the
+    # configuration now, as the shim's constructor makes them do, not at the first allocation.
+    if lib.cca_config_expandable() < 0:
+        reason = (lib.cca_last_error() or b"").decode(errors="replace")
+        raise EnableError(f"bad allocator configuration: {reason}")
     alloc = torch.cuda.memory.CUDAPluggableAllocator(path, "cca_alloc", "cca_free")
     hooks = alloc.allocator()
     hooks.set_record_stream_fn(_address(lib, "cca_record_stream"))

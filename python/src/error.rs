@@ -40,7 +40,7 @@ pub(crate) fn fail(kind: c_int, msg: String) {
 /// [`fail`], with an out-of-memory failure's sizes (rounded request, device allocation).
 fn record(kind: c_int, msg: String, oom_sizes: Option<(usize, usize)>) {
     if !QUIET.load(Ordering::Relaxed) {
-        eprintln!("cuda_caching_allocator: {msg}");
+        print_line(format_args!("cuda_caching_allocator: {msg}"));
     }
     // A message with an interior NUL (it never has one) loses everything from the NUL on.
     let bytes: Vec<u8> = msg
@@ -58,6 +58,14 @@ fn record(kind: c_int, msg: String, oom_sizes: Option<(usize, usize)>) {
             oom_sizes,
         }
     });
+}
+
+/// Writes one line to stderr, ignoring a failed write: `eprintln!` panics when stderr is a closed
+/// pipe or a full disk, and a panic while reporting an error (or in [`guarded`]'s own report of
+/// a panic) would reach the C boundary and abort the process.
+pub(crate) fn print_line(line: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr().lock(), "{line}");
 }
 
 /// Records an allocator error, classified (out of memory or other). Out of memory inside a
@@ -100,8 +108,10 @@ pub(crate) fn guarded<T>(what: &str, fallback: T, f: impl FnOnce() -> T) -> T {
 }
 
 /// The message of the calling thread's last call's failure, or an empty string when that call
-/// succeeded (every entry point but this one and [`cca_last_error_kind`] clears it first). The pointer stays
-/// valid until the next call into this library on the same thread.
+/// succeeded (every entry point clears it first, except this one, [`cca_last_error_kind`],
+/// [`cca_last_oom_sizes`], [`cca_abi_version`](crate::cca_abi_version) and [`cca_set_quiet`],
+/// which report no errors).
+/// The pointer stays valid until the next call into this library on the same thread.
 #[unsafe(no_mangle)]
 pub extern "C" fn cca_last_error() -> *const c_char {
     LAST.try_with(|l| l.borrow().text.as_ptr())

@@ -9,7 +9,7 @@ use std::time::Instant;
 use cuda_caching_allocator::interop::{AllocatorRegistry, raw};
 use cuda_caching_allocator::{AllocError, AllocatorConfig, DeviceAddr, FreeOutcome, StreamId};
 
-use crate::error::{KIND_OTHER, fail, fail_alloc, guarded};
+use crate::error::{KIND_OTHER, fail, fail_alloc, guarded, print_line};
 
 /// A C device ordinal as an index, or `None` when negative.
 pub(crate) fn ordinal(device: c_int) -> Option<usize> {
@@ -192,21 +192,58 @@ pub extern "C" fn cca_init(device_count: c_int) {
 
 /// Checks the configuration the devices' caches will use (`CUDA_CACHING_ALLOCATOR_CONF`, else
 /// PyTorch's variables, read as `AllocatorConfig::parse` reads them; the crate's default when
-/// none is set): 0 when it is good, -1 otherwise ([`cca_last_error`](crate::cca_last_error) says
-/// why). The Python package calls it before installing the allocator.
+/// none is set): 0 when it is good and, if the caches have read their configuration already,
+/// the same as theirs; -1 otherwise ([`cca_last_error`](crate::cca_last_error) says why). The
+/// Python package calls it before installing the allocator.
+///
+/// Note [Configuration fixed at enable]: the caches read the environment once, the first time
+/// any of them is reached (`AllocatorRegistry::global`). The shim reaches them when it is
+/// installed; the pluggable route reached them only at the first allocation, so a program that
+/// changed `PYTORCH_CUDA_ALLOC_CONF` after `enable()` ran another configuration than the one
+/// checked (a bad one then failed every allocation). The package now fixes it at `enable()` on
+/// both routes (`cca_config_expandable`), and this check refuses an environment that says
+/// otherwise than the configuration in force, naming both.
 #[unsafe(no_mangle)]
 pub extern "C" fn cca_check_config() -> c_int {
-    guarded(
-        "cca_check_config",
-        -1,
-        || match AllocatorConfig::from_env_or(AllocatorConfig::default()) {
-            Ok(_) => 0,
+    guarded("cca_check_config", -1, || {
+        let now = match AllocatorConfig::from_env_or(AllocatorConfig::default()) {
+            Ok(c) => c,
             Err(e) => {
                 fail(KIND_OTHER, format!("bad configuration: {e}"));
+                return -1;
+            }
+        };
+        match AllocatorRegistry::global_if_read().map(AllocatorRegistry::config) {
+            None => 0,
+            Some(Ok(fixed)) if fixed == now => 0,
+            Some(Ok(fixed)) => {
+                fail(
+                    KIND_OTHER,
+                    format!(
+                        "the caches run {} (fixed when they first read it); the environment now \
+                         says {}: a running process keeps its configuration",
+                        settings_text(&fixed),
+                        settings_text(&now)
+                    ),
+                );
                 -1
             }
-        },
-    )
+            Some(Err(e)) => {
+                fail(KIND_OTHER, format!("bad configuration (read earlier): {e}"));
+                -1
+            }
+        }
+    })
+}
+
+/// `config` as a settings string, PyTorch's defaults named (their string is empty).
+fn settings_text(config: &AllocatorConfig) -> String {
+    let s = config.to_settings();
+    if s.is_empty() {
+        "PyTorch's defaults (no settings)".to_owned()
+    } else {
+        s
+    }
 }
 
 /// Prints PyTorch's `memory_summary()` table of `device`'s cache to stderr.
@@ -214,8 +251,10 @@ pub extern "C" fn cca_check_config() -> c_int {
 pub extern "C" fn cca_print_summary(device: c_int) {
     guarded("cca_print_summary", (), || {
         match ordinal(device).and_then(|d| AllocatorRegistry::global().get_if_created(d)) {
-            Some(alloc) => eprintln!("{}", alloc.memory_summary(false)),
-            None => eprintln!("cuda_caching_allocator: device {device}'s cache was never used"),
+            Some(alloc) => print_line(format_args!("{}", alloc.memory_summary(false))),
+            None => print_line(format_args!(
+                "cuda_caching_allocator: device {device}'s cache was never used"
+            )),
         }
     })
 }

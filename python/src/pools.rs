@@ -171,13 +171,14 @@ pub unsafe extern "C" fn cca_begin_allocate_to_pool(
             mine.store(id, Ordering::Release);
             true
         });
+        let entry = Arc::clone(&bound);
         ROUTES
             .lock()
             .push((ordinal, pool.first, pool.second, bound));
         if let Err(e) = alloc.begin_allocate_to_pool(pool.id(), filter) {
-            ROUTES
-                .lock()
-                .retain(|r| !(r.0 == ordinal && r.1 == pool.first && r.2 == pool.second));
+            // Only this call's entry: a routing of the same pool already under way (the core
+            // refuses a second one) keeps its own, which its end will look for.
+            ROUTES.lock().retain(|r| !Arc::ptr_eq(&r.3, &entry));
             fail_alloc(
                 &format!(
                     "begin_allocate_to_pool(device {device}, pool ({}, {}))",
@@ -214,16 +215,16 @@ pub extern "C" fn cca_end_allocate_to_pool(device: c_int, pool: MempoolId) {
                 .retain(|&(d, c)| !(d == ordinal && c == id));
         }
         drop(routes);
-        if let Some(alloc) = AllocatorRegistry::global().get_if_created(ordinal) {
-            if let Err(e) = alloc.end_allocate_to_pool(pool.id()) {
-                fail_alloc(
-                    &format!(
-                        "end_allocate_to_pool(device {device}, pool ({}, {}))",
-                        pool.first, pool.second
-                    ),
-                    &e,
-                );
-            }
+        if let Some(alloc) = AllocatorRegistry::global().get_if_created(ordinal)
+            && let Err(e) = alloc.end_allocate_to_pool(pool.id())
+        {
+            fail_alloc(
+                &format!(
+                    "end_allocate_to_pool(device {device}, pool ({}, {}))",
+                    pool.first, pool.second
+                ),
+                &e,
+            );
         }
     })
 }

@@ -406,6 +406,94 @@ def stat_before_enable_refused():
     assert cca.route() is None and not cca.enabled()
 
 
+def run_python(code, env=None):
+    """Runs ``code`` in a fresh interpreter (a process of its own: the native library's
+    configuration, once read, stays for the process); returns (exit status, stdout, stderr)."""
+    import subprocess
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=dict(os.environ, **(env or {})), timeout=120)
+    return p.returncode, p.stdout, p.stderr
+
+
+@test
+def an_error_with_stderr_closed_returns_instead_of_aborting():
+    # With stderr a pipe nobody reads (a dead log collector, `| head`), the error line's write
+    # fails; eprintln! panicked there, the panic guard's own report panicked again outside its
+    # catch, and the process aborted at the C boundary (status 134) instead of cca_alloc
+    # returning NULL with the error recorded.
+    code = """
+import ctypes, os
+import cuda_caching_allocator.torch as cca
+l = cca._load_library(cca._find_library(None))
+l.cca_last_error_kind.restype = ctypes.c_int
+l.cca_alloc.restype = ctypes.c_void_p
+l.cca_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+r, w = os.pipe()
+os.close(r)
+saved = os.dup(2)
+os.dup2(w, 2)
+p = l.cca_alloc(-5, 0, None)
+os.dup2(saved, 2)
+print(p, l.cca_last_error_kind(), l.cca_last_error().decode())
+"""
+    rc, out, err = run_python(code)
+    assert rc == 0, (rc, out, err[-2000:])
+    assert out.split(None, 2)[:2] == ["None", "2"] and "bad size -5" in out, out
+
+
+@test
+def the_configuration_is_fixed_when_the_caches_read_it():
+    # The package fixes the caches' configuration at enable() on both routes (the pluggable
+    # one read it only at the first allocation, so a later change of the environment won);
+    # once fixed, a check against an environment that says otherwise refuses, naming both.
+    code = f"""
+import os
+import cuda_caching_allocator.torch as cca
+l = cca._load_library(cca._find_library(None))
+l.cca_set_quiet(1)
+os.environ[{CONF!r}] = "cca_preset:default"
+assert l.cca_check_config() == 0, "nothing fixed yet: any good configuration passes"
+os.environ[{CONF!r}] = "cca_preset:pytorch"
+assert l.cca_check_config() == 0
+assert l.cca_config_expandable() == 0, "the caches read cca_preset:pytorch (no expandable)"
+os.environ[{CONF!r}] = "cca_preset:default"
+assert l.cca_check_config() == -1
+msg = l.cca_last_error().decode()
+assert "the caches run PyTorch's defaults" in msg and "says expandable_segments:True" in msg, msg
+assert l.cca_config_expandable() == 0, "the caches keep what they read"
+os.environ[{CONF!r}] = "max_split_size_mb:banana"
+assert l.cca_check_config() == -1 and "banana" in l.cca_last_error().decode()
+os.environ[{CONF!r}] = "cca_preset:pytorch"
+assert l.cca_check_config() == 0
+print("ok")
+"""
+    rc, out, err = run_python(code)
+    assert rc == 0 and out.strip() == "ok", (rc, out, err[-2000:])
+
+
+@test
+def a_library_of_another_abi_is_refused_at_load():
+    # library= (or CCA_TORCH_LIBRARY) naming a stale build: refused when loaded, naming both
+    # versions, instead of a missing symbol inside PyTorch's settings hook later.
+    import shutil
+    import subprocess
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    assert cc, "no C compiler (CI has one: check_shim_compiles.sh needs it)"
+    with tempfile.TemporaryDirectory() as d:
+        for name, body in (("old", "int cca_abi_version(void) { return 3; }"),
+                           ("other", "int not_ours(void) { return 0; }")):
+            src = os.path.join(d, name + ".c")
+            with open(src, "w") as f:
+                f.write(body + "\n")
+            subprocess.run([cc, "-shared", "-fPIC", "-o", os.path.join(d, name + ".so"), src],
+                           check=True)
+        expect_error(lambda: cca._load_library(os.path.join(d, "old.so")),
+                     "C ABI version 3", f"needs {cca._ABI_VERSION}")
+        expect_error(lambda: cca._load_library(os.path.join(d, "other.so")),
+                     "not cuda_caching_allocator's native library")
+    assert cca._ABI_VERSION == lib().cca_abi_version()
+
+
 failed = RESULTS.count(False)
 print(f"{len(RESULTS) - failed} passed, {failed} failed")
 sys.exit(1 if failed else 0)

@@ -91,12 +91,16 @@ pub(crate) struct State {
     event_pool: Vec<EventHandle>,
     /// Set when the last `alloc_block` failed because of the fraction cap.
     cap_rejected: bool,
-    /// Pages page reuse moved since the peak of allocated bytes last rose (Note [Page-move
-    /// budget] in `expandable.rs`).
+    /// Pages page reuse moved since an allocation's growth last raised the peak of allocated
+    /// bytes (Note [Page-move budget] in `expandable.rs`).
     pub(crate) steady_moves: u64,
-    /// Allocations of the core (`malloc_with`) since the peak of allocated bytes last rose: each
-    /// earns the page-move budget a fraction of a move (Note [Page-move budget]).
+    /// Allocations of the core (`malloc_with`, counted when they succeed with a block) since the
+    /// peak of allocated bytes last rose: each earns the page-move budget a fraction of a move
+    /// (Note [Page-move budget]).
     pub(crate) allocs_since_peak: u64,
+    /// Set by a growth of the allocation under way that raises the allocated peak; the budget's
+    /// counts restart when that allocation succeeds (Note [Page-move budget]).
+    pub(crate) growth_raises_peak: bool,
     /// The allocated bytes' peak as of the program's last reset of the peak statistics: page
     /// reuse measures its slack and budget against the all-time peak, which a program's
     /// `reset_peak_stats` must not move (Note [The policy's own peak] in `state/growth_fit.rs`).
@@ -190,6 +194,7 @@ impl State {
             cap_rejected: false,
             steady_moves: 0,
             allocs_since_peak: 0,
+            growth_raises_peak: false,
             allocated_peak_before_reset: 0,
             cap_grace: 0,
             history: None,
@@ -309,7 +314,7 @@ impl State {
         before_growth: &mut dyn FnMut(&mut State, Option<StreamId>) -> bool,
     ) -> Result<Allocation> {
         self.last_foreign_block = false;
-        self.allocs_since_peak = self.allocs_since_peak.wrapping_add(1);
+        self.growth_raises_peak = false;
         if orig_size == 0 {
             return Ok(Allocation {
                 ptr: DeviceAddr::NULL,
@@ -414,6 +419,13 @@ impl State {
                 self.add_stream_use(id, stream);
             }
             a.stream = stream;
+        }
+        // Note [Page-move budget]: only an allocation that got a block counts, and only one
+        // whose growth raised the peak restarts the count.
+        self.allocs_since_peak = self.allocs_since_peak.wrapping_add(1);
+        if std::mem::take(&mut self.growth_raises_peak) {
+            self.steady_moves = 0;
+            self.allocs_since_peak = 0;
         }
         Ok(a)
     }

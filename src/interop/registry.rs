@@ -37,6 +37,9 @@ impl fmt::Debug for AllocatorRegistry {
     }
 }
 
+/// The process-wide registry ([`AllocatorRegistry::global`]).
+static GLOBAL: OnceLock<AllocatorRegistry> = OnceLock::new();
+
 impl AllocatorRegistry {
     /// A registry whose allocators all use `config`.
     pub fn new(config: AllocatorConfig) -> Self {
@@ -52,12 +55,18 @@ impl AllocatorRegistry {
     /// as [`AllocatorConfig::parse`] reads it; the crate's default when none is set. A bad setting
     /// is reported by every [`get`](Self::get).
     pub fn global() -> &'static AllocatorRegistry {
-        static GLOBAL: OnceLock<AllocatorRegistry> = OnceLock::new();
         GLOBAL.get_or_init(|| AllocatorRegistry {
             config: AllocatorConfig::from_env_or(AllocatorConfig::default()),
             slots: OnceLock::new(),
             creating: Mutex::new(None),
         })
+    }
+
+    /// The process-wide registry if something has reached it already (its configuration is then
+    /// fixed), without reading the environment: a check of a configuration about to be used can
+    /// compare it with the one in force.
+    pub fn global_if_read() -> Option<&'static AllocatorRegistry> {
+        GLOBAL.get()
     }
 
     fn slots(&self) -> Result<&[OnceLock<CudaAllocator>]> {

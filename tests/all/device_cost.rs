@@ -74,34 +74,37 @@ fn lent_pages_keep_the_default_lean_when_fences_complete_late() {
     }
 }
 
+/// The sixteen sizes of a transformer step's tensors (`gpu/host_pair.py`'s), in the order the
+/// rotating queue allocates them.
+pub(crate) const QUEUE_SIZES: [usize; 16] = [
+    3072,
+    MIB,
+    2_359_296,
+    4_718_592,
+    6_291_456,
+    9_437_184,
+    512,
+    25_165_824,
+    12_582_912,
+    3072,
+    786_432,
+    100_663_296,
+    2_359_296,
+    49_152,
+    6_291_456,
+    37_748_736,
+];
+
 /// A queue of `window` live tensors whose sizes rotate through a transformer step's shapes:
 /// each allocation frees the one made `window` allocations before (`gpu/host_pair.py`'s
 /// same-thread pattern). `pairs` allocations after `8 × window` of warm-up.
 fn rotating_queue(pairs: usize, window: usize) -> Trace {
-    const SIZES: [usize; 16] = [
-        3072,
-        MIB,
-        2_359_296,
-        4_718_592,
-        6_291_456,
-        9_437_184,
-        512,
-        25_165_824,
-        12_582_912,
-        3072,
-        786_432,
-        100_663_296,
-        2_359_296,
-        49_152,
-        6_291_456,
-        37_748_736,
-    ];
     let mut t = Trace::new(TraceSource::Synthetic);
     let n = pairs + 8 * window;
     for i in 0..n {
         t.push(TraceOp::Alloc {
             id: i as u64,
-            size: SIZES[i % SIZES.len()] as u64,
+            size: QUEUE_SIZES[i % QUEUE_SIZES.len()] as u64,
             stream: 0,
             addr: None,
         });

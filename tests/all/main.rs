@@ -26,6 +26,7 @@ mod fidelity;
 mod fragmentation;
 mod graph_capture;
 mod limits;
+mod move_budget;
 mod names;
 mod package;
 mod pinned;
