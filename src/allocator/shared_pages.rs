@@ -92,7 +92,12 @@ impl<B: DeviceBackend> CachingAllocator<B> {
                 };
                 let r = f(&pages, &self.backend)?;
                 if export {
-                    st.mark_exported(ptr.0, &pages.handles);
+                    st.st.mark_exported(ptr.0, &pages.handles);
+                    // The free must reach the core, which lets the export go: a front cache
+                    // would keep the block, still exported, for its next user.
+                    if let Some(front) = &self.front {
+                        front.free_through_core(&mut st.front, ptr)?;
+                    }
                 }
                 Ok(Some(r))
             }

@@ -235,6 +235,14 @@ impl FrontLocked {
     }
 
     /// Moves a contribution `c` into (`sign = 1`) or out of (`-1`) cache `k`'s foreign account.
+    ///
+    /// Note [Foreign accounts meet current deltas]: a foreign contribution offsets a change the
+    /// cache's delta already holds (a block its owner freed into the cache, taken back by
+    /// another thread), and that change may not be published yet: the owner publishes at its
+    /// next locked operation. Added to `known` against the older published delta, it counted
+    /// the block twice until then (with one thread at a time, the peaks rose by the block: an
+    /// allocation of 1 MiB then one of 4 MiB reported 5 MiB at the peak). So the cache's delta
+    /// is republished here, read whole from its counters.
     fn foreign(&mut self, k: usize, kind: PoolKind, c: [i64; 3], sign: i64) {
         let Some(reg) = self.registry.get_mut(k) else {
             return;
@@ -243,6 +251,19 @@ impl FrontLocked {
         reg.foreign.retire(kind, c, sign);
         self.known.add(&reg.foreign.five());
         self.known.sub(&before);
+        self.republish(k);
+    }
+
+    /// Sets cache `k`'s published delta (and `known` with it) to its delta now, read from its
+    /// counters (any thread may, under the lock).
+    fn republish(&mut self, k: usize) {
+        let Some(reg) = self.registry.get_mut(k) else {
+            return;
+        };
+        let now = reg.cell.counters.delta().five();
+        self.known.sub(&reg.published);
+        self.known.add(&now);
+        reg.published = now;
     }
 }
 
@@ -624,8 +645,23 @@ impl Front {
         ptr: DeviceAddr,
         stream: StreamId,
     ) -> Result<()> {
+        self.free_through_core(fl, ptr)?;
+        st.record_stream(ptr, stream)
+    }
+
+    /// Marks the block at `ptr`, when a front cache manages it live, so that its free goes to
+    /// the core (which records `record_stream`'s events and lets an export go) instead of its
+    /// thread's cache. `DoubleFree` when a cache holds it freed; nothing when no cache manages
+    /// it (a free goes to the core anyway).
+    pub(crate) fn free_through_core(&self, fl: &mut FrontLocked, ptr: DeviceAddr) -> Result<()> {
+        // The thread's own index may still hold an entry whose block another thread freed (GONE,
+        // not cleaned up yet) while the address is already live again under another thread's
+        // cache: only a LIVE or CACHED entry of its own is the block's; otherwise the owner map
+        // says who manages it (as `free_elsewhere` does for a free).
         let own = local::with_local(self.id, |l| {
-            l.find(ptr.0).map(|(i, s)| (Arc::clone(&l.shared), i, s))
+            l.find(ptr.0)
+                .filter(|&(_, s)| s == LIVE || s == CACHED)
+                .map(|(i, s)| (Arc::clone(&l.shared), i, s))
         })
         .flatten();
         let managed = own.or_else(|| {
@@ -634,11 +670,13 @@ impl Front {
             Some((cell, i, s))
         });
         match managed {
-            Some((_, _, CACHED)) => return Err(AllocError::DoubleFree { ptr }),
-            Some((cell, i, LIVE)) => cell.mark_needs_core(i),
-            _ => {}
+            Some((_, _, CACHED)) => Err(AllocError::DoubleFree { ptr }),
+            Some((cell, i, LIVE)) => {
+                cell.mark_needs_core(i);
+                Ok(())
+            }
+            _ => Ok(()),
         }
-        st.record_stream(ptr, stream)
     }
 
     /// Gives every cached block of every thread back to the core; returns how many.
@@ -704,6 +742,12 @@ impl Front {
         fl.peaks = now;
         fl.epoch += 1;
         local::with_local(self.id, |l| {
+            // The delta is published before the flag that says it changed is cleared: the next
+            // synchronisation publishes only a changed delta, and `known` without this one
+            // raised the next peaks by whatever this thread's cache held.
+            if let Some(k) = fl.position(&l.shared) {
+                fl.republish(k);
+            }
             let mut base = now;
             base.sub(&Five::of_quantities(&l.cur()));
             l.base = base;
