@@ -254,6 +254,14 @@ impl<H: HostBackend> PinnedCache<H> {
         let len = round_up(size, self.config.alignment).ok_or_else(|| {
             PinnedError::InvalidRequest(format!("size {size} overflows when aligned"))
         })?;
+        if i64::try_from(len).is_err() {
+            // The statistics count bytes in `i64`: no host pins this much, but a backend that
+            // claimed to would turn every byte statistic negative.
+            return Err(PinnedError::InvalidRequest(format!(
+                "size {size} is more than the statistics can count ({} bytes)",
+                i64::MAX
+            )));
+        }
         let mut g = self.state.lock();
         let mut waits = 0u32;
         let (base, offset) = loop {
@@ -275,7 +283,19 @@ impl<H: HostBackend> PinnedCache<H> {
                     continue;
                 }
             }
-            break (self.grow(&mut g, len, size)?, 0);
+            match self.grow(&mut g, len, size) {
+                Ok(base) => break (base, 0),
+                Err(e) => {
+                    // Note [The fit rule gives way]: the fit rule only prefers an exact slab to
+                    // a much larger free range; when no slab can be pinned (the cap, or the
+                    // host out of memory), a free range it refused still serves the request.
+                    if let Some(&(_, base, offset)) = g.free_index.range((len, 0, 0)..).next() {
+                        g.stats.num_cache_hits += 1;
+                        break (base, offset);
+                    }
+                    return Err(e);
+                }
+            }
         };
         self.carve(&mut g, base, offset, len);
         let addr = base + offset;
@@ -681,6 +701,7 @@ impl<H: HostBackend> PinnedCache<H> {
 
     /// Pins a new slab for a request of `len` aligned bytes; returns its base.
     fn grow(&self, g: &mut State, len: usize, requested: usize) -> Result<usize, PinnedError> {
+        let exact = len;
         let mut slab_len = len.max(self.config.slab_size);
         if let Some(cap) = self.config.max_pinned {
             let pinned = |g: &State| g.stats.reserved_bytes.current.max(0) as usize;
@@ -688,7 +709,7 @@ impl<H: HostBackend> PinnedCache<H> {
                 let _ = self.release_idle(g);
             }
             if pinned(g).saturating_add(slab_len) > cap {
-                slab_len = len;
+                slab_len = exact;
             }
             if pinned(g).saturating_add(slab_len) > cap {
                 return Err(PinnedError::CapExceeded {
@@ -707,10 +728,21 @@ impl<H: HostBackend> PinnedCache<H> {
             Err(e) if e.is_out_of_memory() => {
                 // Retry when any slab was unpinned, also when another one failed to unpin.
                 let freed = self.release_idle_partial(g).0;
-                if freed == 0 {
-                    return Err(e.into());
+                let again = if freed > 0 {
+                    self.host.pin(slab_len)
+                } else {
+                    Err(e)
+                };
+                match again {
+                    Ok(p) => p,
+                    // A slab of the request's size may still be had where a whole slab is
+                    // not, as under the cap.
+                    Err(e) if e.is_out_of_memory() && slab_len > exact => {
+                        slab_len = exact;
+                        self.host.pin(slab_len)?
+                    }
+                    Err(e) => return Err(e.into()),
                 }
-                self.host.pin(slab_len)?
             }
             Err(e) => return Err(e.into()),
         };

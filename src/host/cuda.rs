@@ -25,7 +25,7 @@ use cudarc::driver::sys;
 use parking_lot::Mutex;
 
 use crate::backend::BackendError;
-use crate::backend::cuda::{CudaDevice, driver};
+use crate::backend::cuda::{CudaDevice, RelaxedCaptureMode, driver};
 use crate::int_hash::IntMap;
 
 use super::{HostBackend, HostPtr, Pinned};
@@ -273,6 +273,11 @@ unsafe impl HostBackend for CudaHost {
 
     fn pin(&self, size: usize) -> Result<Pinned, BackendError> {
         let _bound = self.bind()?;
+        // Note [Pinning beside a capture]: `cuMemHostRegister` and `cuMemHostAlloc` in the
+        // thread's default capture mode fail while another thread captures in global mode (the
+        // default of cudarc and PyTorch), and invalidate that capture, as the device backend's
+        // allocation calls would (`RelaxedCaptureMode`); relaxed they are legal.
+        let _relaxed = RelaxedCaptureMode::enter()?;
         let t = Instant::now();
         match self.method {
             #[cfg(target_os = "linux")]
@@ -313,6 +318,8 @@ unsafe impl HostBackend for CudaHost {
 
     unsafe fn unpin(&self, ptr: HostPtr, _size: usize) -> Result<u64, BackendError> {
         let _bound = self.bind()?;
+        // Note [Pinning beside a capture]: the same for `cuMemHostUnregister` / `cuMemFreeHost`.
+        let _relaxed = RelaxedCaptureMode::enter()?;
         let t = Instant::now();
         let map = self.registered.lock().get(&(ptr.0 as u64)).copied();
         match map {

@@ -326,6 +326,72 @@ fn cuda_event_queries_during_another_threads_global_capture_leave_it_valid() {
     unsafe { dev.destroy_event(ev) }.unwrap();
 }
 
+/// Slabs of the pinned host cache pinned (`cuMemHostAlloc`, `cuMemHostRegister`) and unpinned
+/// while another thread captures in global mode (cudarc's and PyTorch's default): the capture
+/// must end with its graph and the cache's calls succeed (Note [Pinning beside a capture] in
+/// `src/host/cuda.rs`; found by an adversarial review). The control shows the hazard: a plain
+/// `cuMemHostAlloc` in the thread's default mode invalidates the capture.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn cuda_pinned_slabs_during_another_threads_global_capture_leave_it_valid() {
+    use cuda_caching_allocator::PinnedConfig;
+    use cuda_caching_allocator::host::PinMethod;
+    use cuda_caching_allocator::interop::PinnedAllocator;
+    let g = gpu("cuda_pinned_slabs_during_another_threads_global_capture_leave_it_valid");
+    let control = during_a_global_capture(g, &|| {
+        // SAFETY: 1 MiB of page-locked host memory, freed right away if it was made.
+        if let Ok(p) = unsafe { result::malloc_host(1 << 20, 0) } {
+            // SAFETY: `p` came from `malloc_host` just now and nothing uses it.
+            let _ = unsafe { result::free_host(p) };
+        }
+    });
+    assert!(
+        control.is_err(),
+        "the control cuMemHostAlloc should have invalidated the capture: {control:?}"
+    );
+    let methods = [
+        PinMethod::HostAlloc,
+        PinMethod::Register {
+            min_size: 1 << 20,
+            touch_threads: 2,
+        },
+    ];
+    for method in methods {
+        let pinned = PinnedAllocator::with_method(
+            Arc::clone(&g.ctx),
+            PinnedConfig::default().with_slab_size(4 << 20),
+            method,
+        )
+        .unwrap();
+        let got = std::sync::Mutex::new(None);
+        let ended = during_a_global_capture(g, &|| {
+            // A miss: the cache pins a new slab on this thread.
+            *got.lock().unwrap() = Some(pinned.alloc_pinned_zeros::<u32>(1 << 10));
+        });
+        let buf = got.into_inner().unwrap().unwrap();
+        assert_eq!(
+            ended,
+            Ok(true),
+            "{method:?}: pinning must leave the capture valid"
+        );
+        let buf = buf.unwrap_or_else(|e| panic!("{method:?}: the pin failed: {e}"));
+        drop(buf);
+        let ended = during_a_global_capture(g, &|| {
+            // The slab is idle: empty_cache unpins it on this thread.
+            assert_eq!(
+                pinned.empty_cache().unwrap(),
+                4 << 20,
+                "{method:?}: one slab unpinned"
+            );
+        });
+        assert_eq!(
+            ended,
+            Ok(true),
+            "{method:?}: unpinning must leave the capture valid"
+        );
+    }
+}
+
 /// Runs `launch` inside a thread-local capture of `stream`; returns the capture's outcome and
 /// the launch's.
 fn in_capture(

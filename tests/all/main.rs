@@ -31,6 +31,7 @@ mod move_budget;
 mod names;
 mod package;
 mod pinned;
+mod pinned_fallbacks;
 mod pinned_pages;
 mod pool_checkpoint;
 mod ports;

@@ -216,8 +216,12 @@ fn out_of_memory_retries_when_some_idle_slabs_unpinned_and_one_did_not() {
     ok(&c);
 }
 
+/// A host that would pin anything (capacity `usize::MAX`): a request beyond what the byte
+/// statistics (`i64`) can count is refused before any pin, naming the limit. Before, a request
+/// of 2^63 bytes was pinned and every byte statistic turned negative (adversarial review); one
+/// of nearly `usize::MAX` reached the host, whose address space overflowed.
 #[test]
-fn a_host_whose_address_space_would_overflow_reports_out_of_memory() {
+fn a_request_beyond_what_the_statistics_count_is_refused() {
     let dev = Arc::new(SimDevice::with_capacity(1 << 30));
     let host = SimHost::new(
         dev,
@@ -227,12 +231,17 @@ fn a_host_whose_address_space_would_overflow_reports_out_of_memory() {
         },
     );
     let c = PinnedCache::new(host, PinnedConfig::default()).unwrap();
-    let r = c.alloc(usize::MAX - MIB);
-    assert!(
-        matches!(&r, Err(PinnedError::Backend(BackendError::OutOfMemory))),
-        "{:?}",
-        r.map(|b| b.ptr)
-    );
+    for size in [1 << 63, usize::MAX - MIB] {
+        let r = c.alloc(size);
+        assert!(
+            matches!(&r, Err(PinnedError::InvalidRequest(m)) if m.contains("statistics")),
+            "{size}: {:?}",
+            r.map(|b| b.ptr)
+        );
+        assert_eq!(c.host().counters().pins, 0, "nothing pinned");
+    }
+    let st = c.stats();
+    assert!(st.reserved_bytes.current == 0 && st.allocated_bytes.current == 0);
     ok(&c);
     let a = c.alloc(MIB).unwrap();
     c.free(a.ptr).unwrap();

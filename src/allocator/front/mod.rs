@@ -242,7 +242,8 @@ impl FrontLocked {
     /// next locked operation. Added to `known` against the older published delta, it counted
     /// the block twice until then (with one thread at a time, the peaks rose by the block: an
     /// allocation of 1 MiB then one of 4 MiB reported 5 MiB at the peak). So the cache's delta
-    /// is republished here, read whole from its counters.
+    /// is republished after its foreign account changes ([`republish`](Self::republish), once
+    /// per cache and operation), read whole from its counters.
     fn foreign(&mut self, k: usize, kind: PoolKind, c: [i64; 3], sign: i64) {
         let Some(reg) = self.registry.get_mut(k) else {
             return;
@@ -251,7 +252,6 @@ impl FrontLocked {
         reg.foreign.retire(kind, c, sign);
         self.known.add(&reg.foreign.five());
         self.known.sub(&before);
-        self.republish(k);
     }
 
     /// Sets cache `k`'s published delta (and `known` with it) to its delta now, read from its
@@ -621,6 +621,7 @@ impl Front {
                             let c = v.contribution(LIVE);
                             if let Some(k) = fl.position(&cell) {
                                 fl.foreign(k, v.kind, c, 1);
+                                fl.republish(k);
                             }
                             self.shards.remove(ptr.0);
                             let r = st.free(dev, ptr);
@@ -891,6 +892,7 @@ impl Front {
             return;
         };
         l.process_taken(|t| fl.foreign(k, t.kind, t.contribution, -1));
+        fl.republish(k);
     }
 
     /// Synchronises the owner's cache with the core (see `delta.rs`): folds the peak candidate
@@ -1041,6 +1043,9 @@ impl Front {
                 n += 1;
             }
         });
+        if n > 0 {
+            fl.republish(k);
+        }
         n
     }
 
