@@ -156,8 +156,13 @@ pub unsafe extern "C" fn cca_begin_allocate_to_pool(
         let bound = Arc::new(AtomicU64::new(0));
         let mine = Arc::clone(&bound);
         let filter: PoolFilter = Box::new(move |stream| {
-            let Ok(Some(id)) = alloc.device().stream_capture_id(stream) else {
-                return false;
+            let id = match alloc.device().stream_capture_id(stream) {
+                Ok(Some(id)) => id,
+                Ok(None) => return false,
+                // A failed query of a routing already bound to its capture counts as that
+                // capture (the crate's `capture_filter` rule): a captured allocation must not
+                // take a block eager work could get back while the graph still uses it.
+                Err(_) => return mine.load(Ordering::Acquire) != 0,
             };
             let have = mine.load(Ordering::Acquire);
             if have != 0 {

@@ -550,7 +550,8 @@ impl<B: DeviceBackend> CachingAllocator<B> {
 
     /// The private pool an allocation on `stream` would be served from now: that of the newest
     /// routing whose filter accepts the stream, or `None` for the default pools (also when no
-    /// routing is active).
+    /// routing is active, and when a capture routing's query of the stream fails: an
+    /// allocation would then fail).
     pub fn routed_pool(&self, stream: StreamId) -> Option<MemPoolId> {
         self.lock().routed_pool(&self.backend, stream)
     }

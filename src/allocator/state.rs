@@ -333,7 +333,7 @@ impl State {
         // releases while a routing is active; the allocation may go to a private pool.
         let capture = self.capture_underway();
         let owner = if capture {
-            self.route(dev, stream)
+            self.route(dev, stream)?
         } else {
             if !self.graph.deferred.is_empty() {
                 self.insert_deferred_events(dev)?;

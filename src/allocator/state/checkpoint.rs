@@ -56,10 +56,18 @@ impl State {
                 live.push(b.ptr);
             }
         }
+        let mut bases: Vec<u64> = Vec::with_capacity(segments.len());
         for seg in segments {
             let Some(&(base, _, _)) = seg.first() else {
                 return Err(bad("a checkpointed segment has no blocks"));
             };
+            // Listed twice, a segment passed each check alone and failed only in step 2, after
+            // step 1 had freed the pool's live blocks (an adversarial review's doctored
+            // checkpoint).
+            if bases.contains(&base) {
+                return Err(bad("a checkpointed segment is listed twice"));
+            }
+            bases.push(base);
             let rec = self
                 .segments
                 .get(&base)
@@ -72,7 +80,12 @@ impl State {
                 if ptr != at || size == 0 {
                     return Err(bad("a checkpointed segment's blocks are not contiguous"));
                 }
-                at += size as u64;
+                at = u64::try_from(size)
+                    .ok()
+                    .and_then(|s| at.checked_add(s))
+                    .ok_or(bad(
+                        "a checkpointed block's size runs past the address space",
+                    ))?;
             }
             if at - base != rec.size as u64 {
                 return Err(bad(

@@ -81,11 +81,17 @@ impl fmt::Display for MemPoolId {
 pub type PoolFilter = Box<dyn Fn(StreamId) -> bool + Send + Sync>;
 
 /// A [`PoolFilter`] accepting the streams `backend` reports as capturing into `capture_id`
-/// ([`DeviceBackend::stream_capture_id`]; a failed query counts as "not capturing"). Pass a
+/// ([`DeviceBackend::stream_capture_id`]; a failed query counts as capturing, so that a
+/// captured allocation never takes a block eager work could get back while the graph still
+/// uses it: at worst an eager one lands in the pool). Pass a
 /// cheap handle (`Arc<CudaDevice>`, `&'static SimDevice`). `begin_allocate_to_capture` does the
 /// same without needing a handle of its own.
 pub fn capture_filter<D: DeviceBackend + 'static>(backend: D, capture_id: u64) -> PoolFilter {
-    Box::new(move |stream| backend.stream_capture_id(stream).ok().flatten() == Some(capture_id))
+    Box::new(move |stream| {
+        backend
+            .stream_capture_id(stream)
+            .map_or(true, |c| c == Some(capture_id))
+    })
 }
 
 /// How a routing picks its streams.
@@ -222,7 +228,8 @@ impl State {
         if !self.capture_underway() {
             return None;
         }
-        let slot = self.route(dev, stream);
+        // A failed capture query: no pool to name (an allocation would fail).
+        let slot = self.route(dev, stream).unwrap_or(0);
         (slot != 0).then(|| self.graph.id_of(slot))
     }
 
@@ -245,23 +252,30 @@ impl State {
 
     /// The pool an allocation on `stream` goes to: the slot of the newest routing whose filter
     /// accepts the stream, or 0 (the default pools).
-    pub(super) fn route<B: DeviceBackend>(&self, dev: &B, stream: StreamId) -> u32 {
+    ///
+    /// # Errors
+    /// A failed capture query of a capture routing: the allocation fails (PyTorch's filter
+    /// checks `cudaStreamGetCaptureInfo` the same way). Counted as "not capturing", a captured
+    /// allocation took a block of the default pools, which eager work got back after the
+    /// capture while every replay of the graph still wrote it.
+    pub(super) fn route<B: DeviceBackend>(&self, dev: &B, stream: StreamId) -> Result<u32> {
         for r in self.graph.routes.iter().rev() {
             let hit = match &r.filter {
                 RouteFilter::Streams(f) => f(stream),
-                RouteFilter::Capture(id) => match dev.stream_capture_id(stream) {
-                    Ok(c) => c == Some(*id),
-                    Err(e) => {
-                        tracing::warn!(target: "cuda_caching_allocator", %stream, error = %e, "capture status query failed; allocating outside the private pool");
-                        false
-                    }
-                },
+                RouteFilter::Capture(id) => {
+                    dev.stream_capture_id(stream)
+                        .map_err(|source| AllocError::Backend {
+                            operation: "stream_capture_id",
+                            source,
+                        })?
+                        == Some(*id)
+                }
             };
             if hit {
-                return r.slot;
+                return Ok(r.slot);
             }
         }
-        0
+        Ok(0)
     }
 
     /// PyTorch's `createOrIncrefPool`: makes pool `id` with a use count of 1, or adds one use.
@@ -416,17 +430,22 @@ impl State {
         let Some(slot) = self.graph.slot_of(id) else {
             return Err(invalid(id, "no such private pool"));
         };
-        if self.graph.routes.iter().any(|r| r.id == id) {
-            return Err(invalid(
-                id,
-                "allocations are still being routed to this pool; call end_allocate_to_pool first",
-            ));
-        }
+        // Each routing holds a use of its own (`create_or_incref_pool`): another use (a graph
+        // reset while a second capture routes into the shared pool) may go, but not the
+        // routings' own. Refusing every release while routed leaked that graph's use for good
+        // (the interop's `GraphPool` gives its use back once, on drop).
+        let routed = self.graph.routes.iter().filter(|r| r.id == id).count();
         let Some(p) = self.graph.pools.get_mut(&slot) else {
             return Err(invalid(id, "the pool's record is missing"));
         };
         if p.use_count == 0 {
             return Err(invalid(id, "the pool was released already"));
+        }
+        if (p.use_count as usize) <= routed {
+            return Err(invalid(
+                id,
+                "allocations are still being routed to this pool; call end_allocate_to_pool first",
+            ));
         }
         p.use_count -= 1;
         if p.use_count == 0 && p.segments == 0 {
