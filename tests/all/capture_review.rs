@@ -1,63 +1,17 @@
 //! Graph capture and private pools on programs an adversarial review wrote, each failing on the
-//! code before its fix: a graph's use given back while another capture routes into the shared
-//! pool, a doctored checkpoint refused before anything changes (a segment listed twice, a block
-//! size past the address space), and a failed capture query failing the allocation instead of
-//! serving captured work from the default pools.
+//! code before its fix: a doctored checkpoint refused before anything changes (a segment listed
+//! twice, a block size past the address space), and a failed capture query failing the
+//! allocation instead of serving captured work from the default pools. (The review's third
+//! finding, a graph's use given back while another capture routes into the shared pool, is
+//! tested in
+//! `graph_capture::a_graphs_use_goes_while_another_capture_routes_into_the_pool`.)
 
 use cuda_caching_allocator::*;
 
+use crate::graph_capture::sim_alloc;
 use crate::util::MIB;
 
 const S0: StreamId = StreamId(0);
-const S1: StreamId = StreamId(1);
-
-fn sim_alloc(capacity: usize, config: AllocatorConfig) -> CachingAllocator<SimDevice> {
-    CachingAllocator::new(SimDevice::with_capacity(capacity), config).unwrap()
-}
-
-fn capture(a: &CachingAllocator<SimDevice>, stream: StreamId, pool: MemPoolId) {
-    let id = a
-        .backend()
-        .begin_capture(stream, SimCaptureMode::Global)
-        .unwrap();
-    a.begin_allocate_to_capture(pool, id).unwrap();
-}
-
-fn end(a: &CachingAllocator<SimDevice>, stream: StreamId, pool: MemPoolId) {
-    a.backend().end_capture(stream).unwrap();
-    a.end_allocate_to_pool(pool).unwrap();
-}
-
-// ---- 1. release_pool refused while another capture routes into the same pool -----------------
-
-/// PyTorch: graph g1 captured into a pool, g2 captures into the same pool
-/// (`torch.cuda.graph(g2, pool=g1.pool())`), and g1 is reset / garbage-collected while g2 is
-/// still capturing: `releasePool` just decrements the use count (g2's routing holds its own use).
-/// Here the release is refused, and the use is never given back (the interop's
-/// `CapturedGraph` drop only logs the error), so the pool can never become freeable.
-#[test]
-fn releasing_one_graphs_use_while_another_graph_captures_into_the_pool() {
-    let a = sim_alloc(1 << 30, AllocatorConfig::pytorch());
-    let pool = MemPoolId::new_user();
-    // g1
-    capture(&a, S0, pool);
-    let x = a.allocate(MIB, S0).unwrap();
-    a.free(x.ptr).unwrap();
-    end(&a, S0, pool);
-    assert_eq!(a.pool_use_count(pool), Some(1));
-    // g2 shares the pool and is capturing when g1 goes away.
-    capture(&a, S1, pool);
-    assert_eq!(a.pool_use_count(pool), Some(2));
-    let r = a.release_pool(pool); // g1's reset: one of the two uses
-    let y = a.allocate(MIB, S1).unwrap();
-    a.free(y.ptr).unwrap();
-    end(&a, S1, pool);
-    assert!(
-        r.is_ok(),
-        "g1's use could not be given back while g2 captured: {r:?} (use count now {:?})",
-        a.pool_use_count(pool)
-    );
-}
 
 // ---- 2. restore_pool changes the pool, then fails ---------------------------------------------
 

@@ -16,7 +16,7 @@ const S0: StreamId = StreamId(0);
 const S1: StreamId = StreamId(1);
 const S2: StreamId = StreamId(2);
 
-fn sim_alloc(capacity: usize, config: AllocatorConfig) -> CachingAllocator<SimDevice> {
+pub(crate) fn sim_alloc(capacity: usize, config: AllocatorConfig) -> CachingAllocator<SimDevice> {
     CachingAllocator::new(SimDevice::with_capacity(capacity), config).unwrap()
 }
 
@@ -25,7 +25,7 @@ fn overlaps(a: &Allocation, b: &Allocation) -> bool {
 }
 
 /// Opens a global-mode capture on `stream` and routes it into `pool`.
-fn capture(a: &CachingAllocator<SimDevice>, stream: StreamId, pool: MemPoolId) -> u64 {
+pub(crate) fn capture(a: &CachingAllocator<SimDevice>, stream: StreamId, pool: MemPoolId) -> u64 {
     let id = a
         .backend()
         .begin_capture(stream, SimCaptureMode::Global)
@@ -34,7 +34,7 @@ fn capture(a: &CachingAllocator<SimDevice>, stream: StreamId, pool: MemPoolId) -
     id
 }
 
-fn end(a: &CachingAllocator<SimDevice>, stream: StreamId, pool: MemPoolId) {
+pub(crate) fn end(a: &CachingAllocator<SimDevice>, stream: StreamId, pool: MemPoolId) {
     a.backend().end_capture(stream).unwrap();
     a.end_allocate_to_pool(pool).unwrap();
 }
@@ -143,6 +143,27 @@ fn private_blocks_are_never_served_to_uncaptured_work() {
         a.check_invariants().unwrap();
         assert!(a.backend().capture_violations().is_empty(), "{name}");
     }
+}
+
+/// The first graph goes (reset, or collected by Python) while a second captures into its pool:
+/// its use goes, the routing's own stays until the routing ends. Before, every release during a
+/// routing was refused, and the interop's `GraphPool`, which gives its use back once on drop,
+/// leaked it for good (an adversarial review).
+#[test]
+fn a_graphs_use_goes_while_another_capture_routes_into_the_pool() {
+    let a = sim_alloc(1 << 30, AllocatorConfig::pytorch());
+    let pool = MemPoolId::new_user();
+    capture(&a, S0, pool);
+    end(&a, S0, pool);
+    capture(&a, S1, pool);
+    a.release_pool(pool).unwrap();
+    assert_eq!(a.pool_use_count(pool), Some(1));
+    let e = a.release_pool(pool).unwrap_err();
+    assert!(e.to_string().contains("end_allocate_to_pool"), "{e}");
+    end(&a, S1, pool);
+    a.release_pool(pool).unwrap();
+    assert_eq!(a.pool_use_count(pool), None);
+    a.check_invariants().unwrap();
 }
 
 #[test]

@@ -44,11 +44,7 @@ proptest! {
         let _ = faults;
         let mut run = Run::new(capacity_mib, config);
         run.a.backend().set_event_query_lag(lag);
-        for op in &ops {
-            run.step(op)?;
-            run.check()?;
-        }
-        run.drain()?;
+        run.run_checked(&ops)?;
     }
 }
 
@@ -105,11 +101,7 @@ proptest! {
     ) {
         let mut run = Run::new(capacity_mib, config);
         run.a.backend().set_event_query_lag(lag);
-        for op in &ops {
-            run.step(op)?;
-            run.check()?;
-        }
-        run.drain()?;
+        run.run_checked(&ops)?;
     }
 }
 

@@ -307,6 +307,16 @@ impl Run {
         Ok(())
     }
 
+    /// Runs `ops`, checking after every step ([`check`](Self::check)), then
+    /// [`drain`](Self::drain)s.
+    pub fn run_checked(&mut self, ops: &[Op]) -> Result<(), TestCaseError> {
+        for op in ops {
+            self.step(op)?;
+            self.check()?;
+        }
+        self.drain()
+    }
+
     /// Frees what is live and empties the cache: nothing may stay reserved, allocated or mapped.
     pub fn drain(&mut self) -> Result<(), TestCaseError> {
         let sim = self.a.backend();

@@ -68,11 +68,7 @@ proptest! {
         ops in random_program(uses_mix(false)),
     ) {
         let mut run = Run::new(capacity_mib, config);
-        for op in &ops {
-            run.step(op)?;
-            run.check()?;
-        }
-        run.drain()?;
+        run.run_checked(&ops)?;
     }
 
     /// Event faults too: a failed record falls back to a synchronize, a failed handover to
@@ -84,11 +80,7 @@ proptest! {
         ops in random_program(uses_mix(true)),
     ) {
         let mut run = Run::new(capacity_mib, config);
-        for op in &ops {
-            run.step(op)?;
-            run.check()?;
-        }
-        run.drain()?;
+        run.run_checked(&ops)?;
     }
 }
 
