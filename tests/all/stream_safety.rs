@@ -91,13 +91,16 @@ proptest! {
     })]
 
     /// Threads on the fast path share one allocator: each runs its own program, freeing and
-    /// using whatever is live, also other threads' blocks.
+    /// using whatever is live, also other threads' blocks; the device answers event queries up
+    /// to two calls late.
     #[test]
     fn threads_freeing_each_others_blocks_never_give_away_memory_in_use(
         config in proptest::sample::select(&CONFIGS[5..]),
+        lag in 0u32..3,
         programs in proptest::collection::vec(random_program(uses_mix(false)), 2..5),
     ) {
         let a = with_config(256 * MIB, AllocatorConfig::parse(config).unwrap());
+        a.backend().set_event_query_lag(lag);
         if let Err(e) = run_threads(&a, &programs) {
             return Err(TestCaseError::fail(e));
         }
