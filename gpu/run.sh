@@ -25,8 +25,10 @@
 #                                     # cached pair alone, interleaved rounds), pinned (the pinned host cache benchmark beside
 #                                     # PyTorch's host cache), probes (after package or
 #                                     # install: gpu/probes/torch_review.py and, on 2 GPUs,
-#                                     # gpu/probes/nccl_register.py), probes_two (only the
-#                                     # probes that need 2 GPUs)
+#                                     # gpu/probes/nccl_register.py; CCA_SKIP_IPC=1 leaves
+#                                     # out the CUDA IPC probes, which with the others do not
+#                                     # fit in one 600 s device call), ipc (only the CUDA IPC
+#                                     # probes), probes_two (only the probes that need 2 GPUs)
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/cca-gpu-out}
@@ -212,7 +214,7 @@ for phase in $PHASES; do
     grep -E '^(==|--)|pair|GB/s|cached /|host pages|^goal|^(default|tight|frugal|power)| MiB:' "$OUT/pinned.log" | tee -a "$S"
     step pinned_torch timeout "$(( $(left) < 200 ? $(left) : 200 ))" python3 "$HERE/pinned_torch.py" --json "$OUT/pinned_torch.json"
     grep -vE '^\s*$' "$OUT/pinned_torch.log" | tail -20 | tee -a "$S" ;;
-  probes|probes_two) # After `package` or `install`: the PyTorch package's review probes
+  probes|probes_two|ipc) # After `package` or `install`: the PyTorch package's review probes
     # (gpu/probes/torch_review.py, each in its own process; the peer probes need 2 GPUs) and, on 2
     # GPUs, NCCL's user-buffer registration through the segment trace entries
     # (gpu/probes/nccl_register.py: native, native expandable, the crate's default and preset).
@@ -223,18 +225,19 @@ for phase in $PHASES; do
     ONE="trace_time/native trace_time/cca annotations/native annotations/cca bad_delete/native bad_delete/cca tracker/native tracker/cca tracker/cca/cca_preset:pytorch pool_snapshot_empty/native pool_snapshot_empty/cca runtime_settings/native runtime_settings/cca runtime_settings/cca/cca_preset:pytorch compile_context/native compile_context/cca graph_tree_checkpoint/native graph_tree_checkpoint/cca graph_tree_checkpoint/cca/cca_preset:pytorch use_on_oom/native use_on_oom/cca use_on_oom/cca/cca_preset:pytorch no_split/native no_split/cca no_split/cca/cca_preset:pytorch free_completed/native free_completed/cca free_completed/cca/cca_preset:pytorch gpu_trace/native gpu_trace/cca caching_disabled/native caching_disabled/cca no_caching_env/native no_caching_env/cca oom_device_free/native oom_device_free/cca oom_sizes/native oom_sizes/cca oom_sizes/cca/cca_preset:pytorch oom_state_context/native oom_state_context/cca snapshot_entry/native snapshot_entry/cca reset_peak_moves/cca empty_cache_in_pool/cca oom_capture/cca oom_pool/cca cache_info/cca oom_observer_fraction/cca foreign_stream_alloc/cca"
     TWO="record_stream_peer/native record_stream_peer/cca record_stream_peer/cca/cca_preset:pytorch peer_copy/cca peer_copy/cca/cca_preset:pytorch record_stream_capture/cca record_stream_capture/cca/cca_preset:pytorch checkpoint_deferred_free/native checkpoint_deferred_free/cca checkpoint_deferred_free/cca/cca_preset:pytorch"
     [ "$phase" = probes_two ] && ONE=""
+    [ "$phase" = ipc ] && ONE="" && TWO=""
     [ "$NGPU" -ge 2 ] && ONE="$ONE $TWO"
     for a in $ONE; do
       n=${a//[\/:]/_}
       step "review_$n" timeout 150 python3 "$P" ${a//\// }
       grep -E '^(PASS|FAIL)' "$OUT/review_$n.log" | cut -c1-300 | tee -a "$S"
     done
-    [ "$phase" = probes_two ] || for a in cca/native cca/cca native/cca cca/native/default cca/cca/default native-expandable/cca native-expandable/native cca/native-expandable/default; do
+    [ "$phase" = probes_two ] || [ "${CCA_SKIP_IPC:-0}" = 1 ] || for a in cca/native cca/cca native/cca cca/native/default cca/cca/default native-expandable/cca native-expandable/native cca/native-expandable/default; do
       n=${a//[\/:]/_}
       step "cuda_ipc_$n" timeout 150 python3 "$HERE/probes/cuda_ipc.py" ${a//\// }
       grep -E '^(PASS|FAIL)' "$OUT/cuda_ipc_$n.log" | cut -c1-300 | tee -a "$S"
     done
-    if [ "$NGPU" -ge 2 ]; then
+    if [ "$NGPU" -ge 2 ] && [ "$phase" != ipc ]; then
       # A release in a thread that never chose a device must not make a context on GPU 0.
       for a in native/native native/cca native/cca/cca_preset:pytorch native-expandable/native native-expandable/cca; do
         n=${a//[\/:]/_}
@@ -247,6 +250,6 @@ for phase in $PHASES; do
         grep -E '^(PASS|FAIL)' "$OUT/nccl_register_$n.log" | cut -c1-600 | tee -a "$S"
       done
     fi ;;
-  *) echo "unknown phase $phase (tests example torch safety sanitizer multigpu replay cold ports install package package_client clients ab hostpair record bench pinned probes probes_two)" | tee -a "$S" ;;
+  *) echo "unknown phase $phase (tests example torch safety sanitizer multigpu replay cold ports install package package_client clients ab hostpair record bench pinned probes probes_two ipc)" | tee -a "$S" ;;
   esac
 done
