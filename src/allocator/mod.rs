@@ -217,6 +217,9 @@ impl<B: DeviceBackend> CachingAllocator<B> {
         if let Some(g) = granularity {
             config.validate_for_granularity(g)?;
         }
+        if let Ok(info) = backend.mem_info() {
+            config.validate_for_device(info.total)?;
+        }
         let front = config.fast_path.then(|| Front::new(&config));
         let alloc = CachingAllocator {
             backend,

@@ -561,6 +561,35 @@ impl AllocatorConfig {
         )))
     }
 
+    /// Checks, for a device of `total` bytes, that the large pool's expandable page fits in it:
+    /// a larger page fails every large allocation, and the out-of-memory report then names the
+    /// request's segment, not the page (an adversarial review). `total == 0` (unknown) passes.
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the key that sets the page size.
+    pub(crate) fn validate_for_device(&self, total: usize) -> Result<(), ConfigError> {
+        if !self.expandable_segments || total == 0 {
+            return Ok(());
+        }
+        let page = self
+            .expandable_large_page_size
+            .unwrap_or(self.large_segment_size);
+        if page <= total {
+            return Ok(());
+        }
+        let key = if self.expandable_large_page_size.is_some() {
+            "cca_large_page_size_mb"
+        } else {
+            "large_segment_size_mb"
+        };
+        Err(ConfigError::new(format!(
+            "{key}: expandable segments map the large pool in pages of {} MiB, more than this \
+             device's whole memory ({} MiB)",
+            page / MIB,
+            total / MIB
+        )))
+    }
+
     /// Checks every value's range.
     ///
     /// # Errors
@@ -707,6 +736,13 @@ pub struct AllocatorConfigBuilder {
     config: AllocatorConfig,
 }
 
+/// `mb` MiB in bytes, at most the largest whole number of MiB a `usize` holds, as the parser
+/// (and PyTorch's) reads a `_mb` key: so that every built configuration is a whole number of MiB
+/// and comes back the same through `to_settings` and `parse` (a saturated `usize::MAX` did not).
+fn whole_mib(mb: usize) -> usize {
+    mb.min(usize::MAX / MIB) * MIB
+}
+
 impl AllocatorConfigBuilder {
     /// Starts from another configuration.
     pub fn from_config(config: AllocatorConfig) -> Self {
@@ -715,19 +751,19 @@ impl AllocatorConfigBuilder {
 
     /// `max_split_size_mb`.
     pub fn max_split_size_mb(mut self, mb: usize) -> Self {
-        self.config.max_split_size = mb.saturating_mul(MIB);
+        self.config.max_split_size = whole_mib(mb);
         self
     }
 
     /// `max_non_split_rounding_mb`.
     pub fn max_non_split_rounding_mb(mut self, mb: usize) -> Self {
-        self.config.max_non_split_rounding = mb.saturating_mul(MIB);
+        self.config.max_non_split_rounding = whole_mib(mb);
         self
     }
 
     /// `large_segment_size_mb`.
     pub fn large_segment_size_mb(mut self, mb: usize) -> Self {
-        self.config.large_segment_size = mb.saturating_mul(MIB);
+        self.config.large_segment_size = whole_mib(mb);
         self
     }
 
@@ -766,19 +802,19 @@ impl AllocatorConfigBuilder {
 
     /// `cca_large_page_size_mb`: the large pool's expandable page size.
     pub fn expandable_large_page_size_mb(mut self, mb: usize) -> Self {
-        self.config.expandable_large_page_size = Some(mb.saturating_mul(MIB));
+        self.config.expandable_large_page_size = Some(whole_mib(mb));
         self
     }
 
     /// `cca_max_handle_size_mb`: the largest physical handle a growth creates.
     pub fn expandable_max_handle_size_mb(mut self, mb: usize) -> Self {
-        self.config.expandable_max_handle_size = Some(mb.saturating_mul(MIB));
+        self.config.expandable_max_handle_size = Some(whole_mib(mb));
         self
     }
 
     /// `cca_min_growth_mb`: the fewest bytes a growing expandable segment maps at once.
     pub fn expandable_min_growth_mb(mut self, mb: usize) -> Self {
-        self.config.expandable_min_growth = mb.saturating_mul(MIB);
+        self.config.expandable_min_growth = whole_mib(mb);
         self
     }
 

@@ -79,6 +79,6 @@ pub use snapshot::{
 #[cfg(feature = "trace-io")]
 #[cfg_attr(docsrs, doc(cfg(feature = "trace-io")))]
 pub use snapshot_export::{
-    SnapshotExportOptions, ToSnapshotSegments, export_snapshot, export_snapshot_file,
-    final_segments,
+    MAX_EXPORT_DEVICE, SnapshotExportOptions, ToSnapshotSegments, export_snapshot,
+    export_snapshot_file, final_segments,
 };

@@ -289,7 +289,15 @@ pub(crate) fn read_rmm_csv_plain(
         };
         let at = Position::Line(number);
         let action = field(Some(cols.action));
-        let op = match action.to_ascii_lowercase().as_str() {
+        let lower = action.to_ascii_lowercase();
+        if pointer == 0 && (lower == "allocate" || lower == "free") {
+            // The null pointer (`(nil)`, what RMM's resources return for 0 bytes) is no address:
+            // keyed as one, two such allocations looked like one address handed out twice, and
+            // a free of it is a no-op. Counted as skipped, by action.
+            report.skip(&format!("{lower} (nil)"));
+            continue;
+        }
+        let op = match lower.as_str() {
             "allocate" => {
                 let id = pairing.alloc(pointer, at, &mut report)?;
                 TraceOp::Alloc {

@@ -288,6 +288,27 @@ struct EntryFields {
     device_free: Option<Id>,
 }
 
+/// Dict items the reader may visit in all: Note [Scans of shared dicts].
+fn scan_budget(p: &Pickle) -> usize {
+    p.ops().saturating_mul(16).saturating_add(1024)
+}
+
+/// Charges `n` dict items to `scan`.
+///
+/// Note [Scans of shared dicts]: a pickle memo reference (two bytes) lets one dict stand for
+/// every entry or segment, and reading a dict by key visits its items, so a small file of one
+/// wide dict shared by many entries made the import's work grow with entries × keys (an
+/// adversarial review: 320 KB, 40,000 entries sharing one 40,000-key dict, still importing
+/// after minutes). Real snapshots share nothing: each dict's items were written by opcodes of
+/// their own, so the items visited stay a few times the opcode count. Past 16 per opcode the
+/// import stops with an error naming the place.
+fn charge_scan(scan: &mut usize, n: usize) -> Result<(), &'static str> {
+    *scan = scan
+        .checked_sub(n)
+        .ok_or("shared references expand the snapshot's dicts beyond its size")?;
+    Ok(())
+}
+
 /// Reads one trace entry's fields by key (later duplicates win, as in Python).
 fn entry_fields(p: &Pickle, items: &[(Id, Id)]) -> EntryFields {
     let mut f = EntryFields::default();
@@ -415,6 +436,7 @@ fn read_entries(
     let mut trace = Trace::new(TraceSource::PytorchSnapshot);
     let mut report = ImportReport::default();
     let mut pairing = Pairing::new(options);
+    let mut scan = scan_budget(p);
     for (i, &entry) in entries.iter().enumerate() {
         report.records += 1;
         let path = |key: &str| format!("device_traces[{device}][{i}]{key}");
@@ -425,6 +447,7 @@ fn read_entries(
                 format!("expected a dict, found {}", p.obj(entry).kind()),
             )
         })?;
+        charge_scan(&mut scan, items.len()).map_err(|d| shape(Some(i), path(""), d))?;
         let f = entry_fields(p, items);
         let action_id = f
             .action
@@ -543,6 +566,7 @@ fn read_segments(p: &Pickle, list: Id) -> Result<Vec<SnapshotSegment>, TraceIoEr
     // Shared references could multiply blocks (the same block list under many segments);
     // real snapshots never share, so anything far beyond the opcode count is refused.
     let mut budget = p.ops().saturating_mul(2).saturating_add(1024);
+    let mut scan = scan_budget(p);
     let mut out = Vec::with_capacity(items.len());
     for (s, &seg) in items.iter().enumerate() {
         let path = |key: &str| format!("segments[{s}]{key}");
@@ -553,6 +577,9 @@ fn read_segments(p: &Pickle, list: Id) -> Result<Vec<SnapshotSegment>, TraceIoEr
                 format!("expected a dict, found {}", p.obj(seg).kind()),
             )
         })?;
+        // Eight keys, each looked up by a scan of the items.
+        charge_scan(&mut scan, seg_items.len().saturating_mul(8))
+            .map_err(|d| shape(None, path(""), d))?;
         let get = |key: &str| {
             seg_items
                 .iter()
@@ -619,7 +646,7 @@ fn read_segments(p: &Pickle, list: Id) -> Result<Vec<SnapshotSegment>, TraceIoEr
         };
         let blocks = match get("blocks") {
             None => Vec::new(),
-            Some(id) => read_blocks(p, id, address, &path, &mut budget)?,
+            Some(id) => read_blocks(p, id, address, &path, &mut budget, &mut scan)?,
         };
         out.push(SnapshotSegment {
             device,
@@ -635,6 +662,9 @@ fn read_segments(p: &Pickle, list: Id) -> Result<Vec<SnapshotSegment>, TraceIoEr
     Ok(out)
 }
 
+/// Keys a block's dict is searched for, each by a scan of its items.
+const BLOCK_KEYS: usize = 5;
+
 /// Reads one segment's `blocks` list; a block without `address` starts where the previous ends
 /// (older snapshots), one without `requested_size` requested its whole size.
 fn read_blocks(
@@ -643,6 +673,7 @@ fn read_blocks(
     base: u64,
     seg_path: &dyn Fn(&str) -> String,
     budget: &mut usize,
+    scan: &mut usize,
 ) -> Result<Vec<SnapshotBlock>, TraceIoError> {
     let items = p.list_items(list).ok_or_else(|| {
         shape(
@@ -669,6 +700,9 @@ fn read_blocks(
                 format!("expected a dict, found {}", p.obj(block).kind()),
             )
         })?;
+        // Each key looked up by a scan of the items (Note [Scans of shared dicts]).
+        charge_scan(scan, block_items.len().saturating_mul(BLOCK_KEYS))
+            .map_err(|d| shape(None, path(""), d))?;
         let get = |key: &str| {
             block_items
                 .iter()

@@ -140,11 +140,19 @@ impl ToSnapshotSegments for Vec<SnapshotSegment> {
 /// [`TraceIoError::Export`] naming the event for a free of an id that is not live, an id
 /// allocated twice, an address later re-used while its allocation was live, or a value above
 /// `2^63 - 1`; [`TraceIoError::MemoryViz`] for segments whose blocks do not tile them or
-/// settings memory_viz cannot read.
+/// settings memory_viz cannot read, or a device ordinal above [`MAX_EXPORT_DEVICE`].
 pub fn export_snapshot(
     trace: &Trace,
     options: &SnapshotExportOptions,
 ) -> Result<Vec<u8>, TraceIoError> {
+    if options.device > MAX_EXPORT_DEVICE {
+        // The trace goes under `device_traces[device]`, after an empty list per lower device.
+        return Err(TraceIoError::memory_viz(format!(
+            "device ordinal {} is above {MAX_EXPORT_DEVICE}: the snapshot would list that many \
+             empty device traces before it",
+            options.device
+        )));
+    }
     let entries = trace_entries(trace)?;
     let derived;
     let segments = match &options.segments {
@@ -211,6 +219,9 @@ impl Snapshot {
         export_snapshot(&self.trace, &options)
     }
 }
+
+/// The highest device ordinal a snapshot export accepts (far above any machine's GPU count).
+pub const MAX_EXPORT_DEVICE: usize = 1 << 16;
 
 /// A `u64` as a pickle integer that memory_viz reads (at most `2^63 - 1`).
 fn int(event: usize, what: &str, value: u64) -> Result<PickleValue, TraceIoError> {

@@ -27,6 +27,7 @@ mod faults;
 mod fidelity;
 mod fragmentation;
 mod graph_capture;
+mod input_review;
 mod lagged_programs;
 mod limits;
 mod move_budget;
