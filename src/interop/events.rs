@@ -94,6 +94,11 @@ pub fn fail_next_event_shells(n: usize) {
 }
 
 impl<T> Shell<T> {
+    /// The `CudaContext` object the shell was made under.
+    pub(super) fn context(&self) -> &Arc<CudaContext> {
+        self.0.stream().context()
+    }
+
     /// A new shell of `len` values at `ptr` on `stream`, with two new events (cudarc's
     /// `CudaStream::upgrade_device_ptr`).
     ///
@@ -216,7 +221,7 @@ impl ShellPool {
         need: usize,
         make: usize,
     ) -> Result<EventShell, AllocError> {
-        match self.take_kept(ptr, need) {
+        match self.take_kept(ctx, ptr, need) {
             Some(shell) => Ok(shell),
             // A shell too short for this buffer stays until this buffer's shell displaces it.
             // SAFETY: the caller's obligations, passed on.
@@ -224,12 +229,28 @@ impl ShellPool {
         }
     }
 
-    /// The shell kept for `ptr` if there is one covering `need` bytes (left in the pool
-    /// otherwise); makes none.
-    pub(super) fn take_kept(&self, ptr: sys::CUdeviceptr, need: usize) -> Option<EventShell> {
+    /// The shell kept for `ptr` if there is one covering `need` bytes and made under the same
+    /// `CudaContext` object as `ctx` (left in the pool otherwise); makes none.
+    ///
+    /// Note [Shells of one context object]: cudarc decides per `Arc<CudaContext>` whether it
+    /// orders uses across streams (`is_managing_stream_synchronization`, from the streams made
+    /// through that object), and a shell's waits ask the object it was made under. Two objects
+    /// for one device can share a cache (the registry hands out one allocator per device), so a
+    /// shell kept by a buffer of one object, taken by a buffer of another, would order that
+    /// buffer's uses by the first object's state: none at all once the first stops managing.
+    /// A kept shell is therefore taken only by a buffer of its own object (an adversarial
+    /// review, by reading; not yet run on a GPU).
+    pub(super) fn take_kept(
+        &self,
+        ctx: &Arc<CudaContext>,
+        ptr: sys::CUdeviceptr,
+        need: usize,
+    ) -> Option<EventShell> {
         let mut shells = self.shells.lock();
         match shells.get(&ptr) {
-            Some(shell) if shell.len() >= need => shells.remove(&ptr),
+            Some(shell) if shell.len() >= need && Arc::ptr_eq(shell.context(), ctx) => {
+                shells.remove(&ptr)
+            }
             _ => None,
         }
     }

@@ -517,7 +517,10 @@ impl<T> CachedSlice<T> {
 
     /// Takes the block's kept byte shell, if there is one, as this buffer's (its first use).
     fn adopt_kept_shell(&self) -> Option<&EventShell> {
-        let kept = self.alloc.shells().take_kept(self.ptr, self.num_bytes())?;
+        let kept =
+            self.alloc
+                .shells()
+                .take_kept(self.stream.context(), self.ptr, self.num_bytes())?;
         if let Err(kept) = self.shell.set(kept) {
             // Another thread's first use made one meanwhile.
             self.alloc.shells().put(self.ptr, kept);
