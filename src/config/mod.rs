@@ -542,23 +542,24 @@ impl AllocatorConfig {
         if !self.expandable_segments || granularity == 0 || SMALL_BUFFER % granularity != 0 {
             return Ok(());
         }
-        let page = self
-            .expandable_large_page_size
-            .unwrap_or(self.large_segment_size);
+        let (page, key) = self.large_page_and_key();
         if page % granularity == 0 {
             return Ok(());
         }
-        let key = if self.expandable_large_page_size.is_some() {
-            "cca_large_page_size_mb"
-        } else {
-            "large_segment_size_mb"
-        };
         Err(ConfigError::new(format!(
             "{key}: expandable segments map the large pool in pages of {} MiB, which is not a \
              multiple of this device's virtual-memory granularity ({} KiB); pick a multiple of it",
             page / MIB,
             granularity / 1024
         )))
+    }
+
+    /// The large pool's expandable page size and the key that sets it.
+    fn large_page_and_key(&self) -> (usize, &'static str) {
+        match self.expandable_large_page_size {
+            Some(page) => (page, "cca_large_page_size_mb"),
+            None => (self.large_segment_size, "large_segment_size_mb"),
+        }
     }
 
     /// Checks, for a device of `total` bytes, that the large pool's expandable page fits in it:
@@ -571,17 +572,10 @@ impl AllocatorConfig {
         if !self.expandable_segments || total == 0 {
             return Ok(());
         }
-        let page = self
-            .expandable_large_page_size
-            .unwrap_or(self.large_segment_size);
+        let (page, key) = self.large_page_and_key();
         if page <= total {
             return Ok(());
         }
-        let key = if self.expandable_large_page_size.is_some() {
-            "cca_large_page_size_mb"
-        } else {
-            "large_segment_size_mb"
-        };
         Err(ConfigError::new(format!(
             "{key}: expandable segments map the large pool in pages of {} MiB, more than this \
              device's whole memory ({} MiB)",

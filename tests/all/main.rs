@@ -16,7 +16,6 @@ mod cuda;
 mod cuda_capture;
 mod cuda_pinned;
 mod cuda_port;
-mod cuda_review;
 mod cuda_streams;
 mod device_cost;
 mod docs;
