@@ -236,7 +236,9 @@ mod trace_export {
                         total_size,
                         stream: seg.stream.0,
                         pool,
-                        pool_id: (0, 0),
+                        // PyTorch's `segment_pool_id`: the private pool's id, (0, 0) outside
+                        // them (it was (0, 0) for every segment: an adversarial review).
+                        pool_id: (seg.private_pool.0, seg.private_pool.1),
                         is_expandable: seg.is_expandable,
                         blocks,
                     });

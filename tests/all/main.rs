@@ -42,6 +42,7 @@ mod programs;
 mod props;
 mod segment_events;
 mod shared_pages;
+mod snapshot_review;
 mod stream_safety;
 mod trace_io;
 mod util;

@@ -175,7 +175,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use super::Allocation;
 use super::invariants::InvariantViolation;
-use super::snapshot::{BlockState, SegmentSnapshot};
+use super::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
 use super::state::State;
 use crate::backend::{DeviceAddr, DeviceBackend, StreamId};
 use crate::config::{AllocatorConfig, MIB, MIN_BLOCK_SIZE};
@@ -780,12 +780,33 @@ impl Front {
             });
         }
         cached.sort_unstable();
-        for b in segments.iter_mut().flat_map(|s| s.blocks.iter_mut()) {
-            if b.state == BlockState::ActiveAllocated && cached.binary_search(&b.address.0).is_ok()
-            {
-                b.state = BlockState::Inactive;
-                b.requested_size = 0;
+        for seg in segments.iter_mut() {
+            for b in &mut seg.blocks {
+                if b.state == BlockState::ActiveAllocated
+                    && cached.binary_search(&b.address.0).is_ok()
+                {
+                    b.state = BlockState::Inactive;
+                    b.requested_size = 0;
+                }
             }
+            // A cached block given back to the core merges with the free blocks beside it; the
+            // view shows it so, as without the fast path (adjacent inactive blocks, which no
+            // PyTorch snapshot lists, made the largest free block depend on the setting: an
+            // adversarial review).
+            let mut merged: Vec<BlockSnapshot> = Vec::with_capacity(seg.blocks.len());
+            for b in seg.blocks.drain(..) {
+                match merged.last_mut() {
+                    Some(last)
+                        if last.state == BlockState::Inactive
+                            && b.state == BlockState::Inactive
+                            && last.address.0 + last.size as u64 == b.address.0 =>
+                    {
+                        last.size += b.size;
+                    }
+                    _ => merged.push(b),
+                }
+            }
+            seg.blocks = merged;
         }
     }
 
