@@ -255,7 +255,8 @@ pub(crate) fn read_rmm_csv_plain(
             )
         };
         let pointer_text = field(Some(cols.pointer));
-        let pointer = if pointer_text == "(nil)" {
+        let nil = pointer_text == "(nil)";
+        let pointer = if nil {
             0
         } else {
             hex_or_decimal(pointer_text).ok_or_else(|| bad("Pointer", pointer_text))?
@@ -290,8 +291,10 @@ pub(crate) fn read_rmm_csv_plain(
         let at = Position::Line(number);
         let action = field(Some(cols.action));
         let lower = action.to_ascii_lowercase();
-        if pointer == 0 && (lower == "allocate" || lower == "free") {
-            // The null pointer (`(nil)`, what RMM's resources return for 0 bytes) is no address:
+        if nil && (lower == "allocate" || lower == "free") {
+            // The null pointer (`(nil)`, what RMM's resources return for 0 bytes) is no address
+            // (a written `0x0`, which only an export of another format's address 0 makes, stays
+            // one, so that such a trace comes back the same):
             // keyed as one, two such allocations looked like one address handed out twice, and
             // a free of it is a no-op. Counted as skipped, by action.
             report.skip(&format!("{lower} (nil)"));

@@ -161,6 +161,24 @@ fn csv_null_pointer_is_not_a_live_address() {
         (lenient.report.rebound_addresses, lenient.report.live_at_end),
         (0, 0)
     );
+    // Only the text `(nil)` is the null pointer: an address 0 of another format, exported as
+    // `0x0`, comes back as it was (the `trace_parse` fuzz target's round trip found the first
+    // version of this fix dropping it).
+    let mut t = Trace::new(TraceSource::Synthetic);
+    t.push(TraceOp::Alloc {
+        id: 0,
+        size: 100,
+        stream: 0,
+        addr: Some(0),
+    });
+    let csv = export_rmm_csv(&t, &CsvExportOptions::default()).unwrap();
+    let back = read_rmm_csv(&csv, &ImportOptions::default()).unwrap();
+    assert_eq!(
+        back.trace.events.len(),
+        1,
+        "{}",
+        String::from_utf8_lossy(&csv)
+    );
 }
 
 /// an expandable page larger than the device is accepted, and every large
