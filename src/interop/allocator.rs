@@ -267,7 +267,7 @@ impl CudaAllocator {
         // Dropping shells and streams lets cudarc bind this device's context: the caller's
         // current context is put back afterwards.
         self.device().with_callers_context(|| {
-            self.shells.clear(self.context());
+            self.shells.clear();
             self.release_unused_streams();
         });
         Ok(())

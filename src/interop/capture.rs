@@ -90,11 +90,9 @@ impl GraphPool {
         let r = self.alloc.inner.end_allocate_to_pool(self.id);
         if !self.alloc.inner.capture_underway() {
             // Note [Drops inside a capture] in `interop::slice`: no routed capture is left.
-            self.alloc.device().with_callers_context(|| {
-                self.alloc
-                    .shells()
-                    .destroy_quarantined(self.alloc.context())
-            });
+            self.alloc
+                .device()
+                .with_callers_context(|| self.alloc.shells().destroy_quarantined());
         }
         r
     }

@@ -171,8 +171,12 @@ fn no_events() -> AllocError {
 
 /// Destroys `shell` leaving cudarc's pending error as it was: the destruction waits on the
 /// shell's events on its stream, and a wait on events recorded inside a capture that has ended
-/// fails (`CUDA_ERROR_INVALID_VALUE`); that failure is the shell's, not the program's.
-pub(super) fn destroy_quietly<T>(ctx: &CudaContext, shell: Shell<T>) {
+/// fails (`CUDA_ERROR_INVALID_VALUE`); that failure is the shell's, not the program's. cudarc
+/// records it in the context object the shell was made under (its stream's), which need not be
+/// the caller's: a pool keeps shells of several objects of one device (Note [Shells of one
+/// context object]), so that object's error is the one set aside and put back.
+pub(super) fn destroy_quietly<T>(shell: Shell<T>) {
+    let ctx = Arc::clone(shell.context());
     let pending = ctx.check_err();
     drop(shell);
     let _ = ctx.check_err();
@@ -269,12 +273,12 @@ impl ShellPool {
     }
 
     /// Destroys every kept and quarantined shell (their events), for `empty_cache`.
-    pub(super) fn clear(&self, ctx: &CudaContext) {
+    pub(super) fn clear(&self) {
         let all = std::mem::take(&mut *self.shells.lock());
         for (_, shell) in all {
-            destroy_quietly(ctx, shell);
+            destroy_quietly(shell);
         }
-        self.destroy_quarantined(ctx);
+        self.destroy_quarantined();
     }
 
     /// Keeps `shell` out of reuse until [`destroy_quarantined`](Self::destroy_quarantined).
@@ -283,10 +287,10 @@ impl ShellPool {
     }
 
     /// Destroys the quarantined shells (call it only while no capture is underway).
-    pub(super) fn destroy_quarantined(&self, ctx: &CudaContext) {
+    pub(super) fn destroy_quarantined(&self) {
         let all = std::mem::take(&mut *self.quarantine.lock());
         for shell in all {
-            destroy_quietly(ctx, shell);
+            destroy_quietly(shell);
         }
     }
 

@@ -64,6 +64,9 @@ pub struct CachedSlice<T> {
     /// ([`as_cuda_slice`](Self::as_cuda_slice)); once it exists, every new use goes through its
     /// events.
     typed: OnceLock<TypedShell<T>>,
+    /// The `CudaSlice<T>` handed out by an `as_cuda_slice` while event tracking was off: without
+    /// events, and used for nothing else (Note [Typed buffers made while tracking is off]).
+    typed_untracked: OnceLock<TypedShell<T>>,
     /// The byte shell's uses are folded into the typed shell's events (`prepare_mut`): once a
     /// mutable use follows the typed shell's making, nothing records on the byte shell again.
     folded: bool,
@@ -116,6 +119,7 @@ impl<T> CachedSlice<T> {
         // It lives on the buffer's stream (whose waits a capture records with the buffer's
         // drop) and ends as cudarc's own buffer does, errors included.
         drop(self.typed.take());
+        drop(self.typed_untracked.take());
         if let Some(shell) = self.shell.take() {
             if in_capture && !*self.captured.get_mut() {
                 // A pooled shell lives on the legacy default stream: its destruction waits.
@@ -250,6 +254,7 @@ impl<T> CachedSlice<T> {
             shell: OnceLock::new(),
             captured: AtomicBool::new(false),
             typed: OnceLock::new(),
+            typed_untracked: OnceLock::new(),
             folded: false,
             marker: PhantomData,
         }
@@ -282,10 +287,34 @@ impl<T> CachedSlice<T> {
     // capture, waits on them fail, and a shell whose waits failed is destroyed, not kept
     // (`wait_last_uses`).
     fn shell_on(&self, using: Option<&CudaStream>) -> Option<&EventShell> {
+        self.shell_if(using, managing(&self.stream))
+    }
+
+    /// The byte event shell for a view: made while event tracking is on, also while the context
+    /// has one stream (Note [Views carry their events]).
+    //
+    // Note [Views carry their events]: cudarc gives a buffer its two events at its allocation
+    // whenever event tracking is on, and every view of it borrows them; they start ordering uses
+    // once the context has a second stream. A buffer here takes its events at its first use
+    // under ordering instead (uses before it are all on one stream, and `new_stream` synchronizes
+    // the context when it adds the second), but a view cannot come back to its buffer for them
+    // later: a view made while the context had one stream would stay event-less, its uses after
+    // `new_stream` unrecorded, and a later write through the buffer would not wait for a kernel
+    // still reading through the view (`cuda_a_view_made_before_a_second_stream_orders_later_
+    // writes`). So a view takes the buffer's shell at its making while tracking is on, one
+    // stream or more, as cudarc's buffer has its events then; with one stream they order
+    // nothing (cudarc records only while it manages synchronization), and the shell comes from
+    // the address's kept one, so a cache hit still creates no event.
+    fn view_shell(&self) -> Option<&EventShell> {
+        self.shell_if(None, self.stream.context().is_event_tracking())
+    }
+
+    /// The byte event shell, made now when `wanted` and none exists (see `shell_on`).
+    fn shell_if(&self, using: Option<&CudaStream>, wanted: bool) -> Option<&EventShell> {
         if let Some(shell) = self.shell.get() {
             return Some(shell);
         }
-        if self.ptr == 0 || !managing(&self.stream) {
+        if self.ptr == 0 || !wanted {
             return None;
         }
         // Note [Uses without events]: events made now would not order this use after a kernel
@@ -398,6 +427,17 @@ impl<T> CachedSlice<T> {
         self.events_on(None)
     }
 
+    /// The events a shared view takes (Note [Views carry their events]).
+    fn view_events(&self) -> Events<'_, T> {
+        if let Some(typed) = self.typed.get() {
+            return Events::Typed(typed);
+        }
+        match self.view_shell() {
+            Some(shell) => Events::Bytes(shell),
+            None => Events::None,
+        }
+    }
+
     /// [`events`](Self::events) for a use on `using` (see `shell_on`).
     fn events_on(&self, using: Option<&CudaStream>) -> Events<'_, T> {
         if let Some(typed) = self.typed.get() {
@@ -423,6 +463,20 @@ impl<T> CachedSlice<T> {
             let _ = self.shell_on(using);
             return;
         }
+        self.fold_byte_shell();
+    }
+
+    /// [`prepare_mut`](Self::prepare_mut) for a mutable view (Note [Views carry their events]).
+    fn prepare_view_mut(&mut self) {
+        if self.typed.get().is_none() {
+            let _ = self.view_shell();
+            return;
+        }
+        self.fold_byte_shell();
+    }
+
+    /// Folds the byte shell's last uses into the typed shell's events, once (see `prepare_mut`).
+    fn fold_byte_shell(&mut self) {
         if self.folded || !managing(&self.stream) {
             return;
         }
@@ -441,18 +495,6 @@ impl<T> CachedSlice<T> {
         self.folded = true;
     }
 
-    /// The fields a mutable view needs, after [`prepare_mut`](Self::prepare_mut).
-    pub(super) fn parts_mut(
-        &mut self,
-    ) -> (
-        sys::CUdeviceptr,
-        &Arc<CudaStream>,
-        &CudaAllocator,
-        EventsMut<'_, T>,
-    ) {
-        self.parts_mut_on(None)
-    }
-
     /// [`parts_mut`](Self::parts_mut) for a use on `using` (see `shell_on`).
     fn parts_mut_on(
         &mut self,
@@ -464,6 +506,31 @@ impl<T> CachedSlice<T> {
         EventsMut<'_, T>,
     ) {
         self.prepare_mut_on(using);
+        self.split_parts()
+    }
+
+    /// The fields a mutable view needs (Note [Views carry their events]).
+    fn view_parts_mut(
+        &mut self,
+    ) -> (
+        sys::CUdeviceptr,
+        &Arc<CudaStream>,
+        &CudaAllocator,
+        EventsMut<'_, T>,
+    ) {
+        self.prepare_view_mut();
+        self.split_parts()
+    }
+
+    /// The buffer's address, stream, allocator and current events, borrowed apart.
+    fn split_parts(
+        &mut self,
+    ) -> (
+        sys::CUdeviceptr,
+        &Arc<CudaStream>,
+        &CudaAllocator,
+        EventsMut<'_, T>,
+    ) {
         let CachedSlice {
             ptr,
             stream,
@@ -543,6 +610,9 @@ impl<T> CachedSlice<T> {
         if let Some(typed) = self.typed.get() {
             return Ok(typed);
         }
+        if !self.stream.context().is_event_tracking() {
+            return self.untracked_cuda_slice();
+        }
         // SAFETY: the buffer owns `[ptr, ptr + num_bytes)` holding its values of `T` until it is
         // dropped; the typed shell lives inside it and is destroyed (never freeing) in its drop.
         let mut typed = unsafe { TypedShell::<T>::on_stream(&self.stream, self.ptr, self.len) }?;
@@ -569,6 +639,37 @@ impl<T> CachedSlice<T> {
         let _ = self.typed.set(typed);
         match self.typed.get() {
             Some(typed) => Ok(typed),
+            None => Err(crate::AllocError::Unsupported {
+                operation: "CachedSlice::as_cuda_slice",
+                capability: "a typed cudarc buffer",
+            }),
+        }
+    }
+
+    /// `as_cuda_slice` while event tracking is off (Note [Typed buffers made while tracking is
+    /// off]).
+    //
+    // Note [Typed buffers made while tracking is off]: cudarc makes a `CudaSlice` without events
+    // while event tracking is off (`upgrade_device_ptr`, as `alloc`), and it stays without them.
+    // A typed shell made then and kept as the buffer's event pair would take every later use of
+    // the buffer off ordering, also after tracking is back on, where the buffer (allocated while
+    // tracking was on, as cudarc's would have been) keeps its events
+    // (`cuda_a_typed_shell_made_while_tracking_was_off_keeps_ordering`). So that event-less
+    // `CudaSlice` is kept apart, only to be lent: the buffer's own uses keep going through its
+    // byte shell, and a later `as_cuda_slice` while tracking is on makes the typed shell with
+    // events. Uses through the lent reference are unordered, as those of any `CudaSlice` made
+    // while tracking was off (`disable_event_tracking`'s contract).
+    fn untracked_cuda_slice(&self) -> Result<&cu::CudaSlice<T>> {
+        if let Some(lent) = self.typed_untracked.get() {
+            return Ok(lent);
+        }
+        // SAFETY: as in `try_as_cuda_slice`: the shell lives inside the buffer and is destroyed,
+        // never freeing, in its drop.
+        let lent = unsafe { TypedShell::<T>::on_stream(&self.stream, self.ptr, self.len) }?;
+        // Another thread may have made one meanwhile: then ours is destroyed and theirs is lent.
+        let _ = self.typed_untracked.set(lent);
+        match self.typed_untracked.get() {
+            Some(lent) => Ok(lent),
             None => Err(crate::AllocError::Unsupported {
                 operation: "CachedSlice::as_cuda_slice",
                 capability: "a typed cudarc buffer",
@@ -606,9 +707,10 @@ impl<T> CachedSlice<T> {
     pub fn try_as_cuda_view_mut(&mut self) -> Result<cu::CudaViewMut<'_, T>> {
         self.try_as_cuda_slice()?;
         self.prepare_mut();
-        match self.typed.get_mut() {
-            Some(typed) => Ok(typed.as_view_mut()),
-            None => Err(crate::AllocError::Unsupported {
+        match (self.typed.get_mut(), self.typed_untracked.get_mut()) {
+            (Some(typed), _) => Ok(typed.as_view_mut()),
+            (None, Some(lent)) => Ok(lent.as_view_mut()),
+            (None, None) => Err(crate::AllocError::Unsupported {
                 operation: "CachedSlice::as_cuda_view_mut",
                 capability: "a typed cudarc buffer",
             }),
@@ -720,7 +822,7 @@ impl<T> CachedSlice<T> {
     /// A view of `range`, or `None` when it is out of bounds (cudarc's `try_slice`).
     pub fn get(&self, range: impl RangeBounds<usize>) -> Option<CachedView<'_, T>> {
         let (start, end) = resolve(range, self.len)?;
-        let cu = match self.events() {
+        let cu = match self.view_events() {
             Events::Typed(t) => t.try_slice(start..end),
             // SAFETY: the bytes are this buffer's values of `T`.
             Events::Bytes(b) => b
@@ -743,7 +845,7 @@ impl<T> CachedSlice<T> {
     pub fn get_mut(&mut self, range: impl RangeBounds<usize>) -> Option<CachedViewMut<'_, T>> {
         let (start, end) = resolve(range, self.len)?;
         let ptr = self.offset(start);
-        let (base, stream, alloc, events) = self.parts_mut();
+        let (base, stream, alloc, events) = self.view_parts_mut();
         let cu = match events {
             EventsMut::Typed(t) => t.try_slice_mut(start..end).map(ViewEvents::Typed),
             EventsMut::Bytes(b) => b
@@ -764,7 +866,7 @@ impl<T> CachedSlice<T> {
     /// The whole buffer as a view.
     pub fn as_view(&self) -> CachedView<'_, T> {
         let len = self.len;
-        let cu = match self.events() {
+        let cu = match self.view_events() {
             Events::Typed(t) => Some(t.as_view()),
             // SAFETY: the bytes are this buffer's values of `T`.
             Events::Bytes(b) => unsafe { b.transmute::<T>(len) },
@@ -776,7 +878,7 @@ impl<T> CachedSlice<T> {
     /// The whole buffer as a mutable view.
     pub fn as_view_mut(&mut self) -> CachedViewMut<'_, T> {
         let len = self.len;
-        let (ptr, stream, alloc, events) = self.parts_mut();
+        let (ptr, stream, alloc, events) = self.view_parts_mut();
         let cu = match events {
             EventsMut::Typed(t) => ViewEvents::Typed(t.as_view_mut()),
             EventsMut::Bytes(b) => b
@@ -802,7 +904,7 @@ impl<T> CachedSlice<T> {
         }
         let second = self.offset(mid);
         let len = self.len;
-        let (base, stream, alloc, events) = self.parts_mut();
+        let (base, stream, alloc, events) = self.view_parts_mut();
         let (cu_a, cu_b) = match events {
             EventsMut::Typed(t) => match t.try_split_at_mut(mid) {
                 Some((x, y)) => (ViewEvents::Typed(x), ViewEvents::Typed(y)),
@@ -910,7 +1012,7 @@ impl<T> CachedSlice<T> {
         if bytes > self.num_bytes() {
             return None;
         }
-        let cu = match self.events() {
+        let cu = match self.view_events() {
             // SAFETY: `len` values of `S` fit (checked above); validity is obligation 1.
             Events::Typed(t) => unsafe { t.transmute::<S>(len) },
             // SAFETY: as above (the byte shell is at least as long as the buffer).
@@ -938,7 +1040,7 @@ impl<T> CachedSlice<T> {
         if bytes > self.num_bytes() {
             return None;
         }
-        let (ptr, stream, alloc, events) = self.parts_mut();
+        let (ptr, stream, alloc, events) = self.view_parts_mut();
         let cu = match events {
             // SAFETY: `len` values of `S` fit (checked above); validity is obligation 1.
             EventsMut::Typed(t) => unsafe { t.transmute_mut::<S>(len) }.map(ViewEvents::Typed),

@@ -916,3 +916,39 @@ fn a_buffer_dropped_inside_a_capture_quarantines_its_events() {
     s.synchronize().unwrap();
     alloc.empty_cache().unwrap();
 }
+
+/// As above, with the buffer's stream on another `CudaContext` object of the same device than
+/// the cache's: the quarantined shell was made under the stream's object, where cudarc records
+/// its failed waits at the destruction after the capture, so that is the object whose error is
+/// set aside and put back (the first version cleared the cache's object and left the stream's
+/// object a `CUDA_ERROR_INVALID_VALUE` the program never caused).
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn a_quarantined_shell_of_another_context_object_leaves_that_object_no_error() {
+    crate::util::require_gpu(
+        "a_quarantined_shell_of_another_context_object_leaves_that_object_no_error",
+    );
+    let (ctx_a, s, _s2, _fill) = tracking_setup();
+    let ctx_b = CudaContext::new(0).unwrap();
+    let alloc = CudaAllocator::new(Arc::clone(&ctx_b), AllocatorConfig::default()).unwrap();
+    let n = 1usize << 20;
+    let mut b = uninit(&alloc, &s, n);
+    let _ = b.as_view();
+    assert!(b.has_events(), "the view took the buffer's events");
+    let graph = routed_capture(&alloc, &s, || {
+        s.memset_zeros(&mut b).unwrap();
+        drop(b);
+        assert_eq!(alloc.quarantined_event_pairs(), 1, "quarantined");
+    });
+    assert_eq!(
+        alloc.quarantined_event_pairs(),
+        0,
+        "destroyed after the capture"
+    );
+    assert_eq!(ctx_a.check_err(), Ok(()), "the stream's context object");
+    assert_eq!(ctx_b.check_err(), Ok(()), "the cache's context object");
+    graph.launch().unwrap();
+    s.synchronize().unwrap();
+    drop(graph);
+    alloc.empty_cache().unwrap();
+}

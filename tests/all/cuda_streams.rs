@@ -445,10 +445,11 @@ fn forked_streams_are_released_once_unused() {
 //
 // Found by reading, with no GPU left to run them: each probe returns how many of `TRIALS`
 // results were wrong in the probe arm and in a control arm that differs only in the suspected
-// trigger. R7-1 (a kept event shell taken by a buffer of another `CudaContext` object) is
-// fixed, Note [Shells of one context object]; R7-2 (a view made while one stream existed stays
-// event-less) and R7-3 (`as_cuda_slice` while event tracking is off) are suspected and not
-// fixed: their tests assert what cudarc does, so a failure on a GPU confirms the hazard.
+// trigger, and each asserts what cudarc's own buffers do. R7-1 (a kept event shell taken by a
+// buffer of another `CudaContext` object) is fixed by Note [Shells of one context object], R7-2
+// (a view made while one stream existed stayed event-less) by Note [Views carry their events],
+// R7-3 (`as_cuda_slice` while event tracking is off) by Note [Typed buffers made while tracking
+// is off].
 
 /// R7-1: a kept event shell made under context object A, taken by a buffer of context object B
 /// (same device, same cache, both on the legacy default stream, so the same block). cudarc's
@@ -594,7 +595,7 @@ fn cuda_a_kept_shell_serves_only_its_own_context_object() {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU; suspected hazard R7-2 of the interop review, not yet confirmed or fixed"]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_a_view_made_before_a_second_stream_orders_later_writes() {
     require_gpu("cuda_a_view_made_before_a_second_stream_orders_later_writes");
     let (probe, control) = (stale_view(true), stale_view(false));
@@ -606,7 +607,7 @@ fn cuda_a_view_made_before_a_second_stream_orders_later_writes() {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU; suspected hazard R7-3 of the interop review, not yet confirmed or fixed"]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_a_typed_shell_made_while_tracking_was_off_keeps_ordering() {
     require_gpu("cuda_a_typed_shell_made_while_tracking_was_off_keeps_ordering");
     let (probe, control) = (
