@@ -457,7 +457,7 @@ impl PinnedAllocator {
                 event: None,
                 used: AtomicBool::new(false),
                 lazy: AtomicBool::new(false),
-                maybe_unrecorded: AtomicBool::new(false),
+                unrecorded_on: Mutex::new(Vec::new()),
                 alloc: self.clone(),
                 marker: PhantomData,
             });
@@ -490,7 +490,7 @@ impl PinnedAllocator {
             event: Some(event),
             used: AtomicBool::new(false),
             lazy: AtomicBool::new(false),
-            maybe_unrecorded: AtomicBool::new(false),
+            unrecorded_on: Mutex::new(Vec::new()),
             alloc: self.clone(),
             marker: PhantomData,
         })
@@ -553,17 +553,20 @@ pub struct CachedPinned<T> {
     /// Used on a default stream while the context did not manage synchronization: the event must
     /// be recorded on the legacy default stream before it fences anything.
     lazy: AtomicBool,
-    /// Used on a stream other than the default ones while the context managed synchronization,
-    /// and not synchronized by the buffer since: cudarc recorded the event only if the context
-    /// still managed it when the use's `SyncOnDrop` dropped (Note [Management that ends
-    /// mid-use]).
-    maybe_unrecorded: AtomicBool,
+    /// The context objects of the streams the buffer was used on, other than the default ones,
+    /// while that object managed synchronization, and not synchronized by the buffer since:
+    /// cudarc recorded the event only if the stream's object still managed it when the use's
+    /// `SyncOnDrop` dropped (Note [Management that ends mid-use]). The stream's object, not the
+    /// event's: a shared cache's events belong to its own object, which need not manage
+    /// anything while the program's does.
+    unrecorded_on: Mutex<Vec<Arc<CudaContext>>>,
     alloc: PinnedAllocator,
     marker: PhantomData<T>,
 }
 
 // SAFETY: the buffer owns its memory (a block of the cache) as a `Box<[T]>` would; the event is
-// `Send + Sync` (cudarc), the flags are atomics and the allocator handle is `Send + Sync`.
+// `Send + Sync` (cudarc), the flags are atomics, the context objects sit behind a mutex and the
+// allocator handle is `Send + Sync`.
 unsafe impl<T: Send> Send for CachedPinned<T> {}
 // SAFETY: shared access only reads the memory (or hands it to cudarc as `&[T]`).
 unsafe impl<T: Sync> Sync for CachedPinned<T> {}
@@ -575,6 +578,15 @@ impl<T> fmt::Debug for CachedPinned<T> {
             .field("len", &self.len)
             .finish_non_exhaustive()
     }
+}
+
+/// The first of `objects` (context objects a buffer was used through) that no longer manages
+/// stream synchronization: cudarc may have left that use unrecorded.
+fn no_longer_managing(objects: &[Arc<CudaContext>]) -> Option<Arc<CudaContext>> {
+    objects
+        .iter()
+        .find(|c| !c.is_managing_stream_synchronization())
+        .cloned()
 }
 
 /// Whether `stream` is ordered by the legacy default stream: the legacy stream itself
@@ -636,15 +648,13 @@ impl<T> CachedPinned<T> {
                 self.lazy.store(false, Ordering::Release);
             }
         }
-        if self.maybe_unrecorded.load(Ordering::Acquire) {
-            // Note [Management that ends mid-use]. The mark is cleared only by a synchronization
-            // that ran (and only by an exclusive access: a shared one may race a new use).
-            let ctx = ev.context();
-            if !ctx.is_managing_stream_synchronization() {
-                ctx.synchronize()?;
-                if exclusive {
-                    self.maybe_unrecorded.store(false, Ordering::Release);
-                }
+        // Note [Management that ends mid-use]. The marks are cleared only by a synchronization
+        // that ran (and only by an exclusive access: a shared one may race a new use).
+        let unmanaged = no_longer_managing(&self.unrecorded_on.lock());
+        if let Some(ctx) = unmanaged {
+            ctx.synchronize()?;
+            if exclusive {
+                self.unrecorded_on.lock().clear();
             }
         }
         if self.used.load(Ordering::Acquire) {
@@ -741,7 +751,10 @@ impl<T> CachedPinned<T> {
                 // before that check without a completed context synchronization (`fork`, or
                 // another thread inside `new_stream` before its synchronization, or
                 // `enable_event_tracking`): the drop then trusts an event cudarc did not record.
-                self.maybe_unrecorded.store(true, Ordering::Release);
+                let mut on = self.unrecorded_on.lock();
+                if !on.iter().any(|c| Arc::ptr_eq(c, ctx)) {
+                    on.push(Arc::clone(ctx));
+                }
             }
             SyncOnDrop::Record(Some((ev, stream)))
         } else if legacy {
@@ -790,10 +803,7 @@ impl<T> Drop for CachedPinned<T> {
             return;
         };
         // Note [Management that ends mid-use]: a use that cudarc may have left unrecorded.
-        let unrecorded =
-            *self.maybe_unrecorded.get_mut() && !ev.context().is_managing_stream_synchronization();
-        if unrecorded {
-            let ctx = Arc::clone(ev.context());
+        if let Some(ctx) = no_longer_managing(self.unrecorded_on.get_mut()) {
             if let Err(e) = ctx.synchronize() {
                 // Not waited for: the copy may still run, so the memory must never be handed
                 // out again. Leak the block (and the event with it); the error goes to the

@@ -796,3 +796,50 @@ fn a_copy_cudarc_leaves_unrecorded_is_still_waited_for() {
         );
     }
 }
+
+/// Note [Management that ends mid-use], with the cache on a context object of its own (as a
+/// shared allocator's is) and the program's streams on another object of the same device: the
+/// mark of a use goes with the stream's object, whose management decides whether cudarc
+/// recorded the event. The cache's object has no stream and manages nothing; the first version
+/// asked it, and every drop after a copy on one of the program's streams synchronized the whole
+/// context (here: waited for a delay kernel queued on an unrelated stream), where cudarc's
+/// buffer only waits for its own event. The copy's result is checked too.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn a_pinned_buffer_of_another_context_object_drops_without_synchronizing() {
+    require_gpu("a_pinned_buffer_of_another_context_object_drops_without_synchronizing");
+    let cache_ctx = CudaContext::new(0).unwrap();
+    let pinned = PinnedAllocator::new(Arc::clone(&cache_ctx), PinnedConfig::default()).unwrap();
+    assert!(!cache_ctx.is_managing_stream_synchronization());
+    let (ctx, s1) = setup(2);
+    let s2 = ctx.new_stream().unwrap();
+    assert!(ctx.is_managing_stream_synchronization());
+    let k = kernels(&ctx);
+    let mut synchronized = 0;
+    for trial in 0..TRIALS {
+        let v = 1000 * trial as u32 + 21;
+        let src = pinned.pinned_from_slice(&pattern(v)).unwrap();
+        let dev: CudaSlice<u32> = s1.clone_htod(&src).unwrap();
+        delay(&k, &s2);
+        let marker = s2.record_event(None).unwrap();
+        drop(src);
+        // The delay kernel (about 20 ms) is still running when the drop returns, unless the drop
+        // synchronized the context.
+        if marker.is_complete() {
+            synchronized += 1;
+        }
+        assert_eq!(
+            s1.clone_dtoh(&dev).unwrap(),
+            pattern(v),
+            "the copy's values"
+        );
+        ctx.synchronize().unwrap();
+    }
+    pinned.check_invariants().unwrap();
+    if !under_sanitizer() {
+        assert_eq!(
+            synchronized, 0,
+            "drops that waited for an unrelated stream's kernel, of {TRIALS}"
+        );
+    }
+}
