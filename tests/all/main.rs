@@ -28,6 +28,7 @@ mod fidelity;
 mod fragmentation;
 mod graph_capture;
 mod input_review;
+mod interop_review2;
 mod lagged_programs;
 mod limits;
 mod move_budget;
