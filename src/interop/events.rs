@@ -210,29 +210,6 @@ impl fmt::Debug for ShellPool {
 }
 
 impl ShellPool {
-    /// The shell kept for `ptr` if it covers `need` bytes, else a new one of `make` bytes
-    /// (`make >= need`: the whole block, so that a later, larger buffer there can take it too).
-    ///
-    /// # Errors
-    /// As [`Shell::new`].
-    ///
-    /// # Safety
-    /// As [`Shell::new`], for `[ptr, ptr + make)`.
-    pub(super) unsafe fn take(
-        &self,
-        ctx: &Arc<CudaContext>,
-        ptr: sys::CUdeviceptr,
-        need: usize,
-        make: usize,
-    ) -> Result<EventShell, AllocError> {
-        match self.take_kept(ctx, ptr, need) {
-            Some(shell) => Ok(shell),
-            // A shell too short for this buffer stays until this buffer's shell displaces it.
-            // SAFETY: the caller's obligations, passed on.
-            None => unsafe { EventShell::new(ctx, ptr, make.max(need)) },
-        }
-    }
-
     /// The shell kept for `ptr` if there is one covering `need` bytes and made under the same
     /// `CudaContext` object as `ctx` (left in the pool otherwise); makes none.
     ///

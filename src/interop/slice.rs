@@ -118,13 +118,22 @@ impl<T> CachedSlice<T> {
         // The typed shell (if any) is destroyed: its events were made for this buffer only.
         // It lives on the buffer's stream (whose waits a capture records with the buffer's
         // drop) and ends as cudarc's own buffer does, errors included.
-        drop(self.typed.take());
+        let typed = self.typed.take();
+        let had_typed = typed.is_some();
+        drop(typed);
         drop(self.typed_untracked.take());
-        if let Some(shell) = self.shell.take() {
+        if let Some(mut shell) = self.shell.take() {
             if in_capture && !*self.captured.get_mut() {
                 // A pooled shell lives on the legacy default stream: its destruction waits.
                 self.alloc.shells().quarantine(shell);
             } else if waited && !in_capture {
+                if had_typed {
+                    // Note [Kept shells after a typed one]: the uses since the typed shell's
+                    // making recorded only its events, which the allocation stream has just
+                    // waited for; the kept shell's write is recorded after those waits, so the
+                    // block's next buffer orders a first use elsewhere after them too.
+                    record_write_on(&mut shell, &self.stream);
+                }
                 self.alloc.shells().put(self.ptr, shell);
             } else {
                 // Note [Event shells and captures]: events that may be recorded inside a
@@ -222,6 +231,22 @@ pub(super) fn unordered_kernel_use(
     }
 }
 
+/// A write use of `shell` on `stream` that queues nothing: `stream` waits for the shell's last
+/// reads and write, then the shell's write event is recorded there (both only while cudarc
+/// orders streams, by its own rule).
+//
+// Note [Kept shells after a typed one]: once `as_cuda_slice` made a buffer's typed shell, every
+// use records the typed events only, and the byte shell's events stop at the typed shell's
+// making. The drop makes the allocation stream wait for both pairs, but only the byte shell is
+// kept for the block's next buffer, whose first use on a third stream waits on the kept
+// events alone: it would run beside the old buffer's last uses through the typed shell
+// (`review2_typed_shell_kept_events`). So the kept shell's write is recorded on the allocation
+// stream after the drop's waits when a typed shell existed.
+fn record_write_on(shell: &mut EventShell, stream: &CudaStream) {
+    let (_, record) = cu::DevicePtrMut::<u8>::device_ptr_mut(&mut **shell, stream);
+    drop(record);
+}
+
 /// Resolves `bounds` against `len` as `start..end`, or `None` when out of range.
 pub(super) fn resolve(bounds: impl RangeBounds<usize>, len: usize) -> Option<(usize, usize)> {
     let start = match bounds.start_bound() {
@@ -260,10 +285,28 @@ impl<T> CachedSlice<T> {
         }
     }
 
-    /// The byte event shell, taken at the buffer's first use when the context manages stream
-    /// synchronization (Note [Event shells and captures]). `None` when cudarc orders nothing, or
-    /// when the events could not be made (logged; uses then synchronize instead, see
+    /// The byte event shell, taken at the buffer's first use while event tracking is on (Note
+    /// [Events whenever tracking is on], Note [Event shells and captures]). `None` while tracking
+    /// is off, or when the events could not be made (logged; uses then synchronize instead, see
     /// [`untracked`]).
+    //
+    // Note [Events whenever tracking is on]: cudarc gives a buffer its two events at its
+    // allocation whenever event tracking is on, and every view of it borrows them; whether a use
+    // waits and records is decided at the use, from the `CudaContext` objects involved (the
+    // buffer's stream's for a copy's wait, the using stream's for a kernel argument and for
+    // every record), so the events start ordering once some object manages synchronization. A
+    // buffer here takes its shell at its first use (Note [Event shells and captures]) while
+    // tracking is on, one stream or more, and from then on cudarc's own code decides each use
+    // through the shell. The first version took it only while the buffer's own object managed
+    // synchronization, and three programs lost cudarc's order: a view made while the context
+    // had one stream stayed event-less after `new_stream`, so a later write did not wait for a
+    // kernel reading through it (`cuda_a_view_made_before_a_second_stream_orders_later_
+    // writes`); a buffer of an object with no stream of its own, used on another object's
+    // streams, pushed bare pointers (`review2_other_object_kernel_uses`); and a use that began
+    // before another thread's `new_stream` went unrecorded, where cudarc records it
+    // (`review2_management_starting_mid_copy`). The shell comes from the address's kept one,
+    // so a cache hit still creates no event; with one stream the events record nothing
+    // (cudarc's rule).
     //
     // Note [Event shells and captures]: a shell kept in the pool carries events recorded for the
     // address's previous buffer, and inside a stream capture the driver refuses a wait on an
@@ -287,34 +330,10 @@ impl<T> CachedSlice<T> {
     // capture, waits on them fail, and a shell whose waits failed is destroyed, not kept
     // (`wait_last_uses`).
     fn shell_on(&self, using: Option<&CudaStream>) -> Option<&EventShell> {
-        self.shell_if(using, managing(&self.stream))
-    }
-
-    /// The byte event shell for a view: made while event tracking is on, also while the context
-    /// has one stream (Note [Views carry their events]).
-    //
-    // Note [Views carry their events]: cudarc gives a buffer its two events at its allocation
-    // whenever event tracking is on, and every view of it borrows them; they start ordering uses
-    // once the context has a second stream. A buffer here takes its events at its first use
-    // under ordering instead (uses before it are all on one stream, and `new_stream` synchronizes
-    // the context when it adds the second), but a view cannot come back to its buffer for them
-    // later: a view made while the context had one stream would stay event-less, its uses after
-    // `new_stream` unrecorded, and a later write through the buffer would not wait for a kernel
-    // still reading through the view (`cuda_a_view_made_before_a_second_stream_orders_later_
-    // writes`). So a view takes the buffer's shell at its making while tracking is on, one
-    // stream or more, as cudarc's buffer has its events then; with one stream they order
-    // nothing (cudarc records only while it manages synchronization), and the shell comes from
-    // the address's kept one, so a cache hit still creates no event.
-    fn view_shell(&self) -> Option<&EventShell> {
-        self.shell_if(None, self.stream.context().is_event_tracking())
-    }
-
-    /// The byte event shell, made now when `wanted` and none exists (see `shell_on`).
-    fn shell_if(&self, using: Option<&CudaStream>, wanted: bool) -> Option<&EventShell> {
         if let Some(shell) = self.shell.get() {
             return Some(shell);
         }
-        if self.ptr == 0 || !wanted {
+        if self.ptr == 0 || !self.stream.context().is_event_tracking() {
             return None;
         }
         // Note [Uses without events]: events made now would not order this use after a kernel
@@ -327,18 +346,27 @@ impl<T> CachedSlice<T> {
             // SAFETY: the buffer owns `[ptr, ptr + num_bytes)` until it is dropped, and this
             // shell lives inside it and is destroyed with it.
             unsafe { EventShell::on_stream(&self.stream, self.ptr, self.num_bytes()) }
+        } else if let Some(kept) =
+            self.alloc
+                .shells()
+                .take_kept(self.stream.context(), self.ptr, self.num_bytes())
+        {
+            Ok(kept)
         } else {
             // SAFETY: the buffer owns its block `[ptr, ptr + block_size)` until it is dropped
             // (`num_bytes <= block_size`), and the shell lives inside it (or, afterwards, in the
             // allocator's pool, unused until a buffer owns that address again).
-            unsafe {
-                self.alloc.shells().take(
+            let made = unsafe {
+                EventShell::new(
                     self.stream.context(),
                     self.ptr,
-                    self.num_bytes(),
                     self.block_size.max(self.num_bytes()),
                 )
-            }
+            };
+            made.map(|mut shell| {
+                self.anchor_new_shell(&mut shell);
+                shell
+            })
         };
         match made {
             Ok(shell) => {
@@ -357,6 +385,26 @@ impl<T> CachedSlice<T> {
                 None
             }
         }
+    }
+
+    /// Records a new shell's write on the allocation stream (Note [New shells start at the
+    /// allocation stream]).
+    //
+    // Note [New shells start at the allocation stream]: a cached block's previous buffer was
+    // dropped with its allocation stream waiting for its last uses on every stream, and the
+    // block's next buffer on that stream is ordered after them; its first use on a *third*
+    // stream is ordered only through the events it takes. The address's kept shell carries
+    // those last uses; a new shell (none kept, one too short because the block grew by a merge,
+    // one of another context object, one destroyed after a capture) would carry nothing, and
+    // the third stream would run beside the previous buffer's last kernels
+    // (`review2_grown_block_first_use`). So a new shell made outside a capture starts with its
+    // write recorded on the allocation stream: a first use elsewhere waits for the point where
+    // the drops before it waited. cudarc's own fresh buffer has fresh memory and needs no such
+    // wait; the one added here costs a wait on work already queued on the allocation stream,
+    // only when an address gets its first shell. While cudarc orders nothing, nothing is
+    // recorded (its own rule).
+    fn anchor_new_shell(&self, shell: &mut EventShell) {
+        record_write_on(shell, &self.stream);
     }
 
     /// At a drop while the buffer's stream is capturing: holds the block for the capture's
@@ -427,17 +475,6 @@ impl<T> CachedSlice<T> {
         self.events_on(None)
     }
 
-    /// The events a shared view takes (Note [Views carry their events]).
-    fn view_events(&self) -> Events<'_, T> {
-        if let Some(typed) = self.typed.get() {
-            return Events::Typed(typed);
-        }
-        match self.view_shell() {
-            Some(shell) => Events::Bytes(shell),
-            None => Events::None,
-        }
-    }
-
     /// [`events`](Self::events) for a use on `using` (see `shell_on`).
     fn events_on(&self, using: Option<&CudaStream>) -> Events<'_, T> {
         if let Some(typed) = self.typed.get() {
@@ -461,15 +498,6 @@ impl<T> CachedSlice<T> {
     fn prepare_mut_on(&mut self, using: Option<&CudaStream>) {
         if self.typed.get().is_none() {
             let _ = self.shell_on(using);
-            return;
-        }
-        self.fold_byte_shell();
-    }
-
-    /// [`prepare_mut`](Self::prepare_mut) for a mutable view (Note [Views carry their events]).
-    fn prepare_view_mut(&mut self) {
-        if self.typed.get().is_none() {
-            let _ = self.view_shell();
             return;
         }
         self.fold_byte_shell();
@@ -506,19 +534,6 @@ impl<T> CachedSlice<T> {
         EventsMut<'_, T>,
     ) {
         self.prepare_mut_on(using);
-        self.split_parts()
-    }
-
-    /// The fields a mutable view needs (Note [Views carry their events]).
-    fn view_parts_mut(
-        &mut self,
-    ) -> (
-        sys::CUdeviceptr,
-        &Arc<CudaStream>,
-        &CudaAllocator,
-        EventsMut<'_, T>,
-    ) {
-        self.prepare_view_mut();
         self.split_parts()
     }
 
@@ -822,7 +837,7 @@ impl<T> CachedSlice<T> {
     /// A view of `range`, or `None` when it is out of bounds (cudarc's `try_slice`).
     pub fn get(&self, range: impl RangeBounds<usize>) -> Option<CachedView<'_, T>> {
         let (start, end) = resolve(range, self.len)?;
-        let cu = match self.view_events() {
+        let cu = match self.events() {
             Events::Typed(t) => t.try_slice(start..end),
             // SAFETY: the bytes are this buffer's values of `T`.
             Events::Bytes(b) => b
@@ -845,7 +860,7 @@ impl<T> CachedSlice<T> {
     pub fn get_mut(&mut self, range: impl RangeBounds<usize>) -> Option<CachedViewMut<'_, T>> {
         let (start, end) = resolve(range, self.len)?;
         let ptr = self.offset(start);
-        let (base, stream, alloc, events) = self.view_parts_mut();
+        let (base, stream, alloc, events) = self.parts_mut_on(None);
         let cu = match events {
             EventsMut::Typed(t) => t.try_slice_mut(start..end).map(ViewEvents::Typed),
             EventsMut::Bytes(b) => b
@@ -866,7 +881,7 @@ impl<T> CachedSlice<T> {
     /// The whole buffer as a view.
     pub fn as_view(&self) -> CachedView<'_, T> {
         let len = self.len;
-        let cu = match self.view_events() {
+        let cu = match self.events() {
             Events::Typed(t) => Some(t.as_view()),
             // SAFETY: the bytes are this buffer's values of `T`.
             Events::Bytes(b) => unsafe { b.transmute::<T>(len) },
@@ -878,7 +893,7 @@ impl<T> CachedSlice<T> {
     /// The whole buffer as a mutable view.
     pub fn as_view_mut(&mut self) -> CachedViewMut<'_, T> {
         let len = self.len;
-        let (ptr, stream, alloc, events) = self.view_parts_mut();
+        let (ptr, stream, alloc, events) = self.parts_mut_on(None);
         let cu = match events {
             EventsMut::Typed(t) => ViewEvents::Typed(t.as_view_mut()),
             EventsMut::Bytes(b) => b
@@ -904,7 +919,7 @@ impl<T> CachedSlice<T> {
         }
         let second = self.offset(mid);
         let len = self.len;
-        let (base, stream, alloc, events) = self.view_parts_mut();
+        let (base, stream, alloc, events) = self.parts_mut_on(None);
         let (cu_a, cu_b) = match events {
             EventsMut::Typed(t) => match t.try_split_at_mut(mid) {
                 Some((x, y)) => (ViewEvents::Typed(x), ViewEvents::Typed(y)),
@@ -1012,7 +1027,7 @@ impl<T> CachedSlice<T> {
         if bytes > self.num_bytes() {
             return None;
         }
-        let cu = match self.view_events() {
+        let cu = match self.events() {
             // SAFETY: `len` values of `S` fit (checked above); validity is obligation 1.
             Events::Typed(t) => unsafe { t.transmute::<S>(len) },
             // SAFETY: as above (the byte shell is at least as long as the buffer).
@@ -1040,7 +1055,7 @@ impl<T> CachedSlice<T> {
         if bytes > self.num_bytes() {
             return None;
         }
-        let (ptr, stream, alloc, events) = self.view_parts_mut();
+        let (ptr, stream, alloc, events) = self.parts_mut_on(None);
         let cu = match events {
             // SAFETY: `len` values of `S` fit (checked above); validity is obligation 1.
             EventsMut::Typed(t) => unsafe { t.transmute_mut::<S>(len) }.map(ViewEvents::Typed),

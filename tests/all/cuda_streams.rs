@@ -447,7 +447,7 @@ fn forked_streams_are_released_once_unused() {
 // results were wrong in the probe arm and in a control arm that differs only in the suspected
 // trigger, and each asserts what cudarc's own buffers do. R7-1 (a kept event shell taken by a
 // buffer of another `CudaContext` object) is fixed by Note [Shells of one context object], R7-2
-// (a view made while one stream existed stayed event-less) by Note [Views carry their events],
+// (a view made while one stream existed stayed event-less) by Note [Events whenever tracking is on],
 // R7-3 (`as_cuda_slice` while event tracking is off) by Note [Typed buffers made while tracking
 // is off].
 
