@@ -10,9 +10,11 @@
 //! memsets, kernel launches, cuBLAS) apply cudarc's exact rules, with cudarc's own code.
 //!
 //! A shell never frees memory: its drop calls `CudaSlice::leak`, which waits on its events on the
-//! default stream and destroys them, and returns the address without freeing it. Shells are only
-//! made while cudarc manages stream synchronization (the context has more than one stream and
-//! event tracking on): a single-stream program makes none and pays nothing.
+//! default stream and destroys them, and returns the address without freeing it. Shells are made
+//! while event tracking is on (cudarc's default, where each of its own buffers has its events),
+//! one stream or more (Note [Events whenever tracking is on] in `interop::slice`); with one stream
+//! they order nothing, and a cache hit takes its address's kept shell, so a warmed-up program
+//! creates no events.
 //!
 //! The pool also quarantines the shells of buffers dropped inside a capture until no capture is
 //! underway, and marks the buffers a kernel used without events (Notes [Drops inside a capture]

@@ -38,9 +38,9 @@ use crate::{DeviceAddr, Result, StreamId};
 /// stay with the block's address in the allocator and are taken back by the next buffer there at
 /// its first use, so a cache hit creates no CUDA event; a first use while the buffer's stream is
 /// capturing makes new events instead, as cudarc's `alloc` gives each buffer (Note [Event shells
-/// and captures]). A context with one stream, or with event tracking off, makes
-/// no event and orders nothing, as cudarc does; [`record_stream`](Self::record_stream) (PyTorch's
-/// rule) then declares a use on another stream.
+/// and captures]). With event tracking off no event is made, and with one stream the events
+/// order nothing, as cudarc's; [`record_stream`](Self::record_stream) (PyTorch's rule) then
+/// declares a use on another stream.
 ///
 /// A zero-length buffer has the null pointer and takes no memory.
 pub struct CachedSlice<T> {
@@ -231,6 +231,18 @@ pub(super) fn unordered_kernel_use(
     }
 }
 
+/// Whether `stream` has no work queued (`cuStreamQuery`, in relaxed capture mode so that a
+/// global capture elsewhere stays valid); `false` when the driver cannot tell. The stream's
+/// context is current (the shell's making bound it).
+fn stream_idle(stream: &CudaStream) -> bool {
+    let Ok(_relaxed) = crate::backend::cuda::RelaxedCaptureMode::enter() else {
+        return false;
+    };
+    // SAFETY: `stream` is a live stream of the caller's, borrowed for the call.
+    let r = unsafe { sys::cuStreamQuery(stream.cu_stream()) };
+    r == sys::CUresult::CUDA_SUCCESS
+}
+
 /// A write use of `shell` on `stream` that queues nothing: `stream` waits for the shell's last
 /// reads and write, then the shell's write event is recorded there (both only while cudarc
 /// orders streams, by its own rule).
@@ -364,7 +376,9 @@ impl<T> CachedSlice<T> {
                 )
             };
             made.map(|mut shell| {
-                self.anchor_new_shell(&mut shell);
+                if !stream_idle(&self.stream) {
+                    self.anchor_new_shell(&mut shell);
+                }
                 shell
             })
         };
@@ -395,14 +409,19 @@ impl<T> CachedSlice<T> {
     // block's next buffer on that stream is ordered after them; its first use on a *third*
     // stream is ordered only through the events it takes. The address's kept shell carries
     // those last uses; a new shell (none kept, one too short because the block grew by a merge,
-    // one of another context object, one destroyed after a capture) would carry nothing, and
-    // the third stream would run beside the previous buffer's last kernels
-    // (`review2_grown_block_first_use`). So a new shell made outside a capture starts with its
-    // write recorded on the allocation stream: a first use elsewhere waits for the point where
-    // the drops before it waited. cudarc's own fresh buffer has fresh memory and needs no such
-    // wait; the one added here costs a wait on work already queued on the allocation stream,
-    // only when an address gets its first shell. While cudarc orders nothing, nothing is
-    // recorded (its own rule).
+    // the merged neighbours' kept at their own addresses, one of another context object, one
+    // destroyed after a capture) would carry nothing, and the third stream would run beside the
+    // previous buffers' last kernels (`review2_grown_block_first_use`: 20 of 20 trials wrong).
+    // So a new shell made outside a capture starts with its write recorded on the allocation
+    // stream, when that stream still has work queued: a first use elsewhere waits for the
+    // point where the drops before it waited. An idle stream has nothing left to wait for
+    // (every wait queued there is done), and then nothing is recorded: cudarc's own fresh
+    // buffer carries no recorded event, and a first use of it inside a capture on another
+    // stream is legal, where a wait on an event recorded outside the capture invalidates it
+    // (`a_first_use_inside_a_capture_on_another_stream_leaves_no_captured_events`). Left: a
+    // new shell made while the allocation stream is busy, first used inside a capture on
+    // another stream, invalidates that capture (an error, as for a kept shell's events; never
+    // a wrong result). While cudarc orders nothing, nothing is recorded (its own rule).
     fn anchor_new_shell(&self, shell: &mut EventShell) {
         record_write_on(shell, &self.stream);
     }

@@ -266,7 +266,7 @@ impl<'a, T> CachedView<'a, T> {
     }
 
     /// This view as cudarc's `CudaView<'a, T>` (the same address, length and events), or `None`
-    /// when the buffer has no cudarc events (one stream, or event tracking off: get the view from
+    /// when the buffer has no cudarc events (event tracking off: get the view from
     /// [`CachedSlice::as_cuda_view`](super::CachedSlice::as_cuda_view) then). Its `stream()` is
     /// the shell's stream: the buffer's stream when it has a typed shell, else the context's
     /// default stream.

@@ -348,30 +348,49 @@ fn cudarc_own_buffers_agree() {
 
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
-fn single_stream_programs_make_no_events_and_hits_reuse_them() {
-    require_gpu("single_stream_programs_make_no_events_and_hits_reuse_them");
-    // A fresh context object with no second stream: cudarc manages nothing, nor do we.
+fn event_pairs_follow_tracking_and_hits_reuse_them() {
+    require_gpu("event_pairs_follow_tracking_and_hits_reuse_them");
+    // A fresh context object with no second stream: cudarc manages nothing, but its buffers have
+    // their events (tracking is on), and so do ours (Note [Events whenever tracking is on]);
+    // they stay with the block's address, and a hit takes them back without making any.
     let ctx = CudaContext::new(0).unwrap();
     let s = ctx.default_stream();
     let alloc = CudaAllocator::new(Arc::clone(&ctx), AllocatorConfig::default()).unwrap();
     let a: CachedSlice<u32> = alloc.alloc_zeros(&s, 1000).unwrap();
-    assert!(!a.has_events(), "one stream: no events");
+    assert!(
+        a.has_events(),
+        "one stream, tracking on: events, as cudarc's"
+    );
+    let p0 = a.device_ptr_raw();
     drop(a);
-    assert_eq!(alloc.kept_event_pairs(), 0);
-    // A second stream switches the context to multi-stream mode: buffers get events, which stay
-    // with the block's address and are taken back by the next buffer there.
+    assert_eq!(alloc.kept_event_pairs(), 1);
+    let a: CachedSlice<u32> = alloc.alloc_zeros(&s, 1000).unwrap();
+    assert_eq!(a.device_ptr_raw(), p0, "cache hit");
+    assert!(a.has_events());
+    assert_eq!(alloc.kept_event_pairs(), 0, "the hit took the kept pair");
+    drop(a);
+    // Tracking off: no events (cudarc's buffers have none either); the kept pair stays kept.
+    // SAFETY: nothing is in flight on this context object's buffers that needs ordering.
+    unsafe { ctx.disable_event_tracking() };
+    let z: CachedSlice<u32> = alloc.alloc_zeros(&s, 1000).unwrap();
+    assert!(!z.has_events(), "tracking off: no events");
+    drop(z);
+    assert_eq!(alloc.kept_event_pairs(), 1);
+    // SAFETY: as above.
+    unsafe { ctx.enable_event_tracking() };
+    // A second stream switches the context to multi-stream mode, where the events order uses.
     let s2 = ctx.new_stream().unwrap();
     let b: CachedSlice<u32> = alloc.alloc_zeros(&s2, 1000).unwrap();
     assert!(b.has_events());
     let p = b.device_ptr_raw();
     drop(b);
-    assert_eq!(alloc.kept_event_pairs(), 1);
+    assert_eq!(alloc.kept_event_pairs(), 2);
     let c: CachedSlice<u32> = alloc.alloc_zeros(&s2, 1000).unwrap();
     assert_eq!(c.device_ptr_raw(), p, "cache hit");
     assert!(c.has_events());
     assert_eq!(
         alloc.kept_event_pairs(),
-        0,
+        1,
         "the hit took the kept events back"
     );
     // Views carry the events: a write through a view on s1 orders a read on s2.
