@@ -274,13 +274,18 @@ pub enum TraceFormat {
 }
 
 /// Recognises an input by its first bytes (after gzip decompression, which the caller does):
-/// a pickle starts with `PROTO` (`0x80`); an RMM log's first line names the `Action` and
-/// `Pointer` columns. `None` when neither.
+/// a pickle starts with `PROTO` (`0x80`); an RMM log's header, its first non-blank line (after
+/// a UTF-8 byte-order mark, as the CSV reader reads it), names the `Action` and `Pointer`
+/// columns. `None` when neither.
 pub fn detect_format(plain: &[u8]) -> Option<TraceFormat> {
     if plain.first() == Some(&0x80) {
         return Some(TraceFormat::PytorchSnapshot);
     }
-    let first_line = plain.split(|&b| b == b'\n').next().unwrap_or_default();
+    let text = plain.strip_prefix(b"\xef\xbb\xbf").unwrap_or(plain);
+    let first_line = text
+        .split(|&b| b == b'\n')
+        .find(|line| !line.iter().all(u8::is_ascii_whitespace))
+        .unwrap_or_default();
     let header = String::from_utf8_lossy(first_line).to_ascii_lowercase();
     (header.contains("action") && header.contains("pointer")).then_some(TraceFormat::RmmCsv)
 }

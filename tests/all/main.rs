@@ -45,5 +45,6 @@ mod segment_events;
 mod shared_pages;
 mod snapshot_review;
 mod stream_safety;
+mod tools_review;
 mod trace_io;
 mod util;
