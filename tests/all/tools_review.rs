@@ -33,3 +33,45 @@ fn a_csv_log_after_blank_lines_is_detected_as_one() {
         direct.trace
     );
 }
+
+/// The smallest shipped trace.
+#[cfg(feature = "cli")]
+fn shipped_trace() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/traces/resnet50_train.csv.gz")
+}
+
+/// Runs the `cca` binary.
+#[cfg(feature = "cli")]
+fn cca(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_cca"))
+        .args(args)
+        .output()
+        .expect("the cca binary runs")
+}
+
+/// `cca plot` shares `replay`'s trace flags, but draws no reference figures and no host times:
+/// `--reference` (even a file that does not exist) and `--time-every` were accepted and
+/// silently ignored. They are errors now, naming the flag.
+#[cfg(feature = "cli")]
+#[test]
+fn plot_refuses_the_flags_it_does_not_use() {
+    let t = shipped_trace();
+    let out_path = scratch_file("plot_flags.svg", b"");
+    let _ = std::fs::remove_file(&out_path);
+    let (t, o) = (t.to_str().unwrap(), out_path.to_str().unwrap());
+    for extra in [
+        &["--reference", "/nonexistent/reference.json"][..],
+        &["--time-every", "4"][..],
+    ] {
+        let mut args = vec!["plot", t, "-o", o, "-q", "--preset", "pytorch"];
+        args.extend_from_slice(extra);
+        let out = cca(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{extra:?}: {stderr}");
+        assert!(stderr.contains(extra[0]), "{extra:?}: {stderr}");
+        assert!(!out_path.exists(), "{extra:?}: a plot was written");
+    }
+    let out = cca(&["plot", t, "-o", o, "-q", "--preset", "pytorch"]);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(out_path.exists());
+}

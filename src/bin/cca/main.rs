@@ -142,7 +142,7 @@ struct TraceArgs {
     /// the replay by about half; 1 with `--device cuda`, where rare device calls dominate the
     /// mean.
     /// The host-ns figures are those of the timed operations (JSON `ns_per_op_timed`: how many);
-    /// wall ns per op is the whole loop's either way.
+    /// wall ns per op is the whole loop's either way. Not for `plot`, which shows no host times.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     time_every: Option<u32>,
     /// Skip frees of unknown allocations instead of failing (snapshots with a truncated history).
@@ -152,7 +152,8 @@ struct TraceArgs {
     /// (default: the first device that has one; a note names the others).
     #[arg(long, value_name = "N")]
     snapshot_device: Option<usize>,
-    /// PyTorch's figures for the trace (default: reference.json beside the trace, if any).
+    /// PyTorch's figures for the trace (default: reference.json beside the trace, if any), for
+    /// `replay` and `compare` (`plot` draws none).
     #[arg(long)]
     reference: Option<PathBuf>,
     /// The most bytes the trace import may hold: the decompressed input, and separately what is

@@ -110,6 +110,28 @@ fn check_writable(path: &Path) -> CliResult<()> {
     Ok(())
 }
 
+/// Fails for the trace flags `plot` shares with `replay` but has no use for: the plot draws no
+/// reference figures (`--reference`) and no host times (`--time-every`), and a flag that is
+/// accepted must not be silently ignored.
+fn refuse_unused_flags(a: &PlotArgs) -> CliResult<()> {
+    if let Some(r) = &a.trace.reference {
+        return Err(format!(
+            "--reference {}: cca plot draws no reference figures; cca replay and cca compare \
+             print them",
+            r.display()
+        )
+        .into());
+    }
+    if a.trace.time_every.is_some() {
+        return Err(
+            "--time-every: cca plot shows no host times; cca replay and cca compare \
+                    report them"
+                .into(),
+        );
+    }
+    Ok(())
+}
+
 /// `cca plot`.
 pub(crate) fn plot(a: &PlotArgs) -> CliResult<()> {
     plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular())
@@ -126,6 +148,7 @@ pub(crate) fn plot(a: &PlotArgs) -> CliResult<()> {
         )
         .into());
     };
+    refuse_unused_flags(a)?;
     check_writable(&a.output)?;
     let cols = load::columns(&a.presets, &a.configs, &["pytorch", "default"])?;
     let trace = load::load_trace_of(&a.trace)?;
