@@ -75,3 +75,39 @@ fn plot_refuses_the_flags_it_does_not_use() {
     assert_eq!(out.status.code(), Some(0));
     assert!(out_path.exists());
 }
+
+/// A run capped by a memory fraction below 1 fails out of memory long before the device is full;
+/// the failure's advice was "raise --device-memory", which does not help (the cap is a share of
+/// the device). The advice names the fraction now, in the report and the warning alike.
+#[cfg(feature = "cli")]
+#[test]
+fn oom_under_a_memory_fraction_names_the_fraction() {
+    let t = shipped_trace();
+    let t = t.to_str().unwrap();
+    let cfg = "per_process_memory_fraction:0.02";
+    for args in [
+        vec!["replay", t, "-q", "--config", cfg],
+        vec!["compare", t, "-q", "--config", cfg],
+    ] {
+        let out = cca(&args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let all = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let warning = all
+            .lines()
+            .find(|l| l.starts_with("cca: warning:"))
+            .unwrap_or_default();
+        let (_, advice) = warning
+            .split_once("failed out of memory")
+            .unwrap_or_else(|| panic!("{args:?}: {all}"));
+        assert!(advice.contains("memory fraction"), "{args:?}: {warning}");
+    }
+    // Without a fraction the advice is still the device's memory.
+    let out = cca(&["replay", t, "-q", "--device-memory", "2GiB"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("raise --device-memory"), "{stderr}");
+    assert!(!stderr.contains("memory fraction"), "{stderr}");
+}

@@ -324,6 +324,16 @@ impl Run {
     }
 }
 
+/// Whether a memory fraction below 1 caps a replay of `trace` under `config`: the
+/// configuration's `per_process_memory_fraction`, or a `set_memory_fraction` event of the trace.
+pub(crate) fn fraction_capped(trace: &Trace, config: &AllocatorConfig) -> bool {
+    config.per_process_memory_fraction < 1.0
+        || trace
+            .events
+            .iter()
+            .any(|e| matches!(e.op, TraceOp::SetFraction { fraction } if fraction < 1.0))
+}
+
 /// Replays `trace` under `config` on the device `args.device` names, with a progress bar on
 /// stderr for runs that last more than a second.
 pub(crate) fn run(
@@ -333,13 +343,7 @@ pub(crate) fn run(
     label: &str,
     points: usize,
 ) -> CliResult<Run> {
-    if config.garbage_collection_threshold > 0.0
-        && config.per_process_memory_fraction >= 1.0
-        && !trace
-            .events
-            .iter()
-            .any(|e| matches!(e.op, TraceOp::SetFraction { fraction } if fraction < 1.0))
-    {
+    if config.garbage_collection_threshold > 0.0 && !fraction_capped(trace, config) {
         // As in PyTorch, the threshold acts only under a memory fraction.
         say!(
             "cca: note: {label}: garbage_collection_threshold acts only under a memory fraction \
@@ -538,6 +542,7 @@ pub(crate) fn convert(a: &ConvertArgs) -> CliResult<()> {
                 capacity: a.device_memory as usize,
                 ..SimConfig::default()
             });
+            let capped = fraction_capped(&trace, &config);
             let alloc = CachingAllocator::new(device, config)?;
             alloc.record_history(usize::MAX);
             let step = Step::start(format!("replaying through {label}"));
@@ -546,7 +551,7 @@ pub(crate) fn convert(a: &ConvertArgs) -> CliResult<()> {
             // A failed run is not a result: its export lacks the failed allocations. (A trace
             // without allocations exports as it is.)
             if report.allocs > 0 {
-                crate::report::check_failures(&[(label.as_str(), &report)], a.allow_oom)?;
+                crate::report::check_failures(&[(label.as_str(), &report, capped)], a.allow_oom)?;
             }
             let (recorded, _) = alloc.history();
             (recorded, Some(alloc.snapshot()))

@@ -12,8 +12,8 @@
 use std::fs::OpenOptions;
 use std::path::Path;
 
+use cuda_caching_allocator::format_size;
 use cuda_caching_allocator::trace::Trace;
-use cuda_caching_allocator::{ReplayReport, format_size};
 use plotters::prelude::*;
 use plotters::style::FontStyle;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
@@ -158,7 +158,11 @@ pub(crate) fn plot(a: &PlotArgs) -> CliResult<()> {
     let mut reports = Vec::new();
     for c in &cols {
         let run = load::run(&trace, &c.config, &a.trace, &c.label, points)?;
-        reports.push((c.label.as_str(), run.report));
+        reports.push((
+            c.label.as_str(),
+            run.report,
+            load::fraction_capped(&trace, &c.config),
+        ));
         series.push(Series {
             label: c.label.clone(),
             points: run
@@ -184,7 +188,7 @@ pub(crate) fn plot(a: &PlotArgs) -> CliResult<()> {
     written.map_err(|e| format!("cannot write the plot to '{}': {e}", a.output.display()))?;
     say!("wrote {}", a.output.display());
     // As `replay` and `compare`: a run whose allocations failed is drawn, but said so.
-    let runs: Vec<(&str, &ReplayReport)> = reports.iter().map(|(l, r)| (*l, r)).collect();
+    let runs: Vec<report::Checked<'_>> = reports.iter().map(|(l, r, c)| (*l, r, *c)).collect();
     report::check_failures(&runs, a.allow_oom)
 }
 

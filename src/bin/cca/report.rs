@@ -85,8 +85,9 @@ impl Failure {
         }
     }
 
-    /// In words.
-    fn describe(self) -> String {
+    /// In words; `capped`: a memory fraction below 1 capped the run (the advice is then the
+    /// fraction, which a larger device does not lift).
+    fn describe(self, capped: bool) -> String {
         match self {
             Failure::Empty => "the trace has no allocations: nothing was measured".to_string(),
             Failure::Oom(n, too_large) => {
@@ -99,11 +100,12 @@ impl Failure {
                 } else if too_large > 0 {
                     format!(
                         "{} of them ask for 1 EB or more, which no device memory serves; for \
-                         the others raise --device-memory, or pass --allow-oom to accept it",
-                        thousands(too_large)
+                         the others {}, or pass --allow-oom to accept it",
+                        thousands(too_large),
+                        raise(capped)
                     )
                 } else {
-                    "raise --device-memory, or pass --allow-oom to accept it".to_string()
+                    format!("{}, or pass --allow-oom to accept it", raise(capped))
                 };
                 format!(
                     "{} allocation{} failed out of memory: the figures describe a failed run \
@@ -116,13 +118,29 @@ impl Failure {
     }
 }
 
+/// What lifts the limit a failed allocation met: the memory fraction where one below 1 capped
+/// the run (a share of the device: a larger device lifts it only in proportion), else the
+/// device's memory.
+fn raise(capped: bool) -> &'static str {
+    if capped {
+        "the run is capped by a memory fraction below 1 (per_process_memory_fraction in the \
+         configuration, or the trace's set_memory_fraction): raise it"
+    } else {
+        "raise --device-memory"
+    }
+}
+
+/// A run to check: its label, its report, and whether a memory fraction below 1 capped it
+/// ([`load::fraction_capped`]).
+pub(crate) type Checked<'a> = (&'a str, &'a ReplayReport, bool);
+
 /// Warns on stderr about every failed run, and returns the error that ends `cca` with status 1
 /// unless only OOMs failed and `allow_oom` accepts them.
-pub(crate) fn check_failures(runs: &[(&str, &ReplayReport)], allow_oom: bool) -> CliResult<()> {
+pub(crate) fn check_failures(runs: &[Checked<'_>], allow_oom: bool) -> CliResult<()> {
     let mut fatal = Vec::new();
-    for (label, r) in runs {
+    for &(label, r, capped) in runs {
         if let Some(f) = failure(r) {
-            say!("cca: warning: {label}: {}", f.describe());
+            say!("cca: warning: {label}: {}", f.describe(capped));
             if f == Failure::Empty || !allow_oom {
                 fatal.push(format!("{label}: {}", f.status()));
             }
@@ -254,6 +272,7 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
     let reference = reference::find(&a.trace.trace, a.trace.reference.as_deref())?;
     let run = load::run(&trace, &label.config, &a.trace, &label.label, 0)?;
     let r = &run.report;
+    let capped = load::fraction_capped(&trace, &label.config);
     let mut o = String::new();
     if a.json {
         let mut v = run_json(&label, &run, &a.trace);
@@ -262,7 +281,7 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
         }
         outln!(o, "{}", serde_json::to_string_pretty(&v)?);
         emit(&o)?;
-        return check_failures(&[(&label.label, r)], a.allow_oom);
+        return check_failures(&[(&label.label, r, capped)], a.allow_oom);
     }
     let (ref_res, ref_alloc, ref_name) = match &reference {
         Some(rf) => rf.for_preset(label.preset),
@@ -283,7 +302,7 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
     outln!(o, "resolved       {}", resolved(&label));
     outln!(o, "device         {}", run.device);
     if let Some(f) = failure(r) {
-        outln!(o, "status         FAILED: {}", f.describe());
+        outln!(o, "status         FAILED: {}", f.describe(capped));
     }
     outln!(o);
     let header = match &reference {
@@ -515,7 +534,7 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
         );
     }
     emit(&o)?;
-    check_failures(&[(&label.label, r)], a.allow_oom)
+    check_failures(&[(&label.label, r, capped)], a.allow_oom)
 }
 
 /// `cca compare`.
@@ -531,10 +550,13 @@ pub(crate) fn compare(a: &CompareArgs) -> CliResult<()> {
     for c in &cols {
         runs.push(load::run(&trace, &c.config, &a.trace, &c.label, 0)?);
     }
-    let failures: Vec<(&str, &ReplayReport)> = cols
+    let failures: Vec<Checked<'_>> = cols
         .iter()
         .zip(&runs)
-        .map(|(c, r)| (c.label.as_str(), &r.report))
+        .map(|(c, r)| {
+            let capped = load::fraction_capped(&trace, &c.config);
+            (c.label.as_str(), &r.report, capped)
+        })
         .collect();
     let mut o = String::new();
     if a.json {
