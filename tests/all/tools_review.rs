@@ -111,3 +111,23 @@ fn oom_under_a_memory_fraction_names_the_fraction() {
     assert!(stderr.contains("raise --device-memory"), "{stderr}");
     assert!(!stderr.contains("memory fraction"), "{stderr}");
 }
+
+/// `--device-memory` (and `--max-import-bytes`) went through an `f64`: a byte count above 2^53
+/// came back rounded (9007199254740993 reported as ...992) and the largest accepted values
+/// (below 2^62) were refused as out of range. Whole numbers are exact now.
+#[cfg(feature = "cli")]
+#[test]
+fn whole_byte_counts_are_exact() {
+    let t = shipped_trace();
+    let t = t.to_str().unwrap();
+    for bytes in ["9007199254740993", "4611686018427387903"] {
+        let out = cca(&["replay", t, "-q", "--json", "--device-memory", bytes]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{bytes}: {stderr}");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["device_memory"].to_string(), bytes);
+    }
+    let out = cca(&["replay", t, "-q", "--device-memory", "4611686018427387904"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("out of range"));
+}

@@ -105,21 +105,19 @@ pub(crate) fn parse_bytes(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let value: f64 = num
-        .trim()
-        .parse()
-        .map_err(|_| format!("'{s}' is not a size (try 80GiB or 1073741824)"))?;
+    let not_a_size = || format!("'{s}' is not a size (try 80GiB or 1073741824)");
+    let value: f64 = num.trim().parse().map_err(|_| not_a_size())?;
     let unit = unit.trim();
-    let mult: f64 = match unit.to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "kb" => 1e3,
-        "mb" => 1e6,
-        "gb" => 1e9,
-        "tb" => 1e12,
-        "kib" => 1024.0,
-        "mib" => 1024.0 * 1024.0,
-        "gib" => 1024.0 * 1024.0 * 1024.0,
-        "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+    let mult: u64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        "tib" => 1 << 40,
         "k" | "m" | "g" | "t" => {
             let u = unit.to_ascii_uppercase();
             return Err(format!(
@@ -133,11 +131,23 @@ pub(crate) fn parse_bytes(s: &str) -> Result<u64, String> {
             ));
         }
     };
-    let bytes = value * mult;
-    if !(bytes.is_finite() && bytes >= 1.0 && bytes < 2f64.powi(62)) {
-        return Err(format!("size '{s}' is out of range"));
+    let out_of_range = || format!("size '{s}' is out of range");
+    // A whole number is multiplied exactly (an `f64` rounds byte counts above 2^53); a
+    // fraction (`1.5GiB`) goes through the `f64`.
+    let bytes = match num.trim().parse::<u64>() {
+        Ok(whole) => whole.checked_mul(mult).ok_or_else(out_of_range)?,
+        Err(_) => {
+            let bytes = value * mult as f64;
+            if !(bytes.is_finite() && bytes >= 1.0 && bytes < 2f64.powi(62)) {
+                return Err(out_of_range());
+            }
+            bytes as u64
+        }
+    };
+    if !(1..1 << 62).contains(&bytes) {
+        return Err(out_of_range());
     }
-    Ok(bytes as u64)
+    Ok(bytes)
 }
 
 /// The trace that `--trace` and its import flags name ([`load_trace`]).
@@ -618,5 +628,9 @@ mod tests {
         assert!(parse_bytes("lots").is_err());
         assert!(parse_bytes("12 parsecs").is_err());
         assert!(parse_bytes("0").is_err());
+        assert_eq!(parse_bytes("9007199254740993"), Ok(9_007_199_254_740_993));
+        assert_eq!(parse_bytes("4611686018427387903"), Ok((1 << 62) - 1));
+        assert!(parse_bytes("4611686018427387904").is_err());
+        assert!(parse_bytes("18446744073709551615GiB").is_err());
     }
 }
