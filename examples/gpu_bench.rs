@@ -586,13 +586,13 @@ fn interop(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     }
     let alloc = CudaAllocator::new(Arc::clone(&ctx), AllocatorConfig::default())?;
     let runs = if args.quick { 3 } else { 7 };
-    let mut failed = None;
+    let mut failed: Option<Box<dyn std::error::Error>> = None;
     let mut cycle = |n: u64| {
         let t = Instant::now();
         for _ in 0..n {
             match alloc.alloc_zeros::<u32>(&s, 256) {
                 Ok(b) => drop(b),
-                Err(e) => failed = Some(e),
+                Err(e) => failed = Some(e.into()),
             }
         }
         t.elapsed()
@@ -600,10 +600,6 @@ fn interop(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     cycle(1000);
     let n = calibrate(1000, Duration::from_millis(200), &mut cycle);
     let cycle_ns = median(runs, || cycle(n).as_nanos() as f64 / n as f64);
-    if let Some(e) = failed {
-        return Err(e.into());
-    }
-    s.synchronize()?;
     let id = stream_id(&s);
     let dev = alloc.device();
     let mut query = |n: u64| {
@@ -615,8 +611,69 @@ fn interop(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     };
     let n = calibrate(1000, Duration::from_millis(200), &mut query);
     let query_ns = median(runs, || query(n).as_nanos() as f64 / n as f64);
+    // The same cycle through cudarc's own allocation (driver memory, two new events each).
+    let mut own = |n: u64| {
+        let t = Instant::now();
+        for _ in 0..n {
+            match s.alloc_zeros::<u32>(256) {
+                Ok(b) => drop(b),
+                Err(e) => failed = Some(e.into()),
+            }
+        }
+        t.elapsed()
+    };
+    let n = calibrate(100, Duration::from_millis(200), &mut own);
+    let own_ns = median(runs, || own(n).as_nanos() as f64 / n as f64);
+    // One stream (a context object with no stream of its own, cudarc's default tracking): the
+    // cache's buffers take their address's kept event pair at the first use (Note [Events
+    // whenever tracking is on]); cudarc's make two events per buffer.
+    let ctx1 = cudarc::driver::CudaContext::new(args.ordinal)?;
+    let d1 = ctx1.default_stream();
+    let alloc1 = CudaAllocator::new(Arc::clone(&ctx1), AllocatorConfig::default())?;
+    let mut single = |n: u64| {
+        let t = Instant::now();
+        for _ in 0..n {
+            match alloc1.alloc_zeros::<u32>(&d1, 256) {
+                Ok(b) => drop(b),
+                Err(e) => failed = Some(e.into()),
+            }
+        }
+        t.elapsed()
+    };
+    single(1000);
+    let n = calibrate(1000, Duration::from_millis(200), &mut single);
+    let single_ns = median(runs, || single(n).as_nanos() as f64 / n as f64);
+    let mut single_own = |n: u64| {
+        let t = Instant::now();
+        for _ in 0..n {
+            match d1.alloc_zeros::<u32>(256) {
+                Ok(b) => drop(b),
+                Err(e) => failed = Some(e.into()),
+            }
+        }
+        t.elapsed()
+    };
+    let n = calibrate(100, Duration::from_millis(200), &mut single_own);
+    let single_own_ns = median(runs, || single_own(n).as_nanos() as f64 / n as f64);
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    d1.synchronize()?;
+    s.synchronize()?;
     println!(
         "| CUDA device {} | cudarc buffer cycle (alloc_zeros 1 KiB + drop, two streams, event tracking) | {cycle_ns:.0} ns |",
+        args.ordinal
+    );
+    println!(
+        "| CUDA device {} | the same through cudarc's own alloc_zeros | {own_ns:.0} ns |",
+        args.ordinal
+    );
+    println!(
+        "| CUDA device {} | cudarc buffer cycle, one stream (default stream, event tracking) | {single_ns:.0} ns |",
+        args.ordinal
+    );
+    println!(
+        "| CUDA device {} | the same through cudarc's own alloc_zeros | {single_own_ns:.0} ns |",
         args.ordinal
     );
     println!(
