@@ -826,7 +826,10 @@ def compare(args):
             ratios = [c["step_ms_median"] / n["step_ms_median"] for c, n in pairs]
             rel = max(abs(a - b) / max(abs(a), 1e-6)
                       for c, n in pairs for a, b in zip(n["losses"], c["losses"]))
-            good = rel <= args.rtol
+            # Greedy `generate` flips near-tied tokens run to run under native itself (two
+            # native processes, 16 inputs: 0.021 apart; docs/gpu-results.md, twenty-third
+            # session, call 3), so its token sums get twice the tolerance.
+            good = rel <= args.rtol * (2 if w == "generate" else 1)
             ok = ok and good
             c = good_runs[-1]
             steady = [x.get("steady_device_calls") for x in good_runs]
