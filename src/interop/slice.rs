@@ -259,6 +259,62 @@ fn record_write_on(shell: &mut EventShell, stream: &CudaStream) {
     drop(record);
 }
 
+/// The inheritance of `try_as_cuda_slice` (the typed shell's write recorded after the byte
+/// shell's last write) on a new non-blocking stream of `ctx`'s device, outside the capture of
+/// the buffer's stream.
+///
+/// # Errors
+/// A backend error when the stream could not be made, or the thread's capture mode not relaxed.
+//
+// Note [Typed shells made inside a capture]: a byte shell taken outside a capture carries events
+// recorded outside it (the buffer's own uses, or the block's previous buffer's), and the
+// inheritance made the capturing allocation stream wait on its write: the driver refuses that
+// wait (`CUDA_ERROR_STREAM_CAPTURE_ISOLATION`) and invalidates the capture, though cudarc's
+// `&CudaSlice<T>` is a borrow that queues nothing; and it recorded the typed shell's write inside
+// the capture, where no eager use can wait on it afterwards (`CUDA_ERROR_INVALID_VALUE`).
+// Skipping it would let a use after the capture, on a third stream, run beside the byte shell's
+// last write (the typed shell is the buffer's only event pair from its making). So, while the
+// buffer's stream may be capturing and its byte shell was not made inside a capture, the
+// inheritance runs on a stream of its own, made for it and outside every capture (relaxed mode:
+// a global capture elsewhere stays valid): it waits for the byte shell's last write there and
+// records the typed shell's write there, queuing nothing in the capture. Uses of the typed
+// shell inside the capture then wait on an event recorded outside it and fail as a `CudaSlice`
+// used before a capture does; eager uses after it are ordered after the byte shell's last write
+// (`a_typed_buffer_made_inside_a_capture_leaves_it_valid_and_orders_later_reads`). A byte shell
+// made inside the capture (`captured`) holds events of that capture only: the allocation stream
+// waits on them inside it, as before (a wait from a stream outside the capture would fork that
+// stream into it).
+fn inherit_beside_capture<T>(
+    ctx: &Arc<cu::CudaContext>,
+    bytes: &cu::CudaSlice<u8>,
+    typed: &mut cu::CudaSlice<T>,
+) -> Result<()> {
+    let _relaxed = crate::backend::cuda::RelaxedCaptureMode::enter().map_err(|source| {
+        crate::AllocError::Backend {
+            operation: "cuThreadExchangeStreamCaptureMode",
+            source,
+        }
+    })?;
+    ctx.bind_to_thread()
+        .map_err(|e| super::driver_error("cuCtxSetCurrent", e))?;
+    let raw = cu::result::stream::create(cu::result::stream::StreamKind::NonBlocking)
+        .map_err(|e| super::driver_error("cuStreamCreate", e))?;
+    {
+        // SAFETY: `raw` is a live stream of `ctx`'s context, made just above; it is destroyed
+        // only after this wrapper is dropped, at the end of this block.
+        let side = unsafe { ctx.wrap_borrowed_stream(raw) };
+        // Only the wait: recording the byte shell's read here would replace its last readers.
+        let (_, g) = cu::DevicePtr::<u8>::device_ptr(bytes, &side);
+        std::mem::forget(g);
+        let (_, g) = cu::DevicePtrMut::<T>::device_ptr_mut(typed, &side);
+        drop(g);
+    }
+    // SAFETY: `raw` was made above and nothing uses it any more (the wrapper is dropped); the
+    // driver destroys it once its queued wait and record are done.
+    unsafe { cu::result::stream::destroy(raw) }
+        .map_err(|e| super::driver_error("cuStreamDestroy", e))
+}
+
 /// Resolves `bounds` against `len` as `start..end`, or `None` when out of range.
 pub(super) fn resolve(bounds: impl RangeBounds<usize>, len: usize) -> Option<(usize, usize)> {
     let start = match bounds.start_bound() {
@@ -661,13 +717,18 @@ impl<T> CachedSlice<T> {
             None => self.adopt_kept_shell(),
         };
         if let Some(bytes) = bytes {
-            // The typed shell inherits the last write recorded on the byte shell: the allocation
-            // stream waits for it, then records the typed shell's write. (Readers only ever wait
-            // for writes; writers fold the byte shell in, see `prepare_mut`.)
-            let (_, g) = cu::DevicePtr::<u8>::device_ptr(&**bytes, &self.stream);
-            drop(g);
-            let (_, g) = cu::DevicePtrMut::<T>::device_ptr_mut(&mut *typed, &self.stream);
-            drop(g);
+            if !self.captured.load(Ordering::Relaxed) && self.may_be_captured(None) {
+                // Note [Typed shells made inside a capture].
+                inherit_beside_capture(self.stream.context(), bytes, &mut typed)?;
+            } else {
+                // The typed shell inherits the last write recorded on the byte shell: the
+                // allocation stream waits for it, then records the typed shell's write. (Readers
+                // only ever wait for writes; writers fold the byte shell in, see `prepare_mut`.)
+                let (_, g) = cu::DevicePtr::<u8>::device_ptr(&**bytes, &self.stream);
+                drop(g);
+                let (_, g) = cu::DevicePtrMut::<T>::device_ptr_mut(&mut *typed, &self.stream);
+                drop(g);
+            }
         }
         // Another thread may have made one meanwhile: then ours is destroyed and theirs is used.
         let _ = self.typed.set(typed);

@@ -25,6 +25,14 @@ extern "C" __global__ void fill_pattern(unsigned int* p, unsigned long long n, u
          i += (unsigned long long)gridDim.x * blockDim.x)
         p[i] = mix((unsigned int)i * 0x9E3779B9u + seed);
 }
+extern "C" __global__ void spin_fill_pattern(unsigned int* p, unsigned long long n,
+                                             unsigned int seed, long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) { }
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x)
+        p[i] = mix((unsigned int)i * 0x9E3779B9u + seed);
+}
 extern "C" __global__ void add(const unsigned int* a, const unsigned int* b, unsigned int* c,
                                unsigned long long n) {
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
@@ -950,5 +958,92 @@ fn a_quarantined_shell_of_another_context_object_leaves_that_object_no_error() {
     graph.launch().unwrap();
     s.synchronize().unwrap();
     drop(graph);
+    alloc.empty_cache().unwrap();
+}
+
+/// Note [Typed shells made inside a capture], with event tracking on: a buffer written on a
+/// second stream by a slow kernel before a capture of its own stream, whose `try_as_cuda_slice`
+/// is called inside the capture (a borrow of cudarc's type, which queues nothing for cudarc's
+/// own buffer), must leave the capture valid (the first version made the capturing stream wait
+/// on the byte shell's write, recorded outside the capture: `CUDA_ERROR_STREAM_CAPTURE_ISOLATION`),
+/// and a read of the typed buffer on a third stream after the capture must still see the slow
+/// kernel's write. The control arm reads the same memory through the driver at the same point,
+/// ordered by nothing: it must see the old values, or the kernel was too short to tell.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn a_typed_buffer_made_inside_a_capture_leaves_it_valid_and_orders_later_reads() {
+    crate::util::require_gpu(
+        "a_typed_buffer_made_inside_a_capture_leaves_it_valid_and_orders_later_reads",
+    );
+    let (ctx, s, s2, _fill) = tracking_setup();
+    let s3 = ctx.new_stream().unwrap();
+    let spin = crate::util::load_module(&ctx, KERNELS)
+        .load_function("spin_fill_pattern")
+        .unwrap();
+    let alloc = CudaAllocator::new(Arc::clone(&ctx), AllocatorConfig::default()).unwrap();
+    let len = 1usize << 20;
+    // A scratch block written inside the capture, through the driver (no events).
+    // SAFETY: a plain allocation of `len` u32, freed at the end of the test.
+    let scratch = unsafe { result::malloc_sync(len * 4) }.unwrap();
+    for probe in [true, false] {
+        let arm = if probe { "probe" } else { "control" };
+        let mut b = alloc.alloc_zeros::<u32>(&s, len).unwrap();
+        ctx.synchronize().unwrap();
+        let (n64, seed, cycles) = (len as u64, 0x77u32, 1_000_000_000i64);
+        let mut l = s2.launch_builder(&spin);
+        l.arg(&mut b).arg(&n64).arg(&seed).arg(&cycles);
+        // SAFETY: spin_fill_pattern(unsigned*, u64, u32, i64) writes `len` values of a buffer
+        // holding `len`; it runs on only two blocks, leaving the device free for the reads.
+        unsafe {
+            l.launch(LaunchConfig {
+                grid_dim: (2, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }
+        .unwrap();
+        assert!(b.has_events(), "{arm}: the kernel took the buffer's events");
+        let (graph, launched) = in_capture(&s, || {
+            if probe {
+                if let Err(e) = b.try_as_cuda_slice() {
+                    panic!("{arm}: as_cuda_slice: {e}");
+                }
+            }
+            // SAFETY: `scratch` holds `len * 4` bytes.
+            unsafe { result::memset_d8_async(scratch, 0x5A, len * 4, s.cu_stream()) }
+        });
+        assert!(launched.is_ok(), "{arm}: inside the capture: {launched:?}");
+        let graph = graph
+            .unwrap_or_else(|e| panic!("{arm}: the capture failed: {e:?}"))
+            .expect("a graph");
+        assert_eq!(
+            ctx.check_err(),
+            Ok(()),
+            "{arm}: no error kept in the context"
+        );
+        let fresh = if probe {
+            s3.clone_dtoh(b.as_cuda_slice()).unwrap()
+        } else {
+            read_raw(b.device_ptr_raw().0, len)
+        };
+        let sees = fresh
+            .iter()
+            .enumerate()
+            .all(|(i, &v)| v == pattern(i as u64, seed));
+        println!("{arm}: the read after the capture saw the slow kernel's write: {sees}");
+        assert_eq!(
+            sees, probe,
+            "{arm}: the probe's read must wait for the kernel; the control's must not"
+        );
+        ctx.synchronize().unwrap();
+        graph.launch().unwrap();
+        s.synchronize().unwrap();
+        drop(graph);
+        drop(b);
+        ctx.synchronize().unwrap();
+        assert_eq!(ctx.check_err(), Ok(()), "{arm}: the drop");
+    }
+    // SAFETY: allocated above; every use is synchronized.
+    unsafe { result::free_sync(scratch) }.unwrap();
     alloc.empty_cache().unwrap();
 }
