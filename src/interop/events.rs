@@ -238,17 +238,17 @@ impl ShellPool {
         }
     }
 
-    /// Keeps `shell` for the next buffer at `ptr` (destroys it when the pool is full).
-    pub(super) fn put(&self, ptr: sys::CUdeviceptr, shell: EventShell) {
-        let displaced = {
-            let mut shells = self.shells.lock();
-            if shells.len() >= POOL_CAP && !shells.contains_key(&ptr) {
-                Some(shell)
-            } else {
-                shells.insert(ptr, shell)
-            }
-        };
-        drop(displaced);
+    /// Keeps `shell` for the next buffer at `ptr`; returns the shell left out, for the caller
+    /// to destroy (`shell` itself when the pool is full, else the one it replaced at `ptr`, if
+    /// any: Note [Displaced shells] in `interop::slice`).
+    #[must_use = "a displaced shell is destroyed through `interop::slice::pool_shell`"]
+    pub(super) fn put(&self, ptr: sys::CUdeviceptr, shell: EventShell) -> Option<EventShell> {
+        let mut shells = self.shells.lock();
+        if shells.len() >= POOL_CAP && !shells.contains_key(&ptr) {
+            Some(shell)
+        } else {
+            shells.insert(ptr, shell)
+        }
     }
 
     /// Destroys every kept and quarantined shell (their events), for `empty_cache`.

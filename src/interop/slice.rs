@@ -134,7 +134,7 @@ impl<T> CachedSlice<T> {
                     // block's next buffer orders a first use elsewhere after them too.
                     record_write_on(&mut shell, &self.stream);
                 }
-                self.alloc.shells().put(self.ptr, shell);
+                pool_shell(&self.alloc, self.ptr, shell);
             } else {
                 // Note [Event shells and captures]: events that may be recorded inside a
                 // capture are destroyed, never kept (the drop waits on them on the shell's
@@ -315,6 +315,34 @@ fn inherit_beside_capture<T>(
         .map_err(|e| super::driver_error("cuStreamDestroy", e))
 }
 
+/// Keeps `shell` in the allocator's pool for the next buffer at `ptr`, and destroys the shell
+/// the pool leaves out (Note [Displaced shells]).
+//
+// Note [Displaced shells]: a shell returned to a full pool, or one replaced at its address (the
+// block's next buffer made its own: the kept one was too short, or of another context object;
+// or another thread's first use won the race), was dropped at once, and its drop
+// (`CudaSlice::leak`) waits on its events on the legacy default stream: while a capture is
+// underway, of a blocking stream in any thread, that wait is an implicit dependency on the
+// capturing stream and invalidates the capture (`CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`), though
+// the buffer's own stream is not capturing. It now goes where the drop of a buffer inside a
+// capture sends its shell: quarantined while the cache knows of a capture underway (a routed
+// one, `capture_underway`), destroyed when it ends (`GraphPool::finish`, `empty_cache`), and
+// otherwise destroyed at once, leaving cudarc's pending error as it was (`destroy_quietly`)
+// (`a_shell_displaced_during_a_capture_of_a_blocking_stream_leaves_it_valid`). Left: the
+// destruction still waits on the legacy default stream (cudarc's `leak` is the only way to end
+// a `CudaSlice` without freeing, and its waits are its own), and a capture the cache does not
+// route (no `capture_pool`) is not known to it.
+fn pool_shell(alloc: &CudaAllocator, ptr: sys::CUdeviceptr, shell: EventShell) {
+    let Some(displaced) = alloc.shells().put(ptr, shell) else {
+        return;
+    };
+    if alloc.inner.capture_underway() {
+        alloc.shells().quarantine(displaced);
+    } else {
+        super::events::destroy_quietly(displaced);
+    }
+}
+
 /// Resolves `bounds` against `len` as `start..end`, or `None` when out of range.
 pub(super) fn resolve(bounds: impl RangeBounds<usize>, len: usize) -> Option<(usize, usize)> {
     let start = match bounds.start_bound() {
@@ -445,7 +473,7 @@ impl<T> CachedSlice<T> {
                 match self.shell.set(shell) {
                     Ok(()) if capturing => self.captured.store(true, Ordering::Relaxed),
                     Ok(()) => {}
-                    Err(ours) if !capturing => self.alloc.shells().put(self.ptr, ours),
+                    Err(ours) if !capturing => pool_shell(&self.alloc, self.ptr, ours),
                     Err(ours) => drop(ours),
                 }
                 self.shell.get()
@@ -680,7 +708,7 @@ impl<T> CachedSlice<T> {
                 .take_kept(self.stream.context(), self.ptr, self.num_bytes())?;
         if let Err(kept) = self.shell.set(kept) {
             // Another thread's first use made one meanwhile.
-            self.alloc.shells().put(self.ptr, kept);
+            pool_shell(&self.alloc, self.ptr, kept);
         }
         self.shell.get()
     }

@@ -1047,3 +1047,104 @@ fn a_typed_buffer_made_inside_a_capture_leaves_it_valid_and_orders_later_reads()
     unsafe { result::free_sync(scratch) }.unwrap();
     alloc.empty_cache().unwrap();
 }
+
+/// A blocking stream (`CU_STREAM_DEFAULT`, which the legacy default stream synchronizes with) of
+/// `ctx`'s device, wrapped for cudarc; destroy it with `result::stream::destroy` after use.
+fn blocking_stream(ctx: &Arc<CudaContext>) -> (sys::CUstream, Arc<CudaStream>) {
+    ctx.bind_to_thread().unwrap();
+    let raw = result::stream::create(result::stream::StreamKind::Default).unwrap();
+    // SAFETY: `raw` is a live stream of `ctx`'s context, destroyed by the caller after the
+    // wrapper and every use of it.
+    (raw, unsafe { ctx.wrap_borrowed_stream(raw) })
+}
+
+/// Note [Displaced shells]: while a routed capture of a blocking stream is underway, a buffer
+/// of another stream (not capturing) is dropped and its shell replaces the block's kept one (of
+/// another `CudaContext` object, so the buffer made its own). The replaced shell's destruction
+/// waits on its events on the legacy default stream, which the capture of a blocking stream
+/// forbids (`CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`): it must be quarantined until the capture ends.
+/// The control arm makes that very wait inside the same kind of capture, and must find the
+/// capture invalidated (or the probe proves nothing on this driver).
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn a_shell_displaced_during_a_capture_of_a_blocking_stream_leaves_it_valid() {
+    crate::util::require_gpu(
+        "a_shell_displaced_during_a_capture_of_a_blocking_stream_leaves_it_valid",
+    );
+    let (ctx_a, s, _s2, _fill) = tracking_setup();
+    let ctx_b = CudaContext::new(0).unwrap();
+    let alloc = CudaAllocator::new(Arc::clone(&ctx_a), AllocatorConfig::default()).unwrap();
+    let (raw_cap, cap) = blocking_stream(&ctx_a);
+    let n = 1usize << 20;
+    // SAFETY: a plain allocation of `n` u32, freed at the end of the test.
+    let scratch = unsafe { result::malloc_sync(n * 4) }.unwrap();
+    for probe in [true, false] {
+        let arm = if probe { "probe" } else { "control" };
+        // The block's kept shell, of `ctx_a`'s object, with its write recorded.
+        let a = alloc.alloc_zeros::<u32>(&s, n).unwrap();
+        let p = a.device_ptr_raw();
+        drop(a);
+        s.synchronize().unwrap();
+        assert_eq!(
+            alloc.kept_event_pairs(),
+            1,
+            "{arm}: the used buffer's events are kept"
+        );
+        // The same stream through `ctx_b`'s object: the next buffer there gets the block but
+        // not its kept shell, and makes its own.
+        // SAFETY: `s` outlives this wrapper (dropped with `b` below, before `s`).
+        let sb = unsafe { ctx_b.wrap_borrowed_stream(s.cu_stream()) };
+        let b = uninit(&alloc, &sb, n);
+        assert_eq!(b.device_ptr_raw(), p, "{arm}: the same block again");
+        let _ = b.as_view();
+        assert!(
+            b.has_events(),
+            "{arm}: the view made the buffer's own shell"
+        );
+        cap.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .unwrap();
+        let guard = EndCaptureOnPanic(&cap);
+        let pool = alloc.capture_pool(&cap).unwrap();
+        // SAFETY: `scratch` holds `n * 4` bytes.
+        unsafe { result::memset_d8_async(scratch, 0x5A, n * 4, cap.cu_stream()) }.unwrap();
+        if probe {
+            drop(b);
+            assert_eq!(
+                alloc.quarantined_event_pairs(),
+                1,
+                "{arm}: the displaced shell waits for the capture's end"
+            );
+        } else {
+            drop(b);
+            // What the displaced shell's destruction did: a wait on the legacy default stream
+            // for an event recorded outside the capture.
+            let ev = ctx_a.new_event(None).unwrap();
+            ev.record(&s).unwrap();
+            let waited = ctx_a.default_stream().wait(&ev);
+            println!("{arm}: a wait on the legacy default stream inside the capture: {waited:?}");
+        }
+        let ended = pool.end_capture(&cap, sys::CUgraphInstantiate_flags(0));
+        std::mem::forget(guard);
+        let ended_ok = ended.is_ok();
+        println!("{arm}: the capture's end: {:?}", ended.as_ref().map(|_| ()));
+        drop(ended);
+        assert_eq!(
+            ended_ok, probe,
+            "{arm}: the probe's capture must stay valid; the control's wait must invalidate it"
+        );
+        assert_eq!(
+            alloc.quarantined_event_pairs(),
+            0,
+            "{arm}: destroyed after the capture"
+        );
+        ctx_a.synchronize().unwrap();
+        let _ = ctx_a.check_err();
+        let _ = ctx_b.check_err();
+        alloc.empty_cache().unwrap();
+    }
+    // SAFETY: allocated above; every use is synchronized.
+    unsafe { result::free_sync(scratch) }.unwrap();
+    drop(cap);
+    // SAFETY: made by `blocking_stream`; its wrapper is dropped and its work synchronized.
+    unsafe { result::stream::destroy(raw_cap) }.unwrap();
+}
