@@ -113,6 +113,35 @@ impl<T> CachedSlice<T> {
         // first use) but frees the block: holding every block of a driver that cannot answer
         // would hold them all.
         let status = self.own_capture_status();
+        self.retire_events(status);
+        if status == Some(true) && self.hold_for_graph() {
+            return;
+        }
+        // SAFETY: the buffer owns the block at `self.ptr` (it came from this allocator and no
+        // other handle frees it); it is never used again after this point.
+        if let Err(e) = unsafe { self.alloc.free(DeviceAddr(self.ptr)) } {
+            // Nothing can be returned from Drop; the memory stays with the cache as a leak.
+            if !std::thread::panicking() {
+                tracing::error!(target: "cuda_caching_allocator", ptr = %DeviceAddr(self.ptr), error = %e, "freeing a CachedSlice failed");
+            }
+        }
+    }
+
+    /// The drop's work on the events, also `leak`'s: the allocation stream's waits, the typed
+    /// shells destroyed, the byte shell kept, quarantined or destroyed, and a kernel's use
+    /// without events settled. `status` is the buffer's stream's capture status (`None`: the
+    /// query failed).
+    //
+    // Note [Leaked buffers end their events as dropped ones]: `leak` ended the buffer's events
+    // by letting its fields drop (the byte shell destroyed, never kept, and inside a capture
+    // waiting on the legacy default stream), left a kernel's use without events unsettled (the
+    // allocation stream did not wait for it, where `leak` promises the waits of a drop, and its
+    // mark stayed with the address for a later buffer there), and left the caller's context
+    // replaced by the buffer's. It now does the drop's work on the events, with the caller's
+    // context put back, and only keeps the block
+    // (`cuda_a_leak_waits_for_a_kernel_use_without_events`,
+    // `cuda_a_leak_keeps_the_callers_context_and_the_blocks_events`).
+    fn retire_events(&mut self, status: Option<bool>) {
         let in_capture = status.unwrap_or(true);
         let waited = self.wait_last_uses();
         // The typed shell (if any) is destroyed: its events were made for this buffer only.
@@ -147,17 +176,6 @@ impl<T> CachedSlice<T> {
         self.alloc
             .shells()
             .settle_unordered(self.ptr, self.stream.context());
-        if status == Some(true) && self.hold_for_graph() {
-            return;
-        }
-        // SAFETY: the buffer owns the block at `self.ptr` (it came from this allocator and no
-        // other handle frees it); it is never used again after this point.
-        if let Err(e) = unsafe { self.alloc.free(DeviceAddr(self.ptr)) } {
-            // Nothing can be returned from Drop; the memory stays with the cache as a leak.
-            if !std::thread::panicking() {
-                tracing::error!(target: "cuda_caching_allocator", ptr = %DeviceAddr(self.ptr), error = %e, "freeing a CachedSlice failed");
-            }
-        }
     }
 }
 
@@ -911,14 +929,20 @@ impl<T> CachedSlice<T> {
     }
 
     /// Gives up ownership of the memory without returning it to the cache, and returns its
-    /// address (cudarc's `CudaSlice::leak`). The allocation stream first waits for the buffer's
-    /// last uses, as when it is dropped. The block stays allocated in the cache (the statistics
-    /// count it) until it is freed with the `unsafe` [`CudaAllocator::free`].
+    /// address (cudarc's `CudaSlice::leak`). The buffer's events end as when it is dropped: the
+    /// allocation stream first waits for its last uses, and its event pair stays with the
+    /// block's address for a later buffer there. The block stays allocated in the cache (the
+    /// statistics count it) until it is freed with the `unsafe` [`CudaAllocator::free`].
     pub fn leak(mut self) -> sys::CUdeviceptr {
-        self.wait_last_uses();
         let ptr = self.ptr;
-        // With a null address the drop frees nothing; the shells are destroyed (never pooled:
-        // the address stays owned).
+        if ptr != 0 {
+            // Note [Leaked buffers end their events as dropped ones].
+            let restore = crate::backend::cuda::callers_context();
+            let status = self.own_capture_status();
+            self.retire_events(status);
+            drop(restore);
+        }
+        // With a null address the drop does nothing more.
         self.ptr = 0;
         ptr
     }

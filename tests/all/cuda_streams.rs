@@ -639,3 +639,114 @@ fn cuda_a_typed_shell_made_while_tracking_was_off_keeps_ordering() {
         "wrong results: probe {probe}, control {control}"
     );
 }
+
+/// Note [Leaked buffers end their events as dropped ones], a kernel's use without events (the
+/// events forced to fail, Note [Uses without events]): a slow kernel writes the buffer on s2,
+/// then (probe) the buffer is leaked and its allocation stream s1 memsets the memory through the
+/// driver. `leak` promises the drop's waits, so the memset must come after the kernel's write.
+/// The control arm memsets at the same point without the leak: the kernel must overwrite it,
+/// or the kernel was too short to tell. Returns whether the memset's zeros are what is left.
+fn leak_after_an_unordered_kernel(probe: bool) -> bool {
+    let (ctx, s1, s2) = setup(true);
+    let k = kernels(&ctx);
+    let alloc = CudaAllocator::new(Arc::clone(&ctx), AllocatorConfig::default()).unwrap();
+    let mut x: CachedSlice<u32> = alloc.alloc_zeros(&s1, N).unwrap();
+    ctx.synchronize().unwrap();
+    let (n, v, cycles) = (N as u64, 7u32, 1_000_000_000i64);
+    cuda_caching_allocator::interop::fail_next_event_shells(1);
+    let mut launch = s2.launch_builder(&k.spin_fill);
+    launch.arg(&mut x).arg(&n).arg(&v).arg(&cycles);
+    cuda_caching_allocator::interop::fail_next_event_shells(0);
+    // SAFETY: spin_fill(unsigned*, u64, u32, i64) writes `N` values of an `N`-value buffer.
+    unsafe { launch.launch(spin_grid()) }.unwrap();
+    assert!(!x.has_events(), "the hook made the events fail");
+    let p = x.device_ptr_raw().0;
+    let leaked = if probe { Some(x.leak()) } else { None };
+    // SAFETY: `p` holds `N` u32 of the (leaked or live) buffer; s1 is its allocation stream.
+    unsafe { cudarc::driver::result::memset_d8_async(p, 0, N * 4, s1.cu_stream()) }.unwrap();
+    ctx.synchronize().unwrap();
+    let mut back = vec![1u32; N];
+    // SAFETY: as above; every stream is synchronized.
+    unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut back, p) }.unwrap();
+    if let Some(ptr) = leaked {
+        assert_eq!(ptr, p);
+        // SAFETY: the leaked block of this allocator; nothing uses it any more.
+        unsafe { alloc.free(cuda_caching_allocator::DeviceAddr(ptr)) }.unwrap();
+    }
+    assert_eq!(ctx.check_err(), Ok(()));
+    back.iter().all(|&b| b == 0)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn cuda_a_leak_waits_for_a_kernel_use_without_events() {
+    require_gpu("cuda_a_leak_waits_for_a_kernel_use_without_events");
+    let (probe, control) = (
+        leak_after_an_unordered_kernel(true),
+        leak_after_an_unordered_kernel(false),
+    );
+    println!("the memset after the kernel is what is left: probe {probe}, control {control}");
+    assert!(
+        !control,
+        "the control's memset was not overwritten: the kernel was too short to tell"
+    );
+    assert!(
+        probe,
+        "the leak did not wait for the kernel's use without events"
+    );
+}
+
+/// The calling thread's current context (null when none).
+fn current_ctx() -> cudarc::driver::sys::CUcontext {
+    cudarc::driver::result::ctx::get_current()
+        .unwrap()
+        .unwrap_or(std::ptr::null_mut())
+}
+
+/// Makes `ctx` current on the calling thread (null: none).
+fn set_current(ctx: cudarc::driver::sys::CUcontext) {
+    // SAFETY: null or the primary context of a live `CudaContext` of this test.
+    unsafe { cudarc::driver::result::ctx::set_current(ctx) }.unwrap();
+}
+
+/// Note [Leaked buffers end their events as dropped ones]: a leak lets cudarc bind the buffer's
+/// context (its waits and event destructions) and, like the drop and every other call of the
+/// cache, puts the caller's current context back (none, here); and the buffer's event pair stays
+/// with the block, so the block's next buffer makes no new events. The control arm is a cudarc
+/// call of the same context (a stream synchronization), which leaves it current: the probe can
+/// tell.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn cuda_a_leak_keeps_the_callers_context_and_the_blocks_events() {
+    require_gpu("cuda_a_leak_keeps_the_callers_context_and_the_blocks_events");
+    let (ctx, s1, s2) = setup(true);
+    let alloc = CudaAllocator::new(Arc::clone(&ctx), AllocatorConfig::default()).unwrap();
+    let mut x: CachedSlice<u32> = alloc.alloc_zeros(&s1, N).unwrap();
+    s2.memset_zeros(&mut x).unwrap();
+    assert!(x.has_events(), "the uses took the buffer's events");
+    assert_eq!(alloc.kept_event_pairs(), 0);
+
+    set_current(std::ptr::null_mut());
+    s1.synchronize().unwrap();
+    let control = current_ctx();
+    set_current(std::ptr::null_mut());
+    let p = x.leak();
+    let probe = current_ctx();
+    set_current(ctx.cu_ctx());
+    println!("current context after: a cudarc call {control:?}, the leak {probe:?}");
+    assert!(!control.is_null(), "the control left no context current");
+    assert!(
+        probe.is_null(),
+        "the leak left a context current: {probe:?}"
+    );
+    assert_eq!(
+        alloc.kept_event_pairs(),
+        1,
+        "the leaked buffer's events stay with its block"
+    );
+    ctx.synchronize().unwrap();
+    // SAFETY: the leaked block of this allocator; its uses are synchronized.
+    unsafe { alloc.free(cuda_caching_allocator::DeviceAddr(p)) }.unwrap();
+    assert_eq!(ctx.check_err(), Ok(()));
+    alloc.empty_cache().unwrap();
+}
