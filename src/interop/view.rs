@@ -227,13 +227,13 @@ impl<'a, T> CachedView<'a, T> {
     /// cudarc's `CudaView::chunks_exact`: consecutive views of `chunk_size` values.
     ///
     /// # Panics
-    /// When `len` is not a multiple of `chunk_size` (or `chunk_size` is 0 and `len` is not), as
-    /// cudarc's does.
+    /// When `chunk_size` is 0 (an empty view too: cudarc's divides its length by the chunk
+    /// size), or `len` is not a multiple of `chunk_size`, as cudarc's does.
     pub fn chunks_exact(&self, chunk_size: usize) -> impl Iterator<Item = CachedView<'a, T>> + '_ {
         let chunks = match self.len.checked_rem(chunk_size) {
             Some(0) => self.len / chunk_size,
-            None if self.len == 0 => 0,
-            _ => panic!(
+            None => panic!("CachedView::chunks_exact: a chunk size of 0"),
+            Some(_) => panic!(
                 "CachedView::chunks_exact: {} values do not split into chunks of {chunk_size}",
                 self.len
             ),

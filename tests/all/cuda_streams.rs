@@ -750,3 +750,33 @@ fn cuda_a_leak_keeps_the_callers_context_and_the_blocks_events() {
     assert_eq!(ctx.check_err(), Ok(()));
     alloc.empty_cache().unwrap();
 }
+
+/// `CachedView::chunks_exact` panics on a chunk size of 0 as cudarc's `CudaView::chunks_exact`
+/// does (cudarc divides the length by it, so an empty view panics too; the first version
+/// returned no chunks for an empty view). Each arm runs on an empty and a non-empty view; the
+/// control arm is cudarc's own view of its own buffer.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn cuda_chunks_exact_of_zero_panics_as_cudarcs() {
+    require_gpu("cuda_chunks_exact_of_zero_panics_as_cudarcs");
+    let (ctx, s1, _s2) = setup(true);
+    let alloc = CudaAllocator::new(Arc::clone(&ctx), AllocatorConfig::default()).unwrap();
+    let ours: CachedSlice<u32> = alloc.alloc_zeros(&s1, 8).unwrap();
+    let theirs: CudaSlice<u32> = s1.alloc_zeros(8).unwrap();
+    let panics =
+        |f: &dyn Fn() -> usize| std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err();
+    for len in [0usize, 8] {
+        let control = panics(&|| theirs.slice(..len).chunks_exact(0).count());
+        let probe = panics(&|| ours.slice(..len).chunks_exact(0).count());
+        println!("chunks_exact(0) of {len} values panics: cudarc {control}, ours {probe}");
+        assert!(control, "cudarc's chunks_exact(0) of {len} values returned");
+        assert_eq!(
+            probe, control,
+            "chunks_exact(0) of {len} values, as cudarc's"
+        );
+    }
+    drop(theirs);
+    drop(ours);
+    s1.synchronize().unwrap();
+    assert_eq!(ctx.check_err(), Ok(()));
+}
