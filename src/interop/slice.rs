@@ -313,8 +313,12 @@ fn inherit_beside_capture<T>(
             source,
         }
     })?;
-    ctx.bind_to_thread()
-        .map_err(|e| super::driver_error("cuCtxSetCurrent", e))?;
+    // Binding takes cudarc's pending error (`check_err`): it is set aside and put back, so that
+    // neither the binding fails on it nor the program loses it.
+    let pending = ctx.check_err();
+    let bound = ctx.bind_to_thread();
+    ctx.record_err(pending);
+    bound.map_err(|e| super::driver_error("cuCtxSetCurrent", e))?;
     let raw = cu::result::stream::create(cu::result::stream::StreamKind::NonBlocking)
         .map_err(|e| super::driver_error("cuStreamCreate", e))?;
     {
