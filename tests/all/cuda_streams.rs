@@ -650,7 +650,10 @@ fn leak_after_an_unordered_kernel(probe: bool) -> bool {
     let (ctx, s1, s2) = setup(true);
     let k = kernels(&ctx);
     let alloc = CudaAllocator::new(Arc::clone(&ctx), AllocatorConfig::default()).unwrap();
-    let mut x: CachedSlice<u32> = alloc.alloc_zeros(&s1, N).unwrap();
+    // Not `alloc_zeros`: its memset is the buffer's first use and would take the events (Note
+    // [Events whenever tracking is on]) before the hook below can make them fail.
+    // SAFETY: `u32` is valid for every bit pattern; the kernel writes every value before a read.
+    let mut x: CachedSlice<u32> = unsafe { alloc.alloc::<u32>(&s1, N) }.unwrap();
     ctx.synchronize().unwrap();
     let (n, v, cycles) = (N as u64, 7u32, 1_000_000_000i64);
     cuda_caching_allocator::interop::fail_next_event_shells(1);
