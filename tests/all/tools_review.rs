@@ -131,3 +131,54 @@ fn whole_byte_counts_are_exact() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("out of range"));
 }
+
+/// A run with allocations that failed out of memory skips the trace's frees of them; the
+/// library's report counts them (`skipped_frees`), but `replay --json` and `compare --json`
+/// left the count out, and the text said nothing of it. Both carry it now.
+#[cfg(feature = "cli")]
+#[test]
+fn skipped_frees_are_reported() {
+    let t = shipped_trace();
+    let t = t.to_str().unwrap();
+    let small = [
+        "-q",
+        "--allow-oom",
+        "--device-memory",
+        "1GiB",
+        "--preset",
+        "pytorch",
+    ];
+    let json = |args: &[&str]| -> serde_json::Value {
+        let out = cca(args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {stderr}");
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let mut args = vec!["replay", t, "--json"];
+    args.extend_from_slice(&small);
+    let v = json(&args);
+    let skipped = v["skipped_frees"].as_u64().expect("a skipped_frees key");
+    let failed = v["failed_allocs"].as_u64().unwrap();
+    assert!(skipped > 0 && skipped <= failed, "{skipped} of {failed}");
+    args[0] = "compare";
+    assert_eq!(json(&args)[0]["skipped_frees"].as_u64(), Some(skipped));
+    // The text says it too: replay as a line, compare as a row.
+    let expected = format!("{}", skipped);
+    for command in ["replay", "compare"] {
+        let mut args = vec![command, t];
+        args.extend_from_slice(&small);
+        let out = cca(&args);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with("skipped frees"))
+            .unwrap_or_else(|| panic!("{command}: {stdout}"));
+        let digits: String = line.chars().filter(char::is_ascii_digit).collect();
+        assert_eq!(digits, expected, "{command}: {line}");
+    }
+    // A run without failures has none, and no such line.
+    let v = json(&["replay", t, "-q", "--json", "--preset", "pytorch"]);
+    assert_eq!(v["skipped_frees"].as_u64(), Some(0));
+    let out = cca(&["replay", t, "-q", "--preset", "pytorch"]);
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("skipped frees"));
+}

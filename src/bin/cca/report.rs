@@ -220,6 +220,7 @@ fn run_json(label: &Labelled, run: &Run, trace_args: &TraceArgs) -> Value {
         "num_device_free": r.num_device_free,
         "num_ooms": r.num_ooms,
         "failed_allocs": r.failed_allocs,
+        "skipped_frees": r.skipped_frees,
         "num_alloc_retries": r.num_alloc_retries,
         "cross_stream_handovers": r.cross_stream_handovers,
         "page_loans": r.page_loans,
@@ -441,6 +442,14 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
             thousands(r.failed_allocs as u64)
         );
     }
+    if r.skipped_frees > 0 {
+        outln!(
+            o,
+            "{:<26}{:>18}  (frees of allocations that failed: nothing to free)",
+            "skipped frees",
+            thousands(r.skipped_frees as u64)
+        );
+    }
     outln!(
         o,
         "{:<26}{:>18}  {}",
@@ -648,12 +657,23 @@ pub(crate) fn compare(a: &CompareArgs) -> CliResult<()> {
             thousands(r.latency.unwrap_or_default().p99_ns)
         }),
     ];
-    for (name, f) in rows {
+    let row = |o: &mut String, (name, f): Row| {
         out!(o, "{name:<24}");
         for r in &runs {
             out!(o, "{:>w$}", f(&r.report));
         }
         outln!(o);
+    };
+    let any_skipped = runs.iter().any(|r| r.report.skipped_frees > 0);
+    for (name, f) in rows {
+        row(&mut o, (name, f));
+        // Frees of allocations that failed, after the OOMs, where a run has any.
+        if any_skipped && name == "OOMs / retries" {
+            row(
+                &mut o,
+                ("skipped frees", |r| thousands(r.skipped_frees as u64)),
+            );
+        }
     }
     out!(o, "{:<24}", "wall ns per op");
     for r in &runs {
