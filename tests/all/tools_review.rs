@@ -182,3 +182,55 @@ fn skipped_frees_are_reported() {
     let out = cca(&["replay", t, "-q", "--preset", "pytorch"]);
     assert!(!String::from_utf8_lossy(&out.stdout).contains("skipped frees"));
 }
+
+/// `replay --summary` headed PyTorch's table "device ID 0" whatever device the trace came from:
+/// a snapshot's history of device 1 (read by default when it is the only one, or picked with
+/// `--snapshot-device 1`) printed "device ID 0". The table names the trace's device now.
+#[cfg(feature = "cli")]
+#[test]
+fn summary_names_the_traces_device() {
+    use cuda_caching_allocator::trace::{PickleValue, write_pickle};
+    let entry = |action: &str, addr: i128| {
+        PickleValue::dict([
+            ("action", PickleValue::Str(action.into())),
+            ("addr", PickleValue::Int(addr)),
+            ("size", PickleValue::Int(1 << 20)),
+            ("stream", PickleValue::Int(0)),
+            ("time_us", PickleValue::Int(1)),
+        ])
+    };
+    let history = || {
+        PickleValue::List(vec![
+            entry("alloc", 1 << 40),
+            entry("free_requested", 1 << 40),
+        ])
+    };
+    // Device 0 without a history, devices 1 and 2 with one each.
+    let snapshot = PickleValue::dict([(
+        "device_traces",
+        PickleValue::List(vec![PickleValue::List(vec![]), history(), history()]),
+    )]);
+    let path = scratch_file("device_1_and_2.pickle", &write_pickle(&snapshot).unwrap());
+    let p = path.to_str().unwrap();
+    let heading = |extra: &[&str]| {
+        let mut args = vec!["replay", p, "-q", "--summary", "--preset", "pytorch"];
+        args.extend_from_slice(extra);
+        let out = cca(&args);
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert_eq!(out.status.code(), Some(0), "{extra:?}: {stdout}");
+        let line = stdout
+            .lines()
+            .find(|l| l.contains("memory summary, device ID"))
+            .unwrap_or_else(|| panic!("{extra:?}: {stdout}"))
+            .to_owned();
+        let (_, id) = line.split_once("device ID").unwrap_or_default();
+        id.trim_matches(|c: char| c == '|' || c.is_whitespace())
+            .to_owned()
+    };
+    assert_eq!(heading(&[]), "1");
+    assert_eq!(heading(&["--snapshot-device", "2"]), "2");
+    // An RMM log names no device: 0.
+    let t = shipped_trace();
+    let out = cca(&["replay", t.to_str().unwrap(), "-q", "--summary"]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("memory summary, device ID 0 "));
+}

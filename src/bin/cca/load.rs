@@ -155,6 +155,12 @@ pub(crate) fn load_trace_of(t: &TraceArgs) -> CliResult<Trace> {
     load_trace(&t.trace, t.lenient, t.max_import_bytes, t.snapshot_device)
 }
 
+/// The trace that `--trace` and its import flags name, with what else the import tells (the
+/// snapshot device whose history it is: [`load_imported`]).
+pub(crate) fn load_imported_of(t: &TraceArgs) -> CliResult<Imported> {
+    load_imported(&t.trace, t.lenient, t.max_import_bytes, t.snapshot_device)
+}
+
 /// Reads a trace file in any supported format, holding at most `max_bytes` (the
 /// `--max-import-bytes` flag); of a snapshot, the history of `snapshot_device` (the
 /// `--snapshot-device` flag; `None`: the first device that has one).

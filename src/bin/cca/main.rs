@@ -196,7 +196,8 @@ struct ReplayArgs {
     /// prints).
     #[arg(long, conflicts_with = "summary")]
     json: bool,
-    /// Also print PyTorch's memory_summary() table at the moment reserved bytes peaked.
+    /// Also print PyTorch's memory_summary() table at the moment reserved bytes peaked (its
+    /// device ID is the trace's: the snapshot device whose history was read, 0 for an RMM log).
     #[arg(long)]
     summary: bool,
     /// Report a run in which allocations failed out of memory and exit 0 (without it such a run

@@ -268,7 +268,10 @@ fn reference_json(reference: &Reference) -> Value {
 /// `cca replay`.
 pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
     let label = load::resolve(a.preset.as_deref(), a.config.as_deref())?;
-    let trace = load::load_trace_of(&a.trace)?;
+    let imported = load::load_imported_of(&a.trace)?;
+    // The device the trace was recorded on (a snapshot's; a CSV log names none): the summary's.
+    let recorded_device = imported.report.device.unwrap_or(0);
+    let trace = imported.trace;
     // Before the replay: a bad --reference must not cost one.
     let reference = reference::find(&a.trace.trace, a.trace.reference.as_deref())?;
     let run = load::run(&trace, &label.config, &a.trace, &label.label, 0)?;
@@ -539,7 +542,7 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
         outln!(
             o,
             "\nAt peak reserved:\n{}",
-            memory_summary(&r.stats_at_peak, 0, false)
+            memory_summary(&r.stats_at_peak, recorded_device, false)
         );
     }
     emit(&o)?;
