@@ -234,3 +234,50 @@ fn summary_names_the_traces_device() {
     let out = cca(&["replay", t.to_str().unwrap(), "-q", "--summary"]);
     assert!(String::from_utf8_lossy(&out.stdout).contains("memory summary, device ID 0 "));
 }
+
+/// `--config ""` is PyTorch's defaults (an empty `PYTORCH_CUDA_ALLOC_CONF`, and the `resolved`
+/// string of PyTorch's defaults, which `--config` reads back), but its column and JSON
+/// `configuration` were labelled by its empty text. It is labelled by what it is now.
+#[cfg(feature = "cli")]
+#[test]
+fn an_empty_config_string_is_labelled() {
+    let t = shipped_trace();
+    let t = t.to_str().unwrap();
+    let label = "PyTorch's defaults";
+    let json = |args: &[&str]| -> serde_json::Value {
+        let out = cca(args);
+        assert_eq!(out.status.code(), Some(0), "{args:?}");
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let v = json(&["replay", t, "-q", "--json", "--config", ""]);
+    assert_eq!(v["configuration"], label);
+    assert_eq!(v["preset"], "pytorch");
+    let v = json(&[
+        "compare", t, "-q", "--json", "--config", "", "--config", " ",
+    ]);
+    assert_eq!(v[0]["configuration"], label);
+    assert_eq!(v[1]["configuration"], label);
+    let v = json(&[
+        "replay", t, "-q", "--json", "--preset", "default", "--config", "",
+    ]);
+    assert_eq!(v["configuration"], "default");
+    // The compare table's column is headed by the label, and no line starts with ": ".
+    let out = cca(&["compare", t, "-q", "--config", "", "--preset", "pytorch"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.lines().any(|l| l.starts_with(&format!("{label}: "))),
+        "{stdout}"
+    );
+    assert!(!stdout.lines().any(|l| l.starts_with(": ")), "{stdout}");
+    let header = stdout
+        .lines()
+        .find(|l| l.starts_with("resnet50_train"))
+        .unwrap_or_default();
+    assert!(header.contains(label), "{stdout}");
+    let out = cca(&["replay", t, "-q", "--config", ""]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains(&format!("configuration  {label}\n")),
+        "{stdout}"
+    );
+}

@@ -275,13 +275,29 @@ pub(crate) struct Labelled {
     pub(crate) config: AllocatorConfig,
 }
 
+/// The label of an empty (or blank) configuration string: what PyTorch reads it as, in the
+/// words the `resolved` line uses for it.
+pub(crate) const EMPTY_CONFIG_LABEL: &str = "PyTorch's defaults";
+
 /// The configuration of `--preset` and `--config`, by the one rule of the crate: a string alone
 /// is read as PyTorch reads it (on top of PyTorch's defaults, as `AllocatorConfig::parse` and
 /// `CUDA_CACHING_ALLOCATOR_CONF`); with `--preset` it applies on top of that preset; neither
 /// gives the crate's default.
+///
+/// The label is the preset's name, the string, or both (`preset + string`). An empty or blank
+/// string sets nothing (PyTorch reads an empty `PYTORCH_CUDA_ALLOC_CONF` so, and it is the
+/// `resolved` string of PyTorch's defaults, which `--config` reads back): alone it is labelled
+/// [`EMPTY_CONFIG_LABEL`], with a preset by the preset's name (it changes nothing on top of
+/// one), never by the empty text.
 pub(crate) fn resolve(preset: Option<&str>, config: Option<&str>) -> CliResult<Labelled> {
     let p = preset.map(Preset::from_name).transpose()?;
     let (label, config) = match (p, config) {
+        (Some(p), Some(c)) if c.trim().is_empty() => {
+            (p.name().to_string(), p.config().with_settings(c)?)
+        }
+        (None, Some(c)) if c.trim().is_empty() => {
+            (EMPTY_CONFIG_LABEL.to_string(), AllocatorConfig::parse(c)?)
+        }
         (Some(p), Some(c)) => (format!("{p} + {c}"), p.config().with_settings(c)?),
         (Some(p), None) => (p.name().to_string(), p.config()),
         (None, Some(c)) => (c.to_string(), AllocatorConfig::parse(c)?),
@@ -615,7 +631,35 @@ pub(crate) fn convert(a: &ConvertArgs) -> CliResult<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_bytes;
+    use super::{EMPTY_CONFIG_LABEL, parse_bytes, resolve};
+    use cuda_caching_allocator::Preset;
+
+    /// An empty or blank `--config` is labelled by what it is, never by its empty text: alone
+    /// PyTorch's defaults, with a preset the preset, which it leaves as it is.
+    #[test]
+    fn an_empty_config_is_labelled_by_what_it_is() {
+        for blank in ["", " ", "\t"] {
+            let alone = resolve(None, Some(blank)).unwrap();
+            assert_eq!(alone.label, EMPTY_CONFIG_LABEL);
+            assert_eq!(alone.preset, Some(Preset::Pytorch));
+            for p in Preset::ALL {
+                let on_top = resolve(Some(p.name()), Some(blank)).unwrap();
+                assert_eq!(on_top.label, p.name());
+                assert_eq!(on_top.preset, Some(p), "{p}");
+                assert_eq!(on_top.config.to_settings(), p.config().to_settings(), "{p}");
+            }
+        }
+        assert_eq!(
+            resolve(None, Some("max_split_size_mb:256")).unwrap().label,
+            "max_split_size_mb:256"
+        );
+        assert_eq!(
+            resolve(Some("pytorch"), Some("max_split_size_mb:256"))
+                .unwrap()
+                .label,
+            "pytorch + max_split_size_mb:256"
+        );
+    }
 
     #[test]
     fn sizes() {

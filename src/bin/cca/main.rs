@@ -189,7 +189,7 @@ struct ReplayArgs {
     /// A configuration string in PyTorch's syntax. Alone it is read as PyTorch reads it, on top
     /// of PyTorch's defaults (as CUDA_CACHING_ALLOCATOR_CONF and AllocatorConfig::parse read
     /// it); with --preset, on top of that preset. `cca_preset:default,KEY:VALUE` builds on the
-    /// crate's default.
+    /// crate's default. An empty string sets nothing (alone: PyTorch's defaults, so labelled).
     #[arg(long)]
     config: Option<String>,
     /// Print one JSON object instead of text (it holds the statistics at peak that --summary
