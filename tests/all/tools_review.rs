@@ -281,3 +281,60 @@ fn an_empty_config_string_is_labelled() {
         "{stdout}"
     );
 }
+
+/// `cca compare` put the columns of `--preset` first and those of `--config` after them,
+/// whatever the command line's order; they follow the command line now (each flag's values
+/// in their own order, as before).
+#[cfg(feature = "cli")]
+#[test]
+fn compare_columns_follow_the_command_line() {
+    let t = shipped_trace();
+    let t = t.to_str().unwrap();
+    let out = cca(&[
+        "compare",
+        t,
+        "-q",
+        "--json",
+        "--config",
+        "max_split_size_mb:256",
+        "--preset=pytorch",
+        "--config",
+        "roundup_power2_divisions:4",
+        "--preset",
+        "default",
+    ]);
+    assert_eq!(out.status.code(), Some(0));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let labels: Vec<&str> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["configuration"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        labels,
+        [
+            "max_split_size_mb:256",
+            "pytorch",
+            "roundup_power2_divisions:4",
+            "default"
+        ]
+    );
+    // The table's header too.
+    let out = cca(&[
+        "compare",
+        t,
+        "-q",
+        "--config",
+        "max_split_size_mb:256",
+        "--preset",
+        "pytorch",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let header = stdout
+        .lines()
+        .find(|l| l.starts_with("resnet50_train"))
+        .unwrap_or_default();
+    let (c, p) = (header.find("max_split_size_mb:256"), header.find("pytorch"));
+    assert!(c.is_some() && p.is_some() && c < p, "{stdout}");
+}

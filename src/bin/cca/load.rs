@@ -310,13 +310,40 @@ pub(crate) fn resolve(preset: Option<&str>, config: Option<&str>) -> CliResult<L
     })
 }
 
-/// The columns of `compare` / `plot`: each preset, then each configuration string.
+/// Which flag gave a column of `compare` / `plot`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ColumnFlag {
+    /// `--preset`.
+    Preset,
+    /// `--config`.
+    Config,
+}
+
+/// The columns of `compare` / `plot`: the presets and configuration strings in `order`, the
+/// command line's (`presets` and `configs` each in their own order; values `order` does not
+/// reach follow, presets first); `fallback`'s presets where there are none.
 pub(crate) fn columns(
     presets: &[String],
     configs: &[String],
+    order: &[ColumnFlag],
     fallback: &[&str],
 ) -> CliResult<Vec<Labelled>> {
     let mut out = Vec::new();
+    let (mut presets, mut configs) = (presets.iter(), configs.iter());
+    for flag in order {
+        match flag {
+            ColumnFlag::Preset => {
+                if let Some(p) = presets.next() {
+                    out.push(resolve(Some(p), None)?);
+                }
+            }
+            ColumnFlag::Config => {
+                if let Some(c) = configs.next() {
+                    out.push(resolve(None, Some(c))?);
+                }
+            }
+        }
+    }
     for p in presets {
         out.push(resolve(Some(p), None)?);
     }

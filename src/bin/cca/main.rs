@@ -35,7 +35,9 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
+
+use crate::load::ColumnFlag;
 
 /// Command-line interface.
 #[derive(Parser, Debug)]
@@ -210,15 +212,20 @@ struct ReplayArgs {
 struct CompareArgs {
     #[command(flatten)]
     trace: TraceArgs,
-    /// Presets to compare (repeatable). With neither --preset nor --config: pytorch,
+    /// Presets to compare (repeatable; each is a column, and the columns of --preset and
+    /// --config follow the command line's order). With neither --preset nor --config: pytorch,
     /// pytorch-expandable and default.
     #[arg(long = "preset")]
     presets: Vec<String>,
-    /// Configuration strings to compare (repeatable; each is a column). Each is read as PyTorch
-    /// reads it, on top of PyTorch's defaults, as `cca replay --config` without --preset reads
-    /// it; start one with `cca_preset:default,` to build on the crate's default.
+    /// Configuration strings to compare (repeatable; each is a column, in the command line's
+    /// order among the presets). Each is read as PyTorch reads it, on top of PyTorch's defaults,
+    /// as `cca replay --config` without --preset reads it; start one with `cca_preset:default,`
+    /// to build on the crate's default.
     #[arg(long = "config")]
     configs: Vec<String>,
+    /// The order in which --preset and --config were given ([`column_order`]).
+    #[arg(skip)]
+    order: Vec<ColumnFlag>,
     /// Print a JSON array instead of a table.
     #[arg(long)]
     json: bool,
@@ -277,13 +284,17 @@ struct PlotArgs {
     /// Output image: `.png` or `.svg`.
     #[arg(short, long)]
     output: PathBuf,
-    /// Presets to plot (repeatable; default: pytorch and default).
+    /// Presets to plot (repeatable; default: pytorch and default). The configurations of
+    /// --preset and --config are drawn and listed in the command line's order.
     #[arg(long = "preset")]
     presets: Vec<String>,
     /// Configuration strings to plot (repeatable; read on top of PyTorch's defaults, as
     /// `cca replay --config` without --preset reads them).
     #[arg(long = "config")]
     configs: Vec<String>,
+    /// The order in which --preset and --config were given ([`column_order`]).
+    #[arg(skip)]
+    order: Vec<ColumnFlag>,
     /// Image width in pixels, 200 to 8192.
     #[arg(long, default_value_t = 1200, value_parser = clap::value_parser!(u32).range(200..=8192))]
     width: u32,
@@ -300,8 +311,41 @@ struct PlotArgs {
     allow_oom: bool,
 }
 
+/// The order in which a subcommand's `--preset` and `--config` values were given, one entry per
+/// value: clap keeps each flag's values in order, but not how the two flags interleave, which
+/// their indices on the command line tell.
+fn column_order(m: &ArgMatches) -> Vec<ColumnFlag> {
+    let mut at: Vec<(usize, ColumnFlag)> = Vec::new();
+    for (id, flag) in [
+        ("presets", ColumnFlag::Preset),
+        ("configs", ColumnFlag::Config),
+    ] {
+        if let Some(indices) = m.indices_of(id) {
+            at.extend(indices.map(|i| (i, flag)));
+        }
+    }
+    at.sort_unstable_by_key(|&(i, _)| i);
+    at.into_iter().map(|(_, flag)| flag).collect()
+}
+
+/// The command line, with the order of `compare`'s and `plot`'s columns filled in.
+fn parse() -> Cli {
+    let matches = Cli::command().get_matches();
+    let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| {
+        e.format(&mut Cli::command()).exit();
+    });
+    if let Some((_, sub)) = matches.subcommand() {
+        match &mut cli.command {
+            Command::Compare(a) => a.order = column_order(sub),
+            Command::Plot(a) => a.order = column_order(sub),
+            Command::Replay(_) | Command::Convert(_) => {}
+        }
+    }
+    cli
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = parse();
     load::set_quiet(match &cli.command {
         Command::Replay(a) => a.trace.quiet,
         Command::Compare(a) => a.trace.quiet,

@@ -150,7 +150,7 @@ pub(crate) fn plot(a: &PlotArgs) -> CliResult<()> {
     };
     refuse_unused_flags(a)?;
     check_writable(&a.output)?;
-    let cols = load::columns(&a.presets, &a.configs, &["pytorch", "default"])?;
+    let cols = load::columns(&a.presets, &a.configs, &a.order, &["pytorch", "default"])?;
     let trace = load::load_trace_of(&a.trace)?;
     let axis = XAxis::pick(a.x_axis, &trace)?;
     let points = (a.width as usize).max(100);

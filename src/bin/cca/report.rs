@@ -554,6 +554,7 @@ pub(crate) fn compare(a: &CompareArgs) -> CliResult<()> {
     let cols = load::columns(
         &a.presets,
         &a.configs,
+        &a.order,
         &["pytorch", "pytorch-expandable", "default"],
     )?;
     let trace = load::load_trace_of(&a.trace)?;
