@@ -40,9 +40,9 @@ pub struct RmmLog {
 /// `addr` = the pointer), `free` → [`TraceOp::Free`] of the live allocation at the pointer (its
 /// `Size` is not checked), `allocate failure` → [`ImportReport::alloc_failures`]. `Pointer` is
 /// hex (`0x...`), decimal, or `(nil)` (0); `Stream` is decimal or hex. `Time` is integer
-/// microseconds or `HH:MM:SS.ffffff` (at most microsecond resolution is kept; when the clock
-/// goes back by more than 12 hours a day is added, so logs running past midnight stay
-/// ordered). Thread ids (any text) become 0, 1, 2, ... in order of first appearance among the
+/// microseconds or `HH:MM:SS.ffffff`, one of the two throughout the log (at most microsecond
+/// resolution is kept; when the clock goes back by more than 12 hours a day is added, so logs
+/// running past midnight stay ordered). Thread ids (any text) become 0, 1, 2, ... in order of first appearance among the
 /// rows that make events. Blank lines are skipped; fields may be double-quoted but contain no
 /// commas. Pairing is strict unless [`ImportOptions::lenient`] is set.
 ///
@@ -59,7 +59,7 @@ pub struct RmmLog {
 ///
 /// # Errors
 /// [`TraceIoError::Gzip`] (corrupt gzip), [`TraceIoError::Csv`] naming the line for a bad
-/// header or row, and in strict mode [`TraceIoError::UnmatchedFree`] /
+/// header or row (also a `Time` of the other form than the first row's), and in strict mode [`TraceIoError::UnmatchedFree`] /
 /// [`TraceIoError::AddressInUse`].
 pub fn read_rmm_csv(bytes: &[u8], options: &ImportOptions) -> Result<RmmLog, TraceIoError> {
     read_rmm_csv_plain(&decompress_if_gzip(bytes, options.max_bytes)?, options)
@@ -157,6 +157,12 @@ fn hex_or_decimal(s: &str) -> Option<u64> {
 }
 
 /// A parsed `Time` field.
+///
+/// Note [One form of time]: integer microseconds count from an origin the writer chose (an
+/// exporter's `time_ns / 1000`, often since the epoch), clock times from midnight. A log whose
+/// `Time` column mixes the two has no common origin, and its clock times' midnight wraps would
+/// be judged against each other only, so its times would be meaningless (a plot's time axis
+/// jumping by decades): the import refuses such a log, naming the first row of the other form.
 enum Time {
     /// Integer microseconds, as nanoseconds.
     Absolute(u64),
@@ -211,6 +217,9 @@ pub(crate) fn read_rmm_csv_plain(
     let mut columns: Option<Columns> = None;
     let mut day_offset = 0u64;
     let mut last_clock: Option<u64> = None;
+    // The first row with a time: its line, and whether the time was a clock time (Note [One
+    // form of time]).
+    let mut time_form: Option<(u64, bool)> = None;
     let mut budget = ByteBudget::new(options.max_bytes);
     let what = "the imported trace's events";
 
@@ -273,7 +282,32 @@ pub(crate) fn read_rmm_csv_plain(
         let time_ns = if cols.time.is_none() {
             0
         } else {
-            match parse_time(time_text).map_err(|d| TraceIoError::csv(number, d))? {
+            let time = parse_time(time_text).map_err(|d| TraceIoError::csv(number, d))?;
+            let clock = matches!(time, Time::Clock(_));
+            match time_form {
+                None => time_form = Some((number, clock)),
+                Some((first, was_clock)) if was_clock != clock => {
+                    let form = |c: bool| {
+                        if c {
+                            "a clock time (HH:MM:SS.ffffff)"
+                        } else {
+                            "integer microseconds"
+                        }
+                    };
+                    return Err(TraceIoError::csv(
+                        number,
+                        format!(
+                            "time {time_text:?} is {}, but line {first}'s is {}: a log's Time \
+                             column holds one form throughout (the two count from different \
+                             origins, so the times of a mix are meaningless)",
+                            form(clock),
+                            form(was_clock)
+                        ),
+                    ));
+                }
+                Some(_) => {}
+            }
+            match time {
                 Time::Absolute(ns) => ns,
                 Time::Clock(ns) => {
                     let overflow =
@@ -512,6 +546,42 @@ mod tests {
                 addr: Some(4096)
             }
         );
+    }
+
+    /// A `Time` column that mixes integer microseconds and clock times was read silently, each
+    /// row by its own origin; it is refused, naming the row of the other form.
+    #[test]
+    fn a_mix_of_time_forms_is_refused() {
+        let header = "Thread,Time,Action,Pointer,Size,Stream\n";
+        for (rows, first, other) in [
+            (
+                "1,5,allocate,0x10,8,0\n1,10:00:00.000001,free,0x10,8,0\n",
+                "integer microseconds",
+                "a clock time",
+            ),
+            (
+                "1,10:00:00.000001,allocate,0x10,8,0\n1,5,free,0x10,8,0\n",
+                "a clock time",
+                "integer microseconds",
+            ),
+        ] {
+            let err = read(&format!("{header}\n{rows}")).unwrap_err();
+            match &err {
+                TraceIoError::Csv { line: 4, detail } => assert!(
+                    detail.contains(&format!("is {other}"))
+                        && detail.contains(&format!("line 3's is {first}")),
+                    "{detail}"
+                ),
+                other => panic!("{rows}: {other}"),
+            }
+        }
+        // One form throughout, either one, still reads.
+        for rows in [
+            "1,5,allocate,0x10,8,0\n1,7,free,0x10,8,0\n",
+            "1,10:00:00,allocate,0x10,8,0\n1,10:00:01,free,0x10,8,0\n",
+        ] {
+            assert!(read(&format!("{header}{rows}")).is_ok(), "{rows}");
+        }
     }
 
     #[test]
