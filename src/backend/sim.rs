@@ -859,6 +859,16 @@ fn fault(operation: &'static str, (call, kind): (u64, FaultKind)) -> BackendErro
 }
 
 impl SimDevice {
+    /// The most physical handles ([`create_physical`](DeviceBackend::create_physical)) the
+    /// simulated device holds at once: 2,097,152, 4 TiB of 2 MiB pages (a real GPU's memory is
+    /// well under 100,000 of them). Note [Handle limit]: each handle costs the simulator host
+    /// memory and time, so a growth of expandable segments on a huge simulated device (a 2^59
+    /// byte request with `capacity` near 2^62) would otherwise create handles for hours and
+    /// exhaust the host's memory; the call past the limit fails with
+    /// [`BackendError::Unsupported`] instead (not `OutOfMemory`: a larger capacity does not
+    /// help), which stops a replay with an error naming the event, after a few seconds.
+    pub const MAX_PHYSICAL_HANDLES: usize = 1 << 21;
+
     /// A simulated device with the given configuration.
     pub fn new(config: SimConfig) -> Self {
         let cursor = config.base_address.max(1);
@@ -1527,6 +1537,15 @@ unsafe impl DeviceBackend for SimDevice {
         g.capture_call("create_physical", CaptureClass::Allocation);
         if let Err(f) = g.next_call(Some(size)) {
             return Err(fault("create_physical", f));
+        }
+        // Note [Handle limit] on `SimDevice::MAX_PHYSICAL_HANDLES` (a device too small for the
+        // request still answers out of memory).
+        if g.physical.len() >= SimDevice::MAX_PHYSICAL_HANDLES && g.fits(size) {
+            return Err(BackendError::Unsupported(
+                "more than 2,097,152 physical handles at once (SimDevice::MAX_PHYSICAL_HANDLES: \
+                 fewer, larger handles, cca_max_handle_size_mb, or a smaller request stay under \
+                 it)",
+            ));
         }
         if !g.charge(size) {
             return Err(BackendError::OutOfMemory);

@@ -338,3 +338,55 @@ fn compare_columns_follow_the_command_line() {
     let (c, p) = (header.find("max_split_size_mb:256"), header.find("pytorch"));
     assert!(c.is_some() && p.is_some() && c < p, "{stdout}");
 }
+
+/// With expandable segments on a huge simulated device, a 2^59-byte request made the growth
+/// create one physical handle per page for hours (and the simulator's table of them would fill
+/// the host's memory). `SimDevice` holds at most `MAX_PHYSICAL_HANDLES` now: the replay stops
+/// within seconds with an error naming the event and the limit.
+#[cfg(feature = "cli")]
+#[test]
+fn a_huge_expandable_growth_stops_at_the_handle_limit() {
+    use std::time::{Duration, Instant};
+    let size = 1u64 << 59;
+    let log = format!(
+        "Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x1000,{size},0\n\
+         1,1,free,0x1000,{size},0\n"
+    );
+    let path = scratch_file("huge_growth.csv", log.as_bytes());
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_cca"))
+        .args([
+            "replay",
+            path.to_str().unwrap(),
+            "-q",
+            "--preset",
+            "pytorch-expandable",
+            "--device-memory",
+            "4000000000000000000",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the cca binary runs");
+    let started = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > Duration::from_secs(120) {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            panic!("the replay still ran after 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("event 0") && stderr.contains("MAX_PHYSICAL_HANDLES"),
+        "{stderr}"
+    );
+    // The message names the limit in figures: they must stay the constant's.
+    assert!(stderr.contains("2,097,152"), "{stderr}");
+    assert_eq!(
+        cuda_caching_allocator::SimDevice::MAX_PHYSICAL_HANDLES,
+        2_097_152
+    );
+}
