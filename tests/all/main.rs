@@ -29,6 +29,7 @@ mod fragmentation;
 mod graph_capture;
 mod input_review;
 mod interop_review2;
+mod interop_review3;
 mod lagged_programs;
 mod limits;
 mod move_budget;
