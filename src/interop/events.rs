@@ -251,6 +251,12 @@ impl ShellPool {
         }
     }
 
+    /// Takes the shell kept for `ptr`, whatever its length and context object (to be destroyed
+    /// or quarantined: Note [A stale kept shell goes] in `interop::slice`).
+    pub(super) fn evict(&self, ptr: sys::CUdeviceptr) -> Option<EventShell> {
+        self.shells.lock().remove(&ptr)
+    }
+
     /// Destroys every kept and quarantined shell (their events), for `empty_cache`.
     pub(super) fn clear(&self) {
         let all = std::mem::take(&mut *self.shells.lock());

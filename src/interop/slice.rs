@@ -155,6 +155,7 @@ impl<T> CachedSlice<T> {
             if in_capture && !*self.captured.get_mut() {
                 // A pooled shell lives on the legacy default stream: its destruction waits.
                 self.alloc.shells().quarantine(shell);
+                self.evict_stale_kept_shell(in_capture);
             } else if waited && !in_capture {
                 if had_typed {
                     // Note [Kept shells after a typed one]: the uses since the typed shell's
@@ -170,6 +171,7 @@ impl<T> CachedSlice<T> {
                 // stream, as a `CudaSlice`'s drop does, and leaves the context the error a
                 // `CudaSlice` dropped after its capture leaves).
                 drop(shell);
+                self.evict_stale_kept_shell(in_capture);
             }
         }
         // Note [Uses without events]: a kernel may still use it.
@@ -335,6 +337,33 @@ fn inherit_beside_capture<T>(
     // driver destroys it once its queued wait and record are done.
     unsafe { cu::result::stream::destroy(raw) }
         .map_err(|e| super::driver_error("cuStreamDestroy", e))
+}
+
+impl<T> CachedSlice<T> {
+    /// Removes the shell kept at this buffer's address when the buffer's own is not kept (Note
+    /// [A stale kept shell goes]).
+    //
+    // Note [A stale kept shell goes]: a buffer whose own shell is not kept at its drop (made for
+    // a first use inside a capture, quarantined, or its waits refused) may leave in the pool the
+    // shell of the address's *previous* buffer: a first use inside a capture makes new events
+    // without taking the kept ones, and a thread that lost the first-use race put its taken
+    // shell back. The block's next buffer would take that shell, whose events predate every use
+    // of the buffer just dropped, and its first use on a third stream would not wait for them
+    // (`review3_first_use_in_capture_leaves_a_stale_kept_shell`). So the kept shell goes too
+    // (quarantined inside a capture or while one is routed, destroyed otherwise), and the next
+    // buffer makes a new one, which Note [New shells start at the allocation stream] orders
+    // after the drop's waits.
+    fn evict_stale_kept_shell(&self, in_capture: bool) {
+        let shells = self.alloc.shells();
+        let Some(stale) = shells.evict(self.ptr) else {
+            return;
+        };
+        if in_capture || self.alloc.inner.capture_underway() {
+            shells.quarantine(stale);
+        } else {
+            super::events::destroy_quietly(stale);
+        }
+    }
 }
 
 /// Keeps `shell` in the allocator's pool for the next buffer at `ptr`, and destroys the shell
