@@ -94,8 +94,24 @@ pub struct CcaDeviceStats {
     pub max_split_size: i64,
 }
 
+/// The statistics of a device whose cache was never used: all zeros but `max_split_size`, which
+/// is the configured one (-1 for no limit) that the cache will report once made, as PyTorch's
+/// statistics of an unused device carry it (PyTorch makes every device's cache at `init`). A bad
+/// configuration, which no cache can be made with, reads as PyTorch's default (-1).
+fn unused_device_stats() -> CcaDeviceStats {
+    let max_split_size = match AllocatorRegistry::global().config() {
+        Ok(c) if c.max_split_size != usize::MAX => i64::try_from(c.max_split_size).unwrap_or(-1),
+        _ => -1,
+    };
+    CcaDeviceStats {
+        max_split_size,
+        ..CcaDeviceStats::default()
+    }
+}
+
 /// Writes `device`'s statistics into `*out`: 0 when written, 1 when the device's cache was never
-/// used (`*out` is then all zeros), -1 for a null `out` or a negative device.
+/// used (`*out` is then all zeros but `max_split_size`, the configured one), -1 for a null `out`
+/// or a negative device.
 ///
 /// # Safety
 /// `out` is null or points to writable memory for one [`CcaDeviceStats`].
@@ -132,7 +148,7 @@ pub unsafe extern "C" fn cca_device_stats(device: c_int, out: *mut CcaDeviceStat
                 };
                 (c, 0)
             }
-            None => (CcaDeviceStats::default(), 1),
+            None => (unused_device_stats(), 1),
         };
         // SAFETY: `out` is non-null and, by the caller's promise, writable for one struct.
         unsafe { out.write(stats) };
@@ -191,13 +207,18 @@ pub extern "C" fn cca_reset_accumulated_stats(device: c_int) {
     })
 }
 
-/// The memory fraction of `device`'s cache (1.0 when uncapped or never used).
+/// The memory fraction of `device`'s cache (1.0 when uncapped); for a cache never used, the
+/// configured one (`per_process_memory_fraction`) that it will apply once made, 1.0 with a bad
+/// configuration.
 #[unsafe(no_mangle)]
 pub extern "C" fn cca_memory_fraction(device: c_int) -> f64 {
     guarded("cca_memory_fraction", 1.0, || {
-        ordinal(device)
-            .and_then(|d| AllocatorRegistry::global().get_if_created(d))
-            .map_or(1.0, |a| a.memory_fraction())
+        match ordinal(device).and_then(|d| AllocatorRegistry::global().get_if_created(d)) {
+            Some(a) => a.memory_fraction(),
+            None => AllocatorRegistry::global()
+                .config()
+                .map_or(1.0, |c| c.per_process_memory_fraction),
+        }
     })
 }
 

@@ -494,6 +494,30 @@ def a_library_of_another_abi_is_refused_at_load():
     assert cca._ABI_VERSION == lib().cca_abi_version()
 
 
+@test
+def an_unused_device_reads_the_configured_split_limit_and_fraction():
+    # torch.cuda.memory_stats(d)["max_split_size"] and get_per_process_memory_fraction(d) of a
+    # device whose cache was not made yet: PyTorch makes every device's cache at init, so they
+    # carry the configuration; the library read 0 (a split limit of 0 bytes) and 1.0 there, and
+    # the configured values once the device had allocated.
+    code = """
+import ctypes
+import cuda_caching_allocator.torch as cca
+l = cca._load_library(cca._find_library(None))
+l.cca_device_stats.restype = ctypes.c_int
+l.cca_memory_fraction.restype = ctypes.c_double
+buf = (ctypes.c_int64 * (976 // 8))()
+rc = l.cca_device_stats(0, buf)
+print(rc, buf[-1], l.cca_memory_fraction(0), buf[0])
+"""
+    for conf, want in (("cca_preset:pytorch", "1 -1 1.0 0"),
+                       ("cca_preset:pytorch,max_split_size_mb:64,per_process_memory_fraction:0.5",
+                        f"1 {64 << 20} 0.5 0")):
+        rc, out, err = run_python(code, {CONF: conf})
+        assert rc == 0, (rc, out, err[-2000:])
+        assert out.strip() == want, (conf, out, want)
+
+
 failed = RESULTS.count(False)
 print(f"{len(RESULTS) - failed} passed, {failed} failed")
 sys.exit(1 if failed else 0)
