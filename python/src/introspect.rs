@@ -8,7 +8,7 @@ use std::ffi::{CStr, c_char, c_int, c_void};
 use cuda_caching_allocator::interop::AllocatorRegistry;
 use cuda_caching_allocator::{BlockState, DeviceAddr, PoolKind, Stat, StatArray, StatType};
 
-use crate::error::guarded;
+use crate::error::{KIND_OTHER, fail, guarded};
 use crate::hooks::ordinal;
 use crate::pools::MempoolId;
 
@@ -274,7 +274,8 @@ fn state_code(s: BlockState) -> c_int {
 
 /// Walks a snapshot of `device`'s cache: `segment(ctx, &seg)` for each segment in address
 /// order, then `block(ctx, &blk)` for each of its blocks in address order. 0 when walked, 1 when
-/// the device's cache was never used (no callback), -1 for a negative device.
+/// the device's cache was never used (no callback), -1 for a negative device or a null callback
+/// (the error is recorded).
 ///
 /// # Safety
 /// The callbacks may be called with `ctx` and pointers valid only during the call; they must not
@@ -282,11 +283,15 @@ fn state_code(s: BlockState) -> c_int {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cca_snapshot(
     device: c_int,
-    segment: extern "C" fn(*mut c_void, *const CcaSegment),
-    block: extern "C" fn(*mut c_void, *const CcaBlock),
+    segment: Option<extern "C" fn(*mut c_void, *const CcaSegment)>,
+    block: Option<extern "C" fn(*mut c_void, *const CcaBlock)>,
     ctx: *mut c_void,
 ) -> c_int {
     guarded("cca_snapshot", -1, || {
+        let (Some(segment), Some(block)) = (segment, block) else {
+            fail(KIND_OTHER, "cca_snapshot: null callback".into());
+            return -1;
+        };
         let Some(d) = ordinal(device) else {
             return -1;
         };

@@ -18,11 +18,12 @@ use crate::hooks::ordinal;
 /// `cap`; when `cap` is smaller nothing is written and the count tells the room needed), the
 /// bytes of each handle to `*handle_bytes`, where the allocation begins in the importer's mapping
 /// to `*offset` and this process's id to `*pid`. Returns 0 when the allocation lies in a
-/// `cuMemAlloc` segment (share it with `cudaIpcGetMemHandle` instead), -1 on failure
+/// `cuMemAlloc` segment (share it with `cudaIpcGetMemHandle` instead), -1 on failure, a null
+/// `handle_bytes`, `offset` or `pid`, or a null `fds` with `cap > 0`, included
 /// ([`cca_last_error`](crate::cca_last_error) says why). The descriptors stay the cache's.
 ///
 /// # Safety
-/// `fds` is writable for `cap` `int`s (or `cap` is 0); `handle_bytes`, `offset` and `pid` are
+/// `fds` is null or writable for `cap` `int`s; `handle_bytes`, `offset` and `pid` are null or
 /// writable.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cca_export_pages(
@@ -35,6 +36,11 @@ pub unsafe extern "C" fn cca_export_pages(
     pid: *mut c_int,
 ) -> isize {
     guarded("cca_export_pages", -1, || {
+        if handle_bytes.is_null() || offset.is_null() || pid.is_null() || (fds.is_null() && cap > 0)
+        {
+            fail(KIND_OTHER, "cca_export_pages: null output pointer".into());
+            return -1;
+        }
         let Some(a) = ordinal(device).and_then(|d| AllocatorRegistry::global().get_if_created(d))
         else {
             fail(
@@ -67,11 +73,12 @@ pub unsafe extern "C" fn cca_export_pages(
 
 /// Maps on `device` the pages process `pid` exported: `n` of its descriptors `fds`, each of a
 /// handle of `handle_bytes` bytes, side by side. Returns an opaque token for
-/// [`cca_close_imported`] and writes the mapping's address to `*ptr`; null on failure
-/// ([`cca_last_error`](crate::cca_last_error) says why; nothing stays mapped).
+/// [`cca_close_imported`] and writes the mapping's address to `*ptr`; null on failure, a null
+/// `ptr` or a null `fds` with `n > 0` included ([`cca_last_error`](crate::cca_last_error) says
+/// why; nothing stays mapped).
 ///
 /// # Safety
-/// `fds` is readable for `n` `int`s; `ptr` is writable.
+/// `fds` is null or readable for `n` `int`s; `ptr` is null or writable.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cca_import_pages(
     device: c_int,
@@ -82,6 +89,10 @@ pub unsafe extern "C" fn cca_import_pages(
     ptr: *mut u64,
 ) -> *mut c_void {
     guarded("cca_import_pages", std::ptr::null_mut(), || {
+        if ptr.is_null() || (fds.is_null() && n > 0) {
+            fail(KIND_OTHER, "cca_import_pages: null pointer argument".into());
+            return std::ptr::null_mut();
+        }
         let a = match ordinal(device).map(|d| AllocatorRegistry::global().get(d)) {
             Some(Ok(a)) => a,
             Some(Err(e)) => {

@@ -84,8 +84,8 @@ impl Drop for CFilter {
 
 /// Routes `device`'s allocations on the streams `accept` admits into private pool `pool`
 /// (making it if new) until [`cca_end_allocate_to_pool`]: PyTorch's `beginAllocateToPool` with
-/// its filter as a C callback. 0 on success, -1 on failure (the error is recorded; `drop` has
-/// then already run).
+/// its filter as a C callback. 0 on success, -1 on failure, a null `accept` included (the error
+/// is recorded; `drop` has then already run).
 ///
 /// # Safety
 /// `accept(ctx, stream)` may be called from any thread, concurrently, until `drop(ctx)` runs;
@@ -94,10 +94,22 @@ impl Drop for CFilter {
 pub unsafe extern "C" fn cca_begin_allocate_to_pool_with(
     device: c_int,
     pool: MempoolId,
-    accept: extern "C" fn(*mut c_void, *mut c_void) -> bool,
+    accept: Option<extern "C" fn(*mut c_void, *mut c_void) -> bool>,
     ctx: *mut c_void,
     drop: Option<extern "C" fn(*mut c_void)>,
 ) -> c_int {
+    let Some(accept) = accept else {
+        return guarded("cca_begin_allocate_to_pool_with", -1, || {
+            if let Some(d) = drop {
+                d(ctx);
+            }
+            fail(
+                KIND_OTHER,
+                "cca_begin_allocate_to_pool_with: null accept callback".into(),
+            );
+            -1
+        });
+    };
     let cf = CFilter { accept, drop, ctx };
     guarded("cca_begin_allocate_to_pool_with", -1, move || {
         let Some(alloc) = device_cache("beginAllocateToPool", device) else {
@@ -319,23 +331,35 @@ const _: () = assert!(std::mem::size_of::<CcaCheckpointBlock>() == 24);
 /// checkpoint `blocks[..n]` (each segment's blocks in address order, segments one after another),
 /// as [`CudaAllocator::restore_pool`] does. `changed(ctx, ptr, 0)` is called for each allocation
 /// freed, then `changed(ctx, ptr, 1)` for each allocated again, in address order. 0 on success,
-/// -1 on failure (nothing changed; the error is recorded).
+/// -1 on failure, a null `changed` or a null `blocks` with `n > 0` included (nothing changed; the
+/// error is recorded).
 ///
 /// # Safety
-/// `blocks` is readable for `n` blocks; `changed` does not call into this library.
+/// `blocks` is null or readable for `n` blocks; `changed` does not call into this library.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cca_restore_pool(
     device: c_int,
     pool: MempoolId,
     blocks: *const CcaCheckpointBlock,
     n: usize,
-    changed: extern "C" fn(*mut c_void, u64, c_int),
+    changed: Option<extern "C" fn(*mut c_void, u64, c_int)>,
     ctx: *mut c_void,
 ) -> c_int {
     use cuda_caching_allocator::{
         BlockSnapshot, BlockState, DeviceAddr, PoolCheckpoint, SegmentSnapshot,
     };
     guarded("cca_restore_pool", -1, || {
+        let Some(changed) = changed else {
+            fail(KIND_OTHER, "cca_restore_pool: null callback".into());
+            return -1;
+        };
+        if blocks.is_null() && n > 0 {
+            fail(
+                KIND_OTHER,
+                format!("cca_restore_pool: null blocks (n = {n})"),
+            );
+            return -1;
+        }
         let Some(alloc) = device_cache("setCheckpointPoolState", device) else {
             return -1;
         };

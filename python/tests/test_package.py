@@ -518,6 +518,40 @@ print(rc, buf[-1], l.cca_memory_fraction(0), buf[0])
         assert out.strip() == want, (conf, out, want)
 
 
+@test
+def null_pointers_are_refused_not_dereferenced():
+    # A null callback or output pointer to the C ABI is a clear error, checked before anything
+    # else (a device's cache is not made for it), not a call through null or a write to it.
+    l = lib()
+    out = ctypes.c_uint64(0)
+    l.cca_import_pages.restype = ctypes.c_void_p
+    l.cca_set_quiet(1)
+    try:
+        assert l.cca_snapshot(0, None, None, None) == -1
+        assert b"null callback" in l.cca_last_error(), l.cca_last_error()
+        assert l.cca_restore_pool(0, Pool(0, 1), None, 3, None, None) == -1
+        assert b"null callback" in l.cca_last_error(), l.cca_last_error()
+        cb = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int)(
+            lambda *a: None)
+        assert l.cca_restore_pool(0, Pool(0, 1), None, 3, cb, None) == -1
+        assert b"null blocks" in l.cca_last_error(), l.cca_last_error()
+        dropped = []
+        drop = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda ctx: dropped.append(ctx))
+        assert l.cca_begin_allocate_to_pool_with(0, Pool(0, 1), None, ctypes.c_void_p(7),
+                                                 drop) == -1
+        assert b"null accept" in l.cca_last_error() and dropped == [7], (l.cca_last_error(),
+                                                                        dropped)
+        assert l.cca_export_pages(0, ctypes.c_uint64(4096), None, 4, None, None, None) == -1
+        assert b"null output" in l.cca_last_error(), l.cca_last_error()
+        assert l.cca_import_pages(0, 1, ctypes.c_uint64(2 << 20), None, 2,
+                                  ctypes.byref(out)) is None
+        assert b"null pointer" in l.cca_last_error(), l.cca_last_error()
+        assert l.cca_import_pages(0, 1, ctypes.c_uint64(2 << 20), None, 0, None) is None
+        assert b"null pointer" in l.cca_last_error(), l.cca_last_error()
+    finally:
+        l.cca_set_quiet(0)
+
+
 failed = RESULTS.count(False)
 print(f"{len(RESULTS) - failed} passed, {failed} failed")
 sys.exit(1 if failed else 0)
