@@ -355,9 +355,33 @@ def main():
         ok = chr(handle[1]) == "c" and len(handle) == 66
         return ok, f"'c': {len(handle)} bytes, offset {offset}"
 
+    @check("per-device APIs refuse a device that does not exist")
+    def t_bad_device():
+        # As PyTorch's assertValidDevice ("Invalid device argument N: did you call init?"); the
+        # library reads a device whose cache was never made as empty, so without the shim's
+        # check torch.cuda.memory_allocated(N) answered 0 for a device the machine lacks.
+        # Control: the same calls on device 0 answer.
+        n = torch.cuda.device_count()
+        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        control = torch.cuda.memory_stats(0)["num_ooms"] >= 0 and (
+            get_fraction is None or 0.0 < get_fraction(0) <= 1.0)
+        calls = [("memory_stats", lambda: torch.cuda.memory_stats(n)),
+                 ("reset_peak_memory_stats", lambda: torch.cuda.reset_peak_memory_stats(n))]
+        if get_fraction is not None:
+            calls.append(("get_per_process_memory_fraction", lambda: get_fraction(n)))
+        refused = []
+        for name, call in calls:
+            try:
+                call()
+            except RuntimeError as e:
+                if "Invalid device argument" in str(e):
+                    refused.append(name)
+        return control and len(refused) == len(calls), f"device {n} of {n}: refused {refused}"
+
     only = [n for n in os.environ.get("CCA_CONFORMANCE_ONLY", "").split(",") if n]
     for t in (t_route, t_allocated, t_stats, t_peaks, t_empty, t_summary, t_fraction_oom,
-              t_record_stream, t_snapshot, t_cudnn, t_graph, t_graphed, t_mempool, t_compile, t_ipc):
+              t_record_stream, t_snapshot, t_cudnn, t_graph, t_graphed, t_mempool, t_compile, t_ipc,
+              t_bad_device):
         if not only or t.__name__ in only:
             t()
     print(torch.cuda.memory_summary(abbreviated=True))

@@ -548,6 +548,7 @@ class Shim : public CCA::CUDAAllocator {
   }
 
   DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    check_device(device);
     CDeviceStats c{};
     int rc = api_.device_stats(device, &c);
     TORCH_CHECK(rc >= 0, cat("cuda_caching_allocator: memory_stats: bad device ", num(device)));
@@ -573,10 +574,14 @@ class Shim : public CCA::CUDAAllocator {
   }
 
   void resetAccumulatedStats(c10::DeviceIndex device) override {
+    check_device(device);
     api_.reset_accumulated_stats(device);
   }
 
-  void resetPeakStats(c10::DeviceIndex device) override { api_.reset_peak_stats(device); }
+  void resetPeakStats(c10::DeviceIndex device) override {
+    check_device(device);
+    api_.reset_peak_stats(device);
+  }
 
   // ---- CUDAAllocator -----------------------------------------------------------------------
 
@@ -620,10 +625,12 @@ class Shim : public CCA::CUDAAllocator {
   }
 
   double getMemoryFraction(c10::DeviceIndex device) override {
+    check_device(device);
     return api_.memory_fraction(device);
   }
 
   void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
+    check_device(device);
     if (api_.set_memory_fraction(device, fraction) != 0)
       fail("torch.cuda.set_per_process_memory_fraction");
   }
@@ -636,6 +643,7 @@ class Shim : public CCA::CUDAAllocator {
   bool isEnabled() const override { return enabled_.load(); }
 
   void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override {
+    check_device(device);
     // As PyTorch's: a caller passing 0 asks for a first guess, the device's free memory; the
     // answer is the larger of that and the largest free cached block. cuDNN drops every
     // algorithm whose workspace exceeds it, so the largest cached block alone (a few MiB where
@@ -1533,6 +1541,15 @@ class Shim : public CCA::CUDAAllocator {
   }
 
  private:
+  // PyTorch's assertValidDevice: a device index outside [0, device count) raises, as PyTorch's
+  // per-device entry points do, where the library answers for a device whose cache was never
+  // made (zeros, fraction 1.0) and torch.cuda.memory_stats(5) on a one-GPU machine would read as
+  // an empty device instead of an error.
+  void check_device(c10::DeviceIndex device) {
+    TORCH_CHECK(device >= 0 && device < devices(),
+                cat("Invalid device argument ", num(device), ": did you call init?"));
+  }
+
   // The number of devices: init()'s, or CUDA's when PyTorch has not called init() yet.
   int devices() {
     int n = device_count_.load();
