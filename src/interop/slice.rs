@@ -251,6 +251,31 @@ pub(super) fn unordered_kernel_use(
     }
 }
 
+/// Whether a new shell made for a buffer of `stream` is anchored there (Note [New shells start
+/// at the allocation stream]): the stream has work queued, and is not a default stream beside a
+/// capture.
+//
+// Note [No anchor on a default stream beside a capture]: a query of, or a record on, the legacy
+// default stream while a blocking stream of the device is capturing is an implicit dependency
+// on that capture and invalidates it, where cudarc's first use of a buffer allocated on the
+// default stream touches only the using stream (`review3_legacy_first_use_beside_a_blocking_
+// capture`: 20 of 20 captures invalidated). For the legacy and per-thread default streams the
+// driver is first asked whether the stream may be touched (`cuStreamIsCapturing`, which answers
+// `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` then); on anything but "not capturing" the shell is not
+// anchored. Left: the grown-block hazard the anchor closes stays open for such a buffer while a
+// blocking stream captures.
+fn anchor_wanted(stream: &CudaStream) -> bool {
+    if (stream.cu_stream() as usize) <= 2 {
+        // SAFETY: `stream` is a live stream of the caller's (or a default stream's handle),
+        // borrowed for the call.
+        match unsafe { cu::result::stream::is_capturing(stream.cu_stream()) } {
+            Ok(sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE) => {}
+            _ => return false,
+        }
+    }
+    !stream_idle(stream)
+}
+
 /// Whether `stream` has no work queued (`cuStreamQuery`, in relaxed capture mode so that a
 /// global capture elsewhere stays valid); `false` when the driver cannot tell. The stream's
 /// context is current (the shell's making bound it).
@@ -511,7 +536,7 @@ impl<T> CachedSlice<T> {
                 )
             };
             made.map(|mut shell| {
-                if !stream_idle(&self.stream) {
+                if anchor_wanted(&self.stream) {
                     self.anchor_new_shell(&mut shell);
                 }
                 shell
