@@ -38,6 +38,7 @@ mod package;
 mod pinned;
 mod pinned_fallbacks;
 mod pinned_pages;
+mod pinned_review;
 mod pool_checkpoint;
 mod ports;
 mod programs;
