@@ -40,7 +40,7 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::ptr::NonNull;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaStream, DeviceRepr, DriverError, HostSlice, SyncOnDrop,
@@ -456,6 +456,8 @@ impl PinnedAllocator {
                 block: None,
                 event: None,
                 used: AtomicBool::new(false),
+                first_stream: AtomicU64::new(0),
+                streams_differ: AtomicBool::new(false),
                 lazy: AtomicBool::new(false),
                 unrecorded_on: Mutex::new(Vec::new()),
                 alloc: self.clone(),
@@ -489,6 +491,8 @@ impl PinnedAllocator {
             block: Some(block),
             event: Some(event),
             used: AtomicBool::new(false),
+            first_stream: AtomicU64::new(0),
+            streams_differ: AtomicBool::new(false),
             lazy: AtomicBool::new(false),
             unrecorded_on: Mutex::new(Vec::new()),
             alloc: self.clone(),
@@ -550,6 +554,11 @@ pub struct CachedPinned<T> {
     event: Option<CudaEvent>,
     /// Used on a stream since the last exclusive host access: the event may be pending.
     used: AtomicBool,
+    /// The first stream the buffer was used on (its handle + 1; 0 before any use).
+    first_stream: AtomicU64,
+    /// Used on two streams or more: uses that overlapped fence only the last record (Note
+    /// [Overlapping uses of one buffer]).
+    streams_differ: AtomicBool,
     /// Used on a default stream while the context did not manage synchronization: the event must
     /// be recorded on the legacy default stream before it fences anything.
     lazy: AtomicBool,
@@ -722,12 +731,29 @@ impl<T> CachedPinned<T> {
         // invalidates the capture (`gpu/probes/capture_event_wait.cu`), where cudarc's fresh
         // event would not.
         if self.used.load(Ordering::Acquire) {
+            if self.lazy.load(Ordering::Acquire) && !ctx.is_managing_stream_synchronization() {
+                // A use on a default stream while the context managed nothing left the event
+                // unrecorded: it is recorded on the legacy stream first, so that this use waits
+                // for that one (as host access and the drop do), where the module's rule
+                // promises every use waits for the previous ones
+                // (`pinned_review_a_lazy_default_stream_use_is_not_waited_for_by_the_next_use`).
+                // While the context manages synchronization cudarc recorded that use itself.
+                ctx.record_err(fence_on_legacy(ev));
+            }
             ctx.record_err(stream.wait(ev));
         }
         if **ctx != **ev.context() {
             return SyncOnDrop::sync_stream(stream);
         }
         self.used.store(true, Ordering::Release);
+        let handle = stream.cu_stream() as u64 + 1;
+        if let Err(first) =
+            self.first_stream
+                .compare_exchange(0, handle, Ordering::AcqRel, Ordering::Acquire)
+            && first != handle
+        {
+            self.streams_differ.store(true, Ordering::Release);
+        }
         let legacy = legacy_ordered(stream);
         if legacy {
             // Also when synchronization is managed: if the context stops managing it before
@@ -812,6 +838,28 @@ impl<T> Drop for CachedPinned<T> {
                     ?block,
                     error = %e,
                     "pinned buffer could not be waited for; its block stays out of reuse"
+                );
+                ctx.record_err(Err::<(), _>(e));
+                std::mem::forget(ev);
+                return;
+            }
+        }
+        // Note [Overlapping uses of one buffer]: a buffer has one event, and two uses on two
+        // streams that overlap (threads copying from one `&CachedPinned` at once: both wait on
+        // the event's old state, and the last record wins) leave it fencing one copy only.
+        // cudarc's buffer has the same one event, but its drop synchronizes it and then frees
+        // with `cuMemFreeHost`, which waits for the device; the cache would hand the block out
+        // while the other copy still reads it (`pinned_review_concurrent_uses_fence_only_the_
+        // last_record`). So a buffer used on more than one stream synchronizes its context at
+        // the drop, as cudarc's free does; one used on a single stream still drops without
+        // blocking. Left: host access keeps cudarc's own rule (the event only), with its gap.
+        if *self.streams_differ.get_mut() && *self.used.get_mut() {
+            let ctx = Arc::clone(ev.context());
+            if let Err(e) = ctx.synchronize() {
+                tracing::warn!(
+                    ?block,
+                    error = %e,
+                    "pinned buffer used on several streams could not be waited for; its block stays out of reuse"
                 );
                 ctx.record_err(Err::<(), _>(e));
                 std::mem::forget(ev);

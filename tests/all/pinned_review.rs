@@ -287,7 +287,7 @@ fn shared_access_probe(end_management: bool, cudarc: bool) -> usize {
 /// waits for all work of the context, each time; cudarc's `as_slice` waits for the buffer's
 /// event only.
 #[test]
-#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+#[ignore = "needs a CUDA GPU; a known cost left open (Note [Management that ends mid-use]): fails while shared host access after management ends synchronizes the context"]
 fn pinned_review_shared_host_access_after_management_ends_synchronizes_the_context() {
     require_gpu("pinned_review_shared_host_access_after_management_ends_synchronizes_the_context");
     if under_sanitizer() {
