@@ -125,13 +125,15 @@ fn cached_probe(streams: usize, default_first: bool, pages: bool) -> (usize, usi
         }
         delay(&k, &s);
         s.memcpy_htod(&src, &mut dev).unwrap();
+        // Complete once the copy is: the block handed out again while it is not is the bug this
+        // probe looks for. Reuse after a wait for the copy (the cache's `PendingPolicy::Wait`,
+        // the paged cache's wait, or a drop that synchronized: Note [Overlapping uses of one
+        // buffer]) is the rule working.
+        let copied = s.record_event(None).unwrap();
         let before = src.host_ptr();
         drop(src);
-        let waits = pinned.stats().num_pending_waits;
         let mut again = pinned.alloc_pinned_zeros::<u32>(N).unwrap();
-        // Reuse after a host wait for the copy (`PendingPolicy::Wait`, the paged cache's wait) is
-        // the rule working; reuse without one is the bug this probe looks for.
-        if again.host_ptr() == before && pinned.stats().num_pending_waits == waits {
+        if again.host_ptr() == before && !copied.is_complete() {
             reused += 1;
         }
         again.as_mut_slice().unwrap().fill(0xDEAD_BEEF);

@@ -340,17 +340,18 @@ fn lazy_probe(managed: bool, cudarc: bool) -> usize {
             legacy.memcpy_dtoh(&dev, &mut ours).unwrap();
         }
         let marker = legacy.record_event(None).unwrap();
-        if cudarc {
-            borrowed.memcpy_htod(&theirs, &mut dev2).unwrap();
-        } else {
-            borrowed.memcpy_htod(&ours, &mut dev2).unwrap();
-        }
         if !managed && !under_sanitizer() {
-            // Premise (unmanaged: the htod is synchronous): the dtoh was still queued.
+            // Premise: the dtoh is still queued when the htod is issued (checked before it: an
+            // unmanaged htod is synchronous, and one that waits for the dtoh returns after it).
             assert!(
                 !marker.is_complete(),
                 "premise not met: the delay kernel ended before the htod"
             );
+        }
+        if cudarc {
+            borrowed.memcpy_htod(&theirs, &mut dev2).unwrap();
+        } else {
+            borrowed.memcpy_htod(&ours, &mut dev2).unwrap();
         }
         ctx.synchronize().unwrap();
         if borrowed.clone_dtoh(&dev2).unwrap() != pattern(v) {
