@@ -22,6 +22,7 @@ mod docs;
 mod expandable;
 mod expandable_fidelity;
 mod fast_path;
+mod fast_path_events;
 mod fast_path_parity;
 mod faults;
 mod fidelity;

@@ -160,6 +160,23 @@
 //! other threads' caches took in or handed out meanwhile, and a thread's hits after a peak reset
 //! from another thread count from its next locked operation on.
 //!
+//! Note [Hits do not poll events]: a hit takes no lock and makes no device call, so it does not
+//! run the core's `process_events`; a block freed with `record_stream` uses (its free always goes
+//! through the core: `free_through_core` marks it) stays pending until the next allocation that
+//! reaches the core, even when its events completed meanwhile. That is what the plain core would
+//! show had the device answered those queries late, and nothing decides on it: a hit serves only
+//! a block of its own cache, never a pending one (the core holds those), and every miss, growth,
+//! OOM path and `empty_cache` processes or waits for the events first. So with events that
+//! complete by device state the misses take the plain core's decisions (addresses, reserved
+//! bytes, retries, OOMs), while between two misses `active*`, `requested_bytes`, the snapshot's
+//! `active_pending_free` and a segment observer's `FreeCompleted` lag behind, and the peaks of
+//! those three counters can stay higher (`tests/all/fast_path_events.rs`). Polling on a hit
+//! would cost a lock and a query per hit whenever any event is pending, which side-stream
+//! programs have almost always. `SimDevice::set_event_query_lag` counts queries, so under it a
+//! miss can see late what the plain core, having polled at every allocation, saw complete: a
+//! model artifact, bounded by the OOM path's synchronization (no OOM the plain core would not
+//! have: `under_a_query_lag_hits_delay_what_a_miss_sees`).
+//!
 //! May use: `state` (its `pub(crate)` API), `snapshot`, `invariants`, `backend`, `config`,
 //! `size_class`, `stats`.
 #![forbid(unsafe_code)]
