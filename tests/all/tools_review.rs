@@ -390,3 +390,26 @@ fn a_huge_expandable_growth_stops_at_the_handle_limit() {
         2_097_152
     );
 }
+
+/// A run that fails out of memory under `--allow-oom` said "or pass --allow-oom to accept it",
+/// advice for a flag that was given; it now says the failures were accepted with it.
+#[cfg(feature = "cli")]
+#[test]
+fn an_accepted_oom_does_not_advise_the_flag_given() {
+    let t = shipped_trace();
+    let t = t.to_str().unwrap();
+    let out = cca(&["replay", t, "--device-memory", "2GiB", "--allow-oom"]);
+    assert_eq!(out.status.code(), Some(0), "accepted");
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(all.contains("failed out of memory"), "{all}");
+    assert!(!all.contains("pass --allow-oom"), "{all}");
+    assert!(all.contains("accepted with --allow-oom"), "{all}");
+    // Without the flag the advice stays.
+    let out = cca(&["replay", t, "-q", "--device-memory", "2GiB"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("pass --allow-oom"), "{stderr}");
+}

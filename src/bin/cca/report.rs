@@ -86,26 +86,37 @@ impl Failure {
     }
 
     /// In words; `capped`: a memory fraction below 1 capped the run (the advice is then the
-    /// fraction, which a larger device does not lift).
-    fn describe(self, capped: bool) -> String {
+    /// fraction, which a larger device does not lift); `accepted`: `--allow-oom` was given (the
+    /// advice then says so instead of suggesting it).
+    fn describe(self, capped: bool, accepted: bool) -> String {
+        let accept = if accepted {
+            "; accepted with --allow-oom"
+        } else {
+            ", or pass --allow-oom to accept it"
+        };
         match self {
             Failure::Empty => "the trace has no allocations: nothing was measured".to_string(),
             Failure::Oom(n, too_large) => {
                 let advice = if too_large == n {
                     format!(
                         "{} for 1 EB or more, which no device memory serves and PyTorch refuses \
-                         too; pass --allow-oom to accept the run",
-                        if n == 1 { "it asks" } else { "they ask" }
+                         too{}",
+                        if n == 1 { "it asks" } else { "they ask" },
+                        if accepted {
+                            "; accepted with --allow-oom"
+                        } else {
+                            "; pass --allow-oom to accept the run"
+                        }
                     )
                 } else if too_large > 0 {
                     format!(
                         "{} of them ask for 1 EB or more, which no device memory serves; for \
-                         the others {}, or pass --allow-oom to accept it",
+                         the others {}{accept}",
                         thousands(too_large),
                         raise(capped)
                     )
                 } else {
-                    format!("{}, or pass --allow-oom to accept it", raise(capped))
+                    format!("{}{accept}", raise(capped))
                 };
                 format!(
                     "{} allocation{} failed out of memory: the figures describe a failed run \
@@ -140,7 +151,7 @@ pub(crate) fn check_failures(runs: &[Checked<'_>], allow_oom: bool) -> CliResult
     let mut fatal = Vec::new();
     for &(label, r, capped) in runs {
         if let Some(f) = failure(r) {
-            say!("cca: warning: {label}: {}", f.describe(capped));
+            say!("cca: warning: {label}: {}", f.describe(capped, allow_oom));
             if f == Failure::Empty || !allow_oom {
                 fatal.push(format!("{label}: {}", f.status()));
             }
@@ -306,7 +317,11 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
     outln!(o, "resolved       {}", resolved(&label));
     outln!(o, "device         {}", run.device);
     if let Some(f) = failure(r) {
-        outln!(o, "status         FAILED: {}", f.describe(capped));
+        outln!(
+            o,
+            "status         FAILED: {}",
+            f.describe(capped, a.allow_oom)
+        );
     }
     outln!(o);
     let header = match &reference {
