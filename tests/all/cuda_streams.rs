@@ -10,68 +10,12 @@ use std::sync::{Arc, OnceLock};
 
 use cuda_caching_allocator::AllocatorConfig;
 use cuda_caching_allocator::interop::{CachedSlice, CudaAllocator};
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, PushKernelArg};
 
-const TRIALS: usize = 20;
-/// Values per buffer: 4 MiB of `u32`.
-const N: usize = 1 << 20;
-/// About 20 ms of spinning at 2 GHz: long enough for the host to queue the conflicting work.
-const SPIN: i64 = 40_000_000;
-
-const KERNELS: &str = r#"
-extern "C" __global__ void spin_fill(unsigned int* p, unsigned long long n, unsigned int v,
-                                     long long cycles) {
-    long long t0 = clock64();
-    while (clock64() - t0 < cycles) { }
-    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
-         i += (unsigned long long)gridDim.x * blockDim.x)
-        p[i] = v + (unsigned int)i;
-}
-extern "C" __global__ void spin_copy(const unsigned int* src, unsigned int* dst,
-                                     unsigned long long n, long long cycles) {
-    long long t0 = clock64();
-    while (clock64() - t0 < cycles) { }
-    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
-         i += (unsigned long long)gridDim.x * blockDim.x)
-        dst[i] = src[i];
-}
-"#;
-
-struct Kernels {
-    spin_fill: CudaFunction,
-    spin_copy: CudaFunction,
-}
-
+use crate::spin::{N, SPIN, expected, grid, kernels, spin_grid};
 use crate::util::{require_gpu, under_sanitizer};
 
-fn kernels(ctx: &Arc<CudaContext>) -> Kernels {
-    let module = crate::util::load_module(ctx, KERNELS);
-    Kernels {
-        spin_fill: module.load_function("spin_fill").unwrap(),
-        spin_copy: module.load_function("spin_copy").unwrap(),
-    }
-}
-
-fn grid() -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (1024, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-/// Two blocks for the spinning kernels: they must leave the GPU's other multiprocessors free,
-/// or a device-to-device copy (itself a kernel) cannot start before they end and the race
-/// cannot show (seen on an H100 with a full grid: the control arm of hazard (a) stayed correct).
-fn spin_grid() -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (2, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
+const TRIALS: usize = 20;
 
 /// A context object for the probe: the primary context of device 0 with its own flags
 /// (cudarc keeps the stream count and event tracking per `CudaContext` object), and two streams.
@@ -85,10 +29,6 @@ fn setup(tracking: bool) -> (Arc<CudaContext>, Arc<CudaStream>, Arc<CudaStream>)
     let s1 = ctx.new_stream().unwrap();
     let s2 = ctx.new_stream().unwrap();
     (ctx, s1, s2)
-}
-
-fn expected(v: u32) -> Vec<u32> {
-    (0..N as u32).map(|i| v.wrapping_add(i)).collect()
 }
 
 /// Hazard (a): a slow kernel writes `x` on s1; a copy on s2 reads `x` at once. Returns the trials

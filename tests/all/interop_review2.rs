@@ -11,103 +11,14 @@ use std::sync::Arc;
 use cuda_caching_allocator::AllocatorConfig;
 use cuda_caching_allocator::interop::{CachedSlice, CudaAllocator};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, DeviceSlice, LaunchConfig,
-    PushKernelArg, SyncOnDrop, sys,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, DeviceSlice, PushKernelArg,
+    SyncOnDrop, sys,
 };
 
+use crate::spin::{JUNK, N, NO_SPIN, SPIN, expected, fill, grid, kernels, slow_copy, spin_grid};
 use crate::util::require_gpu;
 
 const TRIALS: usize = 20;
-/// Values per buffer: 4 MiB of `u32`.
-const N: usize = 1 << 20;
-/// About 20 ms of spinning at 2 GHz: long enough for the host to queue the conflicting work.
-const SPIN: i64 = 40_000_000;
-const NO_SPIN: i64 = 0;
-const JUNK: u32 = 0xDEAD_0000;
-
-const KERNELS: &str = r#"
-extern "C" __global__ void spin_fill(unsigned int* p, unsigned long long n, unsigned int v,
-                                     long long cycles) {
-    long long t0 = clock64();
-    while (clock64() - t0 < cycles) { }
-    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
-         i += (unsigned long long)gridDim.x * blockDim.x)
-        p[i] = v + (unsigned int)i;
-}
-extern "C" __global__ void spin_copy(const unsigned int* src, unsigned int* dst,
-                                     unsigned long long n, long long cycles) {
-    long long t0 = clock64();
-    while (clock64() - t0 < cycles) { }
-    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
-         i += (unsigned long long)gridDim.x * blockDim.x)
-        dst[i] = src[i];
-}
-extern "C" __global__ void spin(long long cycles) {
-    long long t0 = clock64();
-    while (clock64() - t0 < cycles) { }
-}
-"#;
-
-struct Kernels {
-    spin_fill: CudaFunction,
-    spin_copy: CudaFunction,
-    spin: CudaFunction,
-}
-
-fn kernels(ctx: &Arc<CudaContext>) -> Kernels {
-    let module = crate::util::load_module(ctx, KERNELS);
-    Kernels {
-        spin_fill: module.load_function("spin_fill").unwrap(),
-        spin_copy: module.load_function("spin_copy").unwrap(),
-        spin: module.load_function("spin").unwrap(),
-    }
-}
-
-fn grid() -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (1024, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-/// Two blocks for the spinning kernels, leaving the other multiprocessors free (see
-/// `cuda_streams.rs`).
-fn spin_grid() -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (2, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-fn expected(v: u32) -> Vec<u32> {
-    (0..N as u32).map(|i| v.wrapping_add(i)).collect()
-}
-
-/// `spin_fill(dst, N, v, cycles)` on `s` (`dst`: any kernel argument of `N` or more `u32`).
-macro_rules! fill {
-    ($s:expr, $k:expr, $dst:expr, $v:expr, $cycles:expr, $cfg:expr) => {{
-        let n = N as u64;
-        let v: u32 = $v;
-        let cycles: i64 = $cycles;
-        let mut l = $s.launch_builder(&$k.spin_fill);
-        l.arg($dst).arg(&n).arg(&v).arg(&cycles);
-        // SAFETY: spin_fill(unsigned*, u64, u32, i64) writes `N` values of a buffer of `N` or more.
-        unsafe { l.launch($cfg) }.unwrap();
-    }};
-}
-
-/// `spin_copy(src, dst, N, SPIN)` on `s`: reads `src` after about 20 ms.
-macro_rules! slow_copy {
-    ($s:expr, $k:expr, $src:expr, $dst:expr) => {{
-        let n = N as u64;
-        let mut l = $s.launch_builder(&$k.spin_copy);
-        l.arg($src).arg($dst).arg(&n).arg(&SPIN);
-        // SAFETY: spin_copy(const unsigned*, unsigned*, u64, i64) on two `N`-value buffers.
-        unsafe { l.launch(spin_grid()) }.unwrap();
-    }};
-}
 
 // ---- R2-1: a typed shell's uses are missing from the kept byte shell -------------------------
 
@@ -126,7 +37,7 @@ fn typed_hit_on_a_third_stream(trigger: bool) -> (usize, usize) {
     for trial in 0..TRIALS {
         let v = 1000 * trial as u32 + 17;
         let mut x: CachedSlice<u32> = alloc.alloc_zeros(&s1, N).unwrap();
-        fill!(s1, k, &mut x, v, NO_SPIN, grid());
+        fill!(s1, k, &mut x, v, NO_SPIN, grid()).unwrap();
         s1.synchronize().unwrap();
         if trigger {
             let _ = x.as_cuda_slice(); // from here on, uses record the typed events
@@ -140,7 +51,7 @@ fn typed_hit_on_a_third_stream(trigger: bool) -> (usize, usize) {
         if x2.device_ptr_raw() == before {
             reused += 1;
         }
-        fill!(s3, k, &mut x2, JUNK, NO_SPIN, grid()); // first use, on a third stream
+        fill!(s3, k, &mut x2, JUNK, NO_SPIN, grid()).unwrap(); // first use, on a third stream
         if z.to_vec().unwrap() != expected(v) {
             wrong += 1;
         }
@@ -202,28 +113,28 @@ fn other_object_kernel_uses(arm: ObjArm) -> usize {
         let got = match arm {
             ObjArm::Cudarc => {
                 let mut x: CudaSlice<u32> = db.alloc_zeros(N).unwrap();
-                fill!(db, k, &mut x, v, NO_SPIN, grid());
+                fill!(db, k, &mut x, v, NO_SPIN, grid()).unwrap();
                 db.synchronize().unwrap();
                 let mut z: CudaSlice<u32> = a1.alloc_zeros(N).unwrap();
                 slow_copy!(a1, k, &x, &mut z);
-                fill!(a2, k, &mut x, JUNK, NO_SPIN, grid());
+                fill!(a2, k, &mut x, JUNK, NO_SPIN, grid()).unwrap();
                 let got = a1.clone_dtoh(&z).unwrap();
                 ctx_a.synchronize().unwrap();
                 got
             }
             ObjArm::CachedDirect | ObjArm::CachedViews => {
                 let mut x: CachedSlice<u32> = alloc.alloc_zeros(&db, N).unwrap();
-                fill!(db, k, &mut x, v, NO_SPIN, grid());
+                fill!(db, k, &mut x, v, NO_SPIN, grid()).unwrap();
                 db.synchronize().unwrap();
                 let mut z: CachedSlice<u32> = alloc.alloc_zeros(&a1, N).unwrap();
                 if matches!(arm, ObjArm::CachedDirect) {
                     slow_copy!(a1, k, &x, &mut z);
-                    fill!(a2, k, &mut x, JUNK, NO_SPIN, grid());
+                    fill!(a2, k, &mut x, JUNK, NO_SPIN, grid()).unwrap();
                 } else {
                     let xv = x.as_view();
                     slow_copy!(a1, k, &xv, &mut z);
                     let mut xm = x.as_view_mut();
-                    fill!(a2, k, &mut xm, JUNK, NO_SPIN, grid());
+                    fill!(a2, k, &mut xm, JUNK, NO_SPIN, grid()).unwrap();
                 }
                 let got = z.to_vec().unwrap();
                 ctx_a.synchronize().unwrap();
@@ -272,7 +183,7 @@ fn grown_block_on_a_third_stream(trigger: bool) -> (usize, usize) {
     for trial in 0..TRIALS {
         let v = 1000 * trial as u32 + 23;
         let mut x: CachedSlice<u32> = alloc.alloc_zeros(&s1, N).unwrap();
-        fill!(s1, k, &mut x, v, NO_SPIN, grid());
+        fill!(s1, k, &mut x, v, NO_SPIN, grid()).unwrap();
         s1.synchronize().unwrap();
         let mut z: CachedSlice<u32> = alloc.alloc_zeros(&s2, N).unwrap();
         slow_copy!(s2, k, &x, &mut z);
@@ -284,7 +195,7 @@ fn grown_block_on_a_third_stream(trigger: bool) -> (usize, usize) {
         if x2.device_ptr_raw() == before {
             same += 1;
         }
-        fill!(s3, k, &mut x2, JUNK, NO_SPIN, grid()); // the old buffer's N values
+        fill!(s3, k, &mut x2, JUNK, NO_SPIN, grid()).unwrap(); // the old buffer's N values
         if z.to_vec().unwrap() != expected(v) {
             wrong += 1;
         }
@@ -367,7 +278,7 @@ fn management_starting_mid_copy(cached: bool) -> usize {
         let v = 1000 * trial as u32 + 29;
         let got = if cached {
             let mut x: CachedSlice<u32> = alloc.alloc_zeros(&d, N).unwrap();
-            fill!(d, k, &mut x, v, NO_SPIN, grid());
+            fill!(d, k, &mut x, v, NO_SPIN, grid()).unwrap();
             d.synchronize().unwrap();
             let mut out: CachedSlice<u32> = alloc.alloc_zeros(&d, N).unwrap();
             let y = {
@@ -388,7 +299,7 @@ fn management_starting_mid_copy(cached: bool) -> usize {
             got
         } else {
             let mut x: CudaSlice<u32> = d.alloc_zeros(N).unwrap();
-            fill!(d, k, &mut x, v, NO_SPIN, grid());
+            fill!(d, k, &mut x, v, NO_SPIN, grid()).unwrap();
             d.synchronize().unwrap();
             let mut out: CudaSlice<u32> = d.alloc_zeros(N).unwrap();
             let y = {

@@ -11,103 +11,13 @@ use std::sync::Arc;
 use cuda_caching_allocator::AllocatorConfig;
 use cuda_caching_allocator::interop::{CachedSlice, CudaAllocator};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DriverError, LaunchConfig,
-    PushKernelArg, result, sys,
+    CudaContext, CudaSlice, CudaStream, DevicePtr, DriverError, PushKernelArg, result, sys,
 };
 
+use crate::spin::{JUNK, Kernels, N, NO_SPIN, expected, fill, grid, kernels, slow_copy, spin_grid};
 use crate::util::require_gpu;
 
 const TRIALS: usize = 20;
-/// Values per buffer: 4 MiB of `u32`.
-const N: usize = 1 << 20;
-/// About 20 ms of spinning at 2 GHz: long enough for the host to queue the conflicting work.
-const SPIN: i64 = 40_000_000;
-const NO_SPIN: i64 = 0;
-const JUNK: u32 = 0xDEAD_0000;
-
-const KERNELS: &str = r#"
-extern "C" __global__ void spin_fill(unsigned int* p, unsigned long long n, unsigned int v,
-                                     long long cycles) {
-    long long t0 = clock64();
-    while (clock64() - t0 < cycles) { }
-    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
-         i += (unsigned long long)gridDim.x * blockDim.x)
-        p[i] = v + (unsigned int)i;
-}
-extern "C" __global__ void spin_copy(const unsigned int* src, unsigned int* dst,
-                                     unsigned long long n, long long cycles) {
-    long long t0 = clock64();
-    while (clock64() - t0 < cycles) { }
-    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
-         i += (unsigned long long)gridDim.x * blockDim.x)
-        dst[i] = src[i];
-}
-extern "C" __global__ void spin(long long cycles) {
-    long long t0 = clock64();
-    while (clock64() - t0 < cycles) { }
-}
-"#;
-
-struct Kernels {
-    spin_fill: CudaFunction,
-    spin_copy: CudaFunction,
-    spin: CudaFunction,
-}
-
-fn kernels(ctx: &Arc<CudaContext>) -> Kernels {
-    let module = crate::util::load_module(ctx, KERNELS);
-    Kernels {
-        spin_fill: module.load_function("spin_fill").unwrap(),
-        spin_copy: module.load_function("spin_copy").unwrap(),
-        spin: module.load_function("spin").unwrap(),
-    }
-}
-
-fn grid() -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (1024, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-/// Two blocks for the spinning kernels, leaving the other multiprocessors free (see
-/// `cuda_streams.rs`).
-fn spin_grid() -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (2, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-fn expected(v: u32) -> Vec<u32> {
-    (0..N as u32).map(|i| v.wrapping_add(i)).collect()
-}
-
-/// `spin_fill(dst, N, v, cycles)` on `s` (`dst`: any kernel argument of `N` or more `u32`).
-macro_rules! fill {
-    ($s:expr, $k:expr, $dst:expr, $v:expr, $cycles:expr, $cfg:expr) => {{
-        let n = N as u64;
-        let v: u32 = $v;
-        let cycles: i64 = $cycles;
-        let mut l = $s.launch_builder(&$k.spin_fill);
-        l.arg($dst).arg(&n).arg(&v).arg(&cycles);
-        // SAFETY: spin_fill(unsigned*, u64, u32, i64) writes `N` values of a buffer of `N` or more.
-        unsafe { l.launch($cfg) }
-    }};
-}
-
-/// `spin_copy(src, dst, N, SPIN)` on `s`: reads `src` after about 20 ms.
-macro_rules! slow_copy {
-    ($s:expr, $k:expr, $src:expr, $dst:expr) => {{
-        let n = N as u64;
-        let mut l = $s.launch_builder(&$k.spin_copy);
-        l.arg($src).arg($dst).arg(&n).arg(&SPIN);
-        // SAFETY: spin_copy(const unsigned*, unsigned*, u64, i64) on two `N`-value buffers.
-        unsafe { l.launch(spin_grid()) }.unwrap();
-    }};
-}
 
 /// `spin(NO_SPIN)` on `s`: a kernel that touches no memory.
 fn empty_kernel(s: &CudaStream, k: &Kernels) -> Result<(), DriverError> {

@@ -47,6 +47,7 @@ mod props;
 mod segment_events;
 mod shared_pages;
 mod snapshot_review;
+mod spin;
 mod stream_safety;
 mod tools_review;
 mod trace_io;
