@@ -379,14 +379,8 @@ impl<T> CachedSlice<T> {
     // buffer makes a new one, which Note [New shells start at the allocation stream] orders
     // after the drop's waits.
     fn evict_stale_kept_shell(&self, in_capture: bool) {
-        let shells = self.alloc.shells();
-        let Some(stale) = shells.evict(self.ptr) else {
-            return;
-        };
-        if in_capture || self.alloc.inner.capture_underway() {
-            shells.quarantine(stale);
-        } else {
-            super::events::destroy_quietly(stale);
+        if let Some(stale) = self.alloc.shells().evict(self.ptr) {
+            retire_shell(&self.alloc, stale, in_capture);
         }
     }
 }
@@ -409,13 +403,19 @@ impl<T> CachedSlice<T> {
 // a `CudaSlice` without freeing, and its waits are its own), and a capture the cache does not
 // route (no `capture_pool`) is not known to it.
 fn pool_shell(alloc: &CudaAllocator, ptr: sys::CUdeviceptr, shell: EventShell) {
-    let Some(displaced) = alloc.shells().put(ptr, shell) else {
-        return;
-    };
-    if alloc.inner.capture_underway() {
-        alloc.shells().quarantine(displaced);
+    if let Some(displaced) = alloc.shells().put(ptr, shell) {
+        retire_shell(alloc, displaced, false);
+    }
+}
+
+/// Ends a shell that leaves the pool for good: quarantined while `in_capture` or while the cache
+/// knows of a routed capture underway, destroyed at once otherwise keeping cudarc's pending
+/// error (Note [Displaced shells], Note [A stale kept shell goes]).
+fn retire_shell(alloc: &CudaAllocator, shell: EventShell, in_capture: bool) {
+    if in_capture || alloc.inner.capture_underway() {
+        alloc.shells().quarantine(shell);
     } else {
-        super::events::destroy_quietly(displaced);
+        super::events::destroy_quietly(shell);
     }
 }
 
