@@ -52,7 +52,7 @@ step() { # name, command...
 }
 
 PHASES=${*:-tests example torch safety sanitizer}
-GPU_TESTS=${CCA_GPU_TESTS:-"cuda:: cuda_streams:: cuda_capture:: cuda_port:: cuda_pinned:: interop_review2:: interop_review3::"}
+GPU_TESTS=${CCA_GPU_TESTS:-"cuda:: cuda_streams:: cuda_capture:: cuda_port:: cuda_pinned:: interop_review2:: interop_review3:: pinned_review::"}
 # The GPU tests are #[ignore]d (cargo test on a machine without a GPU lists them as ignored):
 # --include-ignored runs them. The multi_gpu tests fail on one GPU, so they are left out there.
 GPU_TEST_ARGS="--include-ignored --test-threads=1"

@@ -24,8 +24,9 @@
 //!   (`SyncOnDrop::Sync`): the copy is done when cudarc's call returns;
 //! * a use on any other stream while synchronization *is* managed marks the buffer too: cudarc
 //!   records the event only if the context still manages synchronization when the use ends, so
-//!   host access or the drop that finds it no longer managing synchronizes the context first
-//!   (Note [Management that ends mid-use], at `use_on`).
+//!   the drop, exclusive host access, and shared host access after a marked write, that find it
+//!   no longer managing synchronize the context first, once (Note [Management that ends
+//!   mid-use], at `use_on`).
 //!
 //! Where cudarc's drop synchronizes the event and frees, a dropped `CachedPinned` does not block
 //! (except after a use the last point marks, once the context no longer manages
@@ -460,6 +461,7 @@ impl PinnedAllocator {
                 streams_differ: AtomicBool::new(false),
                 lazy: AtomicBool::new(false),
                 unrecorded_on: Mutex::new(Vec::new()),
+                unrecorded_write: AtomicBool::new(false),
                 alloc: self.clone(),
                 marker: PhantomData,
             });
@@ -495,6 +497,7 @@ impl PinnedAllocator {
             streams_differ: AtomicBool::new(false),
             lazy: AtomicBool::new(false),
             unrecorded_on: Mutex::new(Vec::new()),
+            unrecorded_write: AtomicBool::new(false),
             alloc: self.clone(),
             marker: PhantomData,
         })
@@ -569,6 +572,10 @@ pub struct CachedPinned<T> {
     /// event's: a shared cache's events belong to its own object, which need not manage
     /// anything while the program's does.
     unrecorded_on: Mutex<Vec<Arc<CudaContext>>>,
+    /// A write (a copy into the buffer) was marked in `unrecorded_on` since the last context
+    /// synchronization of host access: shared host access waits for the context only then
+    /// (Note [Management that ends mid-use]).
+    unrecorded_write: AtomicBool,
     alloc: PinnedAllocator,
     marker: PhantomData<T>,
 }
@@ -659,9 +666,16 @@ impl<T> CachedPinned<T> {
         }
         // Note [Management that ends mid-use]. The marks are cleared only by a synchronization
         // that ran (and only by an exclusive access: a shared one may race a new use).
+        // Shared access waits only for a write that may be unrecorded: a write needs `&mut self`,
+        // so every write marked before this `&self` access was queued before it, and none is
+        // marked during it; reads still running change nothing the host reads. Exclusive access
+        // (the host is about to write) waits for every marked use.
         let unmanaged = no_longer_managing(&self.unrecorded_on.lock());
-        if let Some(ctx) = unmanaged {
+        if let Some(ctx) = unmanaged
+            && (exclusive || self.unrecorded_write.load(Ordering::Acquire))
+        {
             ctx.synchronize()?;
+            self.unrecorded_write.store(false, Ordering::Release);
             if exclusive {
                 self.unrecorded_on.lock().clear();
             }
@@ -720,7 +734,8 @@ impl<T: ValidAsZeroBits> CachedPinned<T> {
 
 impl<T> CachedPinned<T> {
     /// The stream rules of the module docs for one use on `stream`.
-    fn use_on<'a>(&'a self, stream: &'a CudaStream) -> SyncOnDrop<'a> {
+    /// `write`: the use writes the buffer (a copy into it).
+    fn use_on<'a>(&'a self, stream: &'a CudaStream, write: bool) -> SyncOnDrop<'a> {
         let Some(ev) = &self.event else {
             return SyncOnDrop::Sync(None);
         };
@@ -773,13 +788,21 @@ impl<T> CachedPinned<T> {
                 // dropped buffer's block would be reused under the copy. So the use marks the
                 // buffer, and host access or the drop that finds management off synchronizes
                 // the context first (where cudarc's own drop is covered by the implicit
-                // synchronization of `cuMemFreeHost`). Not covered: management turned back on
+                // synchronization of `cuMemFreeHost`). Shared host access does so only while a
+                // marked write has not been waited for: the host only reads then, and a copy
+                // that reads the buffer changes nothing it sees; the exclusive access and the
+                // drop wait for every marked use, and only they clear the marks. (It once
+                // synchronized the context at every `as_slice` once the program's streams were
+                // gone: `pinned_review_shared_host_access_after_management_ends_...`.) Not covered: management turned back on
                 // before that check without a completed context synchronization (`fork`, or
                 // another thread inside `new_stream` before its synchronization, or
                 // `enable_event_tracking`): the drop then trusts an event cudarc did not record.
                 let mut on = self.unrecorded_on.lock();
                 if !on.iter().any(|c| Arc::ptr_eq(c, ctx)) {
                     on.push(Arc::clone(ctx));
+                }
+                if write {
+                    self.unrecorded_write.store(true, Ordering::Release);
                 }
             }
             SyncOnDrop::Record(Some((ev, stream)))
@@ -800,7 +823,7 @@ impl<T> HostSlice<T> for CachedPinned<T> {
         &'a self,
         stream: &'a CudaStream,
     ) -> (&'a [T], SyncOnDrop<'a>) {
-        let record = self.use_on(stream);
+        let record = self.use_on(stream, false);
         // SAFETY: `ptr` holds `len` values owned by this buffer (dangling with `len == 0`); the
         // copy that reads them is ordered after earlier uses (the wait above).
         let slice = unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) };
@@ -811,7 +834,7 @@ impl<T> HostSlice<T> for CachedPinned<T> {
         &'a mut self,
         stream: &'a CudaStream,
     ) -> (&'a mut [T], SyncOnDrop<'a>) {
-        let record = self.use_on(stream);
+        let record = self.use_on(stream, true);
         // SAFETY: as above; `&mut self` makes the copy the only writer.
         let slice = unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) };
         (slice, record)

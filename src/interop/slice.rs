@@ -508,6 +508,9 @@ impl<T> CachedSlice<T> {
         if self.ptr == 0 || !self.stream.context().is_event_tracking() {
             return None;
         }
+        // Making events (and the anchor's record) binds the buffer's context; a first view binds
+        // nothing in cudarc, so the caller's current context is put back.
+        let _restore = crate::backend::cuda::callers_context();
         // Note [Uses without events]: events made now would not order this use after a kernel
         // that used the buffer without them.
         self.alloc
@@ -804,6 +807,9 @@ impl<T> CachedSlice<T> {
         if let Some(typed) = self.typed.get() {
             return Ok(typed);
         }
+        // cudarc binds the buffer's context to make the shell's events and to order it; a
+        // `&CudaSlice` binds nothing, so the caller's current context is put back.
+        let _restore = crate::backend::cuda::callers_context();
         if !self.stream.context().is_event_tracking() {
             return self.untracked_cuda_slice();
         }
@@ -905,7 +911,11 @@ impl<T> CachedSlice<T> {
     /// A backend error when cudarc could not create the events.
     pub fn try_as_cuda_view_mut(&mut self) -> Result<cu::CudaViewMut<'_, T>> {
         self.try_as_cuda_slice()?;
+        // Folding the byte shell in binds the buffer's context; cudarc's `as_view_mut` binds
+        // nothing.
+        let restore = (!self.folded).then(crate::backend::cuda::callers_context);
         self.prepare_mut();
+        drop(restore);
         match (self.typed.get_mut(), self.typed_untracked.get_mut()) {
             (Some(typed), _) => Ok(typed.as_view_mut()),
             (None, Some(lent)) => Ok(lent.as_view_mut()),

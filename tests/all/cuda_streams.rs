@@ -694,6 +694,62 @@ fn cuda_a_leak_keeps_the_callers_context_and_the_blocks_events() {
     alloc.empty_cache().unwrap();
 }
 
+/// A buffer's first view, `try_as_cuda_slice` and `try_as_cuda_view_mut` make its events, and
+/// cudarc binds the buffer's context to make them; cudarc's own `slice`, `as_view_mut` and a
+/// `&CudaSlice` bind nothing, so each of the three puts the caller's current context back (none,
+/// here), as the drop, `leak` and every call of the cache do. The control arm is a cudarc call
+/// of the same context, which leaves it current: the probe can tell.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn cuda_first_views_and_typed_shells_keep_the_callers_context() {
+    require_gpu("cuda_first_views_and_typed_shells_keep_the_callers_context");
+    let (ctx, s1, _s2) = setup(true);
+    let alloc = CudaAllocator::new(Arc::clone(&ctx), AllocatorConfig::default()).unwrap();
+    // SAFETY: the buffers are never read; only their events are made.
+    let (x, y, mut z) = unsafe {
+        (
+            alloc.alloc::<u32>(&s1, N).unwrap(),
+            alloc.alloc::<u32>(&s1, N).unwrap(),
+            alloc.alloc::<u32>(&s1, N).unwrap(),
+        )
+    };
+    assert!(!x.has_events() && !y.has_events() && !z.has_events());
+
+    set_current(std::ptr::null_mut());
+    s1.synchronize().unwrap();
+    let control = current_ctx();
+    set_current(std::ptr::null_mut());
+    let after_view = {
+        let _view = x.as_view();
+        current_ctx()
+    };
+    set_current(std::ptr::null_mut());
+    y.try_as_cuda_slice().unwrap();
+    let after_typed = current_ctx();
+    set_current(std::ptr::null_mut());
+    z.try_as_cuda_view_mut().unwrap();
+    let after_view_mut = current_ctx();
+    set_current(ctx.cu_ctx());
+    println!(
+        "current context after: a cudarc call {control:?}, a first view {after_view:?}, \
+         try_as_cuda_slice {after_typed:?}, try_as_cuda_view_mut {after_view_mut:?}"
+    );
+    assert!(!control.is_null(), "the control left no context current");
+    assert!(x.has_events() && y.has_events() && z.has_events());
+    assert!(after_view.is_null(), "a first view left a context current");
+    assert!(
+        after_typed.is_null(),
+        "try_as_cuda_slice left a context current"
+    );
+    assert!(
+        after_view_mut.is_null(),
+        "try_as_cuda_view_mut left a context current"
+    );
+    drop((x, y, z));
+    ctx.synchronize().unwrap();
+    assert_eq!(ctx.check_err(), Ok(()));
+}
+
 /// `CachedView::chunks_exact` panics on a chunk size of 0 as cudarc's `CudaView::chunks_exact`
 /// does (cudarc divides the length by it, so an empty view panics too; the first version
 /// returned no chunks for an empty view). Each arm runs on an empty and a non-empty view; the

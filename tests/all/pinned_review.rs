@@ -9,8 +9,10 @@
 //!   the cache, which reuses the block while the other copy is still queued.
 //! * `pinned_review_shared_host_access_after_management_ends_synchronizes_the_context`: after a
 //!   use on a stream of its own, once the context stops managing synchronization, every
-//!   `as_slice` synchronizes the whole context (a shared access never clears the mark), where
-//!   cudarc's `as_slice` waits for the buffer's event only.
+//!   `as_slice` synchronized the whole context (a shared access never cleared the mark), where
+//!   cudarc's `as_slice` waits for the buffer's event only. Its guard,
+//!   `pinned_review_shared_host_access_waits_for_a_write_cudarc_left_unrecorded`: shared access
+//!   still waits for a copy into the buffer that cudarc left unrecorded.
 //! * `pinned_review_a_lazy_default_stream_use_is_not_waited_for_by_the_next_use`: a use on the
 //!   legacy default stream of an unmanaged context only marks the buffer (`lazy`); the next use
 //!   on another stream waits on an event that was never recorded behind it, so an htod on a
@@ -22,8 +24,8 @@ use std::sync::Arc;
 use cuda_caching_allocator::host::PinnedConfig;
 use cuda_caching_allocator::interop::PinnedAllocator;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, HostSlice, LaunchConfig,
-    PushKernelArg, result,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, HostSlice,
+    LaunchConfig, PushKernelArg, result,
 };
 
 use crate::util::{require_gpu, under_sanitizer};
@@ -281,13 +283,14 @@ fn shared_access_probe(end_management: bool, cudarc: bool) -> usize {
 }
 
 /// Note [Management that ends mid-use] marks every use on a stream other than the default ones;
-/// `sync_host` synchronizes the whole context when the use's context object no longer manages
-/// synchronization, and only an exclusive access clears the mark. So once the program drops its
-/// streams, every `as_slice` / `as_ptr` of such a buffer (one whose copy completed long ago)
-/// waits for all work of the context, each time; cudarc's `as_slice` waits for the buffer's
-/// event only.
+/// `sync_host` synchronized the whole context when the use's context object no longer managed
+/// synchronization, and only an exclusive access cleared the mark. So once the program dropped
+/// its streams, every `as_slice` / `as_ptr` of such a buffer (one whose copy, out of the buffer,
+/// completed long ago) waited for all work of the context, each time (10 of 10, H200); cudarc's
+/// `as_slice` waits for the buffer's event only. Shared access now waits for the context only
+/// after a marked write.
 #[test]
-#[ignore = "needs a CUDA GPU; a known cost left open (Note [Management that ends mid-use]): fails while shared host access after management ends synchronizes the context"]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn pinned_review_shared_host_access_after_management_ends_synchronizes_the_context() {
     require_gpu("pinned_review_shared_host_access_after_management_ends_synchronizes_the_context");
     if under_sanitizer() {
@@ -305,6 +308,97 @@ fn pinned_review_shared_host_access_after_management_ends_synchronizes_the_conte
         probe, 0,
         "CachedPinned::as_slice synchronized the context after management ended"
     );
+}
+
+/// The guard of the fix above: a copy *into* the buffer on a borrowed stream (one cudarc does not
+/// count), with the context's only stream of its own dropped between the use's start and its end
+/// (what another thread may do), so that cudarc does not record it, queued behind a delay kernel;
+/// then `as_slice` through a shared reference must show the copied values. cudarc's own
+/// `PinnedHostSlice` in the same steps (printed, not asserted) returns before the copy: its
+/// `as_slice` waits for its event, which that use left unrecorded. A premise check (the delay
+/// kernel still running at `as_slice`) keeps the probe from passing vacuously.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn pinned_review_shared_host_access_waits_for_a_write_cudarc_left_unrecorded() {
+    require_gpu("pinned_review_shared_host_access_waits_for_a_write_cudarc_left_unrecorded");
+    let cudarc = unrecorded_write_probe(true, false);
+    let slabs = unrecorded_write_probe(false, false);
+    let pages = unrecorded_write_probe(false, true);
+    println!(
+        "as_slice before the unrecorded dtoh ended: cudarc {cudarc}, CachedPinned slabs {slabs}, host pages {pages}, of {TRIALS}"
+    );
+    assert_eq!(
+        slabs, 0,
+        "as_slice returned before an unrecorded write (slabs)"
+    );
+    assert_eq!(
+        pages, 0,
+        "as_slice returned before an unrecorded write (pages)"
+    );
+}
+
+/// One arm of the probe above; returns the trials whose `as_slice` did not show the copy.
+fn unrecorded_write_probe(cudarc: bool, pages: bool) -> usize {
+    let ctx = CudaContext::new(0).unwrap();
+    let spin = spin_kernel(&ctx);
+    let pinned = allocator(&ctx, pages);
+    ctx.bind_to_thread().unwrap();
+    let raw = result::stream::create(result::stream::StreamKind::NonBlocking).unwrap();
+    // SAFETY: `raw` is a stream of this context, destroyed at the end after a synchronization,
+    // once `borrowed` and every use of it are gone.
+    let borrowed = unsafe { ctx.wrap_borrowed_stream(raw) };
+    let mut wrong = 0;
+    for trial in 0..TRIALS {
+        let v = 1000 * trial as u32 + 23;
+        let own = ctx.new_stream().unwrap();
+        assert!(ctx.is_managing_stream_synchronization());
+        let dev = borrowed.clone_htod(&pattern(v)).unwrap();
+        let mut ours = pinned.pinned_from_slice(&vec![0xAAAA_AAAA_u32; N]).unwrap();
+        // SAFETY: every value is written below before any use.
+        let mut theirs = unsafe { ctx.alloc_pinned::<u32>(N) }.unwrap();
+        theirs.as_mut_slice().unwrap().fill(0xAAAA_AAAA);
+        borrowed.synchronize().unwrap();
+        let spin_on = Arc::clone(&borrowed);
+        delay(&spin, &spin_on);
+        let marker = borrowed.record_event(None).unwrap();
+        {
+            let (values, record) = if cudarc {
+                // SAFETY: cudarc's contract for `stream_synced_mut_slice`: the slice is used only
+                // by work queued on `borrowed` (the copy below) before `record` drops.
+                unsafe { theirs.stream_synced_mut_slice(&borrowed) }
+            } else {
+                // SAFETY: as above.
+                unsafe { ours.stream_synced_mut_slice(&borrowed) }
+            };
+            drop(own);
+            assert!(!ctx.is_managing_stream_synchronization());
+            let (src, record_dev) = dev.device_ptr(&borrowed);
+            // SAFETY: `values` holds `N` pinned values of a live buffer, `src` `N` values.
+            unsafe { result::memcpy_dtoh_async(values, src, borrowed.cu_stream()) }.unwrap();
+            drop(record_dev);
+            drop(record);
+        }
+        if !under_sanitizer() {
+            assert!(
+                !marker.is_complete(),
+                "premise not met: the delay kernel ended before as_slice"
+            );
+        }
+        let shown = if cudarc {
+            theirs.as_slice().unwrap()[7]
+        } else {
+            ours.as_slice().unwrap()[7]
+        };
+        if shown != v.wrapping_add(7) {
+            wrong += 1;
+        }
+        ctx.synchronize().unwrap();
+    }
+    drop(borrowed);
+    ctx.synchronize().unwrap();
+    // SAFETY: `raw` came from `stream::create`; nothing uses it any more.
+    unsafe { result::stream::destroy(raw) }.unwrap();
+    wrong
 }
 
 /// A dtoh on the legacy default stream into the buffer, delayed, then an htod from it on a
