@@ -2,9 +2,10 @@
 session's and later ones), each a check that fails on the package before the fix: run one per
 process,
 
-    python3 gpu/probes/torch_review.py PROBE native|cca [CONFIG]
+    python3 gpu/probes/torch_review.py PROBE native|cca|cca-pluggable [CONFIG]
 
-with PROBE one of oom_capture, oom_pool, foreign_stream_alloc, empty_cache_in_pool,
+with PROBE one of enable_after_init (cca or cca-pluggable), oom_capture, oom_pool, foreign_stream_alloc,
+empty_cache_in_pool,
 cache_info, trace_time, oom_observer_fraction, annotations, bad_delete, tracker,
 pool_snapshot_empty, runtime_settings, compile_context, graph_tree_checkpoint, use_on_oom,
 no_split, free_completed, gpu_trace, caching_disabled, no_caching_env, oom_device_free, oom_sizes,
@@ -12,7 +13,7 @@ oom_state_context, snapshot_entry, reset_peak_moves (one GPU),
 record_stream_peer, peer_copy, record_stream_capture, checkpoint_deferred_free (two GPUs). Prints one line, "PASS ..." or
 "FAIL ...", and exits 0 or 1 (a crash, as the package's SIGSEGV before the fix, exits with the
 signal). `cca` enables cuda_caching_allocator.torch (route shim) with CONFIG (default: the
-crate's default).
+crate's default), `cca-pluggable` the same through the pluggable route.
 """
 import os
 import sys
@@ -25,9 +26,12 @@ import torch as T
 
 probe, who = sys.argv[1], sys.argv[2]
 cfg = sys.argv[3] if len(sys.argv) > 3 else None
-if who == "cca":
+ROUTE = {"cca": "shim", "cca-pluggable": "pluggable"}.get(who)
+SELF_ENABLING = {"enable_after_init"}  # probes that call enable() themselves
+if ROUTE is not None:
     import cuda_caching_allocator.torch as C
-    C.enable(config=cfg, route="shim")
+    if probe not in SELF_ENABLING:
+        C.enable(config=cfg, route=ROUTE)
 
 
 def done(ok, what):
@@ -51,6 +55,28 @@ def written_on_peer_stream(x, value, sleep_cycles):
         x.copy_(src)
     x.record_stream(s1)
     return s1, src
+
+if probe == "enable_after_init":
+    # enable() after PyTorch's own allocator is initialized: PyTorch refuses the swap
+    # (changeCurrentAllocator: "Can't swap an already initialized allocator"). enable() must say
+    # so, the first time and again on a retry (the shim route said "the allocator was already
+    # created" the second time), install nothing, and leave PyTorch's allocator working.
+    x = T.ones(1 << 10, device="cuda")
+    msgs = []
+    for _ in range(2):
+        try:
+            C.enable(config=cfg, route=ROUTE)
+            msgs.append("installed")
+        except C.EnableError as e:
+            msgs.append(str(e))
+        except Exception as e:  # noqa: BLE001
+            msgs.append(f"{type(e).__name__}: {e}")
+    y = T.full((1 << 20,), 3.0, device="cuda")
+    works = T.cuda.memory_allocated() >= 4 << 20 and float(y.sum()) == 3.0 * (1 << 20)
+    said = [("already initialized" in m and "Can't swap" in m) for m in msgs]
+    ok = said == [True, True] and not C.enabled() and C.route() is None and works
+    shown = [m.splitlines()[0][:400] for m in msgs]
+    done(ok, f"messages {shown}; enabled {C.enabled()}; PyTorch's allocator works {works}")
 
 if probe == "oom_capture":
     # Out of memory inside a graph capture: PyTorch raises torch.OutOfMemoryError (the

@@ -394,14 +394,22 @@ def _install(torch, lib, path, cfg, graphs, route, build_dir, verbose):
         if isinstance(e, EnableError):
             raise
         if "already initialized" in str(e):
-            raise EnableError(
-                "PyTorch's CUDA allocator is already in use: call enable() before the first "
-                f"CUDA allocation of the process ({e})"
-            ) from e
+            raise EnableError(_in_use_message(e)) from e
         raise EnableError(f"installing the allocator failed: {e}") from e
     _state.update(lib=lib, allocator=alloc, path=path, graph_hooks=graph_hooks, route=chosen,
                   config=cfg, asked_route=asked_route)
     return alloc
+
+
+def _in_use_message(e):
+    """The message of an install PyTorch refused because its CUDA allocator is initialized
+    (``changeCurrentAllocator``: "Can't swap an already initialized allocator"), PyTorch's line
+    quoted without the C++ location it appends."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    return ("PyTorch's CUDA allocator is already initialized, so PyTorch refuses to replace it: "
+            "call enable() before anything initialises CUDA in PyTorch (a CUDA tensor, "
+            "torch.cuda.init(), torch.cuda.current_device(), ...); nothing was installed and "
+            f"PyTorch's own allocator stays (PyTorch: {first})")
 
 
 def _warn_pluggable(why):

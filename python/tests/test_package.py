@@ -552,6 +552,45 @@ def null_pointers_are_refused_not_dereferenced():
         l.cca_set_quiet(0)
 
 
+@test
+def an_install_refused_as_in_use_says_so_each_time():
+    # PyTorch refuses to swap an initialized allocator (changeCurrentAllocator); the message says
+    # so, first and on a retry, with PyTorch's line and not the C++ location after it.
+    e = RuntimeError("Can't swap an already initialized allocator\n"
+                     "Exception raised from changeCurrentAllocator at x.cpp:1")
+    msg = cca._in_use_message(e)
+    assert "already initialized" in msg and "enable() before" in msg, msg
+    assert "Can't swap an already initialized allocator)" in msg and "x.cpp" not in msg, msg
+    # The pluggable route through enable(), twice, over a stand-in torch whose swap refuses.
+    code = """
+import sys, types
+import cuda_caching_allocator.torch as cca
+class Hooks:
+    def __getattr__(self, name):
+        return lambda *a: None
+class Plug:
+    def __init__(self, *a):
+        pass
+    def allocator(self):
+        return Hooks()
+def refuse(alloc):
+    raise RuntimeError("Can't swap an already initialized allocator\\nException raised from x")
+torch = types.ModuleType("torch")
+torch.__version__ = "2.11.0"
+torch._C = types.SimpleNamespace()
+torch.cuda = types.SimpleNamespace(memory=types.SimpleNamespace(
+    CUDAPluggableAllocator=Plug, change_current_allocator=refuse))
+sys.modules["torch"] = torch
+for attempt in (1, 2):
+    try:
+        cca.enable(route="pluggable")
+    except cca.EnableError as e:
+        print(attempt, "already initialized" in str(e) and "Can't swap" in str(e), cca.enabled())
+"""
+    rc, out, err = run_python(code)
+    assert rc == 0 and out.split() == ["1", "True", "False", "2", "True", "False"], (rc, out, err)
+
+
 failed = RESULTS.count(False)
 print(f"{len(RESULTS) - failed} passed, {failed} failed")
 sys.exit(1 if failed else 0)

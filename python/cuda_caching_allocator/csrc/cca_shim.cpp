@@ -1992,9 +1992,14 @@ void hook_allocator_settings() {
   };
 }
 
+// The library and configuration g_shim was created with.
+std::string g_shim_library, g_shim_config;
+
 std::shared_ptr<CCA::CUDAAllocator> create(const std::string& library, const std::string& config) {
   TORCH_CHECK(!g_shim, "cuda_caching_allocator: the allocator was already created");
   g_shim = new Shim(load_api(library), config);
+  g_shim_library = library;
+  g_shim_config = config;
   const char* timing = std::getenv("CCA_HOST_TIMING");
   g_timing.on.store(timing != nullptr && std::string(timing) == "1");
   // A no-op deleter: PyTorch's reference never destroys it.
@@ -2002,9 +2007,32 @@ std::shared_ptr<CCA::CUDAAllocator> create(const std::string& library, const std
 }
 
 // Creates the allocator and makes it PyTorch's CUDA allocator, as
-// torch._C._cuda_changeCurrentAllocator does (which refuses when the current one is in use).
+// torch._C._cuda_changeCurrentAllocator does.
+//
+// Note [A refused install leaves nothing]: PyTorch refuses the swap once its current allocator
+// is initialized (CUDAPluggableAllocator.cpp, changeCurrentAllocator: "Can't swap an already
+// initialized allocator"), which any CUDA initialisation in PyTorch does. The allocator object is
+// made once per process (it is immortal, g_shim); made for a swap PyTorch then refused, it
+// stayed, so a second enable() failed with "the allocator was already created" instead of
+// PyTorch's reason, and its constructor had fixed the library's configuration. PyTorch's check
+// is now made first, in PyTorch's words, before anything is made; an object left by a swap
+// refused anyway (CUDA initialised by another thread in between) is the one a later call
+// installs.
 void install(const std::string& library, const std::string& config) {
-  torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(create(library, config));
+  CCA::CUDAAllocator* current = CCA::allocator.load();
+  TORCH_CHECK(current == nullptr || !current->initialized(),
+              "Can't swap an already initialized allocator");
+  std::shared_ptr<CCA::CUDAAllocator> made;
+  if (g_shim != nullptr && current != g_shim) {
+    TORCH_CHECK(library == g_shim_library && config == g_shim_config,
+                cat("cuda_caching_allocator: the allocator was already created with library '",
+                    g_shim_library, "' and configuration '", g_shim_config,
+                    "' (by an install PyTorch refused); it cannot change in this process"));
+    made = std::shared_ptr<CCA::CUDAAllocator>(g_shim, [](CCA::CUDAAllocator*) {});
+  } else {
+    made = create(library, config);
+  }
+  torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(made);
   // Only here, where the allocator becomes PyTorch's (gpu/ab_shim.cpp creates one beside
   // PyTorch's own, whose behaviour the settings would change).
   sync_pytorch_expandable(g_shim->expandable());
