@@ -4,7 +4,8 @@ process,
 
     python3 gpu/probes/torch_review.py PROBE native|cca|cca-pluggable [CONFIG]
 
-with PROBE one of enable_after_init (cca or cca-pluggable), oom_capture, oom_pool, foreign_stream_alloc,
+with PROBE one of pool_route_no_capture (native, cca or cca-pluggable),
+enable_after_init (cca or cca-pluggable), oom_capture, oom_pool, foreign_stream_alloc,
 empty_cache_in_pool,
 cache_info, trace_time, oom_observer_fraction, annotations, bad_delete, tracker,
 pool_snapshot_empty, runtime_settings, compile_context, graph_tree_checkpoint, use_on_oom,
@@ -55,6 +56,112 @@ def written_on_peer_stream(x, value, sleep_cycles):
         x.copy_(src)
     x.record_stream(s1)
     return s1, src
+
+def pool_of(addr, dev=0):
+    """The private pool id of the segment holding `addr` ((0, 0): the default pools; None: no
+    segment): PyTorch's snapshot, or on the pluggable route (where PyTorch refuses snapshots) the
+    library's own."""
+    if who != "cca-pluggable":
+        for s in T.cuda.memory_snapshot():
+            if s["device"] == dev and s["address"] <= addr < s["address"] + s["total_size"]:
+                return tuple(s.get("segment_pool_id", (0, 0)))
+        return None
+    import ctypes as ct
+
+    class Pool(ct.Structure):
+        _fields_ = [("first", ct.c_uint64), ("second", ct.c_uint64)]
+
+    class Seg(ct.Structure):
+        _fields_ = [("address", ct.c_uint64), ("total_size", ct.c_uint64),
+                    ("stream", ct.c_uint64), ("is_large", ct.c_int),
+                    ("is_expandable", ct.c_int), ("num_blocks", ct.c_uint64), ("pool", Pool)]
+
+    segs = []
+    on_seg = ct.CFUNCTYPE(None, ct.c_void_p, ct.POINTER(Seg))(
+        lambda ctx, s: segs.append((s.contents.address, s.contents.total_size,
+                                    (s.contents.pool.first, s.contents.pool.second))))
+    on_blk = ct.CFUNCTYPE(None, ct.c_void_p, ct.c_void_p)(lambda ctx, b: None)
+    C.library().cca_snapshot(dev, on_seg, on_blk, None)
+    for a, n, pool in segs:
+        if a <= addr < a + n:
+            return pool
+    return None
+
+
+if probe == "pool_route_no_capture":
+    # Routing into a private pool without a capture: torch._C._cuda_beginAllocateCurrentThreadToPool
+    # (what use_mem_pool and CUDA graph trees' warm-up call) routes this thread's allocations,
+    # any stream, and no other thread's; _cuda_beginAllocateToPool routes every allocation of the
+    # device. A block freed inside comes back to the pool and serves the next allocation there;
+    # after the routing ends, allocations go to the default pool again. On the pluggable route the
+    # package routed none of these (its pool hook bound only captures). MemPool itself: native and
+    # the shim count its uses (use_count) and list its blocks (snapshot); PyTorch's
+    # CUDAPluggableAllocator refuses MemPool() (no createOrIncrefPool), which the pluggable arm
+    # checks is still PyTorch's own refusal.
+    import threading
+
+    N = (3 << 20) + 4096
+    new = lambda: T.empty(N, dtype=T.uint8, device="cuda")  # noqa: E731
+    a = new()
+    del a  # a cached block of the default pool
+    found = {}
+    h = T.cuda.graph_pool_handle()
+    T._C._cuda_beginAllocateCurrentThreadToPool(0, h)
+    try:
+        b = new()
+        found["b"] = pool_of(b.data_ptr())
+        pb = b.data_ptr()
+        del b
+        c = new()
+        found["c reuses b"] = c.data_ptr() == pb
+        side = {}
+        t = threading.Thread(target=lambda: side.update(x=new()))
+        t.start()
+        t.join()
+        found["other thread"] = pool_of(side["x"].data_ptr())
+        del side
+    finally:
+        T._C._cuda_endAllocateToPool(0, h)
+        T._C._cuda_releasePool(0, h)
+    d = new()
+    found["after"] = pool_of(d.data_ptr())
+    h2 = T.cuda.graph_pool_handle()
+    T._C._cuda_beginAllocateToPool(0, h2)
+    try:
+        side = {}
+        t = threading.Thread(target=lambda: side.update(x=new()))
+        t.start()
+        t.join()
+        found["other thread, all routed"] = pool_of(side["x"].data_ptr())
+        del side
+    finally:
+        T._C._cuda_endAllocateToPool(0, h2)
+        T._C._cuda_releasePool(0, h2)
+    h, h2 = tuple(h), tuple(h2)
+    ok = (found["b"] == h and found["c reuses b"] and found["other thread"] not in (h, None)
+          and found["after"] not in (h, None) and found["other thread, all routed"] == h2)
+    if who == "cca-pluggable":
+        try:
+            T.cuda.MemPool()
+            found["MemPool()"] = "made"
+        except RuntimeError as e:
+            found["MemPool()"] = str(e).splitlines()[0][:120]
+        ok = ok and "createOrIncrefPool" in found["MemPool()"]
+    else:
+        p = T.cuda.MemPool()
+        before = p.use_count()
+        with T.cuda.use_mem_pool(p):
+            e = new()
+            inside = p.use_count()
+            pe = e.data_ptr()
+            del e
+            f = new()
+        after = p.use_count()
+        listed = any(bl["address"] == f.data_ptr() for sg in p.snapshot() for bl in sg["blocks"])
+        found["MemPool uses before/inside/after"] = (before, inside, after)
+        found["MemPool reuse, listed"] = (f.data_ptr() == pe, listed)
+        ok = ok and inside == before + 1 and after == before and f.data_ptr() == pe and listed
+    done(ok, f"pools {h} (this thread) and {h2} (all): {found}")
 
 if probe == "enable_after_init":
     # enable() after PyTorch's own allocator is initialized: PyTorch refuses the swap

@@ -41,7 +41,7 @@ _NATIVE_MODULE = "cuda_caching_allocator._cca"
 
 _SHIM_DIR_ENV = "CCA_SHIM_BUILD_DIR"
 # The native library's C ABI this package speaks (the shim checks its own copy, kAbiVersion).
-_ABI_VERSION = 6
+_ABI_VERSION = 7
 _ROUTE_ENV = "CCA_TORCH_ROUTE"
 
 _state = {"lib": None, "allocator": None, "path": None, "graph_hooks": False, "route": None,
@@ -247,7 +247,56 @@ def _install_pluggable(torch, lib, path, graphs):
         hooks.set_release_pool(_address(lib, "cca_release_pool"))
         graph_hooks = True
     torch.cuda.memory.change_current_allocator(alloc)
+    if graph_hooks:
+        _wrap_routing(torch, lib)
     return alloc, graph_hooks
+
+
+# PyTorch's bindings that route allocations into a private pool without a capture, with the kind
+# of filter each hands PyTorch's allocator (python/src/pools.rs, cca_next_routing).
+_ROUTING_BINDINGS = (
+    ("_cuda_beginAllocateCurrentThreadToPool", 1),  # use_mem_pool, CUDA graph trees' warm-up
+    ("_cuda_beginAllocateToPool", 2),  # every allocation of the device
+    ("_cuda_beginAllocateCurrentStreamToPool", 3),  # the device's current stream
+)
+
+
+def _wrap_routing(torch, lib):
+    """On the pluggable route, wraps PyTorch's routing bindings (``torch._C`` and the names
+    ``torch.cuda.memory`` imported from it) so that each tells the library, just before it calls
+    PyTorch, which filter PyTorch is about to pass to the pool hook: the hook receives PyTorch's
+    C++ ``std::function`` and cannot call it, and without this routed only captures (Note
+    [Routings without a capture on the pluggable route], python/src/pools.rs). A module that
+    imported a binding by name before ``enable()`` keeps PyTorch's own."""
+    fn = lib.cca_next_routing
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    memory = getattr(torch.cuda, "memory", None)
+    for name, kind in _ROUTING_BINDINGS:
+        original = getattr(torch._C, name, None)
+        if original is None or getattr(original, "_cca_routing", False):
+            continue
+        wrapper = _routing_wrapper(torch, fn, original, kind)
+        setattr(torch._C, name, wrapper)
+        if memory is not None and getattr(memory, name, None) is original:
+            setattr(memory, name, wrapper)
+
+
+def _routing_wrapper(torch, announce, original, kind):
+    def begin(device, mempool_id):
+        stream = None
+        if kind == 3:
+            stream = torch.cuda.current_stream(device).cuda_stream
+        announce(kind, stream)
+        try:
+            return original(device, mempool_id)
+        finally:
+            announce(0, None)
+
+    begin._cca_routing = True
+    begin.__name__ = getattr(original, "__name__", "begin")
+    begin.__doc__ = getattr(original, "__doc__", None)
+    return begin
 
 
 def _settings_not_applied(lib, settings):

@@ -13,9 +13,9 @@ use crate::hooks::ordinal;
 use crate::pools::MempoolId;
 
 /// The version of this C ABI; the C++ shim refuses a library of another version.
-pub(crate) const ABI_VERSION: c_int = 6;
+pub(crate) const ABI_VERSION: c_int = 7;
 
-/// The C ABI's version (6: `cca_last_oom_sizes`; 5: `cca_export_pages`, `cca_import_pages`, `cca_close_imported`,
+/// The C ABI's version (7: `cca_next_routing`; 6: `cca_last_oom_sizes`; 5: `cca_export_pages`, `cca_import_pages`, `cca_close_imported`,
 /// `cca_restore_pool`, `cca_set_use_on_oom`, `cca_set_no_split`, `cca_record_stream_checked`,
 /// `cca_free_checked` and the segment callback's action 4; 4:
 /// `cca_settings_not_applied`; 3: segment events, `CcaSegment::pool`): bumped whenever a signature or

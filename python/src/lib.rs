@@ -40,8 +40,8 @@ pub use introspect::{
 pub use ipc::{cca_close_imported, cca_export_pages, cca_import_pages};
 pub use pools::{
     CcaCheckpointBlock, MempoolId, cca_begin_allocate_to_pool, cca_begin_allocate_to_pool_with,
-    cca_create_pool, cca_end_allocate_to_pool, cca_pool_use_count, cca_release_pool,
-    cca_restore_pool, cca_set_no_split, cca_set_use_on_oom,
+    cca_create_pool, cca_end_allocate_to_pool, cca_next_routing, cca_pool_use_count,
+    cca_release_pool, cca_restore_pool, cca_set_no_split, cca_set_use_on_oom,
 };
 pub use segments::{SegmentCallback, cca_config_expandable, cca_set_segment_callback};
 pub use settings::cca_settings_not_applied;

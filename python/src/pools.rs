@@ -4,8 +4,11 @@
 //! Two ways to route a capture's allocations: the C++ shim passes PyTorch's own stream filter as
 //! a C callback ([`cca_begin_allocate_to_pool_with`]); the pluggable route cannot call PyTorch's
 //! `std::function`, so [`cca_begin_allocate_to_pool`] binds the first capture that allocates
-//! after it (asking the driver for each allocating stream's capture id).
+//! after it (asking the driver for each allocating stream's capture id), unless the package's
+//! wrapper of the PyTorch binding that called it said what the filter is
+//! ([`cca_next_routing`]: Note [Routings without a capture on the pluggable route]).
 
+use std::cell::Cell;
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -132,6 +135,79 @@ pub unsafe extern "C" fn cca_begin_allocate_to_pool_with(
     })
 }
 
+/// Note [Routings without a capture on the pluggable route]: PyTorch routes allocations into a
+/// private pool without any capture too. `torch.cuda.use_mem_pool` and CUDA graph trees' warm-up
+/// (`torch._C._cuda_beginAllocateCurrentThreadToPool`) route the calling thread's allocations,
+/// whatever their stream; `torch._C._cuda_beginAllocateToPool` routes every allocation of the
+/// device. Each binding hands PyTorch's allocator a `std::function` filter saying so, which the
+/// pluggable hook receives but cannot call; the capture binding below then routed nothing (no
+/// stream is captured), and the allocations went to the default pool. The package wraps these
+/// bindings on the pluggable route: each wrapper says here, just before it calls PyTorch, which
+/// filter PyTorch is about to pass, and [`cca_begin_allocate_to_pool`], called by PyTorch in the
+/// same thread, takes it.
+#[derive(Clone, Copy, Debug)]
+enum NextRouting {
+    /// The calling thread's allocations (`_cuda_beginAllocateCurrentThreadToPool`).
+    Thread,
+    /// Every allocation of the device (`_cuda_beginAllocateToPool`).
+    All,
+    /// Allocations on one stream (`_cuda_beginAllocateCurrentStreamToPool`).
+    Stream(StreamId),
+}
+
+thread_local! {
+    /// What the next [`cca_begin_allocate_to_pool`] of this thread routes (see the note).
+    static NEXT_ROUTING: Cell<Option<NextRouting>> = const { Cell::new(None) };
+    /// This thread's number (never reused, unlike a thread id after the thread ended).
+    static THREAD_NO: u64 = NEXT_THREAD_NO.fetch_add(1, Ordering::Relaxed);
+}
+
+/// The next thread number; 0 is no thread's.
+static NEXT_THREAD_NO: AtomicU64 = AtomicU64::new(1);
+
+/// The calling thread's number, 0 while the thread's locals are being destroyed.
+fn thread_no() -> u64 {
+    THREAD_NO.try_with(|n| *n).unwrap_or(0)
+}
+
+/// Says what the next [`cca_begin_allocate_to_pool`] of the calling thread routes, for the
+/// package's wrappers of PyTorch's routing bindings on the pluggable route (Note [Routings
+/// without a capture on the pluggable route]): `kind` 1, the calling thread's allocations; 2,
+/// every allocation of the device; 3, allocations on `stream`; 0 forgets what was said (the
+/// wrapper calls it after PyTorch returns, also when PyTorch raised before calling the hook).
+/// 0 on success, -1 for another `kind` (nothing changes; the error is recorded).
+#[unsafe(no_mangle)]
+pub extern "C" fn cca_next_routing(kind: c_int, stream: *mut c_void) -> c_int {
+    guarded("cca_next_routing", -1, || {
+        let next = match kind {
+            0 => None,
+            1 => Some(NextRouting::Thread),
+            2 => Some(NextRouting::All),
+            3 => Some(NextRouting::Stream(StreamId(stream.addr() as u64))),
+            _ => {
+                fail(KIND_OTHER, format!("cca_next_routing: unknown kind {kind}"));
+                return -1;
+            }
+        };
+        match NEXT_ROUTING.try_with(|c| c.set(next)) {
+            Ok(()) => 0,
+            Err(_) => -1,
+        }
+    })
+}
+
+/// The filter of a routing a wrapper announced, made in the thread that begins it.
+fn announced_filter(next: NextRouting) -> PoolFilter {
+    match next {
+        NextRouting::Thread => {
+            let mine = thread_no();
+            Box::new(move |_| mine != 0 && thread_no() == mine)
+        }
+        NextRouting::All => Box::new(|_| true),
+        NextRouting::Stream(s) => Box::new(move |stream| stream == s),
+    }
+}
+
 /// Capture ids already bound to a pool by an active pluggable routing, per device: a routing
 /// whose filter meets the stream of another pool's capture must not claim it.
 static BOUND_CAPTURES: Mutex<Vec<(usize, u64)>> = Mutex::new(Vec::new());
@@ -144,10 +220,12 @@ static ROUTES: Mutex<Vec<Route>> = Mutex::new(Vec::new());
 
 /// `void begin_allocate_to_pool(int device, MempoolId_t pool, std::function<bool(cudaStream_t)>)`,
 /// PyTorch's pluggable `set_begin_allocate_to_pool` hook, called by `CUDAGraph::capture_begin`
-/// just before `cudaStreamBeginCapture`. PyTorch's filter is a C++ `std::function`, passed by
-/// invisible reference: `filter` is its address, which a C ABI cannot call and which is not used.
-/// The routing instead binds the first capture, not bound by another routing of the device, that
-/// allocates after this call: the capture PyTorch is about to begin.
+/// just before `cudaStreamBeginCapture`, and by PyTorch's routing bindings. PyTorch's filter is a
+/// C++ `std::function`, passed by invisible reference: `filter` is its address, which a C ABI
+/// cannot call and which is not used. When the package's wrapper of the binding that called this
+/// said what the filter is ([`cca_next_routing`]), that routing is made; otherwise the routing
+/// binds the first capture, not bound by another routing of the device, that allocates after
+/// this call: the capture PyTorch is about to begin.
 ///
 /// # Safety
 /// Called by PyTorch with a device ordinal and a pool id; `filter` is never dereferenced.
@@ -165,6 +243,19 @@ pub unsafe extern "C" fn cca_begin_allocate_to_pool(
         let Some(ordinal) = ordinal(device) else {
             return;
         };
+        if let Some(next) = NEXT_ROUTING.try_with(Cell::take).ok().flatten() {
+            // Not in ROUTES: no capture is bound to it (its end finds nothing there to drop).
+            if let Err(e) = alloc.begin_allocate_to_pool(pool.id(), announced_filter(next)) {
+                fail_alloc(
+                    &format!(
+                        "begin_allocate_to_pool(device {device}, pool ({}, {}))",
+                        pool.first, pool.second
+                    ),
+                    &e,
+                );
+            }
+            return;
+        }
         let bound = Arc::new(AtomicU64::new(0));
         let mine = Arc::clone(&bound);
         let filter: PoolFilter = Box::new(move |stream| {

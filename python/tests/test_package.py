@@ -101,7 +101,7 @@ def shim_source_is_packaged():
     with open(src) as f:
         text = f.read()
     assert "class Shim : public CCA::CUDAAllocator" in text
-    assert "kAbiVersion = 6" in text
+    assert "kAbiVersion = 7" in text
 
 
 @test
@@ -127,7 +127,7 @@ def library_found_in_package_and_override_checked():
 @test
 def abi_version_and_layouts():
     l = lib()
-    assert l.cca_abi_version() == 6
+    assert l.cca_abi_version() == 7
     assert ctypes.sizeof(DeviceStats) == 976
 
 
@@ -550,6 +550,71 @@ def null_pointers_are_refused_not_dereferenced():
         assert b"null pointer" in l.cca_last_error(), l.cca_last_error()
     finally:
         l.cca_set_quiet(0)
+
+
+@test
+def routing_bindings_announce_their_filter():
+    # The pluggable route's wrappers of PyTorch's routing bindings (stand-ins for torch here): the
+    # library is told the filter's kind before PyTorch is called and forgets it after, also when
+    # PyTorch raises; torch.cuda.memory's imported names are wrapped with torch._C's; a name
+    # already wrapped is left alone.
+    import types
+
+    l = lib()
+    l.cca_next_routing.restype = ctypes.c_int
+    l.cca_next_routing.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    for kind in (1, 2, 3, 0):
+        assert l.cca_next_routing(kind, None) == 0, kind
+    l.cca_set_quiet(1)
+    try:
+        assert l.cca_next_routing(9, None) == -1
+        assert b"unknown kind 9" in l.cca_last_error(), l.cca_last_error()
+    finally:
+        l.cca_set_quiet(0)
+
+    log = []
+
+    def binding(name, fails=False):
+        def f(device, pool):
+            log.append((name, device, pool))
+            if fails:
+                raise RuntimeError("refused")
+        return f
+
+    thread_binding = binding("thread")
+    c = types.SimpleNamespace(_cuda_beginAllocateCurrentThreadToPool=thread_binding,
+                              _cuda_beginAllocateToPool=binding("all", fails=True))
+    memory = types.SimpleNamespace(_cuda_beginAllocateCurrentThreadToPool=thread_binding)
+    stream = types.SimpleNamespace(cuda_stream=0x1234)
+    t = types.SimpleNamespace(_C=c, cuda=types.SimpleNamespace(
+        memory=memory, current_stream=lambda d: stream))
+
+    class Announce:
+        restype = argtypes = None
+
+        def __call__(self, kind, s):
+            log.append(("announce", kind, s))
+            return 0
+
+    fake_lib = types.SimpleNamespace(cca_next_routing=Announce())
+    cca._wrap_routing(t, fake_lib)
+    assert memory._cuda_beginAllocateCurrentThreadToPool is c._cuda_beginAllocateCurrentThreadToPool
+    assert not hasattr(c, "_cuda_beginAllocateCurrentStreamToPool")
+    memory._cuda_beginAllocateCurrentThreadToPool(0, (0, 1))
+    try:
+        c._cuda_beginAllocateToPool(1, (0, 2))
+        raise AssertionError("PyTorch's refusal was swallowed")
+    except RuntimeError as e:
+        assert str(e) == "refused", e
+    assert log == [("announce", 1, None), ("thread", 0, (0, 1)), ("announce", 0, None),
+                   ("announce", 2, None), ("all", 1, (0, 2)), ("announce", 0, None)], log
+    c._cuda_beginAllocateCurrentStreamToPool = binding("stream")
+    wrapped = c._cuda_beginAllocateCurrentThreadToPool
+    cca._wrap_routing(t, fake_lib)
+    assert c._cuda_beginAllocateCurrentThreadToPool is wrapped
+    del log[:]
+    c._cuda_beginAllocateCurrentStreamToPool(0, (0, 3))
+    assert log == [("announce", 3, 0x1234), ("stream", 0, (0, 3)), ("announce", 0, None)], log
 
 
 @test

@@ -73,7 +73,7 @@ using c10::CachingDeviceAllocator::RecordContext;
 using c10::CachingDeviceAllocator::SegmentInfo;
 using c10::CachingDeviceAllocator::TraceEntry;
 
-constexpr int kAbiVersion = 6;
+constexpr int kAbiVersion = 7;
 
 // Numbers and addresses in error messages are formatted here, not streamed: on the GPU machine
 // an error message that streamed a size_t into TORCH_CHECK crashed the process inside the
