@@ -4,7 +4,7 @@ process,
 
     python3 gpu/probes/torch_review.py PROBE native|cca|cca-pluggable [CONFIG]
 
-with PROBE one of pool_route_no_capture (native, cca or cca-pluggable),
+with PROBE one of pool_route_no_capture, fork_child (native, cca or cca-pluggable),
 enable_after_init (cca or cca-pluggable), oom_capture, oom_pool, foreign_stream_alloc,
 empty_cache_in_pool,
 cache_info, trace_time, oom_observer_fraction, annotations, bad_delete, tracker,
@@ -184,6 +184,84 @@ if probe == "enable_after_init":
     ok = said == [True, True] and not C.enabled() and C.route() is None and works
     shown = [m.splitlines()[0][:400] for m in msgs]
     done(ok, f"messages {shown}; enabled {C.enabled()}; PyTorch's allocator works {works}")
+
+if probe == "fork_child":
+    # os.fork() after the allocator was used, while another thread keeps allocating (its locks
+    # may be held at the fork). A child that never touches CUDA must exit promptly: through
+    # os._exit as multiprocessing's children do (20 forks), as DataLoader workers (fork start
+    # method), and, with the other thread stopped first, through a normal interpreter exit (the
+    # inherited CUDA tensors freed during finalization, C++ static and thread-local destructors),
+    # also after dropping an inherited tensor and collecting. PyTorch's CUDA is unusable in the
+    # child (its in_bad_fork); the package adds no fork handler, background thread or exit hook,
+    # so a hang or crash here is a defect.
+    import random
+    import signal
+    import threading
+    import warnings
+
+    warnings.simplefilter("ignore", DeprecationWarning)  # "multi-threaded, use of fork()"
+    keep = [T.full((n,), 1.0, device="cuda") for n in (1 << 10, 3 << 18, 5 << 20)]
+    stop = threading.Event()
+
+    def churn():
+        s = T.cuda.Stream()
+        with T.cuda.stream(s):
+            while not stop.is_set():
+                ys = [T.empty(n, dtype=T.uint8, device="cuda") for n in (512, 3 << 20, 9 << 20)]
+                del ys
+
+    def reap(pid, limit=30.0):
+        end = time.time() + limit
+        while time.time() < end:
+            got, status = os.waitpid(pid, os.WNOHANG)
+            if got == pid:
+                if os.WIFSIGNALED(status):
+                    return f"signal {os.WTERMSIG(status)}"
+                return os.WEXITSTATUS(status)
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return "hung"
+
+    th = threading.Thread(target=churn, daemon=True)
+    th.start()
+    quick = []
+    for _ in range(20):
+        time.sleep(random.uniform(0, 0.02))
+        pid = os.fork()
+        if pid == 0:
+            sum(range(10000))
+            os._exit(7)
+        quick.append(reap(pid))
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = T.arange(256, dtype=T.float32)
+    loaded = None
+    try:
+        dl = DataLoader(TensorDataset(data), batch_size=16, num_workers=2,
+                        multiprocessing_context="fork", timeout=60)
+        loaded = sum(float(b[0].sum()) for b in dl)
+    except Exception as e:  # noqa: BLE001
+        loaded = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    stop.set()
+    th.join()
+    T.cuda.synchronize()
+    normal = {}
+    for mode in ("exit", "drop"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            if mode == "drop":
+                import gc
+
+                del keep[0]
+                gc.collect()
+            sys.exit(5)  # a normal exit: finalization, static and thread-local destructors
+        normal[mode] = reap(pid)
+    ok = (quick == [7] * 20 and loaded == float(data.sum()) and normal == {"exit": 5, "drop": 5})
+    done(ok, f"os._exit children: {sorted(set(map(str, quick)))} (want ['7']); DataLoader sum "
+             f"{loaded} (want {float(data.sum())}); normal exits {normal} (want 5 each)")
 
 if probe == "oom_capture":
     # Out of memory inside a graph capture: PyTorch raises torch.OutOfMemoryError (the
