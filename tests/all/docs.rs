@@ -1,7 +1,8 @@
 //! Checks of the code blocks in `README.md` and `docs/*.md`: every fenced block names its
 //! language; every Rust block is compiled as a doc test (no `ignore`, and its file is included by
-//! `src/lib.rs`); and the shell blocks name features, examples, test targets, `cca` subcommands
-//! and files that exist.
+//! `src/lib.rs`); the shell blocks name features, examples, test targets, `cca` subcommands
+//! and files that exist; and every `cargo test` command, in a block or a code span, is one that
+//! cargo takes (one test-name filter before `--`).
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -202,4 +203,112 @@ fn shell_blocks_name_features_examples_tests_and_commands_that_exist() {
         }
     }
     assert!(checked >= 10, "only {checked} names checked");
+}
+
+/// Every `cargo test` command the docs give, in code spans and in shell blocks, as the words
+/// from `cargo` on (a leading `VAR=value` and the other commands of a chain are left out; a span `... --test ...` that shortens a
+/// command given before it reads as `cargo test --test ...`).
+fn cargo_test_commands() -> Vec<(String, Vec<String>)> {
+    let mut out = Vec::new();
+    for file in markdown_files() {
+        let text = std::fs::read_to_string(root().join(&file)).unwrap();
+        // Code spans: the text between pairs of backticks on a line (fences are skipped).
+        for (i, line) in text.lines().enumerate() {
+            if line.trim_start().starts_with("```") {
+                continue;
+            }
+            for (n, span) in line.split('`').enumerate() {
+                if n % 2 == 1 && span.contains("cargo test") {
+                    out.push((format!("{file}:{}", i + 1), span.to_owned()));
+                } else if let Some(rest) = span.strip_prefix("... --test ").filter(|_| n % 2 == 1) {
+                    out.push((
+                        format!("{file}:{}", i + 1),
+                        format!("cargo test --test {rest}"),
+                    ));
+                }
+            }
+        }
+        for b in blocks(&file, &text).iter().filter(|b| b.info == "sh") {
+            for line in &b.body {
+                let line = line.split("  #").next().unwrap();
+                if line.contains("cargo test") {
+                    out.push((b.at.clone(), line.to_owned()));
+                }
+            }
+        }
+    }
+    // One command of a chain (`a && cargo test ...`, `cargo test ... | tee`).
+    out.into_iter()
+        .flat_map(|(at, line)| {
+            line.split(['&', ';', '|'])
+                .filter(|cmd| cmd.contains("cargo test"))
+                .map(|cmd| {
+                    let words: Vec<String> = cmd
+                        .split_whitespace()
+                        .skip_while(|w| *w != "cargo")
+                        .map(str::to_owned)
+                        .collect();
+                    (at.clone(), words)
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// `cargo test` takes one test-name filter before `--` (more are cargo's "unexpected argument"
+/// error); further filters go after `--`, to the test harness. A filter `MODULE::...` given
+/// with `--test all` names a module of `tests/all`.
+#[test]
+fn cargo_test_commands_take_one_filter_before_the_separator() {
+    // cargo's flags of `cargo test` that take a value.
+    const WITH_VALUE: [&str; 11] = [
+        "--features",
+        "-F",
+        "--test",
+        "--bench",
+        "--example",
+        "--bin",
+        "-p",
+        "--package",
+        "--profile",
+        "--target",
+        "--manifest-path",
+    ];
+    let commands = cargo_test_commands();
+    assert!(
+        commands.len() >= 20,
+        "only {} commands found",
+        commands.len()
+    );
+    for (at, words) in &commands {
+        let before: Vec<&String> = words.iter().skip(2).take_while(|w| *w != "--").collect();
+        let mut filters = Vec::new();
+        let mut skip = false;
+        for w in &before {
+            if skip {
+                skip = false;
+            } else if WITH_VALUE.contains(&w.as_str()) {
+                skip = true;
+            } else if !w.starts_with('-') {
+                filters.push(w.as_str());
+            }
+        }
+        assert!(
+            filters.len() <= 1,
+            "{at}: `{}` gives cargo {} test-name filters before `--` ({filters:?}); cargo takes \
+             one: put the others after `--`",
+            words.join(" "),
+            filters.len()
+        );
+        let all = values_of(&words.join(" "), "--test").contains(&"all");
+        let after = words.iter().skip_while(|w| *w != "--").skip(1);
+        for f in filters.iter().copied().chain(after.map(String::as_str)) {
+            if let (true, Some((module, _))) = (all, f.split_once("::")) {
+                assert!(
+                    root().join(format!("tests/all/{module}.rs")).exists(),
+                    "{at}: no module tests/all/{module}.rs for the filter `{f}`"
+                );
+            }
+        }
+    }
 }
