@@ -87,6 +87,34 @@ fn the_simulated_address_space_never_wraps() {
     assert_eq!(held.len(), 15);
 }
 
+/// A simulated device "as large as can be" (`SimDevice::with_capacity(usize::MAX)`, what a
+/// program writes to take memory out of the picture) under expandable segments: sizing a new
+/// segment's address range as PyTorch does (the device's memory and an eighth more) overflowed,
+/// a panic in a debug build. The range now stops at the largest request the cache serves, so
+/// allocations on several streams and in both pools succeed there.
+#[test]
+fn expandable_segments_on_a_simulated_device_of_usize_max_bytes() {
+    for capacity in [usize::MAX, usize::MAX - usize::MAX / 9, 1 << 63] {
+        for preset in Preset::ALL {
+            let a = with_config(capacity, preset.config());
+            let mut live = Vec::new();
+            for stream in 0..4 {
+                for size in [512, 30 << 20, 5 * GIB] {
+                    let block = a.allocate(size, StreamId(stream)).unwrap_or_else(|e| {
+                        panic!("{preset:?}, {capacity} bytes, stream {stream}, {size}: {e}")
+                    });
+                    live.push(block.ptr);
+                }
+            }
+            for p in live {
+                a.free(p).unwrap();
+            }
+            a.empty_cache().unwrap();
+            a.check_invariants().unwrap();
+        }
+    }
+}
+
 /// Regression (#14): `ManyStreamsParams` with a size range that the per-iteration scale
 /// divides below its minimum (or a reversed one) panicked with "min > max" in `clamp`.
 #[test]

@@ -69,7 +69,7 @@ use crate::allocator::device_calls;
 use crate::allocator::pool::{FreeKey, Range};
 use crate::allocator::segment_events::SegmentAction;
 use crate::backend::{BackendError, DeviceAddr, DeviceBackend, PhysicalHandle, StreamId};
-use crate::config::PageReuse;
+use crate::config::{MAX_ALLOCATION_SIZE, PageReuse};
 use crate::error::{AllocError, Result};
 use crate::size_class::{PoolKind, expandable_page_size};
 use crate::trace::TraceOp;
@@ -400,8 +400,14 @@ impl State {
                 low
             }));
         }
+        // PyTorch's address range: the device's memory and an eighth more, so that one segment
+        // can grow over all of it. It stops at the largest request the cache serves
+        // (`MAX_ALLOCATION_SIZE`): a simulated device of `usize::MAX` bytes overflowed the sum,
+        // and ranges that large left room in the address space for one or two segments.
         let total = self.device_total;
-        let handles = (total + total / 8)
+        let handles = total
+            .saturating_add(total / 8)
+            .min(usize::try_from(MAX_ALLOCATION_SIZE).unwrap_or(usize::MAX))
             .div_ceil(page)
             .max(size.div_ceil(page))
             .max(1);
