@@ -5,8 +5,8 @@
 #![forbid(unsafe_code)]
 
 use super::{
-    AllocatorConfig, ConfigError, LARGE_BUFFER, MIB, MIN_LARGE_ALLOC, PageReuse,
-    ROUNDUP_POWER2_BUCKETS,
+    AllocatorConfig, ConfigError, LARGE_BUFFER, MAX_ALLOCATION_SIZE, MIB, MIN_LARGE_ALLOC,
+    PageReuse, ROUNDUP_POWER2_BUCKETS,
 };
 
 /// The crate's own environment variable, read before `PYTORCH_CUDA_ALLOC_CONF`.
@@ -229,6 +229,15 @@ fn name_key(e: ConfigError, key: &str) -> ConfigError {
     }
 }
 
+/// A size key's value of more MiB than it takes: names the key, the value and the bound (the
+/// messages for values that are too small or zero would mislead here).
+fn too_large(key: &str, mb: usize, below: bool, bound: u64, why: &str) -> ConfigError {
+    let rule = if below { "<" } else { "at most" };
+    ConfigError::new(format!(
+        "{key}: {mb} MiB is too large; it must be {rule} {bound} MiB ({why})"
+    ))
+}
+
 /// [`apply`]'s work; `current` holds the key being read when an error ends it (empty once the
 /// keys are read).
 fn apply_keys(
@@ -276,11 +285,21 @@ fn apply_keys(
                 t.expect(i + 1, ":")?;
                 i += 2;
                 let mb = t.size(i, &key)?;
-                if mb <= MIN_LARGE_ALLOC / MIB || mb > (usize::MAX / MIB) {
+                if mb <= MIN_LARGE_ALLOC / MIB {
                     return Err(ConfigError::new(format!(
                         "CachingAllocator option large_segment_size_mb must be > {}",
                         MIN_LARGE_ALLOC / MIB
                     )));
+                }
+                let max = MAX_ALLOCATION_SIZE / MIB as u64;
+                if mb as u64 >= max {
+                    return Err(too_large(
+                        &key,
+                        mb,
+                        true,
+                        max,
+                        "1 EiB: the cache serves no request that large",
+                    ));
                 }
                 c.large_segment_size = mb * MIB;
             }
@@ -334,10 +353,14 @@ fn apply_keys(
                 t.expect(i + 1, ":")?;
                 i += 2;
                 let mb = t.size(i, &key)?;
-                if mb == 0 || mb > (usize::MAX / MIB) {
+                if mb == 0 {
                     return Err(ConfigError::new(
                         "cca_large_page_size_mb must be a whole, positive number of MiB",
                     ));
+                }
+                if mb > usize::MAX / MIB {
+                    let max = (usize::MAX / MIB) as u64;
+                    return Err(too_large(&key, mb, false, max, "the largest size in bytes"));
                 }
                 c.expandable_large_page_size = Some(mb * MIB);
             }
@@ -345,10 +368,14 @@ fn apply_keys(
                 t.expect(i + 1, ":")?;
                 i += 2;
                 let mb = t.size(i, &key)?;
-                if mb == 0 || mb > (usize::MAX / MIB) {
+                if mb == 0 {
                     return Err(ConfigError::new(
                         "cca_max_handle_size_mb must be a whole, positive number of MiB",
                     ));
+                }
+                if mb > usize::MAX / MIB {
+                    let max = (usize::MAX / MIB) as u64;
+                    return Err(too_large(&key, mb, false, max, "the largest size in bytes"));
                 }
                 c.expandable_max_handle_size = Some(mb * MIB);
             }
@@ -356,10 +383,9 @@ fn apply_keys(
                 t.expect(i + 1, ":")?;
                 i += 2;
                 let mb = t.size(i, &key)?;
-                if mb > (usize::MAX / MIB) {
-                    return Err(ConfigError::new(
-                        "cca_min_growth_mb must be a whole number of MiB",
-                    ));
+                if mb > usize::MAX / MIB {
+                    let max = (usize::MAX / MIB) as u64;
+                    return Err(too_large(&key, mb, false, max, "the largest size in bytes"));
                 }
                 c.expandable_min_growth = mb * MIB;
             }

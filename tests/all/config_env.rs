@@ -1,4 +1,5 @@
-//! Configuration from the environment: the crate's own variable first, then PyTorch's.
+//! Configuration strings: from the environment (the crate's own variable first, then PyTorch's),
+//! presets by name, round trips through `to_settings`, and values out of range.
 
 use cuda_caching_allocator::{AllocatorConfig, ConfigError, Preset};
 
@@ -82,6 +83,40 @@ fn presets_by_name() {
     let e = Preset::from_name("tf").unwrap_err();
     assert!(e.message().contains("known presets"));
     assert!(Preset::PytorchExpandable.config().expandable_segments);
+}
+
+/// A size key given more MiB than a size holds was refused with the message for a value that is
+/// too small (`large_segment_size_mb` "must be > 10") or not positive (the `cca_*_mb` keys); the
+/// message now says the value is too large and names the largest one taken, the same bound
+/// whether the parser or `validate` finds it.
+#[test]
+fn size_keys_past_their_largest_value_say_so() {
+    let huge = u64::MAX.to_string();
+    for key in [
+        "large_segment_size_mb",
+        "cca_large_page_size_mb",
+        "cca_max_handle_size_mb",
+        "cca_min_growth_mb",
+    ] {
+        let e = AllocatorConfig::parse(&format!("{key}:{huge}")).unwrap_err();
+        let m = e.message();
+        assert!(m.contains(key), "{key}: {m}");
+        assert!(m.contains("too large"), "{key}: {m}");
+        assert!(
+            !m.contains("must be > 10") && !m.contains("positive"),
+            "{key}: {m}"
+        );
+    }
+    // Between the largest segment the cache serves and the largest size: refused by the parser
+    // too, in the words `validate` uses for a configuration built in code.
+    let e = AllocatorConfig::parse("large_segment_size_mb:2000000000000").unwrap_err();
+    let built = AllocatorConfig {
+        large_segment_size: 1 << 61,
+        ..AllocatorConfig::pytorch()
+    };
+    let v = built.validate().unwrap_err();
+    assert!(e.message().contains("< 1099511627776"), "{e}");
+    assert!(v.message().contains("< 1099511627776"), "{v}");
 }
 
 /// The resolved configuration a report prints reads back to the same configuration.
