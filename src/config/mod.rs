@@ -578,9 +578,9 @@ impl AllocatorConfig {
         }
         Err(ConfigError::new(format!(
             "{key}: expandable segments map the large pool in pages of {} MiB, more than this \
-             device's whole memory ({} MiB)",
+             device's whole memory ({})",
             page / MIB,
-            total / MIB
+            crate::format::format_size(total as u64)
         )))
     }
 

@@ -115,6 +115,24 @@ fn expandable_segments_on_a_simulated_device_of_usize_max_bytes() {
     }
 }
 
+/// A simulated device smaller than one expandable page is refused naming the page's key, with
+/// the device's true size: sizes below 1 MiB read "0 MiB" (`--device-memory 1` said the device
+/// had none) and others were cut to whole MiB.
+#[test]
+fn a_device_smaller_than_a_page_is_refused_with_its_true_size() {
+    for (capacity, shown) in [(1, "1 bytes"), (1536 << 10, "1.50 MiB")] {
+        let sim = SimDevice::new(SimConfig {
+            capacity,
+            ..SimConfig::default()
+        });
+        let e = CachingAllocator::new(sim, AllocatorConfig::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cca_large_page_size_mb"), "{e}");
+        assert!(e.contains(&format!("({shown})")), "{capacity} bytes: {e}");
+    }
+}
+
 /// Regression (#14): `ManyStreamsParams` with a size range that the per-iteration scale
 /// divides below its minimum (or a reversed one) panicked with "min > max" in `clamp`.
 #[test]
