@@ -935,6 +935,49 @@ fn cli_convert_run_refuses_a_failed_run() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `cca convert --device-memory` sizes the device of a replay (`--run`, `--config`); without
+/// one it was ignored without a word (a plain conversion replays nothing), where `--allow-oom`
+/// in the same place is refused. It is refused the same way now, before the trace is read.
+#[test]
+fn cli_convert_device_memory_without_a_replay_is_refused() {
+    let out = std::env::temp_dir().join(format!("cca-convert-mem-{}.csv", std::process::id()));
+    let t = trace();
+    let plain = cca(&[
+        "convert",
+        t.to_str().unwrap(),
+        out.to_str().unwrap(),
+        "--device-memory",
+        "1GiB",
+        "--quiet",
+    ]);
+    let stderr = String::from_utf8_lossy(&plain.stderr);
+    assert_eq!(plain.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("--device-memory applies to a replay") && stderr.contains("--run"),
+        "{stderr}"
+    );
+    assert!(!out.exists(), "nothing is written");
+    // With a replay it applies (and the default device fits the trace).
+    for extra in [
+        &["--run", "pytorch", "--device-memory", "80GiB"][..],
+        &["--run", "pytorch"],
+    ] {
+        let run = cca(&[
+            &["convert", t.to_str().unwrap(), out.to_str().unwrap(), "-q"],
+            extra,
+        ]
+        .concat());
+        assert_eq!(
+            run.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        assert!(out.exists());
+        std::fs::remove_file(&out).unwrap();
+    }
+}
+
 /// A trace that asks for 1 EB at once fails whatever the device memory: the warning says so
 /// instead of advising more `--device-memory`.
 #[test]

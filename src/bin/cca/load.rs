@@ -99,6 +99,9 @@ impl Step {
     }
 }
 
+/// `cca convert --device-memory`'s default, the other subcommands' `80GiB`.
+const DEFAULT_DEVICE_MEMORY: u64 = 80 << 30;
+
 /// Parses `123`, `80GiB`, `512MiB`, `1.5TiB` (binary units, powers of 1024) and `80GB`,
 /// `64kB` (SI units, powers of 1000). A bare `K`, `M`, `G` or `T` is refused as ambiguous.
 pub(crate) fn parse_bytes(s: &str) -> Result<u64, String> {
@@ -589,6 +592,12 @@ pub(crate) fn convert(a: &ConvertArgs) -> CliResult<()> {
         Some(resolve(a.run.as_deref(), a.config.as_deref())?)
     } else if a.allow_oom {
         return Err("--allow-oom applies to a replay: add --run PRESET or --config STRING".into());
+    } else if a.device_memory.is_some() {
+        return Err(
+            "--device-memory applies to a replay: add --run PRESET or --config STRING (a plain \
+             conversion replays nothing)"
+                .into(),
+        );
     } else {
         None
     };
@@ -598,7 +607,7 @@ pub(crate) fn convert(a: &ConvertArgs) -> CliResult<()> {
         None => (trace, None),
         Some(Labelled { label, config, .. }) => {
             let device = SimDevice::new(SimConfig {
-                capacity: a.device_memory as usize,
+                capacity: a.device_memory.unwrap_or(DEFAULT_DEVICE_MEMORY) as usize,
                 ..SimConfig::default()
             });
             let capped = fraction_capped(&trace, &config);

@@ -252,9 +252,10 @@ struct ConvertArgs {
     /// it).
     #[arg(long)]
     config: Option<String>,
-    /// Simulated device memory for `--run`.
-    #[arg(long, default_value = "80GiB", value_parser = load::parse_bytes)]
-    device_memory: u64,
+    /// Simulated device memory for the replay of `--run` or `--config` (an error without one)
+    /// [default: 80GiB].
+    #[arg(long, value_parser = load::parse_bytes)]
+    device_memory: Option<u64>,
     /// With `--run` or `--config`: write the export of a run in which allocations failed out of
     /// memory (the failed ones are missing from it) and exit 0; without it such a run is
     /// reported, nothing is written, and cca exits with status 1.
