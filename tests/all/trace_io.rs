@@ -717,3 +717,31 @@ fn allocator_state_exports_as_final_segments() {
         assert_eq!(spans(&derived), spans(&segments), "{preset:?}");
     }
 }
+
+/// An RMM row whose `Pointer` is the text `(nil)` makes no event, whatever its size: an
+/// `allocate` or `free` of it is counted in `ImportReport::skipped` (`allocate (nil)`, `free
+/// (nil)`), and an `allocate failure` stays a failure in the report. docs/trace-format.md
+/// said `(nil)` was read as address 0.
+#[test]
+fn csv_nil_pointer_rows_are_skipped_and_counted() {
+    let csv = b"Thread,Time,Action,Pointer,Size,Stream\n\
+        0,1,allocate,(nil),0,0\n\
+        0,2,allocate,(nil),4096,0\n\
+        0,3,free,(nil),4096,0\n\
+        0,4,allocate failure,(nil),1024,0\n\
+        0,5,allocate,0x0,512,0\n";
+    let log = read_rmm_csv(csv, &ImportOptions::default()).unwrap();
+    assert_eq!(log.report.skipped.get("allocate (nil)"), Some(&2));
+    assert_eq!(log.report.skipped.get("free (nil)"), Some(&1));
+    assert_eq!(log.report.alloc_failures.len(), 1);
+    // Only the written `0x0` is an allocation, at address 0.
+    assert_eq!(log.trace.events.len(), 1);
+    assert!(matches!(
+        log.trace.events[0].op,
+        TraceOp::Alloc {
+            addr: Some(0),
+            size: 512,
+            ..
+        }
+    ));
+}
