@@ -37,6 +37,7 @@ mod move_budget;
 mod names;
 mod package;
 mod pinned;
+mod pinned_engine;
 mod pinned_fallbacks;
 mod pinned_pages;
 mod pinned_review;
