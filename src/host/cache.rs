@@ -154,7 +154,8 @@ impl<H: HostBackend> PinnedCache<H> {
     /// # Errors
     ///
     /// [`PinnedError::InvalidConfig`] if the alignment is not a power of two or exceeds the
-    /// backend's, or the slab size is zero.
+    /// backend's, or the slab size is zero or more than `i64::MAX` bytes (what the statistics
+    /// count).
     pub fn new(host: H, config: PinnedConfig) -> Result<Self, PinnedError> {
         if !config.alignment.is_power_of_two() {
             return Err(PinnedError::InvalidConfig(format!(
@@ -185,6 +186,13 @@ impl<H: HostBackend> PinnedCache<H> {
         }
         if config.slab_size == 0 {
             return Err(PinnedError::InvalidConfig("slab_size is zero".into()));
+        }
+        if i64::try_from(config.slab_size).is_err() {
+            return Err(PinnedError::InvalidConfig(format!(
+                "slab_size {} is more than the statistics can count ({} bytes)",
+                config.slab_size,
+                i64::MAX
+            )));
         }
         let config = PinnedConfig {
             slab_size: round_up(config.slab_size, config.alignment).ok_or_else(|| {
@@ -242,7 +250,8 @@ impl<H: HostBackend> PinnedCache<H> {
     ///
     /// # Errors
     ///
-    /// [`PinnedError::InvalidRequest`] for a zero or overflowing size;
+    /// [`PinnedError::InvalidRequest`] for a zero or overflowing size, or one whose slab would
+    /// take the pinned bytes past `i64::MAX` (what the statistics count);
     /// [`PinnedError::CapExceeded`] when a new slab would pass `max_pinned`;
     /// [`PinnedError::Backend`] when pinning fails.
     pub fn alloc(&self, size: usize) -> Result<PinnedBlock, PinnedError> {
@@ -722,6 +731,29 @@ impl<H: HostBackend> PinnedCache<H> {
         }
         if let Some(slack) = self.config.max_slack {
             slab_len = self.make_room(g, len, slab_len, slack);
+        }
+        // The byte statistics are `i64`: each request fits (`alloc` checks), but the slabs
+        // together must too, or the reserved bytes saturate and later unpins drive them below
+        // zero. Treated as a cap no configuration can raise.
+        let countable = |g: &State, slab_len: usize| {
+            i64::try_from(slab_len)
+                .ok()
+                .and_then(|l| g.stats.reserved_bytes.current.max(0).checked_add(l))
+                .is_some()
+        };
+        if !countable(g, slab_len) {
+            let _ = self.release_idle(g);
+        }
+        if !countable(g, slab_len) {
+            slab_len = exact;
+        }
+        if !countable(g, slab_len) {
+            return Err(PinnedError::InvalidRequest(format!(
+                "pinning {slab_len} more bytes beside the {} pinned would pass what the \
+                 statistics can count ({} bytes); free pinned blocks first",
+                g.stats.reserved_bytes.current,
+                i64::MAX
+            )));
         }
         let pinned = match self.host.pin(slab_len) {
             Ok(p) => p,

@@ -211,3 +211,48 @@ proptest! {
         prop_assert!(dev.violations().is_empty(), "{:?}", dev.violations());
     }
 }
+
+/// Each request below `i64::MAX` bytes passes the statistics' check, but two of them pinned
+/// together do not fit in the `i64` byte statistics: the reserved bytes saturated, and unpinning
+/// both then drove them below zero (a `debug_assert` panic inside the library; wrong figures in
+/// release builds).
+#[test]
+fn pinned_bytes_beyond_what_the_statistics_count_are_refused() {
+    let dev = Arc::new(SimDevice::with_capacity(1 << 30));
+    let host = SimHost::new(
+        dev,
+        SimHostConfig {
+            capacity: usize::MAX,
+            ..SimHostConfig::default()
+        },
+    );
+    let c = PinnedCache::new(host, PinnedConfig::default()).unwrap();
+    let big = 1usize << 62;
+    let a = c.alloc(big).unwrap();
+    let r = c.alloc(big);
+    assert!(
+        matches!(&r, Err(PinnedError::InvalidRequest(m)) if m.contains("statistics")),
+        "{:?}",
+        r.map(|b| b.ptr)
+    );
+    assert_eq!(c.host().counters().pins, 1, "the second slab is not pinned");
+    c.check_invariants().unwrap();
+    c.free(a.ptr).unwrap();
+    assert_eq!(c.empty_cache().unwrap(), big);
+    let s = c.stats();
+    assert_eq!((s.reserved_bytes.current, s.slabs.current), (0, 0));
+    c.check_invariants().unwrap();
+    // A slab size past `i64::MAX` would count as negative bytes from the first pin.
+    let host = SimHost::new(
+        Arc::new(SimDevice::with_capacity(1 << 30)),
+        SimHostConfig {
+            capacity: usize::MAX,
+            ..SimHostConfig::default()
+        },
+    );
+    let err = PinnedCache::new(host, PinnedConfig::default().with_slab_size(1 << 63)).unwrap_err();
+    assert!(
+        matches!(&err, PinnedError::InvalidConfig(m) if m.contains("slab_size") && m.contains("statistics")),
+        "{err}"
+    );
+}
