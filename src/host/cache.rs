@@ -273,19 +273,24 @@ impl<H: HostBackend> PinnedCache<H> {
         }
         let mut g = self.state.lock();
         let mut waits = 0u32;
+        // Set once no slab could be had: the fit rule no longer refuses anything (Note [The fit
+        // rule gives way]), neither a free range nor a waiting block.
+        let mut fit_waived = false;
         let (base, offset) = loop {
             if !g.waiting.is_empty() {
                 self.poll_waiting(&mut g);
             }
-            if let Some((_, base, offset)) = self.best_fit(&g, len) {
+            let hit = if fit_waived {
+                g.free_index.range((len, 0, 0)..).next().copied()
+            } else {
+                self.best_fit(&g, len)
+            };
+            if let Some((_, base, offset)) = hit {
                 g.stats.num_cache_hits += 1;
                 break (base, offset);
             }
-            if self.config.pending == PendingPolicy::Wait
-                && waits < self.config.max_pending_waits
-                && !g.waiting.is_empty()
-            {
-                if let Some(claim) = self.claim_pending(&mut g, len) {
+            if self.may_wait(&g, waits) {
+                if let Some(claim) = self.claim_pending(&mut g, len, !fit_waived) {
                     waits += 1;
                     let settled = MutexGuard::unlocked(&mut g, || self.wait_claim(claim));
                     self.settle(&mut g, settled);
@@ -297,10 +302,23 @@ impl<H: HostBackend> PinnedCache<H> {
                 Err(e) => {
                     // Note [The fit rule gives way]: the fit rule only prefers an exact slab to
                     // a much larger free range; when no slab can be pinned (the cap, or the
-                    // host out of memory), a free range it refused still serves the request.
+                    // host out of memory), a free range it refused still serves the request,
+                    // and so does a waiting block it refused to wait for.
                     if let Some(&(_, base, offset)) = g.free_index.range((len, 0, 0)..).next() {
                         g.stats.num_cache_hits += 1;
                         break (base, offset);
+                    }
+                    if !fit_waived
+                        && self.config.max_fit_waste.is_some()
+                        && self.may_wait(&g, waits)
+                    {
+                        if let Some(claim) = self.claim_pending(&mut g, len, false) {
+                            fit_waived = true;
+                            waits += 1;
+                            let settled = MutexGuard::unlocked(&mut g, || self.wait_claim(claim));
+                            self.settle(&mut g, settled);
+                            continue;
+                        }
                     }
                     return Err(e);
                 }
@@ -582,11 +600,19 @@ impl<H: HostBackend> PinnedCache<H> {
         })
     }
 
+    /// Whether an allocation that made `waits` host waits may wait for a waiting block
+    /// ([`PendingPolicy::Wait`], fewer than `max_pending_waits` waits so far, a block waiting).
+    fn may_wait(&self, g: &State, waits: u32) -> bool {
+        self.config.pending == PendingPolicy::Wait
+            && waits < self.config.max_pending_waits
+            && !g.waiting.is_empty()
+    }
+
     /// [`PendingPolicy::Wait`]: picks the oldest waiting block that, once its events complete,
     /// gives back a range (the block with its free neighbours) that holds `len` bytes and that
-    /// the fit rule accepts; takes its events and fences out and marks it claimed. `None` if no
+    /// the fit rule accepts (if `honour_fit`: not once no slab could be had); takes its events and fences out and marks it claimed. `None` if no
     /// block qualifies (blocks with an unfenced stream never do: no wait can clear them).
-    fn claim_pending(&self, g: &mut State, len: usize) -> Option<Claim> {
+    fn claim_pending(&self, g: &mut State, len: usize, honour_fit: bool) -> Option<Claim> {
         let mut best: Option<(u64, usize)> = None;
         for (i, w) in g.waiting.iter().enumerate() {
             if w.claimed
@@ -604,7 +630,7 @@ impl<H: HostBackend> PinnedCache<H> {
             else {
                 continue;
             };
-            if merged >= len && !self.fit_refuses(len, merged) {
+            if merged >= len && !(honour_fit && self.fit_refuses(len, merged)) {
                 best = Some((w.seq, i));
             }
         }

@@ -86,3 +86,41 @@ fn out_of_memory_tries_a_slab_of_the_request_size() {
         r.map(|b| b.ptr)
     );
 }
+
+/// The same with the room behind a copy in flight: `frugal()` under a cap of 8 MiB, one 8 MiB
+/// slab whose only block was freed after a copy still queued. A 3 MiB request (above the 2 MiB slab size, where the fit rule applies): no free range;
+/// waiting for the copy would give back 8 MiB, which the fit rule refuses (more than 1.25 x the request), so the cache did not wait; the cap then refused a new slab and the allocation failed
+/// with `CapExceeded`, where the same cache without the fit rule waits and serves it. The wait
+/// rule gives way as the free ranges do: the block is waited for, and its range serves.
+#[test]
+fn the_fit_rule_gives_way_to_a_pending_block_under_the_cap() {
+    let s = StreamId(5);
+    for waste in [Some(0.25), None] {
+        let cfg = PinnedConfig::frugal()
+            .with_max_fit_waste(waste)
+            .with_max_pinned(Some(8 * MIB));
+        let (dev, c) = cache_on_host_of(cfg, 64 * MIB);
+        let a = c.alloc(8 * MIB).unwrap();
+        dev.use_range(s, DeviceAddr(a.ptr.addr() as u64), 8 * MIB);
+        c.record_stream(a.ptr, s).unwrap();
+        c.free(a.ptr).unwrap();
+        assert_eq!(c.waiting_blocks(), 1);
+        let r = c.alloc(3 * MIB);
+        assert!(
+            r.is_ok(),
+            "fit waste {waste:?}: a copy's wait frees 8 MiB, yet: {:?}; {}",
+            r.map(|b| b.ptr),
+            c.summary()
+        );
+        let b = r.unwrap();
+        assert_eq!(
+            b.ptr, a.ptr,
+            "fit waste {waste:?}: served from the waited-for block"
+        );
+        assert!(dev.check_handout(StreamId(0xfeed), DeviceAddr(b.ptr.addr() as u64), b.size));
+        assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+        assert_eq!(c.stats().num_pending_waits, 1);
+        assert_eq!(c.host().counters().pins, 1, "nothing more pinned");
+        c.check_invariants().unwrap();
+    }
+}
