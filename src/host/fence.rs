@@ -9,8 +9,10 @@ use crate::backend::BackendError;
 /// Something that completes once the queued work that used a freed block is done; the cache
 /// reuses the block only after [`query`](Self::query) answered `Ok(true)` (or
 /// [`wait`](Self::wait) returned `Ok(())`). The fence is dropped once complete (a pooled event
-/// goes back to its pool from its `Drop`), inside the cache's lock: its `Drop` must not call the
-/// cache.
+/// goes back to its pool from its `Drop`), inside the cache's lock, and
+/// [`query`](Self::query) too is called with that lock held (at the free and at each
+/// allocation that finds blocks waiting): neither its `Drop` nor its `query` may call the cache
+/// (the lock is not re-entrant; the thread would wait on itself).
 pub trait HostFence: Send + fmt::Debug {
     /// Whether the work is done, without waiting (a CUDA event query). An error counts as "not
     /// yet": the block stays out of reuse.
