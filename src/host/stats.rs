@@ -11,20 +11,25 @@ use crate::stats::Stat;
 /// *reserved* bytes the pinned slabs.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PinnedStats {
-    /// Bytes of live blocks (aligned sizes).
+    /// Bytes of live blocks (aligned sizes). For a `PagedPinnedCache` also the blocks waiting
+    /// for their fences or declared streams: the device cache under it holds them allocated
+    /// until then (its `stats` says so).
     pub allocated_bytes: Stat,
-    /// Bytes asked for by live blocks.
+    /// Bytes asked for by live blocks (for a `PagedPinnedCache`, waiting ones too, as above).
     pub requested_bytes: Stat,
     /// Bytes pinned (all slabs).
     pub reserved_bytes: Stat,
-    /// Bytes of blocks freed by the user but waiting for stream events before reuse.
+    /// Bytes of blocks freed by the user but waiting for stream events before reuse (aligned
+    /// sizes; for a `PagedPinnedCache` the requested sizes of the blocks waiting for a fence
+    /// handed to `free_after`, not those held for streams declared with `record_stream`).
     pub pending_bytes: Stat,
     /// Number of slabs pinned (for a `PagedPinnedCache`: host page handles held, mapped or
     /// spare).
     pub slabs: Stat,
     /// Successful allocations.
     pub num_allocs: u64,
-    /// Allocations served from cached slabs without pinning.
+    /// Allocations served from cached slabs without pinning (for a `PagedPinnedCache`,
+    /// allocations less growths: an allocation that grew twice counts one hit fewer).
     pub num_cache_hits: u64,
     /// Frees.
     pub num_frees: u64,
