@@ -50,7 +50,9 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// cache's lock (no handle it names can be released meanwhile), and once `export` succeeds
     /// counts the allocation as exported: when it is freed, the backend's
     /// [`release_export`](DeviceBackend::release_export) is called for each of its handles that
-    /// no other exported allocation lies on. `None` (and `export` not run) for a fixed segment.
+    /// no other exported allocation lies on. When `export` fails, `release_export` is called at
+    /// once for each handle no live exported allocation lies on (an export that failed part-way
+    /// may have exported some). `None` (and `export` not run) for a fixed segment.
     /// `CudaAllocator::export_pages` (feature `cuda`) is this with `CudaDevice::export_handle`.
     ///
     /// # Errors
@@ -90,7 +92,24 @@ impl<B: DeviceBackend> CachingAllocator<B> {
                     handle_bytes,
                     handles,
                 };
-                let r = f(&pages, &self.backend)?;
+                let r = match f(&pages, &self.backend) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        if export {
+                            // An export that failed part-way may have exported some of the
+                            // handles (CUDA: descriptors opened before the process ran out of
+                            // them), which no allocation counts: let them go now, except those a
+                            // live exported allocation holds. Kept, they would stay open until
+                            // the page is released, which page reuse may put off for good.
+                            for &h in &pages.handles {
+                                if !st.st.exported_handles.contains_key(&h.0) {
+                                    self.backend.release_export(h);
+                                }
+                            }
+                        }
+                        return Err(e);
+                    }
+                };
                 if export {
                     st.st.mark_exported(ptr.0, &pages.handles);
                     // The free must reach the core, which lets the export go: a front cache

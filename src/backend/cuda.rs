@@ -557,7 +557,8 @@ impl CudaDevice {
     /// ([`CudaDevice::import_pages`]). Exported once per handle (about half a millisecond alone)
     /// and kept open until [`release_export`](DeviceBackend::release_export) (the cache calls it
     /// when the last exported allocation on the handle is freed: every importer has taken the
-    /// descriptor by then) or until the handle is released.
+    /// descriptor by then; or at once when the export it belonged to failed on a later handle
+    /// and no exported allocation holds this one) or until the handle is released.
     ///
     /// # Errors
     /// [`BackendError::InvalidArgument`] for host pages; a driver error when the handle was

@@ -443,7 +443,9 @@ pub unsafe trait DeviceBackend: Send + Sync {
     /// Forgets what was exported of physical handle `handle` for other processes (the
     /// descriptor `CudaDevice::export_handle` keeps open), once no allocation shared from it is
     /// live any more: every process that was to import it has done so. The cache calls it when
-    /// the last exported allocation on the handle is freed. The default does nothing.
+    /// the last exported allocation on the handle is freed, and when an export of an allocation
+    /// on the handle failed while no live exported allocation lies on it (a failed export may
+    /// have exported some handles before it stopped). The default does nothing.
     fn release_export(&self, handle: PhysicalHandle) {
         let _ = handle;
     }

@@ -38,7 +38,8 @@ impl CudaAllocator {
     /// Each page is exported once, under the cache's lock (1 GiB of 2 MiB pages took 57.6 ms the
     /// first time on an H200 with driver 580, 0.2 ms again), and its descriptor stays open while
     /// an exported allocation on the page is live: it is closed when the last one is freed (the
-    /// importers have taken it by then) or the page is released. A process needs as many
+    /// importers have taken it by then) or the page is released; an export that fails part-way
+    /// closes the descriptors it opened that no exported allocation holds. A process needs as many
     /// descriptors as the pages of the allocations it shares at once (`ulimit -n`).
     ///
     /// # Errors
