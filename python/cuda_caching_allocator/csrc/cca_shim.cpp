@@ -892,7 +892,9 @@ class Shim : public CCA::CUDAAllocator {
   // 2), so a process on PyTorch's own allocator opens it as well:
   // * pages of an expandable segment (the crate's default): 'e', the header above and the
   //   descriptors of the physical pages under the block (exported once per page and kept open
-  //   by the library until the page is released), offset from the first page;
+  //   by the library while an exported block on the page is live: PyTorch frees a shared block
+  //   only once every consumer has let go, so each has taken the descriptors by then), offset
+  //   from the first page;
   // * a cuMemAlloc segment ('cca_preset:pytorch'): 'c' and the cudaIpcMemHandle_t of the whole
   //   segment, offset from its base.
   // PyTorch keeps the block allocated while another process holds it (CudaIPCSentData).
