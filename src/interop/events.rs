@@ -305,7 +305,10 @@ impl ShellPool {
             had
         };
         if had {
+            // cudarc binds the context to synchronize; the caller's is put back.
+            let restore = crate::backend::cuda::callers_context();
             ctx.record_err(ctx.synchronize());
+            drop(restore);
         }
     }
 

@@ -508,16 +508,19 @@ impl<T> CachedSlice<T> {
         if self.ptr == 0 || !self.stream.context().is_event_tracking() {
             return None;
         }
-        // Making events (and the anchor's record) binds the buffer's context; a first view binds
-        // nothing in cudarc, so the caller's current context is put back.
-        let _restore = crate::backend::cuda::callers_context();
+        // Making or destroying events, the anchor's record and the synchronization below bind
+        // the buffer's context; a first view binds nothing in cudarc, so wherever one of them
+        // runs the caller's current context is put back (taking a kept shell makes no driver
+        // call, and no guard: a warm cycle stays as cheap).
         // Note [Uses without events]: events made now would not order this use after a kernel
         // that used the buffer without them.
         self.alloc
             .shells()
             .settle_unordered(self.ptr, self.stream.context());
         let capturing = self.may_be_captured(using);
+        let mut restore = None;
         let made = if capturing {
+            restore = Some(crate::backend::cuda::callers_context());
             // SAFETY: the buffer owns `[ptr, ptr + num_bytes)` until it is dropped, and this
             // shell lives inside it and is destroyed with it.
             unsafe { EventShell::on_stream(&self.stream, self.ptr, self.num_bytes()) }
@@ -528,6 +531,7 @@ impl<T> CachedSlice<T> {
         {
             Ok(kept)
         } else {
+            restore = Some(crate::backend::cuda::callers_context());
             // SAFETY: the buffer owns its block `[ptr, ptr + block_size)` until it is dropped
             // (`num_bytes <= block_size`), and the shell lives inside it (or, afterwards, in the
             // allocator's pool, unused until a buffer owns that address again).
@@ -552,9 +556,16 @@ impl<T> CachedSlice<T> {
                 match self.shell.set(shell) {
                     Ok(()) if capturing => self.captured.store(true, Ordering::Relaxed),
                     Ok(()) => {}
-                    Err(ours) if !capturing => pool_shell(&self.alloc, self.ptr, ours),
-                    Err(ours) => drop(ours),
+                    Err(ours) => {
+                        restore.get_or_insert_with(crate::backend::cuda::callers_context);
+                        if capturing {
+                            drop(ours);
+                        } else {
+                            pool_shell(&self.alloc, self.ptr, ours);
+                        }
+                    }
                 }
+                drop(restore);
                 self.shell.get()
             }
             Err(e) => {
