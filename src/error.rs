@@ -19,7 +19,9 @@ pub type Result<T, E = AllocError> = std::result::Result<T, E>;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum OomVerdict {
-    /// The device itself has no room: free memory elsewhere, or use a larger device.
+    /// The device itself has no room: free memory elsewhere, or use a larger device. Also the
+    /// verdict when the fraction cap is reached too, since raising the fraction alone cannot
+    /// make room then.
     DeviceFull,
     /// The per-process memory-fraction cap was reached before the device was full: raise the
     /// fraction, or free memory.

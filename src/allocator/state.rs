@@ -91,6 +91,10 @@ pub(crate) struct State {
     event_pool: Vec<EventHandle>,
     /// Set when the last `alloc_block` failed because of the fraction cap.
     cap_rejected: bool,
+    /// The device bytes the attempt the cap refused would have taken (meaningful while
+    /// `cap_rejected` is set): the out-of-memory verdict names the cap only when the device had
+    /// room for them.
+    pub(crate) cap_refused_bytes: usize,
     /// Pages page reuse moved since an allocation's growth last raised the peak of allocated
     /// bytes (Note [Page-move budget] in `expandable.rs`).
     pub(crate) steady_moves: u64,
@@ -192,6 +196,7 @@ impl State {
             unsynced: Vec::new(),
             event_pool: Vec::new(),
             cap_rejected: false,
+            cap_refused_bytes: 0,
             steady_moves: 0,
             allocs_since_peak: 0,
             growth_raises_peak: false,
@@ -527,6 +532,7 @@ impl State {
         if let Some(max) = self.allowed_memory_maximum {
             if !precise_cap && self.total_allocated_memory.saturating_add(size) > max {
                 self.cap_rejected = true;
+                self.cap_refused_bytes = size;
                 return Ok(None);
             }
         }
@@ -1334,10 +1340,7 @@ impl State {
             } else {
                 OomVerdict::CachedForOtherStreams
             }
-        } else if self
-            .allowed_memory_maximum
-            .is_some_and(|m| self.total_allocated_memory + alloc_size > m)
-        {
+        } else if self.cap_stopped(kind, owner, size, info.free) {
             OomVerdict::FractionCapReached
         } else {
             OomVerdict::DeviceFull
@@ -1371,6 +1374,25 @@ impl State {
         };
         tracing::warn!(target: "cuda_caching_allocator", device = report.device, requested = orig_size, segment = alloc_size, verdict = ?verdict, "out of memory");
         AllocError::OutOfMemory(Box::new(report))
+    }
+
+    /// Whether the fraction cap, and not the device, stopped the last attempt: the cap refused
+    /// it (or, for an expandable request, the request alone exceeds the cap) while the device
+    /// had room for what the attempt needed. Where both stop it, raising the fraction cannot
+    /// help, so the device is the verdict.
+    fn cap_stopped(&self, kind: PoolKind, owner: u32, size: usize, device_free: usize) -> bool {
+        let Some(max) = self.allowed_memory_maximum else {
+            return false;
+        };
+        let refused = if self.cap_rejected {
+            Some(self.cap_refused_bytes)
+        } else if owner == 0 && self.expandable && size > max {
+            // `cannot_fit` refuses such a request before any growth is tried.
+            Some(size.next_multiple_of(crate::size_class::expandable_page_size(kind, &self.config)))
+        } else {
+            None
+        };
+        refused.is_some_and(|need| device_free >= need)
     }
 
     // ---- teardown --------------------------------------------------------------------------

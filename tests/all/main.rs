@@ -35,6 +35,7 @@ mod lagged_programs;
 mod limits;
 mod move_budget;
 mod names;
+mod oom_truth;
 mod package;
 mod pinned;
 mod pinned_engine;

@@ -762,6 +762,7 @@ impl State {
         let fresh = need - reclaimed;
         if fresh > 0 && over_cap(self, fresh) {
             self.cap_rejected = true;
+            self.cap_refused_bytes = fresh * page;
             self.spare_pages.extend(got);
             return Ok(None);
         }

@@ -1,0 +1,76 @@
+//! Out-of-memory reports checked against what actually stopped the allocation: each situation
+//! is built on `SimDevice`, and the verdict and advice are held to what the same program does
+//! when it follows them.
+
+use cuda_caching_allocator::{
+    AllocatorConfig, CachingAllocator, DeviceBackend, OomVerdict, Preset, SimDevice, StreamId,
+};
+
+use crate::util::*;
+
+const S0: StreamId = StreamId::DEFAULT;
+
+/// Another process holds all but `left` bytes of the device.
+fn leave_free(a: &CachingAllocator<SimDevice>, left: usize) {
+    let free = a.backend().mem_info().unwrap().free;
+    a.backend().allocate(free - left, StreamId(99)).unwrap();
+}
+
+/// Under a fraction cap, another process fills the device: the growth fits under the cap (the
+/// default counts only the pages a growth creates) but not on the device. The report said "the
+/// per-process memory fraction cap is reached" and advised raising the fraction, which fails
+/// the same way; raising it does not help, the device is full. Under PyTorch's preset both
+/// limits stop the 20 MiB segment: the device is the one that raising the fraction cannot lift.
+#[test]
+fn the_cap_verdict_only_when_the_cap_and_not_the_device_stops_it() {
+    for (name, config) in [
+        ("default", AllocatorConfig::default()),
+        ("lean-fast", Preset::LeanFast.config()),
+        ("pytorch-expandable", Preset::PytorchExpandable.config()),
+        ("pytorch", AllocatorConfig::pytorch()),
+    ] {
+        let a = with_config(1 << 30, config);
+        a.set_memory_fraction(0.5).unwrap();
+        let live = a.allocate(500 * MIB, S0).unwrap();
+        leave_free(&a, 4 * MIB);
+        let err = a.allocate(6 * MIB, S0).unwrap_err();
+        let r = err.oom_report().unwrap();
+        assert_eq!(r.verdict, OomVerdict::DeviceFull, "{name}: {err}");
+        assert_eq!(r.device_free, 4 * MIB, "{name}");
+        // Following the advice the cap verdict gives does not help: the device is the limit.
+        a.set_memory_fraction(1.0).unwrap();
+        let again = a.allocate(6 * MIB, S0).unwrap_err();
+        assert_eq!(
+            again.oom_report().unwrap().verdict,
+            OomVerdict::DeviceFull,
+            "{name}"
+        );
+        // The allocator is intact, and a request that fits the device's 4 MiB is served.
+        a.check_invariants().unwrap();
+        let small = a.allocate(MIB / 2, S0).unwrap();
+        a.free(small.ptr).unwrap();
+        a.free(live.ptr).unwrap();
+        a.check_invariants().unwrap();
+    }
+    // With room on the device the cap is the cause, under every preset.
+    for (name, config) in [
+        ("default", AllocatorConfig::default()),
+        ("pytorch-expandable", Preset::PytorchExpandable.config()),
+        ("pytorch", AllocatorConfig::pytorch()),
+    ] {
+        let a = with_config(1 << 30, config);
+        a.set_memory_fraction(0.5).unwrap();
+        let live = a.allocate(500 * MIB, S0).unwrap();
+        let err = a.allocate(30 * MIB, S0).unwrap_err();
+        assert_eq!(
+            err.oom_report().unwrap().verdict,
+            OomVerdict::FractionCapReached,
+            "{name}: {err}"
+        );
+        a.set_memory_fraction(1.0).unwrap();
+        let x = a.allocate(30 * MIB, S0).unwrap();
+        a.free(x.ptr).unwrap();
+        a.free(live.ptr).unwrap();
+        a.check_invariants().unwrap();
+    }
+}
