@@ -30,8 +30,9 @@ pub enum OomVerdict {
     /// block is large enough: try expandable segments, `max_split_size_mb`, or freeing
     /// long-lived blocks.
     Fragmented,
-    /// The request (its segment) is larger than the device's whole memory: no freeing makes
-    /// room; split the allocation or use a larger device.
+    /// The request (its segment, or with expandable segments the whole pages its block covers)
+    /// is larger than the device's whole memory: no freeing makes room; split the allocation or
+    /// use a larger device.
     LargerThanDevice,
     /// Enough bytes sit free in the pools the request was served from, but in blocks it could
     /// not use: blocks of other streams (a cached block serves its own stream; the cross-stream

@@ -1332,7 +1332,14 @@ impl State {
                     .sum::<usize>(),
             )
         });
-        let verdict = if info.total > 0 && alloc_size > info.total {
+        // The least the device must hold for the request: its segment, or for a growth of an
+        // expandable segment the whole pages the block covers (not the segment size).
+        let least = if owner == 0 && self.expandable {
+            size.next_multiple_of(crate::size_class::expandable_page_size(kind, &self.config))
+        } else {
+            alloc_size
+        };
+        let verdict = if info.total > 0 && least > info.total {
             OomVerdict::LargerThanDevice
         } else if pool_free >= size {
             if usable >= size {

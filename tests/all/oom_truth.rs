@@ -74,3 +74,51 @@ fn the_cap_verdict_only_when_the_cap_and_not_the_device_stops_it() {
         a.check_invariants().unwrap();
     }
 }
+
+/// Expandable segments map only the pages a request needs: the 20 MiB segment size of a
+/// 1–10 MiB request is not what the device must hold. On a 16 MiB device with 10 MiB live, an
+/// 8 MiB request under the default was judged "larger than the device's whole memory: no
+/// freeing can make room", and after freeing the live 10 MiB the same request succeeded. The
+/// other way round, PyTorch's expandable preset maps 20 MiB pages: a 45 MiB request needs three
+/// (60 MiB) on a 50 MiB device that is wholly free, and was judged "the device is full".
+#[test]
+fn larger_than_the_device_counts_what_an_expandable_growth_maps() {
+    for (name, config) in [
+        ("default", AllocatorConfig::default()),
+        ("lean-fast", Preset::LeanFast.config()),
+    ] {
+        let a = with_config(16 * MIB, config);
+        let live = a.allocate(10 * MIB, S0).unwrap();
+        let err = a.allocate(8 * MIB, S0).unwrap_err();
+        let r = err.oom_report().unwrap();
+        assert_eq!(r.verdict, OomVerdict::DeviceFull, "{name}: {err}");
+        assert!(
+            !err.to_string().contains("No freeing can make room"),
+            "{name}"
+        );
+        a.check_invariants().unwrap();
+        a.free(live.ptr).unwrap();
+        let x = a.allocate(8 * MIB, S0).unwrap();
+        a.free(x.ptr).unwrap();
+        // A request the device can never hold is still named so.
+        let err = a.allocate(17 * MIB, S0).unwrap_err();
+        assert_eq!(
+            err.oom_report().unwrap().verdict,
+            OomVerdict::LargerThanDevice,
+            "{name}"
+        );
+        a.check_invariants().unwrap();
+    }
+    let a = with_config(50 * MIB, Preset::PytorchExpandable.config());
+    let err = a.allocate(45 * MIB, S0).unwrap_err();
+    assert_eq!(
+        err.oom_report().unwrap().verdict,
+        OomVerdict::LargerThanDevice,
+        "{err}"
+    );
+    // Nothing else is on the device: whatever the report says, freeing cannot help.
+    assert_eq!(a.backend().mem_info().unwrap().free, 50 * MIB);
+    let x = a.allocate(40 * MIB, S0).unwrap();
+    a.free(x.ptr).unwrap();
+    a.check_invariants().unwrap();
+}
