@@ -27,8 +27,8 @@ pub enum OomVerdict {
     /// fraction, or free memory.
     FractionCapReached,
     /// Enough bytes sit free in the cache for the request's stream and size class, but no free
-    /// block is large enough: try expandable segments, `max_split_size_mb`, or freeing
-    /// long-lived blocks.
+    /// block is large enough: try expandable segments (where they are off),
+    /// `max_split_size_mb`, or freeing long-lived blocks.
     Fragmented,
     /// The request (its segment, or with expandable segments the whole pages its block covers)
     /// is larger than the device's whole memory: no freeing makes room; split the allocation or
@@ -92,6 +92,9 @@ pub struct OomReport {
     pub largest_free_block_on_stream: usize,
     /// Fragmentation of the cache's free memory: `1 - largest free / total free` (0 when empty).
     pub external_fragmentation: f64,
+    /// Whether the request's pool grows expandable segments (then a fragmented cache is not
+    /// advised to turn them on).
+    pub expandable_segments: bool,
     /// The diagnosis.
     pub verdict: OomVerdict,
 }
@@ -147,6 +150,11 @@ impl fmt::Display for OomReport {
             OomVerdict::FractionCapReached => {
                 write!(f, " Raise the memory fraction or free memory.")
             }
+            OomVerdict::Fragmented if self.expandable_segments => write!(
+                f,
+                " Expandable segments are on already: the free cached bytes lie scattered between \
+                 live blocks; free live blocks between them to join them, or allocate less at once."
+            ),
             OomVerdict::Fragmented => write!(
                 f,
                 " If reserved but unallocated memory is large try expandable_segments:True to avoid fragmentation."

@@ -122,3 +122,61 @@ fn larger_than_the_device_counts_what_an_expandable_growth_maps() {
     a.free(x.ptr).unwrap();
     a.check_invariants().unwrap();
 }
+
+/// With expandable segments on, a fragmented cache was told "try expandable_segments:True to
+/// avoid fragmentation": the setting in force. What joins the scattered free bytes is freeing
+/// the live blocks between them, and the advice says so now; under PyTorch's preset (fixed
+/// segments) PyTorch's own advice stays.
+#[test]
+fn fragmented_advice_under_expandable_segments_is_not_to_turn_them_on() {
+    for (name, config) in [
+        ("default", AllocatorConfig::default()),
+        ("lean-fast", Preset::LeanFast.config()),
+        ("pytorch-expandable", Preset::PytorchExpandable.config()),
+    ] {
+        let a = with_config(1 << 30, config);
+        // 1.5 MiB blocks back to back; every other one freed leaves 30 MiB free, none of it
+        // a whole page.
+        let xs: Vec<_> = (0..40)
+            .map(|_| a.allocate(3 * MIB / 2, S0).unwrap())
+            .collect();
+        for x in xs.iter().skip(1).step_by(2) {
+            a.free(x.ptr).unwrap();
+        }
+        a.backend().fail_allocations_above(Some(0));
+        let err = a.allocate(5 * MIB, S0).unwrap_err();
+        let r = err.oom_report().unwrap();
+        assert_eq!(r.verdict, OomVerdict::Fragmented, "{name}: {err}");
+        assert!(r.expandable_segments, "{name}");
+        let text = err.to_string();
+        assert!(
+            !text.contains("try expandable_segments:True"),
+            "{name}: {text}"
+        );
+        assert!(text.contains("free live blocks"), "{name}: {text}");
+        // Following it: freeing the two live blocks between three free ones joins 7.5 MiB.
+        a.free(xs[2].ptr).unwrap();
+        a.free(xs[4].ptr).unwrap();
+        let x = a.allocate(5 * MIB, S0).unwrap();
+        a.free(x.ptr).unwrap();
+        a.backend().clear_faults();
+        a.check_invariants().unwrap();
+    }
+    // Fixed segments: PyTorch's advice, which expandable segments do follow.
+    let a = pytorch_on(64 * MIB);
+    let p: Vec<_> = [6 * MIB, 6 * MIB, 6 * MIB, 3 * MIB / 2]
+        .iter()
+        .map(|&n| a.allocate(n, S0).unwrap())
+        .collect();
+    a.free(p[0].ptr).unwrap();
+    a.free(p[2].ptr).unwrap();
+    a.backend().fail_allocations_above(Some(0));
+    let err = a.allocate(8 * MIB, S0).unwrap_err();
+    assert_eq!(err.oom_report().unwrap().verdict, OomVerdict::Fragmented);
+    assert!(!err.oom_report().unwrap().expandable_segments);
+    assert!(
+        err.to_string()
+            .ends_with("If reserved but unallocated memory is large try expandable_segments:True to avoid fragmentation."),
+        "{err}"
+    );
+}
