@@ -86,11 +86,14 @@ pub struct OomReport {
     /// to allocations routed to their pool (or, from a pool marked `use_on_oom`, on out of
     /// memory). PyTorch's message counts them as "allocated in private pools".
     pub private_pool_free_bytes: usize,
-    /// The largest free cached block (any stream), in bytes.
+    /// The largest free cached block (any stream) of the pools the request was served from
+    /// (the default pools, or the private pool it was routed to), in bytes.
     pub largest_free_block: usize,
-    /// The largest free cached block on the request's stream and pool, in bytes.
+    /// The largest free cached block on the request's stream, in its size class of those
+    /// pools, in bytes.
     pub largest_free_block_on_stream: usize,
-    /// Fragmentation of the cache's free memory: `1 - largest free / total free` (0 when empty).
+    /// Fragmentation of those pools' free memory: `1 - largest free / total free` (0 when
+    /// empty).
     pub external_fragmentation: f64,
     /// Whether the request's pool grows expandable segments (then a fragmented cache is not
     /// advised to turn them on).

@@ -1286,52 +1286,27 @@ impl State {
     ) -> AllocError {
         self.stats.num_ooms += 1;
         let info = dev.mem_info().unwrap_or_default();
-        let mut largest = 0usize;
-        let mut free_total = 0usize;
-        for pool in [&self.small, &self.large] {
-            for k in &pool.blocks {
-                largest = largest.max(k.size);
-                free_total += k.size;
-            }
-        }
-        // The stream's free blocks in the request's size class, up to the next stream's (none
-        // after `u64::MAX`), smallest first.
-        let blocks = &self.pool_ref(kind).blocks;
-        let lo = FreeKey::search(stream, 0);
-        let on_stream = || {
-            match stream.0.checked_add(1) {
-                Some(next) => blocks.range(lo..FreeKey::search(StreamId(next), 0)),
-                None => blocks.range(lo..),
-            }
-            .filter(move |k| k.stream == stream)
-        };
-        let largest_on_stream = on_stream().next_back().map_or(0, |k| k.size);
-        // The free bytes of the pools the request was served from (a private pool's, when it was
-        // routed to one), and of those the ones it could use: its stream's, in its size class.
+        // The pools the request was served from (a private pool's, when it was routed to one):
+        // their free bytes, the largest free block, and of those bytes the ones the request
+        // could use (its stream's, in its size class) with their largest block.
         let sets = match owner {
             0 => Some((&self.small, &self.large)),
             _ => self.graph.pools.get(&owner).map(|p| (&p.small, &p.large)),
         };
-        let (pool_free, usable) = sets.map_or((0, 0), |(small, large)| {
-            let mine = if kind == PoolKind::Small {
-                small
-            } else {
-                large
-            };
-            (
-                small
-                    .blocks
-                    .iter()
-                    .chain(&large.blocks)
-                    .map(|k| k.size)
-                    .sum(),
-                mine.blocks
-                    .iter()
-                    .filter(|k| k.stream == stream)
-                    .map(|k| k.size)
-                    .sum::<usize>(),
-            )
-        });
+        let (mut pool_free, mut largest, mut usable, mut largest_on_stream) = (0, 0, 0, 0);
+        if let Some((small, large)) = sets {
+            for (set, k) in [(PoolKind::Small, small), (PoolKind::Large, large)]
+                .into_iter()
+                .flat_map(|(set, p)| p.blocks.iter().map(move |k| (set, k)))
+            {
+                pool_free += k.size;
+                largest = largest.max(k.size);
+                if set == kind && k.stream == stream {
+                    usable += k.size;
+                    largest_on_stream = largest_on_stream.max(k.size);
+                }
+            }
+        }
         // The least the device must hold for the request: its segment, or for a growth of an
         // expandable segment the whole pages the block covers (not the segment size).
         let least = if owner == 0 && self.expandable {
@@ -1372,10 +1347,10 @@ impl State {
                 .sum(),
             largest_free_block: largest,
             largest_free_block_on_stream: largest_on_stream,
-            external_fragmentation: if free_total == 0 {
+            external_fragmentation: if pool_free == 0 {
                 0.0
             } else {
-                1.0 - largest as f64 / free_total as f64
+                1.0 - largest as f64 / pool_free as f64
             },
             expandable_segments: owner == 0 && self.expandable,
             verdict,

@@ -180,3 +180,39 @@ fn fragmented_advice_under_expandable_segments_is_not_to_turn_them_on() {
         "{err}"
     );
 }
+
+/// A request routed to a private pool is judged by that pool's free blocks, but the report's
+/// block figures were the default pools': a private pool with 12 MiB free in two 6 MiB blocks
+/// was "fragmented" beside "largest free cached block 0 bytes, 0 bytes on 0x0; external
+/// fragmentation 0.0%", figures that contradict the verdict. They describe the pools the
+/// request was served from now, as the verdict does.
+#[test]
+fn a_routed_requests_block_figures_are_its_pools() {
+    use cuda_caching_allocator::MemPoolId;
+    let a = pytorch_on(64 * MIB);
+    // The default pool holds a 20 MiB free segment of its own that the routed request cannot use.
+    let d = a.allocate(20 * MIB, S0).unwrap();
+    a.free(d.ptr).unwrap();
+    let pool = MemPoolId::new_user();
+    a.begin_allocate_to_pool(pool, Box::new(|_| true)).unwrap();
+    let p: Vec<_> = [6 * MIB, 6 * MIB, 6 * MIB, 3 * MIB / 2]
+        .iter()
+        .map(|&n| a.allocate(n, S0).unwrap())
+        .collect();
+    a.free(p[0].ptr).unwrap();
+    a.free(p[2].ptr).unwrap();
+    a.backend().fail_allocations_above(Some(0));
+    let err = a.allocate(8 * MIB, S0).unwrap_err();
+    a.end_allocate_to_pool(pool).unwrap();
+    let r = err.oom_report().unwrap();
+    assert_eq!(r.verdict, OomVerdict::Fragmented, "{err}");
+    assert_eq!(r.private_pool_free_bytes, 12 * MIB);
+    assert_eq!(r.largest_free_block, 6 * MIB, "{err}");
+    assert_eq!(r.largest_free_block_on_stream, 6 * MIB, "{err}");
+    assert!((r.external_fragmentation - 0.5).abs() < 1e-9, "{err}");
+    a.backend().clear_faults();
+    for x in [&p[1], &p[3]] {
+        a.free(x.ptr).unwrap();
+    }
+    a.check_invariants().unwrap();
+}
