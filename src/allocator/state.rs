@@ -1314,15 +1314,22 @@ impl State {
         } else {
             alloc_size
         };
+        // With `throw_on_cudamalloc_oom` a request the cap refused fails without the release
+        // chain: the free cached bytes were not released, so they are no cause of their own.
+        let chain_skipped =
+            self.cap_rejected && self.config.throw_on_cudamalloc_oom && !self.capture_underway();
+        let cap_stopped = self.cap_stopped(kind, owner, size, info.free);
         let verdict = if info.total > 0 && least > info.total {
             OomVerdict::LargerThanDevice
+        } else if chain_skipped && cap_stopped {
+            OomVerdict::FractionCapReached
         } else if pool_free >= size {
             if usable >= size {
                 OomVerdict::Fragmented
             } else {
                 OomVerdict::CachedForOtherStreams
             }
-        } else if self.cap_stopped(kind, owner, size, info.free) {
+        } else if cap_stopped {
             OomVerdict::FractionCapReached
         } else {
             OomVerdict::DeviceFull

@@ -216,3 +216,44 @@ fn a_routed_requests_block_figures_are_its_pools() {
     }
     a.check_invariants().unwrap();
 }
+
+/// With `throw_on_cudamalloc_oom` a request the cap refuses fails at once, without releasing
+/// the cache. The verdict then looked at the free cached bytes the skipped release would have
+/// returned and said "in blocks of other streams ... allocate on the stream that freed the
+/// memory, or free the live blocks that keep its segments" with no live block anywhere: the cap
+/// refused it, and after `empty_cache` the same request succeeds.
+#[test]
+fn throw_on_cudamalloc_oom_names_the_cap() {
+    let config = AllocatorConfig::pytorch()
+        .with_settings("throw_on_cudamalloc_oom:True")
+        .unwrap();
+    let a = with_config(1 << 30, config);
+    a.set_memory_fraction(0.5).unwrap();
+    let x = a.allocate(400 * MIB, S0).unwrap();
+    a.free(x.ptr).unwrap();
+    let err = a.allocate(400 * MIB, StreamId(1)).unwrap_err();
+    let r = err.oom_report().unwrap();
+    assert_eq!(r.verdict, OomVerdict::FractionCapReached, "{err}");
+    assert_eq!(r.allocated_bytes, 0);
+    assert_eq!(r.reserved_bytes, 400 * MIB);
+    a.empty_cache().unwrap();
+    let w = a.allocate(400 * MIB, StreamId(1)).unwrap();
+    a.free(w.ptr).unwrap();
+    a.empty_cache().unwrap();
+    // Same stream, two cached segments: not "fragmented" either.
+    let y = a.allocate(200 * MIB, S0).unwrap();
+    let z = a.allocate(200 * MIB, S0).unwrap();
+    a.free(y.ptr).unwrap();
+    a.free(z.ptr).unwrap();
+    let err = a.allocate(300 * MIB, S0).unwrap_err();
+    assert_eq!(
+        err.oom_report().unwrap().verdict,
+        OomVerdict::FractionCapReached,
+        "{err}"
+    );
+    a.check_invariants().unwrap();
+    a.empty_cache().unwrap();
+    let w = a.allocate(400 * MIB, StreamId(1)).unwrap();
+    a.free(w.ptr).unwrap();
+    a.check_invariants().unwrap();
+}
