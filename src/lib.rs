@@ -44,7 +44,8 @@ pub use host::{
     PinnedStats, SimHost, SimHostConfig,
 };
 pub use replay::{
-    Placement, ReplayError, ReplayOptions, ReplayReport, replay, replay_observed, replay_with,
+    OomVerdictCounts, Placement, ReplayError, ReplayOptions, ReplayReport, replay, replay_observed,
+    replay_with,
 };
 pub use size_class::{PoolKind, round_size};
 pub use stats::{MemoryStats, Stat, StatArray, StatType};

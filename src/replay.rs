@@ -23,7 +23,7 @@
 use crate::allocator::{CachingAllocator, FragmentationReport};
 use crate::backend::sim::{SimCounters, SimDevice};
 use crate::backend::{DeviceAddr, DeviceBackend, StreamId};
-use crate::error::AllocError;
+use crate::error::{AllocError, OomVerdict};
 use crate::int_hash::IntMap;
 use crate::op_clock::{OpClock, OpTimes, Sampler};
 use crate::stats::MemoryStats;
@@ -113,6 +113,9 @@ pub struct ReplayReport {
     pub failed_allocs: usize,
     /// Frees skipped because their allocation had failed.
     pub skipped_frees: usize,
+    /// The failed allocations of `failed_allocs` that the allocator refused with an
+    /// out-of-memory report, by its verdict (what stopped each one).
+    pub oom_verdicts: OomVerdictCounts,
     /// Host time per alloc/free, when measured.
     pub latency: Option<LatencySummary>,
     /// All statistics at the moment reserved bytes peaked.
@@ -127,6 +130,43 @@ pub struct ReplayReport {
     /// The simulated device's modeled time for those calls, in nanoseconds (Note [Device-time
     /// model] in `backend/sim.rs`); `None` unless the replay ran on a [`SimDevice`].
     pub modeled_device_ns: Option<u64>,
+}
+
+/// Out-of-memory failures of a replay by the allocator's verdict ([`OomVerdict`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OomVerdictCounts {
+    /// [`OomVerdict::DeviceFull`].
+    pub device_full: u64,
+    /// [`OomVerdict::FractionCapReached`].
+    pub fraction_cap_reached: u64,
+    /// [`OomVerdict::Fragmented`].
+    pub fragmented: u64,
+    /// [`OomVerdict::LargerThanDevice`].
+    pub larger_than_device: u64,
+    /// [`OomVerdict::CachedForOtherStreams`].
+    pub cached_for_other_streams: u64,
+}
+
+impl OomVerdictCounts {
+    /// Counts one failure of verdict `v`.
+    pub fn add(&mut self, v: OomVerdict) {
+        match v {
+            OomVerdict::DeviceFull => self.device_full += 1,
+            OomVerdict::FractionCapReached => self.fraction_cap_reached += 1,
+            OomVerdict::Fragmented => self.fragmented += 1,
+            OomVerdict::LargerThanDevice => self.larger_than_device += 1,
+            OomVerdict::CachedForOtherStreams => self.cached_for_other_streams += 1,
+        }
+    }
+
+    /// All the failures counted.
+    pub fn total(&self) -> u64 {
+        self.device_full
+            + self.fraction_cap_reached
+            + self.fragmented
+            + self.larger_than_device
+            + self.cached_for_other_streams
+    }
 }
 
 impl ReplayReport {
@@ -336,6 +376,9 @@ fn replay_loop<B: DeviceBackend>(
                         report.peak_live_bytes = report.peak_live_bytes.max(live_bytes);
                     }
                     Err(e) if e.is_out_of_memory() && !opts.stop_on_oom => {
+                        if let Some(oom) = e.oom_report() {
+                            report.oom_verdicts.add(oom.verdict);
+                        }
                         report.failed_allocs += 1;
                         failed.insert(*id);
                     }

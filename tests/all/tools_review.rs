@@ -112,6 +112,57 @@ fn oom_under_a_memory_fraction_names_the_fraction() {
     assert!(!stderr.contains("memory fraction"), "{stderr}");
 }
 
+/// The advice of a failed run followed only whether a fraction below 1 appeared in the
+/// configuration or the trace: under a fraction of 0.5 on a 2 GiB device it said to raise the
+/// fraction, though most allocations failed for want of device memory or to fragmentation, and
+/// the same run at a fraction of 1.0 still fails. The report now counts the allocator's verdicts
+/// (`oom_verdicts` in the JSON) and the advice follows them.
+#[cfg(feature = "cli")]
+#[test]
+fn oom_advice_follows_the_allocators_verdicts() {
+    let t = shipped_trace();
+    let t = t.to_str().unwrap();
+    let base = ["--preset", "pytorch", "--device-memory", "2GiB", "-q"];
+    let capped: Vec<&str> = ["replay", t, "--config", "per_process_memory_fraction:0.5"]
+        .into_iter()
+        .chain(base)
+        .collect();
+    let out = cca(&capped);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let warning = stderr
+        .lines()
+        .find(|l| l.starts_with("cca: warning:"))
+        .unwrap_or_default();
+    assert!(warning.contains("memory fraction"), "{warning}");
+    assert!(warning.contains("raise --device-memory"), "{warning}");
+    // The same run without the cap still fails: the fraction was not all of it.
+    let uncapped: Vec<&str> = ["replay", t, "--config", "per_process_memory_fraction:1.0"]
+        .into_iter()
+        .chain(base)
+        .chain(["--json"])
+        .collect();
+    let out = cca(&uncapped);
+    assert_eq!(out.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let verdicts = &v["oom_verdicts"];
+    let total: u64 = [
+        "device_full",
+        "fraction_cap_reached",
+        "fragmented",
+        "larger_than_device",
+        "cached_for_other_streams",
+    ]
+    .iter()
+    .map(|k| verdicts[k].as_u64().unwrap())
+    .sum();
+    assert!(total > 0, "{verdicts}");
+    assert_eq!(total, v["failed_allocs"].as_u64().unwrap(), "{verdicts}");
+    assert_eq!(verdicts["fraction_cap_reached"], 0, "{verdicts}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("memory fraction"), "{stderr}");
+}
+
 /// `--device-memory` (and `--max-import-bytes`) went through an `f64`: a byte count above 2^53
 /// came back rounded (9007199254740993 reported as ...992) and the largest accepted values
 /// (below 2^62) were refused as out of range. Whole numbers are exact now.

@@ -1,6 +1,6 @@
 //! `cca replay` and `cca compare`: text tables and JSON.
 
-use cuda_caching_allocator::{ReplayReport, memory_summary};
+use cuda_caching_allocator::{OomVerdictCounts, ReplayReport, memory_summary};
 use serde_json::{Map, Value, json};
 
 use crate::load::{self, CliResult, Labelled, Run};
@@ -85,10 +85,11 @@ impl Failure {
         }
     }
 
-    /// In words; `capped`: a memory fraction below 1 capped the run (the advice is then the
-    /// fraction, which a larger device does not lift); `accepted`: `--allow-oom` was given (the
-    /// advice then says so instead of suggesting it).
-    fn describe(self, capped: bool, accepted: bool) -> String {
+    /// In words; `verdicts`: what stopped each failed allocation, as the allocator judged it;
+    /// `capped`: a memory fraction below 1 capped the run (the advice where no verdict was
+    /// recorded); `accepted`: `--allow-oom` was given (the advice then says so instead of
+    /// suggesting it).
+    fn describe(self, verdicts: &OomVerdictCounts, capped: bool, accepted: bool) -> String {
         let accept = if accepted {
             "; accepted with --allow-oom"
         } else {
@@ -113,10 +114,10 @@ impl Failure {
                         "{} of them ask for 1 EB or more, which no device memory serves; for \
                          the others {}{accept}",
                         thousands(too_large),
-                        raise(capped)
+                        raise(verdicts, capped)
                     )
                 } else {
-                    format!("{}{accept}", raise(capped))
+                    format!("{}{accept}", raise(verdicts, capped))
                 };
                 format!(
                     "{} allocation{} failed out of memory: the figures describe a failed run \
@@ -129,16 +130,51 @@ impl Failure {
     }
 }
 
-/// What lifts the limit a failed allocation met: the memory fraction where one below 1 capped
-/// the run (a share of the device: a larger device lifts it only in proportion), else the
-/// device's memory.
-fn raise(capped: bool) -> &'static str {
-    if capped {
-        "the run is capped by a memory fraction below 1 (per_process_memory_fraction in the \
-         configuration, or the trace's set_memory_fraction): raise it"
-    } else {
-        "raise --device-memory"
+/// The fraction's advice: a share of the device, which a larger device lifts only in proportion.
+const RAISE_FRACTION: &str = "the run is capped by a memory fraction below 1 \
+     (per_process_memory_fraction in the configuration, or the trace's set_memory_fraction): \
+     raise it";
+
+/// What lifts the limits the failed allocations met, by the allocator's verdicts: the memory
+/// fraction for those the cap stopped, the device's memory for those the device stopped, and
+/// for those the cache could not serve from the free bytes it held (fragmented, or held for
+/// other streams or the other size class) more memory or another configuration. A run without
+/// verdicts (none recorded) falls back on whether a fraction below 1 capped it.
+fn raise(v: &OomVerdictCounts, capped: bool) -> String {
+    if v.total() == 0 {
+        return if capped {
+            RAISE_FRACTION.to_string()
+        } else {
+            "raise --device-memory".to_string()
+        };
     }
+    let device = v.device_full + v.larger_than_device;
+    let cache = v.fragmented + v.cached_for_other_streams;
+    let mut parts = Vec::new();
+    let of = |n: u64| {
+        if n == v.total() {
+            String::new()
+        } else {
+            format!("{} of them: ", thousands(n))
+        }
+    };
+    if v.fraction_cap_reached > 0 {
+        parts.push(format!("{}{RAISE_FRACTION}", of(v.fraction_cap_reached)));
+    }
+    if device > 0 {
+        parts.push(format!(
+            "{}the device's memory ran out: raise --device-memory",
+            of(device)
+        ));
+    }
+    if cache > 0 {
+        parts.push(format!(
+            "{}enough bytes sat free in the cache, but fragmented or held for other streams: \
+             raise --device-memory or try another configuration (`--json` gives each verdict)",
+            of(cache)
+        ));
+    }
+    parts.join("; ")
 }
 
 /// A run to check: its label, its report, and whether a memory fraction below 1 capped it
@@ -151,7 +187,10 @@ pub(crate) fn check_failures(runs: &[Checked<'_>], allow_oom: bool) -> CliResult
     let mut fatal = Vec::new();
     for &(label, r, capped) in runs {
         if let Some(f) = failure(r) {
-            say!("cca: warning: {label}: {}", f.describe(capped, allow_oom));
+            say!(
+                "cca: warning: {label}: {}",
+                f.describe(&r.oom_verdicts, capped, allow_oom)
+            );
             if f == Failure::Empty || !allow_oom {
                 fatal.push(format!("{label}: {}", f.status()));
             }
@@ -232,6 +271,13 @@ fn run_json(label: &Labelled, run: &Run, trace_args: &TraceArgs) -> Value {
         "num_ooms": r.num_ooms,
         "failed_allocs": r.failed_allocs,
         "skipped_frees": r.skipped_frees,
+        "oom_verdicts": {
+            "device_full": r.oom_verdicts.device_full,
+            "fraction_cap_reached": r.oom_verdicts.fraction_cap_reached,
+            "fragmented": r.oom_verdicts.fragmented,
+            "larger_than_device": r.oom_verdicts.larger_than_device,
+            "cached_for_other_streams": r.oom_verdicts.cached_for_other_streams,
+        },
         "num_alloc_retries": r.num_alloc_retries,
         "cross_stream_handovers": r.cross_stream_handovers,
         "page_loans": r.page_loans,
@@ -320,7 +366,7 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
         outln!(
             o,
             "status         FAILED: {}",
-            f.describe(capped, a.allow_oom)
+            f.describe(&r.oom_verdicts, capped, a.allow_oom)
         );
     }
     outln!(o);
