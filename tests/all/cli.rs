@@ -935,6 +935,20 @@ fn cli_convert_run_refuses_a_failed_run() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A CSV export of a trace that has only allocations and frees said "the trace's other 0
+/// events have no CSV row"; the note appears only when there are such events.
+#[test]
+fn cli_convert_to_csv_names_other_events_only_when_there_are_some() {
+    let out = std::env::temp_dir().join(format!("cca-convert-rows-{}.csv", std::process::id()));
+    let t = trace();
+    let run = cca(&["convert", t.to_str().unwrap(), out.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("allocation and free rows"), "{stderr}");
+    assert!(!stderr.contains("other 0 events"), "{stderr}");
+    std::fs::remove_file(&out).unwrap();
+}
+
 /// `cca convert --device-memory` sizes the device of a replay (`--run`, `--config`); without
 /// one it was ignored without a word (a plain conversion replays nothing), where `--allow-oom`
 /// in the same place is refused. It is refused the same way now, before the trace is read.

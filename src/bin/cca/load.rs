@@ -654,11 +654,15 @@ pub(crate) fn convert(a: &ConvertArgs) -> CliResult<()> {
             .iter()
             .filter(|e| matches!(e.op, TraceOp::Alloc { .. } | TraceOp::Free { .. }))
             .count();
-        format!(
-            "{} allocation and free rows; the trace's other {} events have no CSV row",
-            thousands(rows as u64),
-            thousands((trace.events.len() - rows) as u64)
-        )
+        match trace.events.len() - rows {
+            0 => format!("{} allocation and free rows", thousands(rows as u64)),
+            other => format!(
+                "{} allocation and free rows; the trace's other {} event{} no CSV row",
+                thousands(rows as u64),
+                thousands(other as u64),
+                if other == 1 { " has" } else { "s have" }
+            ),
+        }
     };
     step.done(&written);
     say!("wrote {} ({written})", a.output.display());
