@@ -50,6 +50,7 @@ mod segment_events;
 mod shared_pages;
 mod snapshot_review;
 mod spin;
+mod stats_truth;
 mod stream_safety;
 mod tools_review;
 mod trace_io;
