@@ -522,8 +522,8 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     }
 
     /// PyTorch's `setUseOnOOM` (`torch.cuda.MemPool(use_on_oom=True)`): whether an allocation
-    /// of the default pools that would fail with out of memory, after every release and retry,
-    /// may take a free block of private pool `pool` instead. The block stays the pool's (it goes
+    /// of the default pools whose device allocation failed may take a free block of private pool
+    /// `pool` instead, before any cached memory is released (PyTorch's `try_mempool_fallback`). The block stays the pool's (it goes
     /// back there when freed); no memory is made for the pool on such an allocation's behalf.
     ///
     /// # Errors

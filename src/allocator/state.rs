@@ -370,6 +370,7 @@ impl State {
         }
         // Note [Borrowed blocks] (borrow.rs).
         let mut borrowed = false;
+        let mut from_oom_pool = false;
         if found.is_none() && !capture && owner == 0 {
             found = self.borrow_block(dev, stream, size, kind);
             borrowed = found.is_some();
@@ -383,6 +384,12 @@ impl State {
             }
             found = self.alloc_block(dev, stream, kind, alloc_size, size, false, owner)?;
             let give_up = capture || (self.cap_rejected && self.config.throw_on_cudamalloc_oom);
+            // Note [Pools used on out of memory]: PyTorch's `try_mempool_fallback` comes right
+            // after the first device allocation fails, before anything is released.
+            if found.is_none() && owner == 0 {
+                found = self.free_block_of_oom_pools(stream, size, kind);
+                from_oom_pool = found.is_some();
+            }
             // Before the release chain, every cached block of every stream goes back (the
             // growth above may have spared other streams' front caches).
             if found.is_none() && !give_up && before_growth(self, None) {
@@ -398,11 +405,6 @@ impl State {
                 self.release_cached_blocks(dev)?;
                 found = self.alloc_block(dev, stream, kind, alloc_size, size, true, owner)?;
             }
-        }
-        let mut from_oom_pool = false;
-        if found.is_none() && owner == 0 {
-            found = self.free_block_of_oom_pools(stream, size, kind);
-            from_oom_pool = found.is_some();
         }
         let Some(id) = found else {
             let oom = self.out_of_memory(dev, orig_size, size, alloc_size, stream, kind, owner);

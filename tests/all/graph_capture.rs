@@ -845,6 +845,39 @@ fn an_allocation_about_to_fail_takes_a_free_block_of_a_use_on_oom_pool() {
     }
 }
 
+/// PyTorch's `try_mempool_fallback` runs right after the first failed device allocation,
+/// *before* `release_available_cached_blocks` and `release_cached_blocks` ("try to use memory
+/// pools that have opted in as overflow before expensive memory freeing operations"). So with a
+/// use_on_oom pool holding a fitting free block and the default pool holding a releasable cached
+/// segment, PyTorch serves the request from the pool: nothing is released, no retry is counted,
+/// reserved memory stays. Under `AllocatorConfig::pytorch()` the crate must do the same.
+#[test]
+fn a_use_on_oom_pool_serves_before_the_cache_is_released_as_in_pytorch() {
+    let a = crate::util::with_config(64 * MIB, AllocatorConfig::pytorch());
+    let s = StreamId::DEFAULT;
+    let pool = MemPoolId::new_user();
+    a.create_pool(pool).unwrap();
+    a.set_use_on_oom(pool, true).unwrap();
+    a.begin_allocate_to_pool(pool, Box::new(|_| true)).unwrap();
+    let x = a.allocate(40 * MIB, s).unwrap();
+    a.end_allocate_to_pool(pool).unwrap();
+    a.free(x.ptr).unwrap();
+    // A cached 12 MiB segment of the default pool: 12 MiB of the device stay free.
+    let d = a.allocate(12 * MIB, s).unwrap();
+    a.free(d.ptr).unwrap();
+    let before = a.memory_stats();
+    assert_eq!(before.memory_reserved(), (52 * MIB) as i64);
+    // 16 MiB does not fit the device's 12 MiB: PyTorch takes the pool's block next.
+    let y = a.allocate(16 * MIB, s).unwrap();
+    assert_eq!(a.pool_of(y.ptr), Some(pool));
+    let after = a.memory_stats();
+    assert_eq!(after.num_alloc_retries, before.num_alloc_retries);
+    assert_eq!(after.memory_reserved(), before.memory_reserved());
+    assert_eq!(after.num_device_free, before.num_device_free);
+    a.free(y.ptr).unwrap();
+    a.check_invariants().unwrap();
+}
+
 /// `torch.cuda.MemPool(no_split=True)` (Note [No-split pools]): a block of such a pool is handed
 /// out whole, so each allocation owns its block: two 4 MiB allocations take a 20 MiB segment
 /// each (one shared segment in a pool that splits), two 512-byte ones a 2 MiB block each; a freed

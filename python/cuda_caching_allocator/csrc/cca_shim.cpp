@@ -851,8 +851,8 @@ class Shim : public CCA::CUDAAllocator {
     if (api_.create_pool(device, cpool(mempool_id)) != 0) fail("torch.cuda.MemPool");
   }
 
-  // torch.cuda.MemPool(use_on_oom=True): an allocation of the default pools about to fail with
-  // out of memory takes a free block of the pool (the library's last resort, as PyTorch's).
+  // torch.cuda.MemPool(use_on_oom=True): an allocation of the default pools whose device
+  // allocation failed takes a free block of the pool before any cache is released, as PyTorch's.
   void setUseOnOOM(c10::DeviceIndex device, MempoolId_t id, bool use_on_oom) override {
     TORCH_CHECK(api_.set_use_on_oom(device, cpool(id), use_on_oom ? 1 : 0) == 0,
                 cat("cuda_caching_allocator: ", api_.last_error()));

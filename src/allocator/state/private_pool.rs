@@ -377,11 +377,13 @@ impl State {
             .ok_or_else(|| invalid(id, "the pool's record is missing"))
     }
 
-    /// Note [Pools used on out of memory]: PyTorch's last resort before raising out of memory.
-    /// An allocation of the default pools (not routed to a private pool) that found nothing after
-    /// the whole release-and-retry chain takes the best-fitting free block of its stream from
-    /// the pools marked `use_on_oom` (in the order they were made, among those still in use);
-    /// the block stays its pool's and goes back to it when freed. No new memory is made for it.
+    /// Note [Pools used on out of memory]: PyTorch's `try_mempool_fallback`. An allocation of
+    /// the default pools (not routed to a private pool) whose first device allocation failed
+    /// takes the best-fitting free block of its stream from the pools marked `use_on_oom` (in
+    /// the order they were made, among those still in use), before any cached memory is
+    /// released: PyTorch tries these pools "before expensive memory freeing operations", ahead
+    /// of `release_available_cached_blocks` and `release_cached_blocks`. The block stays its
+    /// pool's and goes back to it when freed. No new memory is made for it.
     pub(super) fn free_block_of_oom_pools(
         &mut self,
         stream: StreamId,
