@@ -6,6 +6,7 @@
 
 mod borrow;
 mod caching;
+mod capture_replays;
 mod capture_review;
 mod chaos;
 mod cli;
