@@ -9,6 +9,7 @@ enable_after_init (cca or cca-pluggable), oom_capture, oom_pool, foreign_stream_
 empty_cache_in_pool,
 cache_info, trace_time, oom_observer_fraction, annotations, bad_delete, tracker,
 pool_snapshot_empty, runtime_settings, compile_context, graph_tree_checkpoint, use_on_oom,
+use_on_oom_order,
 no_split, free_completed, gpu_trace, caching_disabled, no_caching_env, oom_device_free, oom_sizes,
 oom_state_context, snapshot_entry, reset_peak_moves (one GPU),
 record_stream_peer, peer_copy, record_stream_capture, checkpoint_deferred_free (two GPUs). Prints one line, "PASS ..." or
@@ -902,6 +903,43 @@ if probe == "use_on_oom":
     ok = (results[True] == "served, in the pool True, filled True"
           and results[False] == "out of memory")
     done(ok, f"use_on_oom=True: {results[True]}; use_on_oom=False: {results[False]}")
+
+if probe == "use_on_oom_order":
+    # PyTorch tries the use_on_oom pools right after the first failed device allocation, before
+    # it releases cached memory (DeviceCachingAllocator::malloc, try_mempool_fallback). A pool
+    # holds a free 1 GiB block and the default pool a cached, free 512 MiB one; a memory
+    # fraction leaves 256 MiB above the reserved bytes. A 768 MiB tensor outside the pool then
+    # fits in the pool's block, or in new memory once the cached block is released: PyTorch
+    # takes the pool's block, releases nothing and counts no retry. (The crate's default moves
+    # the cached block's pages to the growth instead, which needs no fallback: run the crate
+    # arm with cca_preset:pytorch for PyTorch's rule.)
+    MIB = 1 << 20
+    total = T.cuda.get_device_properties(0).total_memory
+    T.cuda.set_per_process_memory_fraction(1.0)
+    p = T.cuda.MemPool(use_on_oom=True)
+    with T.cuda.use_mem_pool(p):
+        x = T.empty(1024 * MIB, dtype=T.uint8, device="cuda")
+    del x
+    z = T.empty(512 * MIB, dtype=T.uint8, device="cuda")
+    del z
+    T.cuda.synchronize()
+    retries0 = T.cuda.memory_stats().get("num_alloc_retries", 0)
+    reserved0 = T.cuda.memory_reserved()
+    T.cuda.set_per_process_memory_fraction((reserved0 + 256 * MIB) / total)
+    try:
+        y = T.full((768 * MIB,), 7, dtype=T.uint8, device="cuda")
+        in_pool = any(b.get("address") == y.data_ptr() for s in p.snapshot()
+                      for b in s["blocks"])
+        served = "served"
+        del y
+    except T.OutOfMemoryError as e:
+        in_pool, served = False, f"out of memory: {str(e)[:200]}"
+    retries = T.cuda.memory_stats().get("num_alloc_retries", 0) - retries0
+    reserved1 = T.cuda.memory_reserved()
+    T.cuda.set_per_process_memory_fraction(1.0)
+    done(in_pool and retries == 0 and reserved1 == reserved0,
+         f"{served}, in the pool {in_pool}, retries {retries}, reserved "
+         f"{reserved0 >> 20} -> {reserved1 >> 20} MiB")
 
 if probe == "no_split":
     # torch.cuda.MemPool(no_split=True) (symmetric memory: one signal pad per device
