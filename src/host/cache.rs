@@ -909,7 +909,10 @@ impl<H: HostBackend> Drop for PinnedCache<H> {
         let dev = self.host.device();
         let g = self.state.get_mut();
         for w in &mut g.waiting {
-            let mut synced = true;
+            // A block still claimed here lost its events and fences to an allocation whose wait
+            // unwound (a fence's `wait` panicked) and never settled: nothing says its work is
+            // done, so it keeps its slab pinned.
+            let mut synced = !w.claimed;
             for &ev in &w.events {
                 synced &= dev.synchronize_event(ev).is_ok();
             }

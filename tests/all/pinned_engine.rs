@@ -256,3 +256,68 @@ fn pinned_bytes_beyond_what_the_statistics_count_are_refused() {
         "{err}"
     );
 }
+
+/// A caller's fence whose work never completes (queries say "not yet") and whose `wait` panics.
+#[derive(Debug)]
+struct PanickingWait;
+
+impl host::HostFence for PanickingWait {
+    fn query(&mut self) -> Result<bool, BackendError> {
+        Ok(false)
+    }
+    fn wait(&mut self) -> Result<(), BackendError> {
+        panic!("the fence's wait panicked");
+    }
+}
+
+/// A `SimHost` the test still reaches after the cache that owns it is dropped.
+#[derive(Debug)]
+struct SharedHost(Arc<SimHost>);
+
+// SAFETY: every call is forwarded to the shared `SimHost`, which keeps both promises.
+unsafe impl host::HostBackend for SharedHost {
+    type Device = Arc<SimDevice>;
+    fn device(&self) -> &Arc<SimDevice> {
+        self.0.device()
+    }
+    fn alignment(&self) -> usize {
+        self.0.alignment()
+    }
+    fn pin(&self, size: usize) -> Result<host::Pinned, BackendError> {
+        self.0.pin(size)
+    }
+    unsafe fn unpin(&self, ptr: HostPtr, size: usize) -> Result<u64, BackendError> {
+        // SAFETY: the caller's obligations, forwarded unchanged.
+        unsafe { self.0.unpin(ptr, size) }
+    }
+}
+
+/// An allocation that waits for a freed block ([`PendingPolicy::Wait`]) takes the block's fences
+/// out of the cache and marks the block claimed. When the fence's `wait` panicked, the block
+/// stayed claimed with no fence left; the cache's drop then found nothing to wait for, gave the
+/// block back to its slab and unpinned the slab, though the fence had never said the work using
+/// the block was done (with `CudaHost`, a copy still queued on the memory would run on unpinned,
+/// unmapped host memory). A block whose claim was never settled now keeps its slab pinned.
+#[test]
+fn a_panicking_fence_wait_keeps_the_blocks_slab_pinned_at_the_drop() {
+    let dev = Arc::new(SimDevice::with_capacity(1 << 30));
+    let host = Arc::new(SimHost::new(dev, SimHostConfig::default()));
+    let config = PinnedConfig::default()
+        .with_slab_size(MIB)
+        .with_pending(PendingPolicy::Wait);
+    let c = PinnedCache::new(SharedHost(host.clone()), config).unwrap();
+    let a = c.alloc(4 * KIB).unwrap();
+    c.free_after(a.ptr, Box::new(PanickingWait)).unwrap();
+    assert_eq!(c.waiting_blocks(), 1);
+    // Only the waiting block (merged with the rest of its slab) can serve a whole slab: the
+    // allocation claims it and waits for its fence, which panics.
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.alloc(MIB)));
+    assert!(r.is_err(), "the fence's panic reaches the caller");
+    drop(c);
+    assert_eq!(
+        host.counters().unpins,
+        0,
+        "the slab of a block whose fence never completed was unpinned"
+    );
+    assert_eq!(host.live_ranges().len(), 1);
+}
