@@ -426,7 +426,10 @@ const _: () = assert!(std::mem::size_of::<CcaCheckpointBlock>() == 24);
 /// error is recorded).
 ///
 /// # Safety
-/// `blocks` is null or readable for `n` blocks; `changed` does not call into this library.
+/// `blocks` is null or readable for `n` blocks; `changed` does not call into this library; every
+/// allocation of `pool` live now came from [`cca_alloc`](crate::cca_alloc) and nothing uses or
+/// frees it afterwards (the restore frees it: PyTorch's graph trees restore a pool only once the
+/// tensors on those allocations are dead, and never free the pointers reported as freed).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cca_restore_pool(
     device: c_int,
@@ -492,7 +495,10 @@ pub unsafe extern "C" fn cca_restore_pool(
             pool: pool.id(),
             segments,
         };
-        match alloc.restore_pool(&checkpoint) {
+        // SAFETY: the pool's live allocations are the caller's from `cca_alloc`, unused and not
+        // freed again afterwards (the caller's promise above), which is `restore_pool`'s
+        // obligation; their streams were declared through `cca_record_stream`.
+        match unsafe { alloc.restore_pool(&checkpoint) } {
             Ok(r) => {
                 for p in r.freed {
                     changed(ctx, p.addr(), 0);

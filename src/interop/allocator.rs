@@ -425,11 +425,30 @@ impl CudaAllocator {
         self.inner.pool_checkpoint(pool)
     }
 
-    /// Restores a private pool to a checkpoint ([`CachingAllocator::restore_pool`]).
+    /// Restores a private pool to a checkpoint ([`CachingAllocator::restore_pool`]): every
+    /// allocation of the pool that is live now is freed, and the checkpoint's allocations are
+    /// made again (they are the caller's to free).
+    ///
+    /// ```compile_fail
+    /// # fn f(alloc: &cuda_caching_allocator::interop::CudaAllocator,
+    /// #      cp: &cuda_caching_allocator::PoolCheckpoint) {
+    /// // It frees live allocations: safe code cannot call it.
+    /// let _ = alloc.restore_pool(cp);
+    /// # }
+    /// ```
     ///
     /// # Errors
     /// As [`CachingAllocator::restore_pool`].
-    pub fn restore_pool(&self, checkpoint: &PoolCheckpoint) -> Result<PoolRestore> {
+    ///
+    /// # Safety
+    /// 1. No allocation of the pool that is live now is owned by a live [`CachedSlice`] (or a
+    ///    view of one), nor by anything else that will use or free it afterwards: the restore
+    ///    frees them all (the pointers in [`PoolRestore::freed`]), and the cache hands their
+    ///    bytes to new owners (the checkpoint's allocations among them). This is
+    ///    [`free`](Self::free)'s obligation for each of them.
+    /// 2. Work queued on streams other than an allocation's own no longer uses it, unless those
+    ///    streams were declared with [`record_stream`](Self::record_stream).
+    pub unsafe fn restore_pool(&self, checkpoint: &PoolCheckpoint) -> Result<PoolRestore> {
         self.inner.restore_pool(checkpoint)
     }
 

@@ -1148,3 +1148,63 @@ fn a_shell_displaced_during_a_capture_of_a_blocking_stream_leaves_it_valid() {
     // SAFETY: made by `blocking_stream`; its wrapper is dropped and its work synchronized.
     unsafe { result::stream::destroy(raw_cap) }.unwrap();
 }
+
+/// `CudaAllocator::restore_pool` frees every allocation of the pool that is live, and it was a
+/// safe function: a `CachedSlice` routed into the pool (here by `begin_allocate_to_pool`, as
+/// PyTorch's `use_mem_pool`) lost its block while it still owned it, and the next allocation in
+/// the pool got the same bytes: two live buffers on one range, written by two kernels, and the
+/// old buffer's drop later freeing the new one's block. `restore_pool` is now `unsafe` (its
+/// caller promises that no live buffer owns an allocation of the pool; a `compile_fail` doctest
+/// keeps safe code from calling it); this test breaks that promise on purpose and shows the
+/// overlap it would cause.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn cuda_restore_pool_frees_the_block_of_a_live_cached_slice() {
+    const N: usize = 1 << 20;
+    let g = gpu("cuda_restore_pool_frees_the_block_of_a_live_cached_slice");
+    let alloc = CudaAllocator::new(g.ctx.clone(), AllocatorConfig::default()).unwrap();
+    let stream = g.ctx.new_stream().unwrap();
+    // A pool with one segment: a capture that allocates, writes and frees a buffer in it.
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
+        .unwrap();
+    let graph = {
+        let _end = EndCaptureOnPanic(&stream);
+        let pool = alloc.capture_pool(&stream).unwrap();
+        let mut t = uninit(&alloc, &stream, N);
+        fill(g, &stream, &mut t, 1);
+        drop(t);
+        pool.end_capture(&stream, sys::CUgraphInstantiate_flags(0))
+            .unwrap()
+            .expect("the capture recorded a kernel")
+    };
+    let id = graph.pool().id();
+    let sid = cuda_caching_allocator::backend::cuda::stream_id(&stream);
+    let checkpoint = alloc.pool_checkpoint(id).unwrap();
+    alloc
+        .begin_allocate_to_pool(id, Box::new(move |s| s == sid))
+        .unwrap();
+    let mut live = uninit(&alloc, &stream, N);
+    alloc.end_allocate_to_pool(id).unwrap();
+    fill(g, &stream, &mut live, 2);
+    stream.synchronize().unwrap();
+    // SAFETY: deliberately broken (obligation 1): `live` owns an allocation of the pool.
+    let restored = unsafe { alloc.restore_pool(&checkpoint) }.unwrap();
+    assert!(
+        restored.freed.contains(&live.device_ptr_raw()),
+        "the restore freed the live buffer's block: {restored:?}"
+    );
+    alloc
+        .begin_allocate_to_pool(id, Box::new(move |s| s == sid))
+        .unwrap();
+    let other = uninit(&alloc, &stream, N);
+    alloc.end_allocate_to_pool(id).unwrap();
+    assert!(
+        overlaps(range(&live), range(&other)),
+        "a new buffer in the pool lands on the live one's bytes"
+    );
+    // Keep the test itself from freeing the same block twice.
+    let _ = live.leak();
+    drop(other);
+    drop(graph);
+}
