@@ -50,15 +50,28 @@ pub unsafe extern "C" fn cca_alloc(size: isize, device: c_int, stream: *mut c_vo
 
 /// `void free(void* ptr, ssize_t size, int device, cudaStream_t stream)`: returns `ptr` to the
 /// device's cache (`size` and `stream` are known to the cache already). Errors are recorded.
+///
+/// # Safety
+/// `ptr` is null or came from [`cca_alloc`] on `device` and was not freed since, and nothing
+/// uses it afterwards (the cache hands its bytes to the next allocation); work on streams other
+/// than its allocation stream no longer uses it, unless they were declared with
+/// [`cca_record_stream`]. A pointer the cache does not know is refused (an error is recorded),
+/// but one it handed out again after a free cannot be told from its new owner's.
 #[unsafe(no_mangle)]
-pub extern "C" fn cca_free(ptr: *mut c_void, _size: isize, device: c_int, _stream: *mut c_void) {
+pub unsafe extern "C" fn cca_free(
+    ptr: *mut c_void,
+    _size: isize,
+    device: c_int,
+    _stream: *mut c_void,
+) {
     guarded("cca_free", (), || {
         let Some(device) = ordinal(device) else {
             fail(KIND_OTHER, format!("cca_free: bad device {device}"));
             return;
         };
-        // SAFETY: PyTorch frees each pointer it got from `cca_alloc` once, and owns no typed
-        // buffer of the registry; its streams are declared through `cca_record_stream`.
+        // SAFETY: the caller's promise above (PyTorch frees each pointer it got from `cca_alloc`
+        // once, owns no typed buffer of the registry, and declares its streams through
+        // `cca_record_stream`) is `raw::free`'s obligation.
         if let Err(e) = unsafe { raw::free(device, DeviceAddr(ptr.addr() as u64)) } {
             fail_alloc(&format!("cca_free({ptr:?}, device {device})"), &e);
         }
@@ -69,8 +82,11 @@ pub extern "C" fn cca_free(ptr: *mut c_void, _size: isize, device: c_int, _strea
 /// waits for the work of streams recorded on it (the segment callback's action 4 names it when
 /// it is back: PyTorch's `free_completed`), -1 on an error (recorded). The C++ shim writes its
 /// `free_completed` trace entries from these.
+///
+/// # Safety
+/// As [`cca_free`].
 #[unsafe(no_mangle)]
-pub extern "C" fn cca_free_checked(
+pub unsafe extern "C" fn cca_free_checked(
     ptr: *mut c_void,
     _size: isize,
     device: c_int,
@@ -81,7 +97,7 @@ pub extern "C" fn cca_free_checked(
             fail(KIND_OTHER, format!("cca_free_checked: bad device {device}"));
             return -1;
         };
-        // SAFETY: as in `cca_free`.
+        // SAFETY: as in `cca_free`: the caller's promise is `raw::free_with_outcome`'s obligation.
         match unsafe { raw::free_with_outcome(device, DeviceAddr(ptr.addr() as u64)) } {
             Ok(FreeOutcome::AwaitingStreams) => 1,
             Ok(_) => 0,

@@ -340,16 +340,21 @@ pub extern "C" fn cca_end_allocate_to_pool(device: c_int, pool: MempoolId) {
 /// `void release_pool(int device, MempoolId_t pool)`, PyTorch's `releasePool` (`CUDAGraph::reset`,
 /// a graph's or `MemPool`'s destruction): gives back one use of `pool`; its memory returns to the
 /// device at the next `empty_cache` once unused. Errors are recorded.
+///
+/// # Safety
+/// No graph captured into `pool` is launched after its last use is given back: its memory goes
+/// to other allocations and, at the next `empty_cache`, back to the driver.
 #[unsafe(no_mangle)]
-pub extern "C" fn cca_release_pool(device: c_int, pool: MempoolId) {
+pub unsafe extern "C" fn cca_release_pool(device: c_int, pool: MempoolId) {
     guarded("cca_release_pool", (), || {
         let Some(alloc) =
             ordinal(device).and_then(|d| AllocatorRegistry::global().get_if_created(d))
         else {
             return;
         };
-        // SAFETY: PyTorch gives a pool's use back when the graph or `MemPool` holding it is
-        // reset or destroyed (`CUDAGraph::reset`, `~MemPool`): no graph replays it afterwards.
+        // SAFETY: the caller's promise above, `release_pool`'s obligation (PyTorch gives a
+        // pool's use back when the graph or `MemPool` holding it is reset or destroyed:
+        // `CUDAGraph::reset`, `~MemPool`; no graph replays it afterwards).
         if let Err(e) = unsafe { alloc.release_pool(pool.id()) } {
             fail_alloc(
                 &format!(
