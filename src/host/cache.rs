@@ -187,17 +187,21 @@ impl<H: HostBackend> PinnedCache<H> {
         if config.slab_size == 0 {
             return Err(PinnedError::InvalidConfig("slab_size is zero".into()));
         }
-        if i64::try_from(config.slab_size).is_err() {
-            return Err(PinnedError::InvalidConfig(format!(
-                "slab_size {} is more than the statistics can count ({} bytes)",
-                config.slab_size,
-                i64::MAX
-            )));
-        }
+        // The slab size in force is the one rounded up to the alignment: `i64::MAX` itself
+        // rounds to 2^63, which the statistics cannot count either.
+        let slab_size = round_up(config.slab_size, config.alignment)
+            .filter(|&s| i64::try_from(s).is_ok())
+            .ok_or_else(|| {
+                PinnedError::InvalidConfig(format!(
+                    "slab_size {} (rounded up to the alignment of {}) is more than the \
+                     statistics can count ({} bytes)",
+                    config.slab_size,
+                    config.alignment,
+                    i64::MAX
+                ))
+            })?;
         let config = PinnedConfig {
-            slab_size: round_up(config.slab_size, config.alignment).ok_or_else(|| {
-                PinnedError::InvalidConfig(format!("slab_size {} overflows", config.slab_size))
-            })?,
+            slab_size,
             ..config
         };
         Ok(PinnedCache {

@@ -255,6 +255,24 @@ fn pinned_bytes_beyond_what_the_statistics_count_are_refused() {
         matches!(&err, PinnedError::InvalidConfig(m) if m.contains("slab_size") && m.contains("statistics")),
         "{err}"
     );
+    // `i64::MAX` itself is countable, but the slab size in force is rounded up to the
+    // alignment: 2^63, which is not.
+    let host = SimHost::new(
+        Arc::new(SimDevice::with_capacity(1 << 30)),
+        SimHostConfig {
+            capacity: usize::MAX,
+            ..SimHostConfig::default()
+        },
+    );
+    let err = PinnedCache::new(
+        host,
+        PinnedConfig::default().with_slab_size(i64::MAX as usize),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&err, PinnedError::InvalidConfig(m) if m.contains("slab_size") && m.contains("statistics")),
+        "{err}"
+    );
 }
 
 /// A caller's fence whose work never completes (queries say "not yet") and whose `wait` panics.
