@@ -95,8 +95,9 @@ pub struct OomReport {
     /// Fragmentation of those pools' free memory: `1 - largest free / total free` (0 when
     /// empty).
     pub external_fragmentation: f64,
-    /// Whether the request's pool grows expandable segments (then a fragmented cache is not
-    /// advised to turn them on).
+    /// Whether the configuration grows expandable segments: then a fragmented cache is not
+    /// advised to turn them on (nor is a request routed to a private pool, whose fixed segments
+    /// the setting does not change).
     pub expandable_segments: bool,
     /// The diagnosis.
     pub verdict: OomVerdict,

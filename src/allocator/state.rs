@@ -1361,7 +1361,7 @@ impl State {
             } else {
                 1.0 - largest as f64 / pool_free as f64
             },
-            expandable_segments: owner == 0 && self.expandable,
+            expandable_segments: self.expandable,
             verdict,
         };
         tracing::warn!(target: "cuda_caching_allocator", device = report.device, requested = orig_size, segment = alloc_size, verdict = ?verdict, "out of memory");

@@ -29,7 +29,8 @@ pub struct PinnedStats {
     /// Successful allocations.
     pub num_allocs: u64,
     /// Allocations served from cached slabs without pinning (for a `PagedPinnedCache`,
-    /// allocations less growths: an allocation that grew twice counts one hit fewer).
+    /// allocations less growths: an allocation that grew twice takes one off the count besides
+    /// being no hit itself).
     pub num_cache_hits: u64,
     /// Frees.
     pub num_frees: u64,

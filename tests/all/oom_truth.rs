@@ -217,6 +217,38 @@ fn a_routed_requests_block_figures_are_its_pools() {
     a.check_invariants().unwrap();
 }
 
+/// A request routed to a private pool under the default configuration (expandable segments on)
+/// was advised to "try expandable_segments:True" when the pool was fragmented: private pools
+/// keep fixed segments, which the setting does not change, so it cannot help them.
+#[test]
+fn a_routed_request_under_expandable_segments_is_not_told_to_turn_them_on() {
+    use cuda_caching_allocator::MemPoolId;
+    let a = with_config(64 * MIB, AllocatorConfig::default());
+    let pool = MemPoolId::new_user();
+    a.begin_allocate_to_pool(pool, Box::new(|_| true)).unwrap();
+    let p: Vec<_> = [6 * MIB, 6 * MIB, 6 * MIB, 3 * MIB / 2]
+        .iter()
+        .map(|&n| a.allocate(n, S0).unwrap())
+        .collect();
+    a.free(p[0].ptr).unwrap();
+    a.free(p[2].ptr).unwrap();
+    a.backend().fail_allocations_above(Some(0));
+    let err = a.allocate(8 * MIB, S0).unwrap_err();
+    a.end_allocate_to_pool(pool).unwrap();
+    let r = err.oom_report().unwrap();
+    assert_eq!(r.verdict, OomVerdict::Fragmented, "{err}");
+    assert!(r.expandable_segments, "{err}");
+    assert!(
+        !err.to_string().contains("try expandable_segments:True"),
+        "{err}"
+    );
+    a.backend().clear_faults();
+    for x in [&p[1], &p[3]] {
+        a.free(x.ptr).unwrap();
+    }
+    a.check_invariants().unwrap();
+}
+
 /// With `throw_on_cudamalloc_oom` a request the cap refuses fails at once, without releasing
 /// the cache. The verdict then looked at the free cached bytes the skipped release would have
 /// returned and said "in blocks of other streams ... allocate on the stream that freed the
