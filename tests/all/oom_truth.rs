@@ -3,12 +3,27 @@
 //! when it follows them.
 
 use cuda_caching_allocator::{
-    AllocatorConfig, CachingAllocator, DeviceBackend, OomVerdict, Preset, SimDevice, StreamId,
+    AllocError, Allocation, AllocatorConfig, CachingAllocator, DeviceBackend, MemPoolId,
+    OomVerdict, Preset, SimDevice, StreamId,
 };
 
 use crate::util::*;
 
 const S0: StreamId = StreamId::DEFAULT;
+
+/// Three 6 MiB blocks and a 1.5 MiB one back to back in one 20 MiB segment, the first and third
+/// freed, then every device allocation failing: an 8 MiB request finds 12 MiB free in two
+/// 6 MiB holes (fragmented). Returns the live blocks.
+fn two_holes(a: &CachingAllocator<SimDevice>) -> Vec<Allocation> {
+    let p: Vec<_> = [6 * MIB, 6 * MIB, 6 * MIB, 3 * MIB / 2]
+        .iter()
+        .map(|&n| a.allocate(n, S0).unwrap())
+        .collect();
+    a.free(p[0].ptr).unwrap();
+    a.free(p[2].ptr).unwrap();
+    a.backend().fail_allocations_above(Some(0));
+    vec![p[1], p[3]]
+}
 
 /// Another process holds all but `left` bytes of the device.
 fn leave_free(a: &CachingAllocator<SimDevice>, left: usize) {
@@ -164,13 +179,7 @@ fn fragmented_advice_under_expandable_segments_is_not_to_turn_them_on() {
     }
     // Fixed segments: PyTorch's advice, which expandable segments do follow.
     let a = pytorch_on(64 * MIB);
-    let p: Vec<_> = [6 * MIB, 6 * MIB, 6 * MIB, 3 * MIB / 2]
-        .iter()
-        .map(|&n| a.allocate(n, S0).unwrap())
-        .collect();
-    a.free(p[0].ptr).unwrap();
-    a.free(p[2].ptr).unwrap();
-    a.backend().fail_allocations_above(Some(0));
+    two_holes(&a);
     let err = a.allocate(8 * MIB, S0).unwrap_err();
     assert_eq!(err.oom_report().unwrap().verdict, OomVerdict::Fragmented);
     assert!(!err.oom_report().unwrap().expandable_segments);
@@ -188,33 +197,18 @@ fn fragmented_advice_under_expandable_segments_is_not_to_turn_them_on() {
 /// request was served from now, as the verdict does.
 #[test]
 fn a_routed_requests_block_figures_are_its_pools() {
-    use cuda_caching_allocator::MemPoolId;
     let a = pytorch_on(64 * MIB);
     // The default pool holds a 20 MiB free segment of its own that the routed request cannot use.
     let d = a.allocate(20 * MIB, S0).unwrap();
     a.free(d.ptr).unwrap();
-    let pool = MemPoolId::new_user();
-    a.begin_allocate_to_pool(pool, Box::new(|_| true)).unwrap();
-    let p: Vec<_> = [6 * MIB, 6 * MIB, 6 * MIB, 3 * MIB / 2]
-        .iter()
-        .map(|&n| a.allocate(n, S0).unwrap())
-        .collect();
-    a.free(p[0].ptr).unwrap();
-    a.free(p[2].ptr).unwrap();
-    a.backend().fail_allocations_above(Some(0));
-    let err = a.allocate(8 * MIB, S0).unwrap_err();
-    a.end_allocate_to_pool(pool).unwrap();
+    let (err, live) = routed_two_holes(&a);
     let r = err.oom_report().unwrap();
     assert_eq!(r.verdict, OomVerdict::Fragmented, "{err}");
     assert_eq!(r.private_pool_free_bytes, 12 * MIB);
     assert_eq!(r.largest_free_block, 6 * MIB, "{err}");
     assert_eq!(r.largest_free_block_on_stream, 6 * MIB, "{err}");
     assert!((r.external_fragmentation - 0.5).abs() < 1e-9, "{err}");
-    a.backend().clear_faults();
-    for x in [&p[1], &p[3]] {
-        a.free(x.ptr).unwrap();
-    }
-    a.check_invariants().unwrap();
+    free_after_faults(&a, &live);
 }
 
 /// A request routed to a private pool under the default configuration (expandable segments on)
@@ -222,19 +216,8 @@ fn a_routed_requests_block_figures_are_its_pools() {
 /// keep fixed segments, which the setting does not change, so it cannot help them.
 #[test]
 fn a_routed_request_under_expandable_segments_is_not_told_to_turn_them_on() {
-    use cuda_caching_allocator::MemPoolId;
     let a = with_config(64 * MIB, AllocatorConfig::default());
-    let pool = MemPoolId::new_user();
-    a.begin_allocate_to_pool(pool, Box::new(|_| true)).unwrap();
-    let p: Vec<_> = [6 * MIB, 6 * MIB, 6 * MIB, 3 * MIB / 2]
-        .iter()
-        .map(|&n| a.allocate(n, S0).unwrap())
-        .collect();
-    a.free(p[0].ptr).unwrap();
-    a.free(p[2].ptr).unwrap();
-    a.backend().fail_allocations_above(Some(0));
-    let err = a.allocate(8 * MIB, S0).unwrap_err();
-    a.end_allocate_to_pool(pool).unwrap();
+    let (err, live) = routed_two_holes(&a);
     let r = err.oom_report().unwrap();
     assert_eq!(r.verdict, OomVerdict::Fragmented, "{err}");
     assert!(r.expandable_segments, "{err}");
@@ -242,8 +225,24 @@ fn a_routed_request_under_expandable_segments_is_not_told_to_turn_them_on() {
         !err.to_string().contains("try expandable_segments:True"),
         "{err}"
     );
+    free_after_faults(&a, &live);
+}
+
+/// [`two_holes`] inside a routing to a new private pool, and the error of an 8 MiB request
+/// routed there; returns it with the live blocks.
+fn routed_two_holes(a: &CachingAllocator<SimDevice>) -> (AllocError, Vec<Allocation>) {
+    let pool = MemPoolId::new_user();
+    a.begin_allocate_to_pool(pool, Box::new(|_| true)).unwrap();
+    let live = two_holes(a);
+    let err = a.allocate(8 * MIB, S0).unwrap_err();
+    a.end_allocate_to_pool(pool).unwrap();
+    (err, live)
+}
+
+/// Lets the device allocate again, frees `live` and checks the allocator.
+fn free_after_faults(a: &CachingAllocator<SimDevice>, live: &[Allocation]) {
     a.backend().clear_faults();
-    for x in [&p[1], &p[3]] {
+    for x in live {
         a.free(x.ptr).unwrap();
     }
     a.check_invariants().unwrap();
