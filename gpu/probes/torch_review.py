@@ -106,6 +106,15 @@ if probe == "pool_route_no_capture":
     a = new()
     del a  # a cached block of the default pool
     found = {}
+
+    def pool_of_other_thread():
+        """The pool of a tensor made on another thread (which keeps no reference to it)."""
+        side = {}
+        t = threading.Thread(target=lambda: side.update(x=new()))
+        t.start()
+        t.join()
+        return pool_of(side["x"].data_ptr())
+
     h = T.cuda.graph_pool_handle()
     T._C._cuda_beginAllocateCurrentThreadToPool(0, h)
     try:
@@ -115,12 +124,7 @@ if probe == "pool_route_no_capture":
         del b
         c = new()
         found["c reuses b"] = c.data_ptr() == pb
-        side = {}
-        t = threading.Thread(target=lambda: side.update(x=new()))
-        t.start()
-        t.join()
-        found["other thread"] = pool_of(side["x"].data_ptr())
-        del side
+        found["other thread"] = pool_of_other_thread()
     finally:
         T._C._cuda_endAllocateToPool(0, h)
         T._C._cuda_releasePool(0, h)
@@ -129,12 +133,7 @@ if probe == "pool_route_no_capture":
     h2 = T.cuda.graph_pool_handle()
     T._C._cuda_beginAllocateToPool(0, h2)
     try:
-        side = {}
-        t = threading.Thread(target=lambda: side.update(x=new()))
-        t.start()
-        t.join()
-        found["other thread, all routed"] = pool_of(side["x"].data_ptr())
-        del side
+        found["other thread, all routed"] = pool_of_other_thread()
     finally:
         T._C._cuda_endAllocateToPool(0, h2)
         T._C._cuda_releasePool(0, h2)
