@@ -810,13 +810,7 @@ fn an_allocation_about_to_fail_takes_a_free_block_of_a_use_on_oom_pool() {
     for (name, config) in crate::util::four_configs() {
         let a = crate::util::with_config(64 * MIB, config);
         let s = StreamId::DEFAULT;
-        let pool = MemPoolId::new_user();
-        a.create_pool(pool).unwrap();
-        a.set_use_on_oom(pool, true).unwrap();
-        a.begin_allocate_to_pool(pool, Box::new(|_| true)).unwrap();
-        let x = a.allocate(40 * MIB, s).unwrap();
-        a.end_allocate_to_pool(pool).unwrap();
-        a.free(x.ptr).unwrap();
+        let pool = use_on_oom_pool_holding(&a, 40 * MIB);
         for round in 0..3 {
             // The device has 24 MiB left: only the pool's free 40 MiB can serve 30 MiB.
             let y = a.allocate(30 * MIB, s).unwrap();
@@ -855,13 +849,7 @@ fn an_allocation_about_to_fail_takes_a_free_block_of_a_use_on_oom_pool() {
 fn a_use_on_oom_pool_serves_before_the_cache_is_released_as_in_pytorch() {
     let a = crate::util::with_config(64 * MIB, AllocatorConfig::pytorch());
     let s = StreamId::DEFAULT;
-    let pool = MemPoolId::new_user();
-    a.create_pool(pool).unwrap();
-    a.set_use_on_oom(pool, true).unwrap();
-    a.begin_allocate_to_pool(pool, Box::new(|_| true)).unwrap();
-    let x = a.allocate(40 * MIB, s).unwrap();
-    a.end_allocate_to_pool(pool).unwrap();
-    a.free(x.ptr).unwrap();
+    let pool = use_on_oom_pool_holding(&a, 40 * MIB);
     // A cached 12 MiB segment of the default pool: 12 MiB of the device stay free.
     let d = a.allocate(12 * MIB, s).unwrap();
     a.free(d.ptr).unwrap();
@@ -876,6 +864,19 @@ fn a_use_on_oom_pool_serves_before_the_cache_is_released_as_in_pytorch() {
     assert_eq!(after.num_device_free, before.num_device_free);
     a.free(y.ptr).unwrap();
     a.check_invariants().unwrap();
+}
+
+/// A new user pool marked `use_on_oom` holding one free block of `bytes` (allocated on the
+/// default stream while routed there, then freed).
+fn use_on_oom_pool_holding(a: &CachingAllocator<SimDevice>, bytes: usize) -> MemPoolId {
+    let pool = MemPoolId::new_user();
+    a.create_pool(pool).unwrap();
+    a.set_use_on_oom(pool, true).unwrap();
+    a.begin_allocate_to_pool(pool, Box::new(|_| true)).unwrap();
+    let x = a.allocate(bytes, StreamId::DEFAULT).unwrap();
+    a.end_allocate_to_pool(pool).unwrap();
+    a.free(x.ptr).unwrap();
+    pool
 }
 
 /// `torch.cuda.MemPool(no_split=True)` (Note [No-split pools]): a block of such a pool is handed
