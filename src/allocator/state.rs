@@ -1320,7 +1320,7 @@ impl State {
         // chain: the free cached bytes were not released, so they are no cause of their own.
         let chain_skipped =
             self.cap_rejected && self.config.throw_on_cudamalloc_oom && !self.capture_underway();
-        let cap_stopped = self.cap_stopped(kind, owner, size, info.free);
+        let cap_stopped = self.cap_stopped(owner, size, least, info.free);
         let verdict = if info.total > 0 && least > info.total {
             OomVerdict::LargerThanDevice
         } else if chain_skipped && cap_stopped {
@@ -1370,9 +1370,10 @@ impl State {
 
     /// Whether the fraction cap, and not the device, stopped the last attempt: the cap refused
     /// it (or, for an expandable request, the request alone exceeds the cap) while the device
-    /// had room for what the attempt needed. Where both stop it, raising the fraction cannot
+    /// had room for what the attempt needed (`least`: what the device must hold for the
+    /// request, as the report computes it). Where both stop it, raising the fraction cannot
     /// help, so the device is the verdict.
-    fn cap_stopped(&self, kind: PoolKind, owner: u32, size: usize, device_free: usize) -> bool {
+    fn cap_stopped(&self, owner: u32, size: usize, least: usize, device_free: usize) -> bool {
         let Some(max) = self.allowed_memory_maximum else {
             return false;
         };
@@ -1380,7 +1381,7 @@ impl State {
             Some(self.cap_refused_bytes)
         } else if owner == 0 && self.expandable && size > max {
             // `cannot_fit` refuses such a request before any growth is tried.
-            Some(size.next_multiple_of(crate::size_class::expandable_page_size(kind, &self.config)))
+            Some(least)
         } else {
             None
         };
