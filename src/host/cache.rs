@@ -277,14 +277,16 @@ impl<H: HostBackend> PinnedCache<H> {
         }
         let mut g = self.state.lock();
         let mut waits = 0u32;
-        // Set once no slab could be had: the fit rule no longer refuses anything (Note [The fit
-        // rule gives way]), neither a free range nor a waiting block.
-        let mut fit_waived = false;
+        // Note [The fit rule gives way]: the fit rule only prefers an exact slab to a much larger
+        // free range; once no slab can be pinned (the cap, or the host out of memory: the error
+        // kept here), a free range it refused still serves the request, and so does a waiting
+        // block it refused to wait for.
+        let mut no_slab: Option<PinnedError> = None;
         let (base, offset) = loop {
             if !g.waiting.is_empty() {
                 self.poll_waiting(&mut g);
             }
-            let hit = if fit_waived {
+            let hit = if no_slab.is_some() {
                 g.free_index.range((len, 0, 0)..).next().copied()
             } else {
                 self.best_fit(&g, len)
@@ -293,39 +295,23 @@ impl<H: HostBackend> PinnedCache<H> {
                 g.stats.num_cache_hits += 1;
                 break (base, offset);
             }
-            if self.may_wait(&g, waits) {
-                if let Some(claim) = self.claim_pending(&mut g, len, !fit_waived) {
-                    waits += 1;
-                    let settled = MutexGuard::unlocked(&mut g, || self.wait_claim(claim));
-                    self.settle(&mut g, settled);
-                    continue;
-                }
+            let claim = if self.may_wait(&g, waits) {
+                self.claim_pending(&mut g, len, no_slab.is_none())
+            } else {
+                None
+            };
+            if let Some(claim) = claim {
+                waits += 1;
+                let settled = MutexGuard::unlocked(&mut g, || self.wait_claim(claim));
+                self.settle(&mut g, settled);
+                continue;
+            }
+            if let Some(e) = no_slab {
+                return Err(e);
             }
             match self.grow(&mut g, len, size) {
                 Ok(base) => break (base, 0),
-                Err(e) => {
-                    // Note [The fit rule gives way]: the fit rule only prefers an exact slab to
-                    // a much larger free range; when no slab can be pinned (the cap, or the
-                    // host out of memory), a free range it refused still serves the request,
-                    // and so does a waiting block it refused to wait for.
-                    if let Some(&(_, base, offset)) = g.free_index.range((len, 0, 0)..).next() {
-                        g.stats.num_cache_hits += 1;
-                        break (base, offset);
-                    }
-                    if !fit_waived
-                        && self.config.max_fit_waste.is_some()
-                        && self.may_wait(&g, waits)
-                    {
-                        if let Some(claim) = self.claim_pending(&mut g, len, false) {
-                            fit_waived = true;
-                            waits += 1;
-                            let settled = MutexGuard::unlocked(&mut g, || self.wait_claim(claim));
-                            self.settle(&mut g, settled);
-                            continue;
-                        }
-                    }
-                    return Err(e);
-                }
+                Err(e) => no_slab = Some(e),
             }
         };
         self.carve(&mut g, base, offset, len);
