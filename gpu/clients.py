@@ -61,6 +61,9 @@ EXTRA_ALLOCATORS = [
     # The default with 1.5 % page-reuse slack instead of 1 %: growths create pages instead of
     # moving them while reserved bytes stay within 1.015 x the peak (FSDP2's growth steps).
     ("cca-slack15", {}, "cca_preset:default,cca_page_reuse_slack:0.015"),
+    # The default with every unmap of a moved page on the allocating thread, as before the
+    # unmap helper (cca_unmap_helper): what taking them off that thread saves a growth step.
+    ("cca-no-helper", {}, "cca_preset:default,cca_unmap_helper:False"),
 ]
 
 
@@ -878,7 +881,7 @@ def main():
     p.add_argument("--allocators", nargs="*", default=None,
                    help="labels to run beside native (default: the four of ALLOCATORS; also "
                         "cca-default-20m, cca-lean-fast, cca-no-lending, cca-no-fast, cca-borrow, "
-                        "cca-budget1)")
+                        "cca-budget1, cca-slack15, cca-no-helper)")
     p.add_argument("--reps", type=int, default=int(os.environ.get("CCA_CLIENT_REPS", "1")),
                    help="interleaved repeats of every allocator (default 1, or $CCA_CLIENT_REPS)")
     p.add_argument("--host-timing", action="store_true",

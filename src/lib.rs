@@ -32,7 +32,8 @@ pub use backend::sim::{
     SimEventCall, SimStreamWait, SimUse, SimViolation, SimViolationKind,
 };
 pub use backend::{
-    BackendError, DeviceAddr, DeviceBackend, EventHandle, MemInfo, PhysicalHandle, StreamId,
+    BackendError, DeviceAddr, DeviceBackend, EventHandle, FinishedUnmaps, MemInfo, PhysicalHandle,
+    StreamId,
 };
 pub use config::{
     AllocatorConfig, AllocatorConfigBuilder, ConfigError, PageReuse, Preset, SettingDifference,

@@ -68,6 +68,21 @@ pub(crate) fn unmap_page<B: DeviceBackend>(
     unsafe { backend.unmap(va, size) }
 }
 
+/// Queues the unmaps of pages the cache mapped on the backend's helper thread (Note [Unmaps off
+/// the allocating thread]); their physical handles stay live.
+pub(crate) fn unmap_pages_later<B: DeviceBackend>(
+    backend: &B,
+    ranges: Vec<(DeviceAddr, usize)>,
+) -> Result<u64, BackendError> {
+    // SAFETY: `unmap_page`'s obligations hold for each range: each is one old mapping of a lent
+    // block (Note [Lent pages]), exactly one earlier `map_page`, whose fence the caller saw
+    // complete, so no queued work uses it. They hold until the job is reported finished: the
+    // block stays lent (never merged, mapped over or filed unmapped) while its job runs, and a
+    // handle still mapped at a lent block's old address is neither taken from the spare pages
+    // nor released (`handle_lent`; `empty_cache` waits for the helper first).
+    unsafe { backend.unmap_later(ranges) }
+}
+
 /// Releases a physical page that is mapped nowhere (never mapped, or unmapped already).
 pub(crate) fn release_unmapped_page<B: DeviceBackend>(
     backend: &B,

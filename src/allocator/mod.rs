@@ -614,6 +614,9 @@ impl<B: DeviceBackend> CachingAllocator<B> {
                 });
             }
         }
+        // Old mappings the helper is unmapping are not granted: wait for it, and take back
+        // what it finished (Note [Unmaps off the allocating thread]).
+        st.collect_unmaps(&self.backend, true);
         let segments = st.vm_segments.values().flat_map(|seg| {
             seg.handles
                 .iter()
@@ -718,6 +721,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
         let Locked { st, front: fl } = &mut *guard;
         st.cross_stream_handovers = 0;
         st.page_loans = 0;
+        st.unmaps_handed_off = 0;
         st.blocks_borrowed = 0;
         st.handles.reset_accumulated();
         match &self.front {
@@ -741,6 +745,15 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     /// PyTorch's `memory_stats()` keys; always 0 with the option off.
     pub fn page_loans(&self) -> u64 {
         self.lock().page_loans
+    }
+
+    /// How many old mappings of moved pages were handed to the backend's helper thread to unmap
+    /// (`cca_unmap_helper`, Note [Unmaps off the allocating thread] in `docs/algorithm.md`, step
+    /// 23e) since the allocator was made or the accumulated statistics were last reset. Not one
+    /// of PyTorch's `memory_stats()` keys; always 0 with the option off or a backend without a
+    /// helper.
+    pub fn unmaps_handed_off(&self) -> u64 {
+        self.lock().unmaps_handed_off
     }
 
     /// Device memory allocations backing [`memory_reserved`](Self::memory_reserved): one per

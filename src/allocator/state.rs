@@ -137,6 +137,9 @@ pub(crate) struct State {
     pub(crate) exported_handles: HashMap<u64, u32>,
     /// Page runs lent (Note [Lent pages]) since the last reset of the accumulated statistics.
     pub(crate) page_loans: u64,
+    /// Old mappings of moved pages handed to the backend's helper thread to unmap (Note
+    /// [Unmaps off the allocating thread]).
+    pub(crate) unmaps_handed_off: u64,
     /// Blocks borrowed across streams (Note [Borrowed blocks]) since the last reset of the
     /// accumulated statistics.
     pub(crate) blocks_borrowed: u64,
@@ -213,6 +216,7 @@ impl State {
             lent: Vec::new(),
             exported_handles: HashMap::new(),
             page_loans: 0,
+            unmaps_handed_off: 0,
             blocks_borrowed: 0,
             last_foreign_block: false,
             peers: Vec::new(),

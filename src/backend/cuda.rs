@@ -45,12 +45,14 @@ use cudarc::driver::{CudaContext, CudaStream, sys};
 use parking_lot::{Mutex, RwLock};
 
 mod imported;
+mod unmap_helper;
 
 pub use imported::ImportedPages;
 
 use super::call_times::{CallClock, CallKind, DeviceCallTimes};
 use super::{
-    BackendError, DeviceAddr, DeviceBackend, EventHandle, MemInfo, PhysicalHandle, StreamId,
+    BackendError, DeviceAddr, DeviceBackend, EventHandle, FinishedUnmaps, MemInfo, PhysicalHandle,
+    StreamId,
 };
 
 /// `CU_STREAM_LEGACY`: the legacy default stream's explicit handle.
@@ -379,8 +381,13 @@ pub struct CudaDevice {
     streams: RwLock<HashMap<u64, Option<Arc<CudaStream>>>>,
     /// Live events created by this device.
     events: Mutex<HashSet<u64>>,
-    /// Host time spent in each kind of driver call ([`CudaDevice::call_times`]).
-    clock: CallClock,
+    /// Host time spent in each kind of driver call ([`CudaDevice::call_times`]), the unmap
+    /// helper's included.
+    clock: Arc<CallClock>,
+    /// The thread that unmaps moved pages' old mappings ([`DeviceBackend::unmap_later`]).
+    unmapper: unmap_helper::UnmapHelper,
+    /// The process that made this device: a forked child has no helper thread (nor CUDA).
+    pid: u32,
     /// Hands out page-locked host memory instead of device memory ([`CudaDevice::host_pages`]).
     host: bool,
     /// A stream this device created through the driver and destroys when dropped
@@ -415,6 +422,8 @@ impl fmt::Debug for CudaDevice {
 
 impl Drop for CudaDevice {
     fn drop(&mut self) {
+        // The helper finishes its queued unmaps first (the allocator that queued them is gone).
+        self.unmapper.stop();
         for (_, fd) in self.exported.get_mut().drain() {
             // SAFETY: `fd` is a descriptor `export_handle` opened and nothing else closes.
             unsafe { libc::close(fd) };
@@ -536,7 +545,9 @@ impl CudaDevice {
             granularity,
             streams: RwLock::new(streams),
             events: Mutex::new(HashSet::new()),
-            clock: CallClock::default(),
+            clock: Arc::default(),
+            unmapper: unmap_helper::UnmapHelper::default(),
+            pid: std::process::id(),
             host,
             quiet,
             peers: Mutex::new(Vec::new()),
@@ -1165,6 +1176,29 @@ unsafe impl DeviceBackend for CudaDevice {
         unsafe { sys::cuMemUnmap(va.0, size) }
             .result()
             .map_err(|e| driver("cuMemUnmap", e))
+    }
+
+    /// Device memory only (a host-pages device unmaps on the caller's thread), with virtual
+    /// memory, in the process that made the device.
+    fn unmaps_off_thread(&self) -> bool {
+        !self.host && self.granularity.is_some() && std::process::id() == self.pid
+    }
+
+    unsafe fn unmap_later(&self, ranges: Vec<(DeviceAddr, usize)>) -> Result<u64, BackendError> {
+        if !self.unmaps_off_thread() {
+            return Err(BackendError::Unsupported("unmaps on a helper thread"));
+        }
+        // SAFETY: the caller's obligations, forwarded: each range is one live mapping of this
+        // device, unused by queued work and left alone until the job is reported finished.
+        unsafe { self.unmapper.submit(&self.ctx, &self.clock, ranges) }
+    }
+
+    fn finished_unmaps(&self, tickets: &[u64]) -> Vec<FinishedUnmaps> {
+        self.unmapper.finished(tickets)
+    }
+
+    fn wait_unmaps(&self) {
+        self.unmapper.wait();
     }
 
     fn release_export(&self, handle: PhysicalHandle) {

@@ -104,6 +104,17 @@ pub struct MemInfo {
     pub total: usize,
 }
 
+/// One finished job of [`DeviceBackend::unmap_later`].
+#[derive(Debug)]
+pub struct FinishedUnmaps {
+    /// The ticket `unmap_later` returned.
+    pub ticket: u64,
+    /// How many of the job's ranges were unmapped, from the first, in order.
+    pub unmapped: usize,
+    /// The error that stopped the job at range `unmapped` (the rest stay mapped), if any.
+    pub error: Option<BackendError>,
+}
+
 /// What a backend call can fail with. Each variant says what the caller can do.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -425,6 +436,41 @@ pub unsafe trait DeviceBackend: Send + Sync {
         Err(BackendError::Unsupported("virtual memory"))
     }
 
+    /// Whether [`unmap_later`](Self::unmap_later) runs unmaps on a helper thread, off the
+    /// caller's (Note [Unmaps off the allocating thread] in `src/allocator/state/lending.rs`).
+    /// The default: `false`.
+    fn unmaps_off_thread(&self) -> bool {
+        false
+    }
+
+    /// Queues the unmaps of `ranges`, to run in the order given on a helper thread, and returns
+    /// the job's ticket; [`finished_unmaps`](Self::finished_unmaps) reports it once it ran.
+    ///
+    /// # Errors
+    /// [`BackendError::Unsupported`] when the backend has no helper (the default), or when the
+    /// helper cannot be started; nothing is queued then.
+    ///
+    /// # Safety
+    /// For every range, [`unmap`](Self::unmap)'s obligations, which must hold until the job is
+    /// reported finished: nothing is mapped over a queued range, and its physical handle is not
+    /// released, before then.
+    unsafe fn unmap_later(&self, ranges: Vec<(DeviceAddr, usize)>) -> Result<u64, BackendError> {
+        let _ = ranges;
+        Err(BackendError::Unsupported("unmaps on a helper thread"))
+    }
+
+    /// Which of the jobs `tickets` names (tickets [`unmap_later`](Self::unmap_later) returned)
+    /// have finished, each reported once; the others stay queued or running. The default: none.
+    fn finished_unmaps(&self, tickets: &[u64]) -> Vec<FinishedUnmaps> {
+        let _ = tickets;
+        Vec::new()
+    }
+
+    /// Blocks until every job queued by [`unmap_later`](Self::unmap_later) has finished (their
+    /// results still come from [`finished_unmaps`](Self::finished_unmaps)). The default returns
+    /// at once.
+    fn wait_unmaps(&self) {}
+
     /// Lets device `peer` read and write what [`map`](Self::map) maps from now on, beside this
     /// backend's own device. Returns whether `peer` is new to the backend (allocators sharing a
     /// backend each grant their own mapped pages all the same). Mapped memory is
@@ -560,6 +606,19 @@ unsafe impl<D: DeviceBackend + ?Sized> DeviceBackend for &D {
         // SAFETY: obligations 1-2 are forwarded unchanged.
         unsafe { (**self).unmap(va, size) }
     }
+    fn unmaps_off_thread(&self) -> bool {
+        (**self).unmaps_off_thread()
+    }
+    unsafe fn unmap_later(&self, ranges: Vec<(DeviceAddr, usize)>) -> Result<u64, BackendError> {
+        // SAFETY: the obligations are forwarded unchanged.
+        unsafe { (**self).unmap_later(ranges) }
+    }
+    fn finished_unmaps(&self, tickets: &[u64]) -> Vec<FinishedUnmaps> {
+        (**self).finished_unmaps(tickets)
+    }
+    fn wait_unmaps(&self) {
+        (**self).wait_unmaps();
+    }
     fn add_peer(&self, peer: usize) -> Result<bool, BackendError> {
         (**self).add_peer(peer)
     }
@@ -668,6 +727,19 @@ unsafe impl<D: DeviceBackend + ?Sized> DeviceBackend for std::sync::Arc<D> {
     unsafe fn unmap(&self, va: DeviceAddr, size: usize) -> Result<(), BackendError> {
         // SAFETY: obligations 1-2 are forwarded unchanged.
         unsafe { (**self).unmap(va, size) }
+    }
+    fn unmaps_off_thread(&self) -> bool {
+        (**self).unmaps_off_thread()
+    }
+    unsafe fn unmap_later(&self, ranges: Vec<(DeviceAddr, usize)>) -> Result<u64, BackendError> {
+        // SAFETY: the obligations are forwarded unchanged.
+        unsafe { (**self).unmap_later(ranges) }
+    }
+    fn finished_unmaps(&self, tickets: &[u64]) -> Vec<FinishedUnmaps> {
+        (**self).finished_unmaps(tickets)
+    }
+    fn wait_unmaps(&self) {
+        (**self).wait_unmaps();
     }
     fn add_peer(&self, peer: usize) -> Result<bool, BackendError> {
         (**self).add_peer(peer)

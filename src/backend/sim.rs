@@ -66,13 +66,14 @@
 //! same bytes in the other, for as long as both mappings are in place. (Unmapping one range
 //! takes nothing from the other, and a handle cannot be released while mapped anywhere.)
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use parking_lot::Mutex;
 
 use super::call_times::CALL_KINDS;
 use super::{
-    BackendError, DeviceAddr, DeviceBackend, EventHandle, MemInfo, PhysicalHandle, StreamId,
+    BackendError, DeviceAddr, DeviceBackend, EventHandle, FinishedUnmaps, MemInfo, PhysicalHandle,
+    StreamId,
 };
 
 /// What an injected fault looks like to the caller.
@@ -507,7 +508,20 @@ struct Inner {
     query_lag: u32,
     /// Per event: lagging queries left.
     lag_left: BTreeMap<u64, u32>,
+    /// The simulated unmap helper ([`SimDevice::set_unmap_helper`]): how many polls of
+    /// `finished_unmaps` a job waits before it runs; `None`: no helper.
+    unmap_lag: Option<u32>,
+    /// Queued unmap jobs, in order.
+    unmap_jobs: VecDeque<UnmapJob>,
+    /// Jobs that ran and were not yet reported.
+    unmap_done: Vec<FinishedUnmaps>,
+    /// The next job's ticket.
+    next_ticket: u64,
 }
+
+/// A job of the simulated unmap helper: its ticket, the ranges (address, bytes) to unmap in
+/// order, and how many polls are left before it runs.
+type UnmapJob = (u64, Vec<(u64, usize)>, u32);
 
 /// A deterministic simulated device. See the module documentation.
 ///
@@ -907,6 +921,10 @@ impl SimDevice {
                 capture_violations: Vec::new(),
                 query_lag: 0,
                 lag_left: BTreeMap::new(),
+                unmap_lag: None,
+                unmap_jobs: VecDeque::new(),
+                unmap_done: Vec::new(),
+                next_ticket: 1,
             }),
         }
     }
@@ -1007,6 +1025,16 @@ impl SimDevice {
     /// the queued-uses checks are unaffected (a late answer is a conservative one).
     pub fn set_event_query_lag(&self, queries: u32) {
         self.inner.lock().query_lag = queries;
+    }
+
+    /// Gives the device an unmap helper ([`DeviceBackend::unmaps_off_thread`]), as a CUDA device
+    /// has: a job queued by [`unmap_later`](DeviceBackend::unmap_later) runs at the `lag`-th
+    /// later [`finished_unmaps`](DeviceBackend::finished_unmaps) poll (0: at the next one), in
+    /// queue order, or when [`wait_unmaps`](DeviceBackend::wait_unmaps) is called; until then
+    /// its ranges stay mapped. `None` (the default) takes the helper away (jobs already queued
+    /// still run). Deterministic: no thread is involved.
+    pub fn set_unmap_helper(&self, lag: Option<u32>) {
+        self.inner.lock().unmap_lag = lag;
     }
 
     /// Queues one unit of simulated work on `stream`; events recorded after it stay pending until
@@ -1192,6 +1220,61 @@ impl SimDevice {
             .iter()
             .map(|(&a, &(s, _))| (DeviceAddr(a), s))
             .collect()
+    }
+}
+
+impl Inner {
+    /// Runs the first queued unmap job, as the helper would, and files its result.
+    fn run_unmap_job(&mut self) {
+        let Some((ticket, ranges, _)) = self.unmap_jobs.pop_front() else {
+            return;
+        };
+        let mut unmapped = 0;
+        let mut error = None;
+        for (va, size) in ranges {
+            match self.unmap_now(DeviceAddr(va), size) {
+                Ok(()) => unmapped += 1,
+                Err(e) => {
+                    error = Some(e);
+                    break;
+                }
+            }
+        }
+        self.unmap_done.push(FinishedUnmaps {
+            ticket,
+            unmapped,
+            error,
+        });
+    }
+
+    /// `unmap`'s work, under the lock.
+    fn unmap_now(&mut self, va: DeviceAddr, size: usize) -> Result<(), BackendError> {
+        let g = self;
+        let handle = match g.mappings.get(&va.0) {
+            Some(&(s, h)) if s == size => h,
+            _ => {
+                return Err(BackendError::InvalidArgument {
+                    operation: "unmap",
+                    reason: format!("{va}+{size} is not one mapping"),
+                });
+            }
+        };
+        g.capture_call("unmap", CaptureClass::Unsafe);
+        if let Err(f) = g.next_call(None) {
+            return Err(fault("unmap", f));
+        }
+        g.check_range(SimViolationKind::Unmap, va.0, size, &|_| false);
+        g.mappings.remove(&va.0);
+        g.peer_access.remove(&va.0);
+        if let Some(n) = g.maps_of_handle.get_mut(&handle) {
+            *n -= 1;
+            if *n == 0 {
+                g.maps_of_handle.remove(&handle);
+            }
+        }
+        g.counters.unmap_calls += 1;
+        g.bill(|c| c.unmap_ns);
+        Ok(())
     }
 }
 
@@ -1641,32 +1724,45 @@ unsafe impl DeviceBackend for SimDevice {
     }
 
     unsafe fn unmap(&self, va: DeviceAddr, size: usize) -> Result<(), BackendError> {
+        self.inner.lock().unmap_now(va, size)
+    }
+
+    fn unmaps_off_thread(&self) -> bool {
+        self.inner.lock().unmap_lag.is_some()
+    }
+
+    unsafe fn unmap_later(&self, ranges: Vec<(DeviceAddr, usize)>) -> Result<u64, BackendError> {
         let mut g = self.inner.lock();
-        let handle = match g.mappings.get(&va.0) {
-            Some(&(s, h)) if s == size => h,
-            _ => {
-                return Err(BackendError::InvalidArgument {
-                    operation: "unmap",
-                    reason: format!("{va}+{size} is not one mapping"),
-                });
-            }
+        let Some(lag) = g.unmap_lag else {
+            return Err(BackendError::Unsupported("unmaps on a helper thread"));
         };
-        g.capture_call("unmap", CaptureClass::Unsafe);
-        if let Err(f) = g.next_call(None) {
-            return Err(fault("unmap", f));
+        let ticket = g.next_ticket;
+        g.next_ticket += 1;
+        let ranges = ranges.into_iter().map(|(va, size)| (va.0, size)).collect();
+        g.unmap_jobs.push_back((ticket, ranges, lag));
+        Ok(ticket)
+    }
+
+    fn finished_unmaps(&self, tickets: &[u64]) -> Vec<FinishedUnmaps> {
+        let mut g = self.inner.lock();
+        for job in g.unmap_jobs.iter_mut() {
+            job.2 = job.2.saturating_sub(1);
         }
-        g.check_range(SimViolationKind::Unmap, va.0, size, &|_| false);
-        g.mappings.remove(&va.0);
-        g.peer_access.remove(&va.0);
-        if let Some(n) = g.maps_of_handle.get_mut(&handle) {
-            *n -= 1;
-            if *n == 0 {
-                g.maps_of_handle.remove(&handle);
-            }
+        while g.unmap_jobs.front().is_some_and(|j| j.2 == 0) {
+            g.run_unmap_job();
         }
-        g.counters.unmap_calls += 1;
-        g.bill(|c| c.unmap_ns);
-        Ok(())
+        let (mine, others) = std::mem::take(&mut g.unmap_done)
+            .into_iter()
+            .partition(|f| tickets.contains(&f.ticket));
+        g.unmap_done = others;
+        mine
+    }
+
+    fn wait_unmaps(&self) {
+        let mut g = self.inner.lock();
+        while !g.unmap_jobs.is_empty() {
+            g.run_unmap_job();
+        }
     }
 
     fn release_export(&self, handle: PhysicalHandle) {

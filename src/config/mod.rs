@@ -213,6 +213,12 @@ pub struct AllocatorConfig {
     /// unmapped later, once a fence query shows its work complete. `false`: such pages stay
     /// where they are and the growth creates new memory. See `docs/algorithm.md`, step 23b.
     pub page_lending: bool,
+    /// Whether the unmaps of pages a growth moved run on a helper thread when the backend has
+    /// one (crate key `cca_unmap_helper`; a CUDA device does, the simulated device only when
+    /// asked): the growth maps the pages where it needs them first and leaves their old mapping
+    /// in place, and the helper unmaps it while the program runs on. `false`: the growing thread
+    /// unmaps them itself. See `docs/algorithm.md`, step 23e.
+    pub unmap_helper: bool,
     /// How many pages page reuse may move while the allocated bytes stay below their peak, as a
     /// multiple of the pages reserved (crate key `cca_page_move_budget`; 0 = no budget). Once a
     /// workload that no longer raises its peak has moved that many, growths create the pages
@@ -300,6 +306,7 @@ impl AllocatorConfig {
             page_reuse_slack: 0.0,
             page_reuse_fence: false,
             page_lending: false,
+            unmap_helper: false,
             page_move_budget: 0,
             precise_fraction_cap: false,
             fast_path: false,
@@ -496,6 +503,9 @@ impl AllocatorConfig {
         if self.page_lending != d.page_lending {
             out.push(format!("cca_page_lending:{}", flag(self.page_lending)));
         }
+        if self.unmap_helper != d.unmap_helper {
+            out.push(format!("cca_unmap_helper:{}", flag(self.unmap_helper)));
+        }
         if self.page_move_budget != d.page_move_budget {
             out.push(format!("cca_page_move_budget:{}", self.page_move_budget));
         }
@@ -680,7 +690,7 @@ impl Default for AllocatorConfig {
     /// with expandable segments: 1.01–1.58×). As a configuration string:
     /// `expandable_segments:True,cca_large_page_size_mb:2,cca_page_reuse:device,`
     /// `cca_page_reuse_slack:0.01,cca_page_reuse_fence:True,cca_page_lending:True,`
-    /// `cca_page_move_budget:8,cca_precise_cap:True,cca_fast_path:True`. Page reuse is
+    /// `cca_unmap_helper:True,cca_page_move_budget:8,cca_precise_cap:True,cca_fast_path:True`. Page reuse is
     /// fenced by events, so the default never synchronizes a stream or the device outside
     /// `empty_cache` and the out-of-memory path.
     ///
@@ -709,6 +719,7 @@ impl Default for AllocatorConfig {
             page_reuse_slack: 0.01,
             page_reuse_fence: true,
             page_lending: true,
+            unmap_helper: true,
             page_move_budget: 8,
             precise_fraction_cap: true,
             fast_path: true,
@@ -841,6 +852,13 @@ impl AllocatorConfigBuilder {
     /// (map them a second time, order by an event wait, unmap the old mapping later).
     pub fn page_lending(mut self, on: bool) -> Self {
         self.config.page_lending = on;
+        self
+    }
+
+    /// `cca_unmap_helper` (crate-specific): unmap moved pages' old mappings on the backend's
+    /// helper thread, when it has one. See [`AllocatorConfig::unmap_helper`].
+    pub fn unmap_helper(mut self, on: bool) -> Self {
+        self.config.unmap_helper = on;
         self
     }
 

@@ -169,6 +169,7 @@ const KEYS: &[&str] = &[
     "cca_page_reuse_fence",
     "cca_borrow_blocks",
     "cca_page_lending",
+    "cca_unmap_helper",
     "cca_page_move_budget",
     "cca_precise_cap",
     "cca_fast_path",
@@ -433,6 +434,11 @@ fn apply_keys(
                 t.expect(i + 1, ":")?;
                 i += 2;
                 c.page_lending = t.boolean(i, &key)?;
+            }
+            "cca_unmap_helper" => {
+                t.expect(i + 1, ":")?;
+                i += 2;
+                c.unmap_helper = t.boolean(i, &key)?;
             }
             "cca_page_move_budget" => {
                 t.expect(i + 1, ":")?;

@@ -544,6 +544,11 @@ impl CudaAllocator {
         self.inner.page_loans()
     }
 
+    /// [`CachingAllocator::unmaps_handed_off`].
+    pub fn unmaps_handed_off(&self) -> u64 {
+        self.inner.unmaps_handed_off()
+    }
+
     /// [`CachingAllocator::blocks_borrowed`].
     pub fn blocks_borrowed(&self) -> u64 {
         self.inner.blocks_borrowed()

@@ -627,6 +627,83 @@ fn cuda_lent_pages_order_the_new_stream_after_the_old() {
     assert_eq!(alloc.memory_stats().memory_reserved(), 0);
 }
 
+/// Unmaps off the allocating thread (`cca_unmap_helper`, on in the default): stream 0's idle
+/// pages move to stream 1's growth mapped first, their old mapping left to the device's helper
+/// thread; stream 1 writes and reads its pattern through the new mapping while the helper
+/// unmaps the old one, stream 0's next growth and its data are right too, and `empty_cache`
+/// (which waits for the helper) returns every byte. Without the key nothing is handed off.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
+fn cuda_moved_pages_are_unmapped_by_the_helper_and_keep_their_data() {
+    let g = gpu("cuda_moved_pages_are_unmapped_by_the_helper_and_keep_their_data");
+    for (config, helper) in [
+        ("cca_preset:default", true),
+        ("cca_preset:default,cca_unmap_helper:False", false),
+    ] {
+        let alloc = CudaAllocator::new(Arc::clone(&g.ctx), AllocatorConfig::parse(config).unwrap())
+            .unwrap();
+        let s0 = g.ctx.new_stream().unwrap();
+        let s1 = g.ctx.new_stream().unwrap();
+        let n = 5 * MIB; // 20 MiB of u32: ten 2 MiB pages
+        let mut a = uninit::<u32>(&alloc, &s0, n);
+        fill!(g, &s0, &mut a, n, 0x31);
+        assert_eq!(bad!(g, &alloc, &s0, &a, n, 0x31), 0);
+        s0.synchronize().unwrap();
+        drop(a);
+        alloc.flush_thread_caches();
+        let reserved = alloc.memory_stats().memory_reserved();
+        let t0 = alloc.device_call_times();
+        // No free block of stream 1, and the 1 % slack does not cover 20 MiB: the growth moves
+        // stream 0's idle pages.
+        let mut b = uninit::<u32>(&alloc, &s1, n);
+        let grown = alloc.device_call_times().since(&t0);
+        assert_eq!(
+            alloc.memory_stats().memory_reserved(),
+            reserved,
+            "{config}: pages moved, none made"
+        );
+        if helper {
+            assert!(
+                alloc.unmaps_handed_off() >= 1,
+                "{config}: nothing handed to the helper"
+            );
+        } else {
+            assert_eq!(alloc.unmaps_handed_off(), 0, "{config}");
+            assert!(
+                grown.get("unmap").unwrap().0 >= 1,
+                "{config}: the growth unmapped: {grown:?}"
+            );
+        }
+        fill!(g, &s1, &mut b, n, 0x47);
+        assert_eq!(
+            bad!(g, &alloc, &s1, &b, n, 0x47),
+            0,
+            "{config}: stream 1 reads its pattern"
+        );
+        // Stream 0 grows again: its old range comes back once the helper is done with it.
+        let mut c = uninit::<u32>(&alloc, &s0, n);
+        fill!(g, &s0, &mut c, n, 0x59);
+        assert_eq!(
+            bad!(g, &alloc, &s0, &c, n, 0x59),
+            0,
+            "{config}: stream 0's new block"
+        );
+        assert_eq!(
+            bad!(g, &alloc, &s1, &b, n, 0x47),
+            0,
+            "{config}: stream 1's block kept"
+        );
+        s0.synchronize().unwrap();
+        s1.synchronize().unwrap();
+        drop(b);
+        drop(c);
+        alloc.check_invariants().unwrap();
+        alloc.empty_cache().unwrap();
+        alloc.check_invariants().unwrap();
+        assert_eq!(alloc.memory_stats().memory_reserved(), 0, "{config}");
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --features cuda,cublas --test all -- --ignored (gpu/run.sh runs it)"]
 fn cuda_blocks_belong_to_their_stream() {

@@ -12,7 +12,7 @@ use proptest::prelude::*;
 use crate::programs::{Mix, Run, random_program};
 use crate::util::{MIB, with_config};
 
-const CONFIGS: &[&str] = &[
+pub(crate) const CONFIGS: &[&str] = &[
     "cca_preset:default",
     "cca_preset:default,cca_borrow_blocks:True",
     "cca_preset:default,cca_cross_stream_reuse:True",
@@ -47,7 +47,7 @@ proptest! {
     }
 }
 
-fn lending_heavy_ops() -> impl Strategy<Value = Vec<crate::programs::Op>> {
+pub(crate) fn lending_heavy_ops() -> impl Strategy<Value = Vec<crate::programs::Op>> {
     use crate::programs::Op;
     let arms = prop_oneof![
         10 => ((1usize..=24 * MIB), 0u64..4).prop_map(|(size, stream)| Op::Alloc { size, stream }),

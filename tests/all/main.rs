@@ -55,4 +55,5 @@ mod stats_truth;
 mod stream_safety;
 mod tools_review;
 mod trace_io;
+mod unmap_helper;
 mod util;

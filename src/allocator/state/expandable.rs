@@ -502,6 +502,7 @@ impl State {
             cand = next;
         }
         self.uncache_block(cand);
+        self.offload_settled(dev);
         Ok(Some(cand))
     }
 
@@ -595,7 +596,7 @@ impl State {
             let bytes = (at - first) * page;
             let lent = handles[..mapped]
                 .iter()
-                .any(|sp| self.handle_lent(sp.handle));
+                .any(|sp| self.handle_lent_pending(sp.handle));
             self.mark_mapped(to_map, bytes);
             if lent {
                 // Note [Lent pages]: the pages' old uses are ordered before this stream's work
@@ -826,8 +827,12 @@ impl State {
             got.extend(created);
         }
         let mut synced: Vec<StreamId> = Vec::new();
+        let offload = self.unmaps_offloaded(dev);
         for r in plan {
-            let stream = self.block(r.id).stream;
+            let (stream, stamp) = {
+                let b = self.block(r.id);
+                (b.stream, b.free_stamp)
+            };
             // Note [Page fences]: a block a completed fence covers is idle; anything else waits
             // for its stream (the PyTorch-like setting, or a backend without events).
             let idle = self.fenced_reuse() && self.known_idle(r.id);
@@ -841,6 +846,14 @@ impl State {
             let mut cur = Some(r.id);
             for (first, count) in r.runs {
                 let Some(id) = cur else { break };
+                if offload && idle {
+                    // Note [Unmaps off the allocating thread]: the old mapping stays until the
+                    // helper unmaps it, after this growth.
+                    let (pages, below) = self.lend_run(id, first, count, stream, stamp, true);
+                    got.extend(pages);
+                    cur = below;
+                    continue;
+                }
                 let (pages, below, res) = self.unmap_run(dev, id, first, count);
                 got.extend(pages);
                 if let Err(e) = res {

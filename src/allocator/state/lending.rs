@@ -39,6 +39,33 @@
 //!
 //! Nothing is lent while a graph capture is underway (page reuse is off then), and nothing is
 //! lent when no event can be recorded: the growth creates new memory instead, as before.
+//!
+//! Note [Unmaps off the allocating thread] (crate key `cca_unmap_helper`, on in the default): a
+//! page move costs an unmap at the old address, a map and an access setting at the new one, all
+//! on the thread that allocates, whose host time is the step's in a host-bound program (FSDP2's
+//! growth steps). The unmap need not be there: since a handle may be mapped at two addresses,
+//! the move can map first and unmap later, and a thread making VMM calls does not hold up
+//! another thread's launches (`gpu/probes/vmm_threads.cu`). So, when the backend has a helper
+//! thread ([`DeviceBackend::unmaps_off_thread`]: a CUDA device):
+//!
+//! 1. A growth that reuses an *idle* page (its fence complete, Note [Page fences]) lends it as
+//!    above, marked `idle`: no event wait, and the new block keeps the stamp of fresh memory.
+//! 2. Once the growth has mapped its pages, every lent block whose uses are complete (idle
+//!    ones, and loans whose fence has since completed) is handed to the helper
+//!    ([`DeviceBackend::unmap_later`]): its old mappings are queued there, and the block stays
+//!    lent (out of every set, never merged or mapped over, its handles neither spare-reused nor
+//!    released) while the job runs. Handing off after the growth, not during it, matters: the
+//!    driver serializes VMM calls across threads, so unmaps beside the growth's own maps would
+//!    only slow those down (`gpu/probes/vmm_deferred_unmap.cu`).
+//! 3. The next growth takes back the finished jobs ([`DeviceBackend::finished_unmaps`]): a block
+//!    with no old mapping left becomes an ordinary unmapped block; one whose job stopped at an
+//!    error stays lent and is tried again.
+//! 4. `empty_cache`, the out-of-memory path and `enable_peer_access` wait for the helper first
+//!    ([`DeviceBackend::wait_unmaps`]), so nothing they release or grant is being unmapped.
+//!
+//! The memory is the same (the old mapping holds no bytes of its own); an old address range
+//! comes back to use a little later. A backend without a helper (the simulated device unless
+//! `SimDevice::set_unmap_helper` gives it one) takes the growing thread's unmaps as before.
 #![forbid(unsafe_code)]
 
 use super::State;
@@ -62,6 +89,12 @@ pub(crate) struct LentRange {
     /// The block's free stamp when it was lent: a fence on `stream` at or after it ends the
     /// old uses.
     pub(crate) stamp: u64,
+    /// Whether the old uses were complete when the pages moved (an idle page moved with its
+    /// unmap left to the helper, Note [Unmaps off the allocating thread]): the new owner waited
+    /// for nothing, so its block keeps the stamp of fresh memory.
+    pub(crate) idle: bool,
+    /// The helper's job unmapping the old mappings, while it runs.
+    pub(crate) ticket: Option<u64>,
 }
 
 impl State {
@@ -76,6 +109,20 @@ impl State {
         self.lent
             .iter()
             .any(|r| r.maps.iter().any(|&(_, _, h)| h == handle))
+    }
+
+    /// Whether `handle` is still mapped at the old address of a block lent while its uses were
+    /// pending (not an idle move whose unmap went to the helper).
+    pub(super) fn handle_lent_pending(&self, handle: PhysicalHandle) -> bool {
+        self.lent
+            .iter()
+            .any(|r| !r.idle && r.maps.iter().any(|&(_, _, h)| h == handle))
+    }
+
+    /// Whether moved pages' old mappings are left to the backend's helper thread (Note [Unmaps
+    /// off the allocating thread]): configured, the backend has a helper, no capture underway.
+    pub(super) fn unmaps_offloaded<B: DeviceBackend>(&self, dev: &B) -> bool {
+        self.config.unmap_helper && dev.unmaps_off_thread() && !self.capture_underway()
     }
 
     /// Lends the pages `plan` names (blocks whose fence is pending) to a growth of `stream`'s
@@ -109,7 +156,7 @@ impl State {
             let mut cur = Some(r.id);
             for (first, count) in r.runs {
                 let Some(id) = cur else { break };
-                let (pages, below) = self.lend_run(id, first, count, old_stream, stamp);
+                let (pages, below) = self.lend_run(id, first, count, old_stream, stamp, false);
                 bytes += pages.iter().map(|p| p.size).sum::<usize>();
                 got.extend(pages);
                 cur = below;
@@ -120,14 +167,16 @@ impl State {
 
     /// Takes the handles tiling pages `[first, first + count)` of free mapped block `id` out of
     /// its segment's page table, leaving them mapped on the device, and makes that range a lent
-    /// block. Returns the handles and the free block left below the range (if any).
-    fn lend_run(
+    /// block (`idle`: its uses are complete, the unmap is only left for later). Returns the
+    /// handles and the free block left below the range (if any).
+    pub(super) fn lend_run(
         &mut self,
         id: BlockId,
         first: usize,
         count: usize,
         stream: StreamId,
         stamp: u64,
+        idle: bool,
     ) -> (Vec<SparePage>, Option<BlockId>) {
         let ptr = self.block(id).ptr;
         let Some(base) = self.vm_segment_of(ptr) else {
@@ -159,20 +208,26 @@ impl State {
         let start = base + (first * page) as u64;
         let below = self.split_out(id, start, (at - first) * page);
         self.block_mut(id).lent = true;
-        self.page_loans += 1;
+        if !idle {
+            self.page_loans += 1;
+        }
         self.lent.push(LentRange {
             block: id,
             maps,
             stream,
             stamp,
+            idle,
+            ticket: None,
         });
         (out, below)
     }
 
     /// Step 4 of Note [Lent pages]: unmaps the old mappings of every lent block whose fence has
-    /// completed (polled by the caller) and returns those blocks to the unmapped set. With
-    /// `synchronize` (only `empty_cache` and the out-of-memory path), waits for the streams of
-    /// the others first, so that nothing stays lent.
+    /// completed (polled by the caller) and returns those blocks to the unmapped set; with the
+    /// helper (Note [Unmaps off the allocating thread]) hands those unmaps to it instead and
+    /// takes back the blocks whose unmaps it finished. With `synchronize` (only `empty_cache`,
+    /// the out-of-memory path and a new peer), waits for the helper and for the streams of the
+    /// others first, and unmaps here, so that nothing stays lent.
     ///
     /// # Errors
     ///
@@ -187,10 +242,16 @@ impl State {
         if self.lent.is_empty() || self.capture_underway() {
             return Ok(());
         }
+        self.collect_unmaps(dev, synchronize);
+        let offload = !synchronize && self.unmaps_offloaded(dev);
         let mut synced: Vec<StreamId> = Vec::new();
         let mut i = 0;
         while i < self.lent.len() {
             let (stream, stamp) = (self.lent[i].stream, self.lent[i].stamp);
+            if self.lent[i].ticket.is_some() {
+                i += 1;
+                continue;
+            }
             if !self.fences.idle(stream, stamp) {
                 if !synchronize {
                     i += 1;
@@ -204,6 +265,10 @@ impl State {
                         })?;
                     synced.push(stream);
                 }
+            }
+            if offload && self.hand_to_helper(dev, i) {
+                i += 1;
+                continue;
             }
             while let Some(&(va, bytes, _)) = self.lent[i].maps.last() {
                 match device_calls::unmap_page(dev, DeviceAddr(va), bytes) {
@@ -230,6 +295,78 @@ impl State {
             }
         }
         Ok(())
+    }
+
+    /// Hands the old mappings of every lent block whose uses are complete to the helper (Note
+    /// [Unmaps off the allocating thread]): called once a growth has mapped its pages, so the
+    /// helper's unmaps run while the program goes on, not beside the growth's own calls.
+    pub(super) fn offload_settled<B: DeviceBackend>(&mut self, dev: &B) {
+        if !self.unmaps_offloaded(dev) {
+            return;
+        }
+        for i in 0..self.lent.len() {
+            let r = &self.lent[i];
+            if r.ticket.is_none() && self.fences.idle(r.stream, r.stamp) {
+                self.hand_to_helper(dev, i);
+            }
+        }
+    }
+
+    /// Queues the old mappings of lent block `i` (its uses complete) on the helper. Returns
+    /// whether they were queued.
+    fn hand_to_helper<B: DeviceBackend>(&mut self, dev: &B, i: usize) -> bool {
+        let ranges: Vec<(DeviceAddr, usize)> = self.lent[i]
+            .maps
+            .iter()
+            .rev()
+            .map(|&(va, bytes, _)| (DeviceAddr(va), bytes))
+            .collect();
+        if ranges.is_empty() {
+            return false;
+        }
+        let pages = ranges.len() as u64;
+        match device_calls::unmap_pages_later(dev, ranges) {
+            Ok(ticket) => {
+                self.lent[i].ticket = Some(ticket);
+                self.unmaps_handed_off += pages;
+                true
+            }
+            Err(e) => {
+                tracing::debug!(target: "cuda_caching_allocator", device = dev.device_index(), error = %e, "lent page: the helper refused the unmaps; unmapping here");
+                false
+            }
+        }
+    }
+
+    /// Takes back the lent blocks whose unmaps the helper finished (all of them first, with
+    /// `wait`): what it unmapped leaves the block's list of old mappings; a block with none left
+    /// becomes an ordinary unmapped block, one whose job stopped at an error stays lent for a
+    /// later try.
+    pub(crate) fn collect_unmaps<B: DeviceBackend>(&mut self, dev: &B, wait: bool) {
+        let tickets: Vec<u64> = self.lent.iter().filter_map(|r| r.ticket).collect();
+        if tickets.is_empty() {
+            return;
+        }
+        if wait {
+            dev.wait_unmaps();
+        }
+        for f in dev.finished_unmaps(&tickets) {
+            let Some(i) = self.lent.iter().position(|r| r.ticket == Some(f.ticket)) else {
+                continue;
+            };
+            let r = &mut self.lent[i];
+            r.ticket = None;
+            // The job unmapped the list from its end (`hand_to_helper`).
+            let left = r.maps.len().saturating_sub(f.unmapped);
+            r.maps.truncate(left);
+            if let Some(e) = f.error {
+                tracing::debug!(target: "cuda_caching_allocator", device = dev.device_index(), error = %e, "lent page: the helper's unmap failed, left lent for now");
+            }
+            if self.lent[i].maps.is_empty() {
+                let r = self.lent.remove(i);
+                self.end_lending(dev, r.block);
+            }
+        }
     }
 
     /// A lent block whose old mappings are gone becomes an ordinary unmapped block.

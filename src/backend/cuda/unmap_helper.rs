@@ -1,0 +1,176 @@
+//! The thread that unmaps the old mappings of moved pages for a [`CudaDevice`] (Note [Unmaps off
+//! the allocating thread] in `src/allocator/state/lending.rs`): jobs of ranges come in through a
+//! channel, run in order, and their results wait for the allocator's next poll. Started on the
+//! first job, stopped and joined when the device drops. May use: `backend::cuda`.
+
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use cudarc::driver::{CudaContext, result, sys};
+use parking_lot::{Condvar, Mutex};
+
+use super::{RelaxedCaptureMode, driver};
+use crate::backend::call_times::{CallClock, CallKind};
+use crate::backend::{BackendError, DeviceAddr, FinishedUnmaps};
+
+/// One job: its ticket and the ranges to unmap, in order.
+type Job = (u64, Vec<(DeviceAddr, usize)>);
+
+/// What the thread and the device share: results waiting to be polled, and counts.
+#[derive(Default)]
+struct Shared {
+    state: Mutex<Progress>,
+    /// Signalled each time a job finishes.
+    finished: Condvar,
+}
+
+#[derive(Default)]
+struct Progress {
+    /// Jobs handed to the thread (the last ticket given out).
+    queued: u64,
+    /// Jobs the thread finished.
+    done: u64,
+    /// Finished jobs not yet polled.
+    results: Vec<FinishedUnmaps>,
+}
+
+/// The helper of one device: started lazily, stopped when dropped.
+#[derive(Default)]
+pub(super) struct UnmapHelper {
+    running: Mutex<Option<Running>>,
+    shared: Arc<Shared>,
+}
+
+struct Running {
+    jobs: Sender<Job>,
+    thread: JoinHandle<()>,
+}
+
+impl UnmapHelper {
+    /// Queues `ranges` on the thread (starting it first if need be) and returns the ticket.
+    ///
+    /// # Errors
+    /// [`BackendError::Unsupported`] when the thread cannot be started or has stopped.
+    ///
+    /// # Safety
+    /// `DeviceBackend::unmap_later`'s: every range is one live mapping of `ctx`'s device that no
+    /// queued work uses, left alone (not mapped over, its handle not released) until the job is
+    /// reported finished.
+    pub(super) unsafe fn submit(
+        &self,
+        ctx: &Arc<CudaContext>,
+        clock: &Arc<CallClock>,
+        ranges: Vec<(DeviceAddr, usize)>,
+    ) -> Result<u64, BackendError> {
+        let mut running = self.running.lock();
+        if running.as_ref().is_none_or(|r| r.thread.is_finished()) {
+            let (jobs, rx) = channel();
+            let (ctx, clock, shared) =
+                (Arc::clone(ctx), Arc::clone(clock), Arc::clone(&self.shared));
+            let thread = std::thread::Builder::new()
+                .name("cca-unmap".into())
+                .spawn(move || run(&ctx, &clock, &shared, &rx))
+                .map_err(|_| BackendError::Unsupported("unmaps on a helper thread (no thread)"))?;
+            *running = Some(Running { jobs, thread });
+        }
+        let Some(r) = running.as_ref() else {
+            return Err(BackendError::Unsupported("unmaps on a helper thread"));
+        };
+        let ticket = {
+            let mut p = self.shared.state.lock();
+            p.queued += 1;
+            p.queued
+        };
+        if r.jobs.send((ticket, ranges)).is_err() {
+            // The thread is gone; the job never ran. Count it as finished with nothing done so
+            // that `wait` does not wait for it, and let the caller unmap.
+            let mut p = self.shared.state.lock();
+            p.done += 1;
+            return Err(BackendError::Unsupported(
+                "unmaps on a helper thread (stopped)",
+            ));
+        }
+        Ok(ticket)
+    }
+
+    /// The finished jobs among `tickets`, each once.
+    pub(super) fn finished(&self, tickets: &[u64]) -> Vec<FinishedUnmaps> {
+        let mut p = self.shared.state.lock();
+        if p.results.is_empty() {
+            return Vec::new();
+        }
+        let (mine, others) = std::mem::take(&mut p.results)
+            .into_iter()
+            .partition(|f| tickets.contains(&f.ticket));
+        p.results = others;
+        mine
+    }
+
+    /// Blocks until every queued job finished (or the thread stopped).
+    pub(super) fn wait(&self) {
+        let mut p = self.shared.state.lock();
+        while p.done < p.queued {
+            let stopped = self
+                .running
+                .try_lock()
+                .is_some_and(|r| r.as_ref().is_none_or(|r| r.thread.is_finished()));
+            if stopped {
+                tracing::error!(target: "cuda_caching_allocator", queued = p.queued, done = p.done, "the unmap helper stopped with jobs queued");
+                return;
+            }
+            self.shared
+                .finished
+                .wait_for(&mut p, Duration::from_millis(50));
+        }
+    }
+
+    /// Stops the thread once it has run every queued job, and joins it.
+    pub(super) fn stop(&self) {
+        let Some(Running { jobs, thread }) = self.running.lock().take() else {
+            return;
+        };
+        drop(jobs);
+        if thread.join().is_err() {
+            tracing::error!(target: "cuda_caching_allocator", "the unmap helper panicked");
+        }
+    }
+}
+
+/// The thread's body: binds the context, turns its capture mode relaxed (its unmaps must not
+/// invalidate another thread's capture), and runs the jobs until the channel closes.
+fn run(ctx: &CudaContext, clock: &CallClock, shared: &Shared, jobs: &Receiver<Job>) {
+    // SAFETY: `ctx` is a live context: the thread holds an `Arc` of it until it returns.
+    let bound = unsafe { result::ctx::set_current(ctx.cu_ctx()) }.is_ok();
+    let _relaxed = RelaxedCaptureMode::enter();
+    while let Ok((ticket, ranges)) = jobs.recv() {
+        let mut unmapped = 0;
+        let mut error = (!bound).then_some(BackendError::Unsupported(
+            "unmaps on a helper thread (its context could not be bound)",
+        ));
+        if error.is_none() {
+            for (va, size) in ranges {
+                let _timed = clock.start(CallKind::Unmap);
+                // SAFETY: the submitter's obligations (`UnmapHelper::submit`): `va..va + size` is
+                // one live mapping of this context's device, unused by queued work and left alone
+                // until this job is reported finished.
+                match unsafe { sys::cuMemUnmap(va.0, size) }.result() {
+                    Ok(()) => unmapped += 1,
+                    Err(e) => {
+                        error = Some(driver("cuMemUnmap", e));
+                        break;
+                    }
+                }
+            }
+        }
+        let mut p = shared.state.lock();
+        p.results.push(FinishedUnmaps {
+            ticket,
+            unmapped,
+            error,
+        });
+        p.done += 1;
+        shared.finished.notify_all();
+    }
+}

@@ -1,0 +1,146 @@
+//! Unmaps off the allocating thread (`cca_unmap_helper`, Note [Unmaps off the allocating
+//! thread]): with a backend that has a helper (`SimDevice::set_unmap_helper`, the simulated
+//! stand-in for `CudaDevice`'s thread), the old mappings of moved pages are unmapped by the
+//! helper after the growth, at a lag the tests choose. Random programs check the device's hazard
+//! log and the invariants after every step; replays check memory, synchronizations and that the
+//! helper did the unmapping; directed cases check `empty_cache` and a new peer while jobs wait.
+use cuda_caching_allocator::synth::Workload;
+use cuda_caching_allocator::trace::Trace;
+use cuda_caching_allocator::*;
+use proptest::prelude::*;
+
+use crate::lagged_programs::{CONFIGS, lending_heavy_ops};
+use crate::programs::Run;
+use crate::util::MIB;
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(64),
+        ..ProptestConfig::default()
+    })]
+
+    /// Lending-heavy random programs (faults included, so some of the helper's unmaps fail)
+    /// under every page-reuse configuration, the helper running 0 to 5 polls late.
+    #[test]
+    fn programs_with_the_helper(
+        config in proptest::sample::select(CONFIGS).prop_map(|s| AllocatorConfig::parse(s).unwrap()),
+        capacity_mib in 40usize..160,
+        lag in 0u32..3,
+        helper_lag in 0u32..6,
+        ops in lending_heavy_ops(),
+    ) {
+        let mut run = Run::new(capacity_mib, config);
+        run.a.backend().set_event_query_lag(lag);
+        run.a.backend().set_unmap_helper(Some(helper_lag));
+        run.run_checked(&ops)?;
+    }
+}
+
+/// A replay of `trace` on a simulated device whose helper runs `helper_lag` polls late (`None`:
+/// no helper), with event queries answered `lag` times late.
+fn replayed(
+    trace: &Trace,
+    config: &str,
+    lag: u32,
+    helper_lag: Option<u32>,
+) -> (ReplayReport, CachingAllocator<SimDevice>) {
+    let dev = SimDevice::default();
+    dev.set_event_query_lag(lag);
+    dev.set_unmap_helper(helper_lag);
+    let alloc = CachingAllocator::new(dev, AllocatorConfig::parse(config).unwrap()).unwrap();
+    let r = replay(&alloc, trace, &ReplayOptions::default()).unwrap();
+    (r, alloc)
+}
+
+/// On the synthetic stress traces the default with a helper stays at the memory floor without
+/// synchronizing, the helper does the unmapping the growths leave, the device logs no hazard,
+/// and `empty_cache` leaves nothing mapped (it waits for the helper's queue).
+#[test]
+fn the_helper_unmaps_what_growths_move_and_memory_stays_lean() {
+    for w in [Workload::TransformerVarlen, Workload::ManyStreams] {
+        let t = w.trace(1);
+        let (inline, a0) = replayed(&t, "cca_preset:default", 1, None);
+        assert_eq!(a0.unmaps_handed_off(), 0);
+        for helper_lag in [0, 3, 50] {
+            let (r, alloc) = replayed(&t, "cca_preset:default", 1, Some(helper_lag));
+            let syncs = r.device_call("synchronize") + r.device_call("stream_synchronize");
+            assert_eq!(
+                syncs,
+                0,
+                "{} helper lag {helper_lag}: {:?}",
+                w.name(),
+                r.device_calls
+            );
+            assert!(
+                r.reserved_over_live() <= 1.02,
+                "{} helper lag {helper_lag}: {:.4} (inline {:.4})",
+                w.name(),
+                r.reserved_over_live(),
+                inline.reserved_over_live()
+            );
+            assert!(
+                alloc.unmaps_handed_off() > 0,
+                "{} helper lag {helper_lag}: nothing handed off",
+                w.name()
+            );
+            let sim = alloc.backend();
+            assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+            alloc.empty_cache().unwrap();
+            assert!(
+                sim.live_mappings().is_empty(),
+                "{} helper lag {helper_lag}",
+                w.name()
+            );
+            assert_eq!(sim.counters().reserved_bytes, 0);
+            assert_eq!(alloc.check_invariants(), Ok(()));
+        }
+        // Off by configuration: the helper is there, the growths unmap themselves.
+        let (_, off) = replayed(&t, "cca_preset:default,cca_unmap_helper:False", 1, Some(0));
+        assert_eq!(off.unmaps_handed_off(), 0, "{}", w.name());
+    }
+}
+
+/// A page moved between streams with its unmap left to a helper that has not run: the old
+/// range stays out of use (lent), `enable_peer_access` grants no range the helper is
+/// unmapping, and `empty_cache` waits for the helper before it releases the handle.
+#[test]
+fn queued_unmaps_keep_the_old_range_out_of_use_until_the_helper_ran() {
+    let dev = SimDevice::with_capacity(64 * MIB);
+    dev.set_unmap_helper(Some(1_000));
+    let a = CachingAllocator::new(dev, AllocatorConfig::default()).unwrap();
+    let s1 = StreamId(1);
+    // 8 MiB on stream 0, freed: idle once a fence shows it (no work was queued).
+    let x = a.allocate(8 * MIB, StreamId::DEFAULT).unwrap();
+    a.free(x.ptr).unwrap();
+    // Fill the device on stream 1 so the growth has to move stream 0's pages.
+    let mut held = Vec::new();
+    while let Ok(y) = a.allocate(8 * MIB, s1) {
+        held.push(y);
+        if a.unmaps_handed_off() > 0 {
+            break;
+        }
+    }
+    assert!(
+        a.unmaps_handed_off() > 0,
+        "no page moved with its unmap handed off"
+    );
+    let sim = a.backend();
+    // The old mappings are still there: more mapped than reserved.
+    let mapped: usize = sim.live_mappings().iter().map(|m| m.1).sum();
+    assert!(
+        mapped as i64 > a.memory_stats().memory_reserved(),
+        "{mapped}"
+    );
+    assert_eq!(a.check_invariants(), Ok(()));
+    a.enable_peer_access(1).unwrap();
+    let mapped_after: usize = sim.live_mappings().iter().map(|m| m.1).sum();
+    assert_eq!(mapped_after as i64, a.memory_stats().memory_reserved());
+    for y in held {
+        a.free(y.ptr).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert!(sim.live_mappings().is_empty());
+    assert_eq!(sim.counters().reserved_bytes, 0);
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    assert_eq!(a.check_invariants(), Ok(()));
+}
