@@ -463,6 +463,12 @@ impl State {
             return Ok(None);
         }
         if !self.lent.is_empty() && !self.capture_underway() {
+            // Note [Unmaps off the allocating thread], step 3: what the helper unmapped comes
+            // back first (waited for), so the growth plans over the layout it would have had if
+            // this thread had unmapped the pages itself.
+            self.collect_unmaps(dev, true);
+        }
+        if !self.lent.is_empty() && !self.capture_underway() {
             // Note [Lent pages], step 4: before the growth picks its blocks (ending a loan
             // merges unmapped blocks).
             self.poll_fences(dev);
