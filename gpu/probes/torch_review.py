@@ -192,8 +192,9 @@ if probe == "fork_child":
     # method), and, with the other thread stopped first, through a normal interpreter exit (the
     # inherited CUDA tensors freed during finalization, C++ static and thread-local destructors),
     # also after dropping an inherited tensor and collecting. PyTorch's CUDA is unusable in the
-    # child (its in_bad_fork); the package adds no fork handler, background thread or exit hook,
-    # so a hang or crash here is a defect.
+    # child (its in_bad_fork); the package adds no fork handler or exit hook, and its one
+    # background thread (the unmap helper, `cca_unmap_helper`) is inert in a child (not joined,
+    # not waited for), so a hang or crash here is a defect.
     import random
     import signal
     import threading

@@ -422,7 +422,8 @@ impl fmt::Debug for CudaDevice {
 
 impl Drop for CudaDevice {
     fn drop(&mut self) {
-        // The helper finishes its queued unmaps first (the allocator that queued them is gone).
+        // The helper finishes its queued unmaps first (the allocator that queued them is gone;
+        // in a forked child it forgets the parent's thread instead).
         self.unmapper.stop();
         for (_, fd) in self.exported.get_mut().drain() {
             // SAFETY: `fd` is a descriptor `export_handle` opened and nothing else closes.

@@ -37,10 +37,24 @@ struct Progress {
 }
 
 /// The helper of one device: started lazily, stopped when dropped.
-#[derive(Default)]
+///
+/// A forked child inherits the struct but not the thread (and may inherit its locks held): every
+/// method does nothing there, before it takes a lock (`pid`).
 pub(super) struct UnmapHelper {
     running: Mutex<Option<Running>>,
     shared: Arc<Shared>,
+    /// The process the helper belongs to.
+    pid: u32,
+}
+
+impl Default for UnmapHelper {
+    fn default() -> Self {
+        UnmapHelper {
+            running: Mutex::default(),
+            shared: Arc::default(),
+            pid: std::process::id(),
+        }
+    }
 }
 
 struct Running {
@@ -64,6 +78,11 @@ impl UnmapHelper {
         clock: &Arc<CallClock>,
         ranges: Vec<(DeviceAddr, usize)>,
     ) -> Result<u64, BackendError> {
+        if self.forked() {
+            return Err(BackendError::Unsupported(
+                "unmaps on a helper thread (forked child)",
+            ));
+        }
         let mut running = self.running.lock();
         if running.as_ref().is_none_or(|r| r.thread.is_finished()) {
             let (jobs, rx) = channel();
@@ -95,8 +114,16 @@ impl UnmapHelper {
         Ok(ticket)
     }
 
-    /// The finished jobs among `tickets`, each once.
+    /// Whether this is a forked child of the process the helper belongs to.
+    fn forked(&self) -> bool {
+        std::process::id() != self.pid
+    }
+
+    /// The finished jobs among `tickets`, each once (none in a forked child).
     pub(super) fn finished(&self, tickets: &[u64]) -> Vec<FinishedUnmaps> {
+        if self.forked() {
+            return Vec::new();
+        }
         let mut p = self.shared.state.lock();
         if p.results.is_empty() {
             return Vec::new();
@@ -108,8 +135,12 @@ impl UnmapHelper {
         mine
     }
 
-    /// Blocks until every queued job finished (or the thread stopped).
+    /// Blocks until every queued job finished (or the thread stopped; at once in a forked
+    /// child, where no job runs).
     pub(super) fn wait(&self) {
+        if self.forked() {
+            return;
+        }
         let mut p = self.shared.state.lock();
         while p.done < p.queued {
             let stopped = self
@@ -126,14 +157,30 @@ impl UnmapHelper {
         }
     }
 
-    /// Stops the thread once it has run every queued job, and joins it.
+    /// Stops the thread once it has run every queued job, and joins it (in a forked child,
+    /// which has no such thread, forgets it).
     pub(super) fn stop(&self) {
+        if self.forked() {
+            return;
+        }
         let Some(Running { jobs, thread }) = self.running.lock().take() else {
             return;
         };
         drop(jobs);
         if thread.join().is_err() {
             tracing::error!(target: "cuda_caching_allocator", "the unmap helper panicked");
+        }
+    }
+}
+
+impl Drop for UnmapHelper {
+    fn drop(&mut self) {
+        if self.forked() {
+            // The thread is the parent's: neither join nor detach it, nor touch the channel it
+            // may have been using at the fork.
+            std::mem::forget(self.running.get_mut().take());
+        } else {
+            self.stop();
         }
     }
 }
