@@ -144,3 +144,41 @@ fn queued_unmaps_keep_the_old_range_out_of_use_until_the_helper_ran() {
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
     assert_eq!(a.check_invariants(), Ok(()));
 }
+
+/// A helper job that fails (an injected error on its first unmap) leaves its block lent, with
+/// its old mapping in place, and the growing thread unmaps it on the next try: here
+/// `empty_cache`, which waits for the helper, sees the failure, unmaps inline and releases
+/// everything.
+#[test]
+fn a_failed_helper_job_leaves_the_block_lent_and_is_unmapped_on_the_next_try() {
+    let dev = SimDevice::with_capacity(64 * MIB);
+    dev.set_unmap_helper(Some(1_000));
+    let a = CachingAllocator::new(dev, AllocatorConfig::default()).unwrap();
+    let x = a.allocate(8 * MIB, StreamId::DEFAULT).unwrap();
+    a.free(x.ptr).unwrap();
+    let mut held = Vec::new();
+    while let Ok(y) = a.allocate(8 * MIB, StreamId(1)) {
+        held.push(y);
+        if a.unmaps_handed_off() > 0 {
+            break;
+        }
+    }
+    assert!(a.unmaps_handed_off() > 0);
+    let sim = a.backend();
+    let unmaps = sim.counters().unmap_calls;
+    for y in held {
+        a.free(y.ptr).unwrap();
+    }
+    // The next counted device call is the helper's first unmap, run when `empty_cache` waits.
+    sim.fail_next_call(FaultKind::Error);
+    a.empty_cache().unwrap();
+    assert!(
+        sim.counters().unmap_calls > unmaps,
+        "the failed range was unmapped after all"
+    );
+    assert!(sim.live_mappings().is_empty());
+    assert_eq!(sim.counters().reserved_bytes, 0);
+    assert_eq!(a.memory_stats().memory_reserved(), 0);
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    assert_eq!(a.check_invariants(), Ok(()));
+}
