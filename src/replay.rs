@@ -104,6 +104,9 @@ pub struct ReplayReport {
     /// Runs of pending pages lent to a growth (`cca_page_lending`;
     /// [`CachingAllocator::page_loans`] at the end).
     pub page_loans: u64,
+    /// Old mappings of moved pages handed to the backend's unmap helper (`cca_unmap_helper`;
+    /// [`CachingAllocator::unmaps_handed_off`] at the end; 0 on a backend without a helper).
+    pub unmaps_handed_off: u64,
     /// Allocations that borrowed another stream's idle free block (`cca_borrow_blocks`;
     /// [`CachingAllocator::blocks_borrowed`] at the end).
     pub blocks_borrowed: u64,
@@ -442,6 +445,7 @@ fn replay_loop<B: DeviceBackend>(
     report.num_alloc_retries = st.num_alloc_retries as u64;
     report.cross_stream_handovers = alloc.cross_stream_handovers();
     report.page_loans = alloc.page_loans();
+    report.unmaps_handed_off = alloc.unmaps_handed_off();
     report.blocks_borrowed = alloc.blocks_borrowed();
     report.final_stats = st;
     if let Some(c) = clock {

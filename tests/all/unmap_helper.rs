@@ -182,3 +182,27 @@ fn a_failed_helper_job_leaves_the_block_lent_and_is_unmapped_on_the_next_try() {
     assert!(sim.violations().is_empty(), "{:?}", sim.violations());
     assert_eq!(a.check_invariants(), Ok(()));
 }
+
+/// `cca replay --unmap-helper N` gives the simulated device a helper and reports what went to
+/// it; without the flag nothing does.
+#[cfg(feature = "cli")]
+#[test]
+fn cca_replay_reports_what_went_to_the_helper() {
+    let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/gpu/traces/ckpt.pickle.gz");
+    let handed = |extra: &[&str]| -> u64 {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_cca"))
+            .args(["replay", trace, "--json"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["unmaps_handed_off"].as_u64().unwrap()
+    };
+    assert_eq!(handed(&[]), 0);
+    assert!(handed(&["--unmap-helper", "2"]) > 0);
+}

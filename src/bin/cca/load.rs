@@ -435,6 +435,7 @@ fn run_sim(
         ..SimConfig::default()
     });
     device.set_event_query_lag(args.query_lag);
+    device.set_unmap_helper(args.unmap_helper);
     let alloc = CachingAllocator::new(device, config.clone())?;
     let placement = match args.placement {
         PlacementArg::Faithful => Placement::AddressFaithful,

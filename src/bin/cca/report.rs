@@ -281,6 +281,7 @@ fn run_json(label: &Labelled, run: &Run, trace_args: &TraceArgs) -> Value {
         "num_alloc_retries": r.num_alloc_retries,
         "cross_stream_handovers": r.cross_stream_handovers,
         "page_loans": r.page_loans,
+        "unmaps_handed_off": r.unmaps_handed_off,
         "blocks_borrowed": r.blocks_borrowed,
         "device_calls": device_calls_json(r),
         "modeled_device_ns": r.modeled_device_ns,
