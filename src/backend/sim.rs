@@ -520,8 +520,9 @@ struct Inner {
 }
 
 /// A job of the simulated unmap helper: its ticket, the ranges (address, bytes) to unmap in
-/// order, and how many polls are left before it runs.
-type UnmapJob = (u64, Vec<(u64, usize)>, u32);
+/// order, how many polls are left before it runs, and the incomplete uses of its ranges logged
+/// when it was queued (not logged twice when it runs).
+type UnmapJob = (u64, Vec<(u64, usize)>, u32, Vec<SimUse>);
 
 /// A deterministic simulated device. See the module documentation.
 ///
@@ -1031,8 +1032,11 @@ impl SimDevice {
     /// has: a job queued by [`unmap_later`](DeviceBackend::unmap_later) runs at the `lag`-th
     /// later [`finished_unmaps`](DeviceBackend::finished_unmaps) poll (0: at the next one), in
     /// queue order, or when [`wait_unmaps`](DeviceBackend::wait_unmaps) is called; until then
-    /// its ranges stay mapped. `None` (the default) takes the helper away (jobs already queued
-    /// still run). Deterministic: no thread is involved.
+    /// its ranges stay mapped. As the real helper may run a job at once, a job's ranges are
+    /// checked for incomplete uses ([`violations`](Self::violations)) when it is queued as well
+    /// as when it runs; its unmaps are made in relaxed capture mode, as the real helper's are.
+    /// `None` (the default) takes the helper away (jobs already queued still run).
+    /// Deterministic: no thread is involved.
     pub fn set_unmap_helper(&self, lag: Option<u32>) {
         self.inner.lock().unmap_lag = lag;
     }
@@ -1224,15 +1228,17 @@ impl SimDevice {
 }
 
 impl Inner {
-    /// Runs the first queued unmap job, as the helper would, and files its result.
+    /// Runs the first queued unmap job, as the helper would, and files its result. Its unmaps
+    /// are made in relaxed capture mode, as `CudaDevice`'s helper thread makes them: legal while
+    /// another thread captures.
     fn run_unmap_job(&mut self) {
-        let Some((ticket, ranges, _)) = self.unmap_jobs.pop_front() else {
+        let Some((ticket, ranges, _, logged)) = self.unmap_jobs.pop_front() else {
             return;
         };
         let mut unmapped = 0;
         let mut error = None;
         for (va, size) in ranges {
-            match self.unmap_now(DeviceAddr(va), size) {
+            match self.unmap_checked(DeviceAddr(va), size, false, &|u| logged.contains(u)) {
                 Ok(()) => unmapped += 1,
                 Err(e) => {
                     error = Some(e);
@@ -1247,8 +1253,16 @@ impl Inner {
         });
     }
 
-    /// `unmap`'s work, under the lock.
-    fn unmap_now(&mut self, va: DeviceAddr, size: usize) -> Result<(), BackendError> {
+    /// `unmap`'s work, under the lock: `capture_checked` for a call subject to another
+    /// thread's capture (not the helper's, which is relaxed); uses `logged` accepts were
+    /// logged as violations already.
+    fn unmap_checked(
+        &mut self,
+        va: DeviceAddr,
+        size: usize,
+        capture_checked: bool,
+        logged: &dyn Fn(&SimUse) -> bool,
+    ) -> Result<(), BackendError> {
         let g = self;
         let handle = match g.mappings.get(&va.0) {
             Some(&(s, h)) if s == size => h,
@@ -1259,11 +1273,13 @@ impl Inner {
                 });
             }
         };
-        g.capture_call("unmap", CaptureClass::Unsafe);
+        if capture_checked {
+            g.capture_call("unmap", CaptureClass::Unsafe);
+        }
         if let Err(f) = g.next_call(None) {
             return Err(fault("unmap", f));
         }
-        g.check_range(SimViolationKind::Unmap, va.0, size, &|_| false);
+        g.check_range(SimViolationKind::Unmap, va.0, size, logged);
         g.mappings.remove(&va.0);
         g.peer_access.remove(&va.0);
         if let Some(n) = g.maps_of_handle.get_mut(&handle) {
@@ -1724,7 +1740,7 @@ unsafe impl DeviceBackend for SimDevice {
     }
 
     unsafe fn unmap(&self, va: DeviceAddr, size: usize) -> Result<(), BackendError> {
-        self.inner.lock().unmap_now(va, size)
+        self.inner.lock().unmap_checked(va, size, true, &|_| false)
     }
 
     fn unmaps_off_thread(&self) -> bool {
@@ -1738,8 +1754,16 @@ unsafe impl DeviceBackend for SimDevice {
         };
         let ticket = g.next_ticket;
         g.next_ticket += 1;
-        let ranges = ranges.into_iter().map(|(va, size)| (va.0, size)).collect();
-        g.unmap_jobs.push_back((ticket, ranges, lag));
+        let ranges: Vec<(u64, usize)> = ranges.into_iter().map(|(va, size)| (va.0, size)).collect();
+        // The helper may run the job at once: a use still incomplete now is broken (checked
+        // here, not only when the simulated job runs, by which time it may have completed).
+        let mut logged = Vec::new();
+        for &(va, size) in &ranges {
+            let before = g.violations.len();
+            g.check_range(SimViolationKind::Unmap, va, size, &|_| false);
+            logged.extend(g.violations[before..].iter().map(|v| v.pending));
+        }
+        g.unmap_jobs.push_back((ticket, ranges, lag, logged));
         Ok(ticket)
     }
 

@@ -206,3 +206,72 @@ fn cca_replay_reports_what_went_to_the_helper() {
     assert_eq!(handed(&[]), 0);
     assert!(handed(&["--unmap-helper", "2"]) > 0);
 }
+
+/// The helper is a thread of its own: a queued job may run at once, while work queued before
+/// the hand-off still uses the range. The simulated helper runs its jobs late (at a poll or a
+/// wait), so it checks the ranges for incomplete uses when they are queued as well, as if the
+/// job ran then; a check only when the job runs misses uses that completed in between.
+#[test]
+fn the_simulated_helper_checks_for_uses_when_a_job_is_queued() {
+    let sim = SimDevice::with_capacity(64 * MIB);
+    sim.set_unmap_helper(Some(0));
+    let s = StreamId(1);
+    let va = sim.reserve_address_range(8 * MIB).unwrap();
+    let h = sim.create_physical(2 * MIB).unwrap();
+    // SAFETY: `va` is a fresh reservation, `h` a fresh handle of the size mapped.
+    unsafe { sim.map(va, 2 * MIB, h).unwrap() };
+    sim.use_range(s, va, 4096);
+    // SAFETY: simulated memory; the point is the breach being logged (the range is in use).
+    let ticket = unsafe { sim.unmap_later(vec![(va, 2 * MIB)]).unwrap() };
+    sim.complete_work(s);
+    sim.wait_unmaps();
+    let done = sim.finished_unmaps(&[ticket]);
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].unmapped, 1);
+    let v = sim.violations();
+    assert_eq!(v.len(), 1, "{v:?}");
+    assert_eq!(v[0].kind, SimViolationKind::Unmap);
+    // SAFETY: unmapped by the job.
+    unsafe { sim.release_physical(h, 2 * MIB).unwrap() };
+    // SAFETY: nothing mapped there.
+    unsafe { sim.release_address_range(va, 8 * MIB).unwrap() };
+}
+
+/// `CudaDevice`'s helper thread runs in relaxed capture mode for its whole life, so its unmaps
+/// are legal while another thread captures in global mode; the simulated helper's are too (they
+/// were logged as capture violations, which the real helper cannot cause).
+#[test]
+fn the_simulated_helpers_unmaps_are_relaxed_like_the_threads() {
+    let sim = SimDevice::with_capacity(64 * MIB);
+    sim.set_unmap_helper(Some(0));
+    let va = sim.reserve_address_range(8 * MIB).unwrap();
+    let h = sim.create_physical(2 * MIB).unwrap();
+    // SAFETY: `va` is a fresh reservation, `h` a fresh handle of the size mapped.
+    unsafe { sim.map(va, 2 * MIB, h).unwrap() };
+    // SAFETY: one live mapping that no work uses, left alone until the job is reported.
+    let ticket = unsafe { sim.unmap_later(vec![(va, 2 * MIB)]).unwrap() };
+    sim.begin_capture(StreamId(2), SimCaptureMode::Global)
+        .unwrap();
+    sim.wait_unmaps();
+    assert_eq!(sim.finished_unmaps(&[ticket])[0].unmapped, 1);
+    assert!(
+        sim.capture_violations().is_empty(),
+        "{:?}",
+        sim.capture_violations()
+    );
+    // An unmap on the caller's thread is still one.
+    let h2 = sim.create_physical(2 * MIB).unwrap();
+    let va2 = va.offset(2 * MIB);
+    // SAFETY: a free part of the reservation, a fresh handle of the size mapped.
+    unsafe { sim.map(va2, 2 * MIB, h2).unwrap() };
+    // SAFETY: the mapping made above, unused.
+    unsafe { sim.unmap(va2, 2 * MIB).unwrap() };
+    assert_eq!(sim.capture_violations().len(), 1);
+    sim.end_capture(StreamId(2)).unwrap();
+    for h in [h, h2] {
+        // SAFETY: unmapped above.
+        unsafe { sim.release_physical(h, 2 * MIB).unwrap() };
+    }
+    // SAFETY: nothing mapped there.
+    unsafe { sim.release_address_range(va, 8 * MIB).unwrap() };
+}

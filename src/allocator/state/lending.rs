@@ -250,6 +250,16 @@ impl State {
         // Note [Unmaps off the allocating thread], step 3: the helper's jobs first, waited for,
         // so the growth plans over the same layout as if this thread had unmapped them.
         self.collect_unmaps(dev, true);
+        if synchronize && self.lent.iter().any(|r| r.ticket.is_some()) {
+            // A job the helper never reported: its ranges may still be mapped, so nothing may
+            // be released.
+            return Err(AllocError::Backend {
+                operation: "unmap",
+                source: crate::backend::BackendError::Unsupported(
+                    "the unmap helper did not report a queued job",
+                ),
+            });
+        }
         let mut synced: Vec<StreamId> = Vec::new();
         let mut i = 0;
         while i < self.lent.len() {

@@ -34,6 +34,8 @@ struct Progress {
     done: u64,
     /// Finished jobs not yet polled.
     results: Vec<FinishedUnmaps>,
+    /// Tickets queued and not finished.
+    outstanding: Vec<u64>,
 }
 
 /// The helper of one device: started lazily, stopped when dropped.
@@ -84,6 +86,11 @@ impl UnmapHelper {
             ));
         }
         let mut running = self.running.lock();
+        if running.as_ref().is_some_and(|r| r.thread.is_finished()) {
+            // The thread died (it has no panicking path, but a lost job must not make `wait`
+            // wait for ever): what it left undone is reported failed.
+            self.abandon_outstanding();
+        }
         if running.as_ref().is_none_or(|r| r.thread.is_finished()) {
             let (jobs, rx) = channel();
             let (ctx, clock, shared) =
@@ -149,12 +156,31 @@ impl UnmapHelper {
                 .is_some_and(|r| r.as_ref().is_none_or(|r| r.thread.is_finished()));
             if stopped {
                 tracing::error!(target: "cuda_caching_allocator", queued = p.queued, done = p.done, "the unmap helper stopped with jobs queued");
+                drop(p);
+                self.abandon_outstanding();
                 return;
             }
             self.shared
                 .finished
                 .wait_for(&mut p, Duration::from_millis(50));
         }
+    }
+
+    /// Reports every job the (dead) thread left undone as failed with nothing unmapped, so that
+    /// the cache tries those ranges itself and nothing waits for them.
+    fn abandon_outstanding(&self) {
+        let mut p = self.shared.state.lock();
+        for ticket in std::mem::take(&mut p.outstanding) {
+            p.results.push(FinishedUnmaps {
+                ticket,
+                unmapped: 0,
+                error: Some(BackendError::Unsupported(
+                    "unmaps on a helper thread (it stopped before this job ran)",
+                )),
+            });
+            p.done += 1;
+        }
+        self.shared.finished.notify_all();
     }
 
     /// Stops the thread once it has run every queued job, and joins it (in a forked child,
@@ -217,6 +243,7 @@ fn run(ctx: &CudaContext, clock: &CallClock, shared: &Shared, jobs: &Receiver<Jo
             unmapped,
             error,
         });
+        p.outstanding.retain(|&t| t != ticket);
         p.done += 1;
         shared.finished.notify_all();
     }
