@@ -1036,7 +1036,9 @@ impl SimDevice {
     /// checked for incomplete uses ([`violations`](Self::violations)) when it is queued as well
     /// as when it runs; its unmaps are made in relaxed capture mode, as the real helper's are.
     /// `None` (the default) takes the helper away (jobs already queued still run).
-    /// Deterministic: no thread is involved.
+    /// Deterministic: no thread is involved. The cache waits for the helper's jobs before each
+    /// growth plans (Note [Unmaps off the allocating thread]), so the lag moves when the unmaps
+    /// happen among the device's calls, not what the cache decides.
     pub fn set_unmap_helper(&self, lag: Option<u32>) {
         self.inner.lock().unmap_lag = lag;
     }
