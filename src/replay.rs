@@ -133,6 +133,10 @@ pub struct ReplayReport {
     /// The simulated device's modeled time for those calls, in nanoseconds (Note [Device-time
     /// model] in `backend/sim.rs`); `None` unless the replay ran on a [`SimDevice`].
     pub modeled_device_ns: Option<u64>,
+    /// Of [`modeled_device_ns`](Self::modeled_device_ns), the time of the unmap helper's jobs
+    /// (`SimDevice::set_unmap_helper`, `cca_unmap_helper`): off the allocating thread. `None`
+    /// unless the replay ran on a [`SimDevice`].
+    pub modeled_helper_ns: Option<u64>,
 }
 
 /// Out-of-memory failures of a replay by the allocator's verdict ([`OomVerdict`]).
@@ -173,8 +177,9 @@ impl OomVerdictCounts {
 }
 
 impl ReplayReport {
-    /// Fills [`device_calls`](Self::device_calls) and
-    /// [`modeled_device_ns`](Self::modeled_device_ns) from a simulated device's counters taken
+    /// Fills [`device_calls`](Self::device_calls),
+    /// [`modeled_device_ns`](Self::modeled_device_ns) and
+    /// [`modeled_helper_ns`](Self::modeled_helper_ns) from a simulated device's counters taken
     /// before and after the replay.
     pub fn add_device_cost(&mut self, before: &SimCounters, after: &SimCounters) {
         self.device_calls = after
@@ -187,6 +192,11 @@ impl ReplayReport {
             after
                 .modeled_device_ns
                 .saturating_sub(before.modeled_device_ns),
+        );
+        self.modeled_helper_ns = Some(
+            after
+                .modeled_helper_ns
+                .saturating_sub(before.modeled_helper_ns),
         );
     }
 

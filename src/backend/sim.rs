@@ -413,6 +413,9 @@ pub struct SimCounters {
     pub live_segments: usize,
     /// Modeled device time of every call so far, in nanoseconds ([`SimCosts`]).
     pub modeled_device_ns: u64,
+    /// Of [`modeled_device_ns`](Self::modeled_device_ns), what the unmap helper's jobs took
+    /// ([`SimDevice::set_unmap_helper`]): driver time off the allocating thread.
+    pub modeled_helper_ns: u64,
 }
 
 impl SimCounters {
@@ -1292,6 +1295,12 @@ impl Inner {
         }
         g.counters.unmap_calls += 1;
         g.bill(|c| c.unmap_ns);
+        if !capture_checked {
+            // A helper job's unmap (only those skip the capture check): off the allocating
+            // thread.
+            let ns = g.config.costs.unmap_ns;
+            g.counters.modeled_helper_ns = g.counters.modeled_helper_ns.saturating_add(ns);
+        }
         Ok(())
     }
 }

@@ -184,12 +184,13 @@ fn a_failed_helper_job_leaves_the_block_lent_and_is_unmapped_on_the_next_try() {
 }
 
 /// `cca replay --unmap-helper N` gives the simulated device a helper and reports what went to
-/// it; without the flag nothing does.
+/// it (pages, and the modeled time of its unmaps, part of the total); without the flag nothing
+/// does.
 #[cfg(feature = "cli")]
 #[test]
 fn cca_replay_reports_what_went_to_the_helper() {
     let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/gpu/traces/ckpt.pickle.gz");
-    let handed = |extra: &[&str]| -> u64 {
+    let handed = |extra: &[&str]| -> (u64, u64, u64) {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_cca"))
             .args(["replay", trace, "--json"])
             .args(extra)
@@ -201,10 +202,20 @@ fn cca_replay_reports_what_went_to_the_helper() {
             String::from_utf8_lossy(&out.stderr)
         );
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        v["unmaps_handed_off"].as_u64().unwrap()
+        (
+            v["unmaps_handed_off"].as_u64().unwrap(),
+            v["modeled_helper_ns"].as_u64().unwrap(),
+            v["modeled_device_ns"].as_u64().unwrap(),
+        )
     };
-    assert_eq!(handed(&[]), 0);
-    assert!(handed(&["--unmap-helper", "2"]) > 0);
+    assert_eq!(handed(&[]).0, 0);
+    assert_eq!(handed(&[]).1, 0);
+    let (pages, helper_ns, total_ns) = handed(&["--unmap-helper", "2"]);
+    assert!(pages > 0);
+    assert!(
+        helper_ns > 0 && helper_ns < total_ns,
+        "{helper_ns} of {total_ns}"
+    );
 }
 
 /// The helper is a thread of its own: a queued job may run at once, while work queued before

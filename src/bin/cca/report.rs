@@ -245,7 +245,7 @@ fn run_json(label: &Labelled, run: &Run, trace_args: &TraceArgs) -> Value {
         .into_iter()
         .map(|(k, v)| (k, json!(v)))
         .collect();
-    json!({
+    let mut out = json!({
         "trace": trace_args.trace.display().to_string(),
         "configuration": label.label,
         "settings": label.config.settings,
@@ -293,7 +293,10 @@ fn run_json(label: &Labelled, run: &Run, trace_args: &TraceArgs) -> Value {
         "wall_s": run.wall.as_secs_f64(),
         "wall_ns_per_op": run.wall_ns_per_op(),
         "stats_at_peak": stats,
-    })
+    });
+    // Beside the rest (one more key in the macro passes its recursion limit).
+    out["modeled_helper_ns"] = json!(r.modeled_helper_ns);
+    out
 }
 
 /// The device calls of a simulated run by kind (`null` on a real device).
@@ -485,6 +488,14 @@ pub(crate) fn replay(a: &ReplayArgs) -> CliResult<()> {
             "modeled device time",
             format!("{:.3} ms", ns as f64 / 1e6)
         );
+        if let Some(h) = r.modeled_helper_ns.filter(|&h| h > 0) {
+            outln!(
+                o,
+                "{:<26}{:>18}",
+                "  of it on the helper",
+                format!("{:.3} ms", h as f64 / 1e6)
+            );
+        }
         let calls: Vec<String> = r
             .device_calls
             .iter()
