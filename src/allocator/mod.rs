@@ -616,7 +616,7 @@ impl<B: DeviceBackend> CachingAllocator<B> {
         }
         // Old mappings the helper is unmapping are not granted: wait for it, and take back
         // what it finished (Note [Unmaps off the allocating thread]).
-        st.collect_unmaps(&self.backend, true);
+        st.collect_unmaps(&self.backend);
         let segments = st.vm_segments.values().flat_map(|seg| {
             seg.handles
                 .iter()

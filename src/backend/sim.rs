@@ -511,9 +511,8 @@ struct Inner {
     query_lag: u32,
     /// Per event: lagging queries left.
     lag_left: BTreeMap<u64, u32>,
-    /// The simulated unmap helper ([`SimDevice::set_unmap_helper`]): how many polls of
-    /// `finished_unmaps` a job waits before it runs; `None`: no helper.
-    unmap_lag: Option<u32>,
+    /// Whether the device has an unmap helper ([`SimDevice::set_unmap_helper`]).
+    unmap_helper: bool,
     /// Queued unmap jobs, in order.
     unmap_jobs: VecDeque<UnmapJob>,
     /// Jobs that ran and were not yet reported.
@@ -523,9 +522,9 @@ struct Inner {
 }
 
 /// A job of the simulated unmap helper: its ticket, the ranges (address, bytes) to unmap in
-/// order, how many polls are left before it runs, and the incomplete uses of its ranges logged
-/// when it was queued (not logged twice when it runs).
-type UnmapJob = (u64, Vec<(u64, usize)>, u32, Vec<SimUse>);
+/// order, and the incomplete uses of its ranges logged when it was queued (not logged twice
+/// when it runs).
+type UnmapJob = (u64, Vec<(u64, usize)>, Vec<SimUse>);
 
 /// A deterministic simulated device. See the module documentation.
 ///
@@ -925,7 +924,7 @@ impl SimDevice {
                 capture_violations: Vec::new(),
                 query_lag: 0,
                 lag_left: BTreeMap::new(),
-                unmap_lag: None,
+                unmap_helper: false,
                 unmap_jobs: VecDeque::new(),
                 unmap_done: Vec::new(),
                 next_ticket: 1,
@@ -1032,18 +1031,16 @@ impl SimDevice {
     }
 
     /// Gives the device an unmap helper ([`DeviceBackend::unmaps_off_thread`]), as a CUDA device
-    /// has: a job queued by [`unmap_later`](DeviceBackend::unmap_later) runs at the `lag`-th
-    /// later [`finished_unmaps`](DeviceBackend::finished_unmaps) poll (0: at the next one), in
-    /// queue order, or when [`wait_unmaps`](DeviceBackend::wait_unmaps) is called; until then
-    /// its ranges stay mapped. As the real helper may run a job at once, a job's ranges are
-    /// checked for incomplete uses ([`violations`](Self::violations)) when it is queued as well
-    /// as when it runs; its unmaps are made in relaxed capture mode, as the real helper's are.
-    /// `None` (the default) takes the helper away (jobs already queued still run).
-    /// Deterministic: no thread is involved. The cache waits for the helper's jobs before each
-    /// growth plans (Note [Unmaps off the allocating thread]), so the lag moves when the unmaps
-    /// happen among the device's calls, not what the cache decides.
-    pub fn set_unmap_helper(&self, lag: Option<u32>) {
-        self.inner.lock().unmap_lag = lag;
+    /// has, or (`false`, the default) takes it away. A job queued by
+    /// [`unmap_later`](DeviceBackend::unmap_later) runs, in queue order, when
+    /// [`wait_unmaps`](DeviceBackend::wait_unmaps) is called (the cache waits before each growth
+    /// plans, Note [Unmaps off the allocating thread]); until then its ranges stay mapped. As
+    /// the real helper may run a job at once, a job's ranges are checked for incomplete uses
+    /// ([`violations`](Self::violations)) when it is queued as well as when it runs; its unmaps
+    /// are made in relaxed capture mode, as the real helper's are, and billed to
+    /// [`SimCounters::modeled_helper_ns`] as well. Deterministic: no thread is involved.
+    pub fn set_unmap_helper(&self, on: bool) {
+        self.inner.lock().unmap_helper = on;
     }
 
     /// Queues one unit of simulated work on `stream`; events recorded after it stay pending until
@@ -1237,13 +1234,13 @@ impl Inner {
     /// are made in relaxed capture mode, as `CudaDevice`'s helper thread makes them: legal while
     /// another thread captures.
     fn run_unmap_job(&mut self) {
-        let Some((ticket, ranges, _, logged)) = self.unmap_jobs.pop_front() else {
+        let Some((ticket, ranges, logged)) = self.unmap_jobs.pop_front() else {
             return;
         };
         let mut unmapped = 0;
         let mut error = None;
         for (va, size) in ranges {
-            match self.unmap_checked(DeviceAddr(va), size, false, &|u| logged.contains(u)) {
+            match self.unmap_checked(DeviceAddr(va), size, true, &|u| logged.contains(u)) {
                 Ok(()) => unmapped += 1,
                 Err(e) => {
                     error = Some(e);
@@ -1258,14 +1255,14 @@ impl Inner {
         });
     }
 
-    /// `unmap`'s work, under the lock: `capture_checked` for a call subject to another
-    /// thread's capture (not the helper's, which is relaxed); uses `logged` accepts were
-    /// logged as violations already.
+    /// `unmap`'s work, under the lock: `by_helper` for the helper's unmap (relaxed in capture
+    /// mode, so not subject to another thread's capture, and billed to the helper's time too);
+    /// uses `logged` accepts were logged as violations already.
     fn unmap_checked(
         &mut self,
         va: DeviceAddr,
         size: usize,
-        capture_checked: bool,
+        by_helper: bool,
         logged: &dyn Fn(&SimUse) -> bool,
     ) -> Result<(), BackendError> {
         let g = self;
@@ -1278,7 +1275,7 @@ impl Inner {
                 });
             }
         };
-        if capture_checked {
+        if !by_helper {
             g.capture_call("unmap", CaptureClass::Unsafe);
         }
         if let Err(f) = g.next_call(None) {
@@ -1295,9 +1292,7 @@ impl Inner {
         }
         g.counters.unmap_calls += 1;
         g.bill(|c| c.unmap_ns);
-        if !capture_checked {
-            // A helper job's unmap (only those skip the capture check): off the allocating
-            // thread.
+        if by_helper {
             let ns = g.config.costs.unmap_ns;
             g.counters.modeled_helper_ns = g.counters.modeled_helper_ns.saturating_add(ns);
         }
@@ -1751,18 +1746,18 @@ unsafe impl DeviceBackend for SimDevice {
     }
 
     unsafe fn unmap(&self, va: DeviceAddr, size: usize) -> Result<(), BackendError> {
-        self.inner.lock().unmap_checked(va, size, true, &|_| false)
+        self.inner.lock().unmap_checked(va, size, false, &|_| false)
     }
 
     fn unmaps_off_thread(&self) -> bool {
-        self.inner.lock().unmap_lag.is_some()
+        self.inner.lock().unmap_helper
     }
 
     unsafe fn unmap_later(&self, ranges: Vec<(DeviceAddr, usize)>) -> Result<u64, BackendError> {
         let mut g = self.inner.lock();
-        let Some(lag) = g.unmap_lag else {
+        if !g.unmap_helper {
             return Err(BackendError::Unsupported("unmaps on a helper thread"));
-        };
+        }
         let ticket = g.next_ticket;
         g.next_ticket += 1;
         let ranges: Vec<(u64, usize)> = ranges.into_iter().map(|(va, size)| (va.0, size)).collect();
@@ -1774,18 +1769,12 @@ unsafe impl DeviceBackend for SimDevice {
             g.check_range(SimViolationKind::Unmap, va, size, &|_| false);
             logged.extend(g.violations[before..].iter().map(|v| v.pending));
         }
-        g.unmap_jobs.push_back((ticket, ranges, lag, logged));
+        g.unmap_jobs.push_back((ticket, ranges, logged));
         Ok(ticket)
     }
 
     fn finished_unmaps(&self, tickets: &[u64]) -> Vec<FinishedUnmaps> {
         let mut g = self.inner.lock();
-        for job in g.unmap_jobs.iter_mut() {
-            job.2 = job.2.saturating_sub(1);
-        }
-        while g.unmap_jobs.front().is_some_and(|j| j.2 == 0) {
-            g.run_unmap_job();
-        }
         let (mine, others) = std::mem::take(&mut g.unmap_done)
             .into_iter()
             .partition(|f| tickets.contains(&f.ticket));

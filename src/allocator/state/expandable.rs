@@ -465,14 +465,14 @@ impl State {
         if !self.lent.is_empty() && !self.capture_underway() {
             // Note [Unmaps off the allocating thread], step 3: what the helper unmapped comes
             // back first (waited for), so the growth plans over the layout it would have had if
-            // this thread had unmapped the pages itself.
-            self.collect_unmaps(dev, true);
-        }
-        if !self.lent.is_empty() && !self.capture_underway() {
-            // Note [Lent pages], step 4: before the growth picks its blocks (ending a loan
-            // merges unmapped blocks).
-            self.poll_fences(dev);
-            self.settle_lent(dev, false)?;
+            // this thread had unmapped the pages itself; then Note [Lent pages], step 4, before
+            // the growth picks its blocks (ending a loan merges unmapped blocks). Fences are
+            // polled only if loans are left, as without the helper.
+            self.collect_unmaps(dev);
+            if !self.lent.is_empty() {
+                self.poll_fences(dev);
+                self.settle_lent(dev, false)?;
+            }
         }
         let Some(mut cand) = self.find_expandable_block(dev, stream, kind, size)? else {
             return Ok(None);

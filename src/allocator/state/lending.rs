@@ -63,7 +63,7 @@
 //!    tried again. Waiting keeps the growth's layout what it would have been had this thread
 //!    unmapped the pages itself: a first version that let old ranges stay lent until the
 //!    helper happened to finish moved a fifth to two thirds more pages on `SimDevice` (the
-//!    FSDP2 and checkpointed recordings at helper lag 3) and doubled FSDP2's device time per
+//!    FSDP2 and checkpointed recordings, its jobs run three polls late) and doubled FSDP2's device time per
 //!    step on two H200s. Loans that became idle meanwhile are unmapped by the growing thread
 //!    then, as without the helper; only what is idle once the growth has mapped goes to it.
 //! 4. `empty_cache`, the out-of-memory path and `enable_peer_access` wait for the helper first
@@ -249,7 +249,7 @@ impl State {
         }
         // Note [Unmaps off the allocating thread], step 3: the helper's jobs first, waited for,
         // so the growth plans over the same layout as if this thread had unmapped them.
-        self.collect_unmaps(dev, true);
+        self.collect_unmaps(dev);
         if synchronize && self.lent.iter().any(|r| r.ticket.is_some()) {
             // A job the helper never reported: its ranges may still be mapped, so nothing may
             // be released.
@@ -351,18 +351,15 @@ impl State {
         }
     }
 
-    /// Takes back the lent blocks whose unmaps the helper finished (all of them first, with
-    /// `wait`): what it unmapped leaves the block's list of old mappings; a block with none left
-    /// becomes an ordinary unmapped block, one whose job stopped at an error stays lent for a
-    /// later try.
-    pub(crate) fn collect_unmaps<B: DeviceBackend>(&mut self, dev: &B, wait: bool) {
+    /// Waits for the helper's jobs and takes back their lent blocks: what a job unmapped leaves
+    /// the block's list of old mappings; a block with none left becomes an ordinary unmapped
+    /// block, one whose job stopped at an error stays lent for a later try.
+    pub(crate) fn collect_unmaps<B: DeviceBackend>(&mut self, dev: &B) {
         let tickets: Vec<u64> = self.lent.iter().filter_map(|r| r.ticket).collect();
         if tickets.is_empty() {
             return;
         }
-        if wait {
-            dev.wait_unmaps();
-        }
+        dev.wait_unmaps();
         for f in dev.finished_unmaps(&tickets) {
             let Some(i) = self.lent.iter().position(|r| r.ticket == Some(f.ticket)) else {
                 continue;

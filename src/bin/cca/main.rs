@@ -139,11 +139,11 @@ struct TraceArgs {
     #[arg(long, default_value_t = 0)]
     query_lag: u32,
     /// Simulated device only: give it an unmap helper, as a CUDA device has (the default's
-    /// `cca_unmap_helper` then leaves moved pages' old mappings to it), whose jobs run this many
-    /// polls late (`SimDevice::set_unmap_helper`). Without it the growing thread unmaps, as on a
-    /// backend with no helper.
+    /// `cca_unmap_helper` then leaves moved pages' old mappings to it;
+    /// `SimDevice::set_unmap_helper`). Without it the growing thread unmaps, as on a backend
+    /// with no helper.
     #[arg(long)]
-    unmap_helper: Option<u32>,
+    unmap_helper: bool,
     /// Host time per operation: time one allocation or free in N, picked at pseudo-random gaps
     /// that are the same every run (1: every operation). Default: 16 on the simulated device,
     /// where two clock reads cost about as much as a cached operation and timing them all slows
