@@ -325,9 +325,9 @@ impl State {
         }
     }
 
-    /// Queues the old mappings of lent block `i` (its uses complete) on the helper. Returns
-    /// whether they were queued.
-    fn hand_to_helper<B: DeviceBackend>(&mut self, dev: &B, i: usize) -> bool {
+    /// Queues the old mappings of lent block `i` (its uses complete) on the helper; if it
+    /// refuses, the block stays for the growing thread to unmap.
+    fn hand_to_helper<B: DeviceBackend>(&mut self, dev: &B, i: usize) {
         let ranges: Vec<(DeviceAddr, usize)> = self.lent[i]
             .maps
             .iter()
@@ -335,18 +335,16 @@ impl State {
             .map(|&(va, bytes, _)| (DeviceAddr(va), bytes))
             .collect();
         if ranges.is_empty() {
-            return false;
+            return;
         }
         let pages = ranges.len() as u64;
         match device_calls::unmap_pages_later(dev, ranges) {
             Ok(ticket) => {
                 self.lent[i].ticket = Some(ticket);
                 self.unmaps_handed_off += pages;
-                true
             }
             Err(e) => {
                 tracing::debug!(target: "cuda_caching_allocator", device = dev.device_index(), error = %e, "lent page: the helper refused the unmaps; unmapping here");
-                false
             }
         }
     }

@@ -18,7 +18,8 @@ use crate::backend::{BackendError, DeviceAddr, FinishedUnmaps};
 /// One job: its ticket and the ranges to unmap, in order.
 type Job = (u64, Vec<(DeviceAddr, usize)>);
 
-/// What the thread and the device share: results waiting to be polled, and counts.
+/// What the thread and the device share: the jobs not finished, and results waiting to be
+/// polled.
 #[derive(Default)]
 struct Shared {
     state: Mutex<Progress>,
@@ -28,14 +29,12 @@ struct Shared {
 
 #[derive(Default)]
 struct Progress {
-    /// Jobs handed to the thread (the last ticket given out).
-    queued: u64,
-    /// Jobs the thread finished.
-    done: u64,
-    /// Finished jobs not yet polled.
-    results: Vec<FinishedUnmaps>,
+    /// The last ticket given out.
+    last_ticket: u64,
     /// Tickets queued and not finished.
     outstanding: Vec<u64>,
+    /// Finished jobs not yet polled.
+    results: Vec<FinishedUnmaps>,
 }
 
 /// The helper of one device: started lazily, stopped when dropped.
@@ -106,14 +105,19 @@ impl UnmapHelper {
         };
         let ticket = {
             let mut p = self.shared.state.lock();
-            p.queued += 1;
-            p.queued
+            p.last_ticket += 1;
+            let t = p.last_ticket;
+            p.outstanding.push(t);
+            t
         };
         if r.jobs.send((ticket, ranges)).is_err() {
-            // The thread is gone; the job never ran. Count it as finished with nothing done so
-            // that `wait` does not wait for it, and let the caller unmap.
-            let mut p = self.shared.state.lock();
-            p.done += 1;
+            // The thread is gone; the job never ran. Not outstanding, so that `wait` does not
+            // wait for it; the caller unmaps.
+            self.shared
+                .state
+                .lock()
+                .outstanding
+                .retain(|&t| t != ticket);
             return Err(BackendError::Unsupported(
                 "unmaps on a helper thread (stopped)",
             ));
@@ -149,13 +153,13 @@ impl UnmapHelper {
             return;
         }
         let mut p = self.shared.state.lock();
-        while p.done < p.queued {
+        while !p.outstanding.is_empty() {
             let stopped = self
                 .running
                 .try_lock()
                 .is_some_and(|r| r.as_ref().is_none_or(|r| r.thread.is_finished()));
             if stopped {
-                tracing::error!(target: "cuda_caching_allocator", queued = p.queued, done = p.done, "the unmap helper stopped with jobs queued");
+                tracing::error!(target: "cuda_caching_allocator", jobs = p.outstanding.len(), "the unmap helper stopped with jobs queued");
                 drop(p);
                 self.abandon_outstanding();
                 return;
@@ -178,7 +182,6 @@ impl UnmapHelper {
                     "unmaps on a helper thread (it stopped before this job ran)",
                 )),
             });
-            p.done += 1;
         }
         self.shared.finished.notify_all();
     }
@@ -244,7 +247,6 @@ fn run(ctx: &CudaContext, clock: &CallClock, shared: &Shared, jobs: &Receiver<Jo
             error,
         });
         p.outstanding.retain(|&t| t != ticket);
-        p.done += 1;
         shared.finished.notify_all();
     }
 }
