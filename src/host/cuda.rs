@@ -12,12 +12,16 @@
 //!   at the same bandwidth; from 4 to 32 MiB 1.8–6.7 × faster in a second run; at 2 MiB not
 //!   settled (no faster in one run, copies from it slower in another).
 //!
-//! The default registers slabs of 4 MiB and more and allocates smaller ones (and any slab whose
-//! registration the host refuses for another reason than memory). Pin and unpin
+//! The default registers slabs of 4 MiB and more and allocates smaller ones (and a slab whose
+//! registration fails). A device that says it cannot register host memory
+//! (`CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED` = 0) allocates every slab, and so does a host
+//! once the driver refused a registration as not supported or not permitted, without mapping
+//! and touching memory it cannot pin. Pin and unpin
 //! times are measured here with a monotonic clock and reported to the cache. Events come from the
 //! lent [`CudaDevice`]. May use: `host`, `backend`, cudarc, libc.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use cudarc::driver::result;
@@ -48,8 +52,10 @@ pub enum PinMethod {
     HostAlloc,
     /// `cuMemHostRegister(CU_MEMHOSTREGISTER_PORTABLE)` over fresh anonymous memory touched by up
     /// to `touch_threads` threads (one per 8 MiB at most) for slabs of at least `min_size` bytes;
-    /// `cuMemHostAlloc` for smaller ones, and for any slab whose registration the host refuses
-    /// for another reason than memory. Outside Linux every slab is allocated.
+    /// `cuMemHostAlloc` for smaller ones and for a slab whose registration fails. Every slab is
+    /// allocated outside Linux, on a device without `CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED`,
+    /// and once the driver has refused a registration as not supported or not permitted
+    /// ([`CudaHost::registration_refused`]).
     Register {
         /// The smallest slab that is registered rather than allocated.
         min_size: usize,
@@ -86,6 +92,38 @@ pub struct CudaHost {
     method: PinMethod,
     /// Registered slabs by start address (absent: the slab came from `cuMemHostAlloc`).
     registered: Mutex<IntMap<Mapping>>,
+    /// The device cannot register host memory, or the host refused a registration for another
+    /// reason than memory: every later slab comes from `cuMemHostAlloc` (Note [Registration
+    /// refused]).
+    refused: AtomicBool,
+}
+
+// Note [Registration refused]: a registered slab is mapped, advised and touched page by page
+// (several threads faulting in up to the whole slab) before `cuMemHostRegister` is asked. A host
+// that cannot register (the device attribute says so, or the driver answers `NOT_SUPPORTED` /
+// `NOT_PERMITTED`, as virtualised platforms do) would pay that touch for every slab and then
+// throw the memory away. So the attribute is read once when the backend is made, and the first
+// such refusal is remembered: later slabs go straight to `cuMemHostAlloc`. Other failures are
+// about the one call and are not remembered: out of memory (the cache unpins idle slabs and
+// retries, and the next registration may succeed), and an argument the driver rejects (a size
+// it would not take once allocated that slab and nothing else, `an_exact_slab_of_a_size_off_the_
+// page_is_registered`). The method a caller chose stays what `method` reports; the refusal shows
+// in `registration_refused`.
+
+/// Whether `e`, from `cuMemHostRegister`, says that this host does not register memory at all
+/// (Note [Registration refused]).
+fn refuses_registration(e: &BackendError) -> bool {
+    let BackendError::Driver { source, .. } = e else {
+        return false;
+    };
+    source
+        .downcast_ref::<result::DriverError>()
+        .is_some_and(|d| {
+            matches!(
+                d.0,
+                sys::CUresult::CUDA_ERROR_NOT_SUPPORTED | sys::CUresult::CUDA_ERROR_NOT_PERMITTED
+            )
+        })
 }
 
 impl CudaHost {
@@ -97,16 +135,34 @@ impl CudaHost {
 
     /// A host backend pinning with `method`.
     pub fn with_method(device: Arc<CudaDevice>, method: PinMethod) -> Self {
+        // Note [Registration refused]. A failed query leaves registration to be tried.
+        let unsupported = matches!(method, PinMethod::Register { .. })
+            && device
+                .context()
+                .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED)
+                .is_ok_and(|v| v == 0);
+        if unsupported {
+            tracing::debug!(target: "cuda_caching_allocator", "the device cannot register host memory; pinned slabs come from cuMemHostAlloc");
+        }
         CudaHost {
             device,
             method,
             registered: Mutex::new(IntMap::default()),
+            refused: AtomicBool::new(unsupported),
         }
     }
 
-    /// The pin method.
+    /// The pin method asked for (see [`registration_refused`](Self::registration_refused) for
+    /// whether registration is still tried).
     pub fn method(&self) -> PinMethod {
         self.method
+    }
+
+    /// Whether registration is no longer tried: the device cannot register host memory
+    /// (`CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED` = 0), or the driver refused a registration
+    /// as not supported or not permitted. Every slab then comes from `cuMemHostAlloc`.
+    pub fn registration_refused(&self) -> bool {
+        self.refused.load(Ordering::Relaxed)
     }
 
     /// Slabs pinned by registration and not yet unpinned.
@@ -284,28 +340,36 @@ unsafe impl HostBackend for CudaHost {
             PinMethod::Register {
                 min_size,
                 touch_threads,
-            } if size >= min_size => match register::pin(size, touch_threads) {
-                Ok((start, map)) => {
-                    let nanos = nanos_since(t);
-                    self.registered.lock().insert(start as u64, map);
-                    Ok(Pinned {
-                        ptr: HostPtr(start),
-                        nanos,
-                    })
+            } if size >= min_size && !self.refused.load(Ordering::Relaxed) => {
+                match register::pin(size, touch_threads) {
+                    Ok((start, map)) => {
+                        let nanos = nanos_since(t);
+                        self.registered.lock().insert(start as u64, map);
+                        Ok(Pinned {
+                            ptr: HostPtr(start),
+                            nanos,
+                        })
+                    }
+                    // Out of memory stays out of memory (the cache unpins idle slabs and retries);
+                    // a host that refuses registration itself (some virtualised or older platforms
+                    // do) gets this slab and every later one from `cuMemHostAlloc` (Note
+                    // [Registration refused]).
+                    Err(BackendError::OutOfMemory) => Err(BackendError::OutOfMemory),
+                    Err(e) => {
+                        if refuses_registration(&e) {
+                            self.refused.store(true, Ordering::Relaxed);
+                            tracing::warn!(target: "cuda_caching_allocator", error = %e, size, "cuMemHostRegister refused; this slab and later ones come from cuMemHostAlloc");
+                        } else {
+                            tracing::debug!(target: "cuda_caching_allocator", error = %e, size, "cuMemHostRegister failed; this slab comes from cuMemHostAlloc");
+                        }
+                        let ptr = Self::alloc_host(size)?;
+                        Ok(Pinned {
+                            ptr,
+                            nanos: nanos_since(t),
+                        })
+                    }
                 }
-                // Out of memory stays out of memory (the cache unpins idle slabs and retries);
-                // a host that refuses registration itself (some virtualised or older platforms
-                // do) gets the slab from `cuMemHostAlloc` instead.
-                Err(BackendError::OutOfMemory) => Err(BackendError::OutOfMemory),
-                Err(e) => {
-                    tracing::debug!(target: "cuda_caching_allocator", error = %e, size, "cuMemHostRegister refused; cuMemHostAlloc instead");
-                    let ptr = Self::alloc_host(size)?;
-                    Ok(Pinned {
-                        ptr,
-                        nanos: nanos_since(t),
-                    })
-                }
-            },
+            }
             _ => {
                 let ptr = Self::alloc_host(size)?;
                 Ok(Pinned {
@@ -347,5 +411,29 @@ unsafe impl HostBackend for CudaHost {
             }
         }
         Ok(nanos_since(t))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use cudarc::driver::{DriverError, sys};
+
+    use super::refuses_registration;
+    use crate::backend::BackendError;
+    use crate::backend::cuda::driver;
+
+    #[test]
+    fn only_a_platform_refusal_is_remembered() {
+        let refusal = |code| refuses_registration(&driver("cuMemHostRegister", DriverError(code)));
+        assert!(refusal(sys::CUresult::CUDA_ERROR_NOT_SUPPORTED));
+        assert!(refusal(sys::CUresult::CUDA_ERROR_NOT_PERMITTED));
+        // About the one call: memory, or an argument the driver would not take.
+        assert!(!refusal(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY));
+        assert!(!refusal(sys::CUresult::CUDA_ERROR_INVALID_VALUE));
+        assert!(!refusal(
+            sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+        ));
+        assert!(!refuses_registration(&BackendError::OutOfMemory));
+        assert!(!refuses_registration(&BackendError::Unsupported("x")));
     }
 }

@@ -597,7 +597,9 @@ impl<T> fmt::Debug for CachedPinned<T> {
 }
 
 /// The first of `objects` (context objects a buffer was used through) that no longer manages
-/// stream synchronization: cudarc may have left that use unrecorded.
+/// stream synchronization: cudarc may have left that use unrecorded. One is enough: a use marks
+/// only objects equal to its buffer's event's context (`use_on`), so all of them are objects of
+/// one driver context, and synchronizing any of them waits for every use marked through each.
 fn no_longer_managing(objects: &[Arc<CudaContext>]) -> Option<Arc<CudaContext>> {
     objects
         .iter()

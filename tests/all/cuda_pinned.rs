@@ -549,6 +549,15 @@ fn registered_and_allocated_slabs_both_round_trip() {
         // Through the raw cache, to see which way its slabs were pinned.
         let host =
             CudaHost::with_method(Arc::new(CudaDevice::new(Arc::clone(&ctx)).unwrap()), method);
+        // The device registers host memory, so the backend still tries registration (Note
+        // [Registration refused]).
+        let supported = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED,
+            )
+            .unwrap();
+        assert_eq!(supported, 1, "this device does not register host memory");
+        assert!(!host.registration_refused(), "{name}: registration off");
         let cache = PinnedCache::new(host, PinnedConfig::default()).unwrap();
         let block = cache.alloc(4 * N).unwrap();
         assert_eq!(
@@ -872,6 +881,10 @@ fn an_exact_slab_of_a_size_off_the_page_is_registered() {
         cache.host().registered_slabs(),
         1,
         "a slab of {bytes} bytes was not registered (cuMemHostAlloc instead)"
+    );
+    assert!(
+        !cache.host().registration_refused(),
+        "a slab's failure turned registration off"
     );
     let n = bytes / 4;
     // SAFETY: the block is `bytes` long, pinned, and used only by this test until freed.
