@@ -231,8 +231,9 @@ pub struct AllocatorConfig {
     /// even when expandable segments map less or reuse pages.
     pub precise_fraction_cap: bool,
     /// Per-thread front caches in front of the core (crate key `cca_fast_path`): cache hits and
-    /// frees of this thread's blocks take no lock. Opt-in: off in every preset (the `pytorch`
-    /// presets must reproduce PyTorch exactly). See `benches/README.md`.
+    /// frees of this thread's blocks take no lock. On in the default and `lean-fast`, off in the
+    /// `pytorch` presets (which must reproduce PyTorch's statistics exactly: a block held in a
+    /// thread's front cache counts as freed). See `benches/README.md`.
     pub fast_path: bool,
     /// Whether idle cached memory of one stream may serve another stream (crate key
     /// `cca_cross_stream_reuse`). PyTorch reuses a block only on the stream it was allocated for;
@@ -707,10 +708,10 @@ impl Default for AllocatorConfig {
     /// On a backend without virtual memory it falls back to PyTorch's fixed segments.
     ///
     /// Cross-stream reuse (`cca_cross_stream_reuse:True`) stays off: with page reuse on, it
-    /// leaves peak reserved bytes where they are (it halves the range operations and stream
-    /// synchronizations of the multi-stream synthetic workload) and makes a stream wait for
-    /// another's queued work, which the simulated device cannot price (see
-    /// `docs/configuration.md`).
+    /// leaves peak reserved bytes where they are (it cuts the range operations of the
+    /// multi-stream synthetic workload to about a third; page moves are fenced by events, so
+    /// there are no stream synchronizations to cut) and makes a stream wait for another's queued
+    /// work, which the simulated device cannot price (see `docs/configuration.md`).
     fn default() -> Self {
         AllocatorConfig {
             expandable_segments: true,
