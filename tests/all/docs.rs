@@ -1,8 +1,9 @@
 //! Checks of the code blocks in `README.md` and `docs/*.md`: every fenced block names its
 //! language; every Rust block is compiled as a doc test (no `ignore`, and its file is included by
 //! `src/lib.rs`); the shell blocks name features, examples, test targets, `cca` subcommands
-//! and files that exist; and every `cargo test` command, in a block or a code span, is one that
-//! cargo takes (one test-name filter before `--`).
+//! and files that exist; every `cargo test` command, in a block or a code span, is one that
+//! cargo takes (one test-name filter before `--`); and every flag of a `cca` command in a block,
+//! and every flag the tool's guides name in a code span, is one `cca` takes.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -311,4 +312,87 @@ fn cargo_test_commands_take_one_filter_before_the_separator() {
             }
         }
     }
+}
+
+/// The flags of `cca SUB`, read from its `--help`.
+#[cfg(feature = "cli")]
+fn cca_flags(sub: &str) -> BTreeSet<String> {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cca"))
+        .args([sub, "--help"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "cca {sub} --help failed");
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
+        .filter(|w| w.starts_with("--") && w.len() > 2)
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Every flag a `cca` command in a shell block of the docs gives, and every flag a code span of
+/// the docs names, is one that `cca` takes (the subcommand's own in a command).
+#[cfg(feature = "cli")]
+#[test]
+fn cca_flags_in_the_docs_exist() {
+    let subcommands = ["replay", "compare", "convert", "plot"];
+    let flags: std::collections::BTreeMap<&str, BTreeSet<String>> =
+        subcommands.iter().map(|s| (*s, cca_flags(s))).collect();
+    let any: BTreeSet<&String> = flags.values().flatten().collect();
+    let mut checked = 0;
+    for file in markdown_files() {
+        let text = std::fs::read_to_string(root().join(&file)).unwrap();
+        for b in blocks(&file, &text).iter().filter(|b| b.info == "sh") {
+            // A command continued with `\` is one line.
+            let joined = b.body.join("\n").replace("\\\n", " ");
+            for line in joined.lines() {
+                let line = line.split("  #").next().unwrap();
+                let words: Vec<&str> = line.split_whitespace().collect();
+                let rest = match words.as_slice() {
+                    ["cca", rest @ ..] => rest,
+                    ["cargo", "run", rest @ ..] if !rest.contains(&"--example") => {
+                        match rest.iter().position(|w| *w == "--") {
+                            Some(i) => &rest[i + 1..],
+                            None => continue,
+                        }
+                    }
+                    _ => continue,
+                };
+                let Some(sub) = rest.first().and_then(|s| flags.get(s)) else {
+                    continue;
+                };
+                for w in rest.iter().filter(|w| w.starts_with("--")) {
+                    let flag = w.split('=').next().unwrap();
+                    assert!(
+                        sub.contains(flag),
+                        "{}: `cca {}` takes no `{flag}`: {line}",
+                        b.at,
+                        rest[0]
+                    );
+                    checked += 1;
+                }
+            }
+        }
+    }
+    // Code spans naming a flag, in the guides that describe the tool.
+    for file in ["docs/researchers-guide.md", "docs/configuration.md"] {
+        let text = std::fs::read_to_string(root().join(file)).unwrap();
+        for (i, line) in text.lines().enumerate() {
+            for (n, span) in line.split('`').enumerate() {
+                if n % 2 == 1 && span.starts_with("--") {
+                    let flag = span
+                        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
+                        .next()
+                        .unwrap();
+                    assert!(
+                        any.contains(&flag.to_owned()),
+                        "{file}:{}: `cca` takes no `{flag}`",
+                        i + 1
+                    );
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert!(checked >= 40, "only {checked} flags checked");
 }

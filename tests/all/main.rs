@@ -11,6 +11,7 @@ mod capture_review;
 mod chaos;
 mod cli;
 mod concurrency;
+mod config_docs;
 mod config_env;
 mod cross_stream;
 mod cuda;
