@@ -189,7 +189,8 @@ pub struct MemoryStats {
     pub num_sync_all_streams: i64,
     /// Device allocations (segment allocations, or page maps with expandable segments).
     pub num_device_alloc: i64,
-    /// Device frees (segment frees, or page unmaps).
+    /// Device frees (segment frees, or page unmaps; a page move whose unmap is left to the
+    /// unmap helper counts when the pages move).
     pub num_device_free: i64,
     /// The configured `max_split_size` in bytes; -1 when unlimited (as PyTorch reports it).
     pub max_split_size: i64,

@@ -286,3 +286,49 @@ fn the_simulated_helpers_unmaps_are_relaxed_like_the_threads() {
     // SAFETY: nothing mapped there.
     unsafe { sim.release_address_range(va, 8 * MIB).unwrap() };
 }
+
+/// Two simulated devices alike but for the unmap helper, each with an allocator of `config`.
+fn with_and_without_helper(config: &str, capacity_mib: usize) -> [CachingAllocator<SimDevice>; 2] {
+    [false, true].map(|helper| {
+        let dev = SimDevice::with_capacity(capacity_mib * MIB);
+        dev.set_unmap_helper(helper);
+        CachingAllocator::new(dev, AllocatorConfig::parse(config).unwrap()).unwrap()
+    })
+}
+
+/// A page move counts as a device free (`num_device_free`, one per unmapped range) in the
+/// allocation that moved the pages, with the helper as without it: counted only once the
+/// helper's job came back, the count lagged a growth behind, and a
+/// `reset_accumulated_stats` in between kept the difference for good.
+#[test]
+fn a_page_move_counts_as_a_device_free_when_it_is_made() {
+    let config = "cca_preset:default,cca_page_reuse_slack:0";
+    let [off, on] = with_and_without_helper(config, 64);
+    for a in [&off, &on] {
+        // 16 MiB on stream 0, freed (no work queued: idle once a fence shows it), then 16 MiB
+        // on stream 1, which moves stream 0's pages (no slack for new ones).
+        let x = a.allocate(16 * MIB, StreamId::DEFAULT).unwrap();
+        a.free(x.ptr).unwrap();
+        let y = a.allocate(16 * MIB, StreamId(1)).unwrap();
+        assert_eq!(a.memory_stats().memory_reserved(), 16 * MIB as i64);
+        assert_eq!(a.unmaps_handed_off() > 0, a.backend().unmaps_off_thread());
+        a.reset_accumulated_stats();
+        // Another growth: the helper's job comes back first.
+        let z = a.allocate(2 * MIB, StreamId(1)).unwrap();
+        a.free(z.ptr).unwrap();
+        a.free(y.ptr).unwrap();
+    }
+    assert_eq!(
+        on.memory_stats().num_device_free,
+        off.memory_stats().num_device_free
+    );
+    for a in [&off, &on] {
+        a.empty_cache().unwrap();
+        assert_eq!(a.check_invariants(), Ok(()));
+        assert!(a.backend().violations().is_empty());
+    }
+    assert_eq!(
+        on.memory_stats().num_device_free,
+        off.memory_stats().num_device_free
+    );
+}

@@ -1086,11 +1086,12 @@ impl State {
     fn mark_unmapped(&mut self, id: BlockId, start: u64, bytes: usize) -> Option<BlockId> {
         let below = self.split_out(id, start, bytes);
         self.file_unmapped(id);
+        self.stats.num_device_free += 1;
         below
     }
 
     /// Files unmapped block `id` (not lent): merged with its unmapped neighbours, put in its
-    /// pool's `unmapped` set, counted as one device free (one unmapped range).
+    /// pool's `unmapped` set. The caller counts the device free (one unmapped range).
     pub(super) fn file_unmapped(&mut self, id: BlockId) {
         let prev = self.block(id).prev;
         self.try_merge_blocks(id, prev);
@@ -1101,7 +1102,6 @@ impl State {
             (b.stream, b.pool, b.ptr)
         };
         self.pool(kind).unmapped.insert((stream, ptr, id));
-        self.stats.num_device_free += 1;
     }
 
     /// Cuts free mapped block `id` down to `[start, start + bytes)`, marked unmapped and out of

@@ -50,6 +50,8 @@
 //!
 //! 1. A growth that reuses an *idle* page (its fence complete, Note [Page fences]) lends it as
 //!    above, marked `idle`: no event wait, and the new block keeps the stamp of fresh memory.
+//!    The move counts as a device free (`num_device_free`) then, as the unmap would without the
+//!    helper, not when the helper's job comes back.
 //! 2. Once the growth has mapped its pages, every lent block whose uses are complete (idle
 //!    ones, and loans whose fence has since completed) is handed to the helper
 //!    ([`DeviceBackend::unmap_later`]): its old mappings are queued there, and the block stays
@@ -214,7 +216,12 @@ impl State {
         let start = base + (first * page) as u64;
         let below = self.split_out(id, start, (at - first) * page);
         self.block_mut(id).lent = true;
-        if !idle {
+        if idle {
+            // The device free of the unmap this thread would have made here (Note [Unmaps off
+            // the allocating thread]): counted now, as without the helper, not when the
+            // helper's job comes back.
+            self.stats.num_device_free += 1;
+        } else {
             self.page_loans += 1;
         }
         self.lent.push(LentRange {
@@ -302,7 +309,7 @@ impl State {
             }
             if self.lent[i].maps.is_empty() {
                 let r = self.lent.remove(i);
-                self.end_lending(dev, r.block);
+                self.end_lending(dev, &r);
             } else {
                 i += 1;
             }
@@ -372,13 +379,15 @@ impl State {
             }
             if self.lent[i].maps.is_empty() {
                 let r = self.lent.remove(i);
-                self.end_lending(dev, r.block);
+                self.end_lending(dev, &r);
             }
         }
     }
 
-    /// A lent block whose old mappings are gone becomes an ordinary unmapped block.
-    fn end_lending<B: DeviceBackend>(&mut self, dev: &B, id: BlockId) {
+    /// A lent block whose old mappings are gone becomes an ordinary unmapped block, counted as a
+    /// device free unless it was an idle move (counted when it was lent).
+    fn end_lending<B: DeviceBackend>(&mut self, dev: &B, r: &LentRange) {
+        let id = r.block;
         let (ptr, size, stream, owner) = {
             let b = self.block_mut(id);
             b.lent = false;
@@ -392,6 +401,9 @@ impl State {
             });
         }
         self.file_unmapped(id);
+        if !r.idle {
+            self.stats.num_device_free += 1;
+        }
         self.segment_event(dev, SegmentAction::Unmap, ptr, size, stream, owner);
     }
 }
