@@ -467,10 +467,15 @@ impl State {
             // back first (waited for), so the growth plans over the layout it would have had if
             // this thread had unmapped the pages itself; then Note [Lent pages], step 4, before
             // the growth picks its blocks (ending a loan merges unmapped blocks). Fences are
-            // polled only if loans are left, as without the helper.
+            // polled only if loans are left, as without the helper: a loan of pending pages
+            // (not an idle move, which only the helper makes) counts even when the helper has
+            // just unmapped it, since without the helper it would still be lent here.
+            let loans = self.lent.iter().any(|r| !r.idle);
             self.collect_unmaps(dev);
-            if !self.lent.is_empty() {
+            if loans {
                 self.poll_fences(dev);
+            }
+            if !self.lent.is_empty() {
                 self.settle_lent(dev, false)?;
             }
         }
