@@ -981,8 +981,11 @@ impl State {
     /// an event recorded on it is outstanding (see `CachingAllocator::forget_stream`).
     pub(crate) fn stream_referenced(&self, stream: StreamId) -> bool {
         self.pending_events.contains_key(&stream)
-            || self.arena.iter().any(|(_, b)| {
-                ((b.mapped || b.lent) && b.stream == stream) || b.stream_uses.contains(&stream)
+            || self.arena.iter().any(|(id, b)| {
+                // An idle move's old range is as good as unmapped (Note [Unmaps off the
+                // allocating thread]): its uses are complete, only the helper's unmap is left.
+                ((b.mapped || (b.lent && !self.unmapped_or_moving(id))) && b.stream == stream)
+                    || b.stream_uses.contains(&stream)
             })
     }
 

@@ -11,7 +11,7 @@ use cuda_caching_allocator::*;
 use proptest::prelude::*;
 
 use crate::lagged_programs::{CONFIGS, lending_heavy_ops};
-use crate::programs::{Op, Run};
+use crate::programs::{Mix, Op, Run, random_program};
 use crate::util::MIB;
 
 proptest! {
@@ -33,6 +33,34 @@ proptest! {
         run.a.backend().set_event_query_lag(lag);
         run.a.backend().set_unmap_helper(true);
         run.run_checked(&ops)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(64),
+        ..ProptestConfig::default()
+    })]
+
+    /// The helper changes nothing a program sees (Note [Unmaps off the allocating thread]):
+    /// lending-heavy and general random programs without injected faults, under every
+    /// page-reuse configuration and event-query lags, give the same allocations, statistics
+    /// and page loans after every step with the helper as without it.
+    #[test]
+    fn programs_behave_the_same_with_and_without_the_helper(
+        config in proptest::sample::select(CONFIGS),
+        capacity_mib in 32usize..200,
+        lag in 0u32..4,
+        ops in prop_oneof![
+            lending_heavy_ops(),
+            random_program(Mix { min_size: 1, all_streams: true, event_faults: false, uses: true }),
+        ],
+    ) {
+        let ops: Vec<Op> = ops
+            .into_iter()
+            .filter(|op| !matches!(op, Op::FailNextCall { .. } | Op::FailEvent { .. } | Op::FailSync))
+            .collect();
+        same_with_and_without_helper(config, capacity_mib, lag, &ops)?;
     }
 }
 
@@ -419,4 +447,194 @@ fn fences_are_polled_before_a_growth_as_without_the_helper() {
     let config = "cca_preset:default,cca_handle_per_growth:True,cca_max_handle_size_mb:16,\
                   cca_page_move_budget:0";
     same_with_and_without_helper(config, 40, 2, &ops).unwrap();
+}
+
+/// A segment whose pages a growth moved away, their unmaps left to the helper, is wholly free
+/// for a cross-stream handover (`cca_cross_stream_reuse`) as it is without the helper: the old
+/// ranges of idle moves used to count as lent, so another stream grew instead of taking it.
+#[test]
+fn a_segment_whose_pages_moved_is_handed_over_as_without_the_helper() {
+    let config = "cca_preset:default,cca_cross_stream_reuse:True";
+    let [off, on] = with_and_without_helper(config, 64);
+    for a in [&off, &on] {
+        // Stream 0's segment: 2 MiB held (so that stream 1 does not take the segment whole),
+        // 22 MiB freed (no work queued: idle once a fence shows it).
+        let x = a.allocate(2 * MIB, StreamId::DEFAULT).unwrap();
+        let w = a.allocate(22 * MIB, StreamId::DEFAULT).unwrap();
+        a.free(w.ptr).unwrap();
+        // Stream 1's growth moves some of stream 0's idle pages (under the peak, no slack).
+        let y = a.allocate(8 * MIB, StreamId(1)).unwrap();
+        assert_eq!(a.unmaps_handed_off() > 0, a.backend().unmaps_off_thread());
+        a.free(x.ptr).unwrap();
+        // Stream 2 has nothing: it takes stream 0's segment, wholly free now.
+        let z = a.allocate(2 * MIB, StreamId(2)).unwrap();
+        a.free(z.ptr).unwrap();
+        a.free(y.ptr).unwrap();
+    }
+    assert_eq!(off.cross_stream_handovers(), 1);
+    assert_eq!(on.cross_stream_handovers(), off.cross_stream_handovers());
+    assert_eq!(on.memory_stats(), off.memory_stats());
+    for a in [&off, &on] {
+        assert_eq!(a.check_invariants(), Ok(()));
+        a.empty_cache().unwrap();
+        assert!(a.backend().live_mappings().is_empty());
+        assert!(a.backend().violations().is_empty());
+        assert_eq!(a.check_invariants(), Ok(()));
+    }
+}
+
+/// A stream whose every page moved to another stream's segment, their unmaps left to the
+/// helper, is no longer referenced by the cache (`forget_stream`), as without the helper: the
+/// old ranges of idle moves used to keep it referenced until the next growth.
+#[test]
+fn a_stream_whose_pages_all_moved_can_be_forgotten_as_without_the_helper() {
+    let config = "cca_preset:default,cca_page_reuse_slack:0";
+    let [off, on] = with_and_without_helper(config, 64);
+    for a in [&off, &on] {
+        let x = a.allocate(16 * MIB, StreamId(2)).unwrap();
+        a.free(x.ptr).unwrap();
+        // No slack for new pages: stream 1's growth takes every page of stream 2's segment.
+        let y = a.allocate(16 * MIB, StreamId(1)).unwrap();
+        assert_eq!(a.unmaps_handed_off() > 0, a.backend().unmaps_off_thread());
+        assert!(
+            a.forget_stream(StreamId(2), || true),
+            "helper {}",
+            a.backend().unmaps_off_thread()
+        );
+        assert_eq!(a.check_invariants(), Ok(()));
+        a.free(y.ptr).unwrap();
+        a.empty_cache().unwrap();
+        assert!(a.backend().live_mappings().is_empty());
+        assert!(a.backend().violations().is_empty());
+    }
+    assert_eq!(on.memory_stats(), off.memory_stats());
+}
+
+/// Best fit's growable room (the unmapped block after a free block, `docs/algorithm.md` step
+/// 20) counts the old ranges of idle moves whose unmaps the helper has not given back as the
+/// unmapped room they are without the helper: counted as nothing, an allocation between two
+/// growths took another free block with the helper than without it (found by a random program
+/// run with and without the helper, shrunk to these steps).
+#[test]
+fn best_fit_counts_a_moved_range_as_room_to_grow_as_without_the_helper() {
+    let ops = [
+        Op::Alloc { size: 1, stream: 0 },
+        Op::Free { pick: 0 },
+        Op::Free { pick: 0 },
+        Op::Alloc {
+            size: MIB + 1,
+            stream: 0,
+        },
+        Op::Alloc {
+            size: MIB + 1,
+            stream: 1,
+        },
+        Op::Alloc { size: 1, stream: 0 },
+        Op::Free { pick: 0 },
+        Op::Free { pick: 0 },
+        Op::Free { pick: 0 },
+        Op::Free { pick: 0 },
+        Op::Alloc {
+            size: 14 * MIB + 1,
+            stream: 1,
+        },
+        Op::Free { pick: 0 },
+        Op::Alloc {
+            size: 12 * MIB + 1,
+            stream: 0,
+        },
+        Op::Use { pick: 0 },
+        Op::Alloc {
+            size: MIB + 1,
+            stream: 0,
+        },
+        Op::Alloc { size: 1, stream: 0 },
+        Op::Alloc {
+            size: 6099457,
+            stream: 0,
+        },
+        Op::Use { pick: 0 },
+        Op::Alloc { size: 1, stream: 1 },
+        Op::Alloc {
+            size: 1239041,
+            stream: 0,
+        },
+        Op::Free {
+            pick: 3076541447885946615,
+        },
+        Op::Alloc {
+            size: MIB + 1,
+            stream: 0,
+        },
+        Op::Alloc {
+            size: 15202305,
+            stream: 1,
+        },
+        Op::Alloc { size: 1, stream: 1 },
+        Op::Alloc { size: 1, stream: 1 },
+        Op::Alloc { size: 1, stream: 0 },
+        Op::Free {
+            pick: 1174227166084976997,
+        },
+        Op::Free {
+            pick: 1807415970794177292,
+        },
+        Op::Alloc {
+            size: 24643073,
+            stream: 1,
+        },
+        Op::Free {
+            pick: 8774341153693122227,
+        },
+        Op::Alloc {
+            size: 6 * MIB + 1,
+            stream: 1,
+        },
+        Op::EmptyCache,
+        Op::Alloc { size: 1, stream: 1 },
+        Op::Free {
+            pick: 9042486527942031427,
+        },
+        Op::UseJoined {
+            pick: 6539017075919210628,
+            stream: 2,
+        },
+        Op::Alloc {
+            size: 9353217,
+            stream: 0,
+        },
+        Op::Alloc { size: 1, stream: 1 },
+        Op::Free {
+            pick: 1566143484617608468,
+        },
+        Op::Free {
+            pick: 13489654759869857835,
+        },
+        Op::Free {
+            pick: 1548932179873471236,
+        },
+        Op::Free {
+            pick: 7954775634543290596,
+        },
+        Op::Alloc {
+            size: 10 * MIB + 1,
+            stream: 1,
+        },
+        Op::Free {
+            pick: 12824158351830224,
+        },
+        Op::Free {
+            pick: 9551943647819277301,
+        },
+        Op::Alloc { size: 1, stream: 0 },
+        Op::Alloc {
+            size: 13632513,
+            stream: 0,
+        },
+        Op::Alloc {
+            size: MIB + 1,
+            stream: 1,
+        },
+    ];
+    same_with_and_without_helper("cca_preset:default,cca_fast_path:False", 122, 0, &ops).unwrap();
 }

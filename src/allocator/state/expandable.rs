@@ -329,11 +329,15 @@ impl State {
     pub(super) fn expandable_best_fit(&self, key: FreeKey, rest: Range<'_>) -> (FreeKey, usize) {
         let expandable_size = |id: BlockId| {
             let b = self.block(id);
-            let tail = b
-                .next
-                .map(|n| self.block(n))
-                .filter(|n| !n.mapped && !n.lent)
-                .map_or(0, |n| n.size);
+            // The unmapped block after it; with idle moves whose unmaps the helper has not
+            // given back, the run of them and unmapped blocks that will merge into one.
+            let mut tail = 0;
+            let mut cur = b.next;
+            while let Some(n) = cur.filter(|&n| self.unmapped_or_moving(n)) {
+                let n = self.block(n);
+                tail += n.size;
+                cur = n.next;
+            }
             b.size + tail
         };
         let mut it = key;

@@ -136,7 +136,12 @@ impl State {
         }
         let free = self.segment_blocks(id).iter().all(|&id| {
             let b = self.block(id);
-            !b.allocated && !b.lent && b.event_count == 0 && b.stream_uses.is_empty()
+            // An idle move's old range counts as unmapped (Note [Unmaps off the allocating
+            // thread]): its uses are complete, only the helper's unmap is left.
+            !b.allocated
+                && (!b.lent || self.unmapped_or_moving(id))
+                && b.event_count == 0
+                && b.stream_uses.is_empty()
         });
         memo.push((base, free));
         free.then_some(base)
@@ -184,6 +189,12 @@ impl State {
                 pool.unmapped.insert((stream, ptr, id));
             }
             self.block_mut(id).stream = stream;
+            // An idle move's old range (the only lent block a wholly free segment holds) goes
+            // along: its uses were complete, so no fence of either stream is needed.
+            for r in self.lent.iter_mut().filter(|r| r.block == id) {
+                r.stream = stream;
+                r.stamp = 0;
+            }
             // Its old stream's work is ordered before the new stream's only from here on: a
             // page fence on the new stream must be recorded after this (Note [Page fences]).
             self.stamp_free(id);

@@ -68,6 +68,9 @@
 //!    FSDP2 and checkpointed recordings, its jobs run three polls late) and doubled FSDP2's device time per
 //!    step on two H200s. Loans that became idle meanwhile are unmapped by the growing thread
 //!    then, as without the helper; only what is idle once the growth has mapped goes to it.
+//!    Until its job comes back, an idle move's old range counts as the unmapped block it would
+//!    be without the helper wherever the cache decides something between growths (best fit's
+//!    room to grow, a cross-stream handover, `forget_stream`: `State::unmapped_or_moving`).
 //! 4. `empty_cache`, the out-of-memory path and `enable_peer_access` wait for the helper first
 //!    ([`DeviceBackend::wait_unmaps`]), so nothing they release or grant is being unmapped.
 //!
@@ -125,6 +128,16 @@ impl State {
         self.lent
             .iter()
             .any(|r| !r.idle && r.maps.iter().any(|&(_, _, h)| h == handle))
+    }
+
+    /// Whether block `id` is unmapped, or lent by an idle move whose unmap is left to the helper
+    /// (Note [Unmaps off the allocating thread]): such a block becomes an ordinary unmapped block
+    /// once the helper's job comes back, and without the helper it would be one already. What
+    /// the cache decides between growths (best fit's growable room, a segment handed to another
+    /// stream, a stream forgotten) counts it as unmapped, so the helper changes no layout.
+    pub(super) fn unmapped_or_moving(&self, id: BlockId) -> bool {
+        let b = self.block(id);
+        !b.mapped && (!b.lent || self.lent.iter().any(|r| r.block == id && r.idle))
     }
 
     /// Whether moved pages' old mappings are left to the backend's helper thread (Note [Unmaps
