@@ -638,3 +638,73 @@ fn best_fit_counts_a_moved_range_as_room_to_grow_as_without_the_helper() {
     ];
     same_with_and_without_helper("cca_preset:default,cca_fast_path:False", 122, 0, &ops).unwrap();
 }
+
+/// A graph capture begun while the helper's jobs are queued: the capture's growths (private
+/// pool, no page reuse) and a growth of the default pools on another stream map nothing over the
+/// old ranges (they stay lent: no growth waits for the helper during a capture) and take no
+/// handle still mapped there; after the capture the next growth takes the jobs back and
+/// `empty_cache` releases everything.
+#[test]
+fn a_capture_begun_while_unmaps_are_queued_leaves_the_old_ranges_alone() {
+    let dev = SimDevice::with_capacity(96 * MIB);
+    dev.set_unmap_helper(true);
+    let a = CachingAllocator::new(dev, AllocatorConfig::default()).unwrap();
+    let x = a.allocate(16 * MIB, StreamId::DEFAULT).unwrap();
+    a.free(x.ptr).unwrap();
+    let mut held = Vec::new();
+    while let Ok(y) = a.allocate(8 * MIB, StreamId(1)) {
+        held.push(y);
+        if a.unmaps_handed_off() > 0 {
+            break;
+        }
+    }
+    assert!(a.unmaps_handed_off() > 0);
+    let sim = a.backend();
+    let queued: usize =
+        sim.live_mappings().iter().map(|m| m.1).sum::<usize>() - a.memory_reserved() as usize;
+    assert!(queued > 0);
+    let pool = MemPoolId(0, 7);
+    a.begin_allocate_to_pool(pool, Box::new(|s| s == StreamId(3)))
+        .unwrap();
+    // Each fills the device until it is out of memory (a map over a queued range, or a
+    // handle released while mapped, would be a device error instead).
+    let fill = |size: usize, stream: StreamId| {
+        let mut got = Vec::new();
+        loop {
+            match a.allocate(size, stream) {
+                Ok(c) => got.push(c),
+                Err(e) => {
+                    assert!(e.is_out_of_memory(), "{e}");
+                    return got;
+                }
+            }
+        }
+    };
+    let captured = fill(4 * MIB, StreamId(3));
+    let other = fill(2 * MIB, StreamId(2));
+    assert!(!captured.is_empty());
+    assert_eq!(a.check_invariants(), Ok(()));
+    // The old ranges are still mapped: the capture waited for no helper job.
+    let held_bytes: usize = sim
+        .live_mappings()
+        .iter()
+        .chain(&sim.live_segments())
+        .map(|m| m.1)
+        .sum();
+    assert_eq!(held_bytes - a.memory_reserved() as usize, queued);
+    a.end_allocate_to_pool(pool).unwrap();
+    for c in captured.into_iter().chain(other).chain(held) {
+        a.free(c.ptr).unwrap();
+    }
+    a.release_pool(pool).unwrap();
+    a.empty_cache().unwrap();
+    assert!(sim.live_mappings().is_empty());
+    assert_eq!(sim.counters().reserved_bytes, 0);
+    assert!(sim.violations().is_empty(), "{:?}", sim.violations());
+    assert!(
+        sim.capture_violations().is_empty(),
+        "{:?}",
+        sim.capture_violations()
+    );
+    assert_eq!(a.check_invariants(), Ok(()));
+}
