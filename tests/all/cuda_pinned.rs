@@ -893,6 +893,10 @@ fn an_exact_slab_of_a_size_off_the_page_is_registered() {
         *w = i as u32 ^ 0x5a5a_5a5a;
     }
     let dev = s.clone_htod(&host_words[..]).unwrap();
+    // cudarc takes a plain slice for pageable memory and does not wait for the copy; this one
+    // is pinned, so the copy runs asynchronously and must be done before the host overwrites
+    // its source (without this wait the test failed once on an H200, twenty-sixth session).
+    s.synchronize().unwrap();
     host_words.fill(0);
     s.memcpy_dtoh(&dev, &mut host_words[..]).unwrap();
     s.synchronize().unwrap();
