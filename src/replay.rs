@@ -131,7 +131,7 @@ pub struct ReplayReport {
     /// empty unless the replay ran on a [`SimDevice`] (see [`ReplayReport::add_device_cost`]).
     pub device_calls: Vec<(&'static str, u64)>,
     /// The simulated device's modeled time for those calls, in nanoseconds (Note [Device-time
-    /// model] in `backend/sim.rs`); `None` unless the replay ran on a [`SimDevice`].
+    /// model] in `backend/sim/costs.rs`); `None` unless the replay ran on a [`SimDevice`].
     pub modeled_device_ns: Option<u64>,
     /// Of [`modeled_device_ns`](Self::modeled_device_ns), the time of the unmap helper's jobs
     /// (`SimDevice::set_unmap_helper`, `cca_unmap_helper`): off the allocating thread. `None`
