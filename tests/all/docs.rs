@@ -338,7 +338,7 @@ fn cca_flags_in_the_docs_exist() {
     let subcommands = ["replay", "compare", "convert", "plot"];
     let flags: std::collections::BTreeMap<&str, BTreeSet<String>> =
         subcommands.iter().map(|s| (*s, cca_flags(s))).collect();
-    let any: BTreeSet<&String> = flags.values().flatten().collect();
+    let any_flags: BTreeSet<String> = flags.values().flatten().cloned().collect();
     let mut checked = 0;
     for file in markdown_files() {
         let text = std::fs::read_to_string(root().join(&file)).unwrap();
@@ -374,24 +374,47 @@ fn cca_flags_in_the_docs_exist() {
             }
         }
     }
-    // Code spans naming a flag, in the guides that describe the tool.
+    // Code spans naming a flag, in the guides that describe the tool: a span that starts with
+    // a flag (`--device cuda`), or a `cca` command (`cca replay --json`, the subcommand's own
+    // flags). Spans are read over the whole text, outside fenced blocks, since one may run on
+    // to the next line.
     for file in ["docs/researchers-guide.md", "docs/configuration.md"] {
         let text = std::fs::read_to_string(root().join(file)).unwrap();
-        for (i, line) in text.lines().enumerate() {
-            for (n, span) in line.split('`').enumerate() {
-                if n % 2 == 1 && span.starts_with("--") {
-                    let flag = span
+        let mut fenced = false;
+        let prose: Vec<&str> = text
+            .lines()
+            .map(|l| {
+                if l.starts_with("```") {
+                    fenced = !fenced;
+                    return "";
+                }
+                if fenced { "" } else { l }
+            })
+            .collect();
+        let prose = prose.join("\n");
+        let mut line = 1;
+        for (n, part) in prose.split('`').enumerate() {
+            if n % 2 == 1 {
+                let words: Vec<&str> = part.split_whitespace().collect();
+                let (takes, named): (&BTreeSet<String>, &[&str]) = match words.as_slice() {
+                    ["cca", sub, rest @ ..] if flags.contains_key(sub) => (&flags[sub], rest),
+                    ["cca", rest @ ..] => (&any_flags, rest),
+                    [first, ..] if first.starts_with("--") => (&any_flags, &words[..]),
+                    _ => (&any_flags, &[]),
+                };
+                for w in named.iter().filter(|w| w.starts_with("--")) {
+                    let flag = w
                         .split(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
                         .next()
                         .unwrap();
                     assert!(
-                        any.contains(&flag.to_owned()),
-                        "{file}:{}: `cca` takes no `{flag}`",
-                        i + 1
+                        takes.contains(flag),
+                        "{file}:{line}: `cca` takes no `{flag}` (`{part}`)"
                     );
                     checked += 1;
                 }
             }
+            line += part.matches('\n').count();
         }
     }
     assert!(checked >= 40, "only {checked} flags checked");
