@@ -57,7 +57,7 @@ pub struct SimUse {
 }
 
 impl SimUse {
-    pub(super) fn overlaps(&self, ptr: u64, len: usize) -> bool {
+    fn overlaps(&self, ptr: u64, len: usize) -> bool {
         let end = ptr.saturating_add(len as u64);
         let uend = self.ptr.0.saturating_add(self.len as u64);
         self.ptr.0 < end && ptr < uend
@@ -115,6 +115,7 @@ impl std::fmt::Display for SimViolation {
 /// A wait not yet known to be satisfied, with the ordering numbers that decide it.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct OpenWait {
+    /// The wait as logged.
     pub(super) wait: SimStreamWait,
     /// Global order of the wait among records and waits.
     pub(super) seq: u64,
@@ -172,7 +173,7 @@ impl Inner {
 
     /// The physical memory under `[va, va + len)`: (handle, first byte, end byte) of each
     /// mapping overlapping it, clipped to it.
-    pub(super) fn physical_pieces(&self, va: u64, len: usize) -> Vec<(u64, u64, u64)> {
+    fn physical_pieces(&self, va: u64, len: usize) -> Vec<(u64, u64, u64)> {
         let end = va.saturating_add(len as u64);
         let first = self
             .mappings
@@ -190,7 +191,7 @@ impl Inner {
 
     /// Whether `[a, a + a_len)` and `[b, b + b_len)` share physical memory through the current
     /// mappings (a handle mapped at two ranges: Note [Queued uses], aliases).
-    pub(super) fn aliases(&self, a: u64, a_len: usize, b: u64, b_len: usize) -> bool {
+    fn aliases(&self, a: u64, a_len: usize, b: u64, b_len: usize) -> bool {
         let pa = self.physical_pieces(a, a_len);
         if pa.is_empty() {
             return false;
