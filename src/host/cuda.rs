@@ -13,7 +13,8 @@
 //!   settled (no faster in one run, copies from it slower in another).
 //!
 //! The default registers slabs of 4 MiB and more and allocates smaller ones (and a slab whose
-//! registration fails). A device that says it cannot register host memory
+//! registration fails for another reason than memory: out of memory is the cache's to handle).
+//! A device that says it cannot register host memory
 //! (`CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED` = 0) allocates every slab, and so does a host
 //! once the driver refused a registration as not supported or not permitted, without mapping
 //! and touching memory it cannot pin. Pin and unpin
@@ -52,9 +53,10 @@ pub enum PinMethod {
     HostAlloc,
     /// `cuMemHostRegister(CU_MEMHOSTREGISTER_PORTABLE)` over fresh anonymous memory touched by up
     /// to `touch_threads` threads (one per 8 MiB at most) for slabs of at least `min_size` bytes;
-    /// `cuMemHostAlloc` for smaller ones and for a slab whose registration fails. Every slab is
-    /// allocated outside Linux, on a device without `CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED`,
-    /// and once the driver has refused a registration as not supported or not permitted
+    /// `cuMemHostAlloc` for smaller ones and for a slab whose registration fails for another
+    /// reason than memory (out of memory is returned, for the cache to unpin idle slabs and
+    /// retry). Every slab is allocated outside Linux, on a device without
+    /// `CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED`, and once the driver has refused a registration as not supported or not permitted
     /// ([`CudaHost::registration_refused`]).
     Register {
         /// The smallest slab that is registered rather than allocated.
