@@ -392,8 +392,10 @@ impl<B: DeviceBackend> CachingAllocator<B> {
     }
 
     /// Forgets `stream` if nothing in the cache refers to it any more: no mapped block (allocated,
-    /// pending or cached free) belongs to it, no block lists it among the streams using it
-    /// (`record_stream`), and no event recorded on it is outstanding. Then, still under the
+    /// pending or cached free) belongs to it, nor pages lent away while its work on them was still
+    /// queued (Note [Lent pages]; the old range of pages moved when idle, whose unmap is left to
+    /// the unmap helper, counts as unmapped, as it is without the helper), no block lists it among
+    /// the streams using it (`record_stream`), and no event recorded on it is outstanding. Then, still under the
     /// cache's lock, `release` runs (a backend drops its hold on the stream there) and, when it
     /// returns `true`, the stream is dropped from the streams the cache has validated, so a later
     /// allocation on the same id validates it again. Returns whether the stream was forgotten.

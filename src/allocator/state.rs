@@ -977,8 +977,10 @@ impl State {
         }
     }
 
-    /// Whether any mapped block belongs to `stream`, any block lists it in its `stream_uses`, or
-    /// an event recorded on it is outstanding (see `CachingAllocator::forget_stream`).
+    /// Whether any mapped block belongs to `stream`, any lent block does whose old uses were
+    /// pending when it was lent (not an idle move whose unmap is left to the helper: Note [Unmaps
+    /// off the allocating thread]), any block lists it in its `stream_uses`, or an event recorded
+    /// on it is outstanding (see `CachingAllocator::forget_stream`).
     pub(crate) fn stream_referenced(&self, stream: StreamId) -> bool {
         self.pending_events.contains_key(&stream)
             || self.arena.iter().any(|(id, b)| {
