@@ -716,7 +716,8 @@ impl<T> CachedSlice<T> {
         self.folded = true;
     }
 
-    /// [`parts_mut`](Self::parts_mut) for a use on `using` (see `shell_on`).
+    /// The buffer's address, stream, allocator and events, borrowed apart, made ready for a
+    /// mutable use on `using` (see `shell_on`).
     fn parts_mut_on(
         &mut self,
         using: Option<&CudaStream>,

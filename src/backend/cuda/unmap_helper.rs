@@ -1,7 +1,8 @@
-//! The thread that unmaps the old mappings of moved pages for a [`CudaDevice`] (Note [Unmaps off
-//! the allocating thread] in `src/allocator/state/lending.rs`): jobs of ranges come in through a
-//! channel, run in order, and their results wait for the allocator's next poll. Started on the
-//! first job, stopped and joined when the device drops. May use: `backend::cuda`.
+//! The thread that unmaps the old mappings of moved pages for a
+//! [`CudaDevice`](super::CudaDevice) (Note [Unmaps off the allocating thread] in
+//! `src/allocator/state/lending.rs`): jobs of ranges come in through a channel, run in order, and
+//! their results wait for the allocator's next poll. Started on the first job, stopped and joined
+//! when the device drops. May use: `backend::cuda`.
 
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender, channel};
