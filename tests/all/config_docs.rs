@@ -137,6 +137,15 @@ fn is_literal(v: &str) -> bool {
     v == "True" || v == "False" || (!v.is_empty() && v.parse::<f64>().is_ok())
 }
 
+/// The bounds of an interval written `open a, b close` (`[0.5, 1]`, `(0, 1)`).
+fn interval(range: &str, open: char, close: char) -> Option<(f64, f64)> {
+    let (a, b) = range
+        .strip_prefix(open)?
+        .strip_suffix(close)?
+        .split_once(", ")?;
+    Some((a.parse().unwrap(), b.parse().unwrap()))
+}
+
 /// Checks the documented range at its bounds; returns false when the cell names no range this
 /// test knows.
 fn check_range(at: &str, key: &str, range: &str) -> bool {
@@ -153,16 +162,12 @@ fn check_range(at: &str, key: &str, range: &str) -> bool {
         let n: u64 = n.parse().unwrap();
         refused(&n.to_string());
         ok(&(n + 1).to_string());
-    } else if let Some(r) = range.strip_prefix('[').and_then(|r| r.strip_suffix(']')) {
-        let (a, b) = r.split_once(", ").unwrap();
-        let (a, b): (f64, f64) = (a.parse().unwrap(), b.parse().unwrap());
+    } else if let Some((a, b)) = interval(range, '[', ']') {
         ok(&a.to_string());
         ok(&b.to_string());
         refused(&(a - 0.01).to_string());
         refused(&(b + 0.01).to_string());
-    } else if let Some(r) = range.strip_prefix('(').and_then(|r| r.strip_suffix(')')) {
-        let (a, b) = r.split_once(", ").unwrap();
-        let (a, b): (f64, f64) = (a.parse().unwrap(), b.parse().unwrap());
+    } else if let Some((a, b)) = interval(range, '(', ')') {
         refused(&a.to_string());
         refused(&b.to_string());
         ok(&((a + b) / 2.0).to_string());

@@ -34,13 +34,6 @@ proptest! {
         run.a.backend().set_unmap_helper(true);
         run.run_checked(&ops)?;
     }
-}
-
-proptest! {
-    #![proptest_config(ProptestConfig {
-        cases: std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(64),
-        ..ProptestConfig::default()
-    })]
 
     /// The helper changes nothing a program sees (Note [Unmaps off the allocating thread]):
     /// lending-heavy and general random programs without injected faults, under every
@@ -131,18 +124,21 @@ fn the_helper_unmaps_what_growths_move_and_memory_stays_lean() {
 /// A page moved between streams with its unmap left to a helper that has not run: the old
 /// range stays out of use (lent), `enable_peer_access` grants no range the helper is
 /// unmapping, and `empty_cache` waits for the helper before it releases the handle.
-#[test]
-fn queued_unmaps_keep_the_old_range_out_of_use_until_the_helper_ran() {
-    let dev = SimDevice::with_capacity(64 * MIB);
+/// The default on a simulated device of `capacity` with a helper, where `first` bytes allocated
+/// and freed on stream 0 (idle once a fence shows it: no work was queued) are then moved by
+/// growths of 8 MiB on stream 1, which fill the device until one hands its old mappings to the
+/// helper. Returns the allocator and the blocks held on stream 1.
+fn pages_moved_off_thread(
+    capacity: usize,
+    first: usize,
+) -> (CachingAllocator<SimDevice>, Vec<Allocation>) {
+    let dev = SimDevice::with_capacity(capacity);
     dev.set_unmap_helper(true);
     let a = CachingAllocator::new(dev, AllocatorConfig::default()).unwrap();
-    let s1 = StreamId(1);
-    // 8 MiB on stream 0, freed: idle once a fence shows it (no work was queued).
-    let x = a.allocate(8 * MIB, StreamId::DEFAULT).unwrap();
+    let x = a.allocate(first, StreamId::DEFAULT).unwrap();
     a.free(x.ptr).unwrap();
-    // Fill the device on stream 1 so the growth has to move stream 0's pages.
     let mut held = Vec::new();
-    while let Ok(y) = a.allocate(8 * MIB, s1) {
+    while let Ok(y) = a.allocate(8 * MIB, StreamId(1)) {
         held.push(y);
         if a.unmaps_handed_off() > 0 {
             break;
@@ -152,6 +148,12 @@ fn queued_unmaps_keep_the_old_range_out_of_use_until_the_helper_ran() {
         a.unmaps_handed_off() > 0,
         "no page moved with its unmap handed off"
     );
+    (a, held)
+}
+
+#[test]
+fn queued_unmaps_keep_the_old_range_out_of_use_until_the_helper_ran() {
+    let (a, held) = pages_moved_off_thread(64 * MIB, 8 * MIB);
     let sim = a.backend();
     // The old mappings are still there: more mapped than reserved.
     let mapped: usize = sim.live_mappings().iter().map(|m| m.1).sum();
@@ -179,19 +181,7 @@ fn queued_unmaps_keep_the_old_range_out_of_use_until_the_helper_ran() {
 /// everything.
 #[test]
 fn a_failed_helper_job_leaves_the_block_lent_and_is_unmapped_on_the_next_try() {
-    let dev = SimDevice::with_capacity(64 * MIB);
-    dev.set_unmap_helper(true);
-    let a = CachingAllocator::new(dev, AllocatorConfig::default()).unwrap();
-    let x = a.allocate(8 * MIB, StreamId::DEFAULT).unwrap();
-    a.free(x.ptr).unwrap();
-    let mut held = Vec::new();
-    while let Ok(y) = a.allocate(8 * MIB, StreamId(1)) {
-        held.push(y);
-        if a.unmaps_handed_off() > 0 {
-            break;
-        }
-    }
-    assert!(a.unmaps_handed_off() > 0);
+    let (a, held) = pages_moved_off_thread(64 * MIB, 8 * MIB);
     let sim = a.backend();
     let unmaps = sim.counters().unmap_calls;
     for y in held {
@@ -646,19 +636,7 @@ fn best_fit_counts_a_moved_range_as_room_to_grow_as_without_the_helper() {
 /// `empty_cache` releases everything.
 #[test]
 fn a_capture_begun_while_unmaps_are_queued_leaves_the_old_ranges_alone() {
-    let dev = SimDevice::with_capacity(96 * MIB);
-    dev.set_unmap_helper(true);
-    let a = CachingAllocator::new(dev, AllocatorConfig::default()).unwrap();
-    let x = a.allocate(16 * MIB, StreamId::DEFAULT).unwrap();
-    a.free(x.ptr).unwrap();
-    let mut held = Vec::new();
-    while let Ok(y) = a.allocate(8 * MIB, StreamId(1)) {
-        held.push(y);
-        if a.unmaps_handed_off() > 0 {
-            break;
-        }
-    }
-    assert!(a.unmaps_handed_off() > 0);
+    let (a, held) = pages_moved_off_thread(96 * MIB, 16 * MIB);
     let sim = a.backend();
     let queued: usize =
         sim.live_mappings().iter().map(|m| m.1).sum::<usize>() - a.memory_reserved() as usize;

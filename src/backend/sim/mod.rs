@@ -334,6 +334,21 @@ impl Inner {
         })
     }
 
+    /// Refuses `operation` of `size` bytes unless the device has virtual memory and `size` is a
+    /// positive multiple of its granularity.
+    fn check_granular(&self, operation: &'static str, size: usize) -> Result<(), BackendError> {
+        let Some(gran) = self.config.vm_granularity else {
+            return Err(BackendError::Unsupported("virtual memory"));
+        };
+        if size == 0 || size % gran != 0 {
+            return Err(BackendError::InvalidArgument {
+                operation,
+                reason: format!("size {size} is not a positive multiple of {gran}"),
+            });
+        }
+        Ok(())
+    }
+
     /// Whether `size` more bytes fit in the capacity.
     fn fits(&self, size: usize) -> bool {
         self.used().saturating_add(size) <= self.config.capacity
@@ -1064,15 +1079,7 @@ unsafe impl DeviceBackend for SimDevice {
 
     fn reserve_address_range(&self, size: usize) -> Result<DeviceAddr, BackendError> {
         let mut g = self.inner.lock();
-        let Some(gran) = g.config.vm_granularity else {
-            return Err(BackendError::Unsupported("virtual memory"));
-        };
-        if size == 0 || size % gran != 0 {
-            return Err(BackendError::InvalidArgument {
-                operation: "reserve_address_range",
-                reason: format!("size {size} is not a positive multiple of {gran}"),
-            });
-        }
+        g.check_granular("reserve_address_range", size)?;
         g.capture_call("reserve_address_range", CaptureClass::Allocation);
         if let Err(f) = g.next_call(None) {
             return Err(fault("reserve_address_range", f));
@@ -1120,15 +1127,7 @@ unsafe impl DeviceBackend for SimDevice {
 
     fn create_physical(&self, size: usize) -> Result<PhysicalHandle, BackendError> {
         let mut g = self.inner.lock();
-        let Some(gran) = g.config.vm_granularity else {
-            return Err(BackendError::Unsupported("virtual memory"));
-        };
-        if size == 0 || size % gran != 0 {
-            return Err(BackendError::InvalidArgument {
-                operation: "create_physical",
-                reason: format!("size {size} is not a positive multiple of {gran}"),
-            });
-        }
+        g.check_granular("create_physical", size)?;
         g.capture_call("create_physical", CaptureClass::Allocation);
         if let Err(f) = g.next_call(Some(size)) {
             return Err(fault("create_physical", f));
